@@ -1,0 +1,24 @@
+"""Exceptions that mean "the user asked for something wrong" (exit code 2 at the command line).
+
+Anything else that escapes is an internal error (exit code 1).
+"""
+
+
+class PydtnnError(Exception):
+    """A user's mistake: bad flag, bad file, bad shape. Printed as one line, no traceback."""
+
+
+class ShapeError(PydtnnError, ValueError):
+    """A layer cannot take the shape it was given (raised at build time)."""
+
+
+class DataError(PydtnnError, ValueError):
+    """A dataset file is missing, truncated, corrupt or inconsistent."""
+
+
+class ConfigError(PydtnnError, ValueError):
+    """A configuration value (flag, option, name) is invalid."""
+
+
+class TrainingDiverged(PydtnnError, FloatingPointError):
+    """The loss became NaN or Inf; parameters keep the last finite values."""

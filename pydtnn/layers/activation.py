@@ -1,0 +1,77 @@
+"""Element-wise activations and softmax. Each keeps the one tensor its backward needs."""
+
+import numpy as np
+
+from pydtnn.layers.base import Layer
+
+
+class ReLU(Layer):
+    """y = max(x, 0)."""
+
+    def forward(self, x, training=True):
+        y = self.xp.maximum(x, 0)
+        self.y = y if training else None
+        return y
+
+    def backward(self, dy):
+        return dy * (self.y > 0)
+
+
+class LeakyReLU(Layer):
+    """y = x if x > 0 else alpha * x."""
+
+    def __init__(self, alpha=0.01):
+        super().__init__()
+        self.alpha = float(alpha)
+
+    def describe(self):
+        return f"LeakyReLU({self.alpha})"
+
+    def forward(self, x, training=True):
+        self.mask = (x > 0) if training else None
+        return self.xp.where(x > 0, x, x * self.alpha)
+
+    def backward(self, dy):
+        return self.xp.where(self.mask, dy, dy * self.alpha)
+
+
+class Sigmoid(Layer):
+    """y = 1 / (1 + exp(-x)), computed without overflow for large |x|."""
+
+    def forward(self, x, training=True):
+        xp = self.xp
+        e = xp.exp(-xp.abs(x))  # in (0, 1]: never overflows
+        y = xp.where(x >= 0, 1 / (1 + e), e / (1 + e))
+        self.y = y if training else None
+        return y
+
+    def backward(self, dy):
+        return dy * self.y * (1 - self.y)
+
+
+class Tanh(Layer):
+    """y = tanh(x); dy/dx = 1 - y^2."""
+
+    def forward(self, x, training=True):
+        y = self.xp.tanh(x)
+        self.y = y if training else None
+        return y
+
+    def backward(self, dy):
+        return dy * (1 - self.y * self.y)
+
+
+class Softmax(Layer):
+    """Softmax over axis 1 (features or channels). For training, prefer the fused loss
+    `SoftmaxCrossEntropy` on logits: it is cheaper and numerically safer."""
+
+    def forward(self, x, training=True):
+        z = x - x.max(axis=1, keepdims=True)
+        e = self.xp.exp(z)
+        y = e / e.sum(axis=1, keepdims=True)
+        self.y = y if training else None
+        return y
+
+    def backward(self, dy):
+        y = self.y
+        return y * (dy - (dy * y).sum(axis=1, keepdims=True))

@@ -1,0 +1,146 @@
+"""Containers: a chain of layers, and blocks whose parallel paths are summed or concatenated.
+
+    Sequential([Conv2D(16, 3), ReLU()])              children named "0", "1"
+    Sequential({"conv1": Conv2D(16, 3), ...})        children named by the dict's keys
+    AdditionBlock([Conv2D(16, 3, padding=1), BatchNorm()], [])    residual: path + identity
+    ConcatenationBlock([Conv2D(8, 1)], [Conv2D(8, 3, padding=1)]) channel concat (Inception)
+
+A path is a Sequential (a list or dict of layers becomes one); an empty path is the identity.
+Every container calls `grad_hook(child)` right after a child with parameters has written its
+gradients, which is how a data-parallel reducer starts communication during backward.
+"""
+
+import numpy as np
+
+from pydtnn.errors import ShapeError
+from pydtnn.layers.base import Layer
+
+
+class Container(Layer):
+    """A layer made of named children; shared plumbing for Sequential and the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.children = []  # [(name, layer)]
+        self.grad_hook = None  # set by Model: called as grad_hook(layer) when a child's grads are ready
+
+    def named_children(self):
+        return list(self.children)
+
+    def flops(self):
+        return sum(child.flops() for _, child in self.children)
+
+    def _backward_child(self, child, dy):
+        dx = child.backward(dy)
+        if child.params and self.grad_hook is not None:
+            self.grad_hook(child)
+        return dx
+
+
+def _named(layers):
+    if isinstance(layers, dict):
+        items = list(layers.items())
+    else:
+        items = [(c if isinstance(c, tuple) else (str(i), c)) for i, c in enumerate(layers)]
+    for name, layer in items:
+        if not isinstance(layer, Layer):
+            raise TypeError(f"child {name!r} is {layer!r}, not a Layer")
+    return items
+
+
+class Sequential(Container):
+    """Layers applied one after the other; shapes are inferred from the first layer on."""
+
+    def __init__(self, layers=()):
+        super().__init__()
+        self.children = _named(layers)
+
+    def describe(self):
+        return f"Sequential({len(self.children)})"
+
+    def build(self, input_shape, dtype=np.float32, backend=None):
+        super().build(input_shape, dtype, backend)
+        shape, first = self.input_shape, True
+        for _, child in self.children:
+            child.need_dx = self.need_dx or not first
+            child.build(shape, dtype, self.backend)
+            shape, first = child.output_shape, False
+        self.output_shape = shape
+
+    def forward(self, x, training=True):
+        for _, child in self.children:
+            x = child.forward(x, training)
+        return x
+
+    def backward(self, dy):
+        for _, child in reversed(self.children):
+            dy = self._backward_child(child, dy)
+        return dy
+
+
+class _Paths(Container):
+    """Parallel paths over the same input; subclasses say how outputs combine."""
+
+    def __init__(self, *paths):
+        super().__init__()
+        if not paths:
+            raise ValueError(f"{type(self).__name__} needs at least one path")
+        self.children = [(str(i), p if isinstance(p, Layer) else Sequential(p)) for i, p in enumerate(paths)]
+
+    def describe(self):
+        return f"{type(self).__name__}({len(self.children)} paths)"
+
+    def build(self, input_shape, dtype=np.float32, backend=None):
+        super().build(input_shape, dtype, backend)
+        for _, path in self.children:
+            path.need_dx = self.need_dx
+            path.build(self.input_shape, dtype, self.backend)
+        self.output_shape = self._combine_shapes([p.output_shape for _, p in self.children])
+
+    def _sum_dx(self, dxs):
+        if not self.need_dx:
+            return None
+        dx = dxs[0].copy()
+        for d in dxs[1:]:
+            dx += d
+        return dx
+
+
+class AdditionBlock(_Paths):
+    """y = path_0(x) + path_1(x) + ...; all paths must give the same shape (residual blocks)."""
+
+    def _combine_shapes(self, shapes):
+        if any(s != shapes[0] for s in shapes):
+            raise ShapeError(f"{self.name}: paths give different shapes {shapes}; an addition needs equal shapes")
+        return shapes[0]
+
+    def forward(self, x, training=True):
+        y = None
+        for _, path in self.children:
+            out = path.forward(x, training)
+            y = out.copy() if y is None else y.__iadd__(out)
+        return y
+
+    def backward(self, dy):
+        return self._sum_dx([self._backward_child(path, dy) for _, path in self.children])
+
+
+class ConcatenationBlock(_Paths):
+    """y = concat([path_0(x), path_1(x), ...], channel axis); paths must agree on H and W."""
+
+    def _combine_shapes(self, shapes):
+        if any(len(s) != len(shapes[0]) or s[1:] != shapes[0][1:] for s in shapes):
+            raise ShapeError(
+                f"{self.name}: paths give shapes {shapes}; a channel concatenation needs equal (H, W)"
+            )
+        self.splits = np.cumsum([s[0] for s in shapes])[:-1].tolist()
+        return (sum(s[0] for s in shapes),) + shapes[0][1:]
+
+    def forward(self, x, training=True):
+        return self.xp.concatenate([path.forward(x, training) for _, path in self.children], axis=1)
+
+    def backward(self, dy):
+        parts = self.xp.split(dy, self.splits, axis=1)
+        return self._sum_dx(
+            [self._backward_child(path, self.xp.ascontiguousarray(d)) for (_, path), d in zip(self.children, parts)]
+        )

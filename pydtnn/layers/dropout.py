@@ -1,0 +1,31 @@
+"""Inverted dropout."""
+
+from pydtnn.layers.base import Layer
+
+
+class Dropout(Layer):
+    """Zero each element with probability `rate` during training and scale survivors by 1/(1-rate).
+
+    The mask is drawn per element of every sample (never shared across the batch) from the
+    backend's Generator; evaluation is the identity.
+    """
+
+    def __init__(self, rate=0.5):
+        super().__init__()
+        if not 0 <= rate < 1:
+            raise ValueError(f"Dropout rate must be in [0, 1), got {rate}")
+        self.rate = float(rate)
+
+    def describe(self):
+        return f"Dropout({self.rate})"
+
+    def forward(self, x, training=True):
+        if not training or self.rate == 0:
+            self.mask = None
+            return x
+        keep = self.backend.rng.random(x.shape) >= self.rate
+        self.mask = self.backend.asarray(keep, dtype=x.dtype) * (1 / (1 - self.rate))
+        return x * self.mask
+
+    def backward(self, dy):
+        return dy if self.mask is None else dy * self.mask

@@ -1,0 +1,156 @@
+"""Model: a built tree of layers on one backend, with named state and a gradients-ready hook.
+
+    model = Model([Conv2D(16, 3, padding=1), ReLU(), Flatten(), Dense(10)], input_shape=(1, 28, 28))
+    logits = model.forward(x)                 # x: (N, 1, 28, 28) -> (N, 10)
+    model.backward(dlogits)                   # fills every layer's grads
+    model.state_dict()                        # {"0.weight": ..., "0.bias": ..., "3.weight": ...}
+
+State-dict names are dotted paths of container children, then the parameter or buffer name, in
+depth-first order with each layer's parameters before its buffers (PyTorch's order), so they are
+identical on every rank and can be matched against a PyTorch model with the same structure.
+"""
+
+import hashlib
+
+import numpy as np
+
+from pydtnn.backends.cpu import CPUBackend
+from pydtnn.errors import ShapeError
+from pydtnn.layers.base import _join
+from pydtnn.layers.blocks import Container, Sequential
+
+
+class Model:
+    """Layers + backend. `layers` is a list/dict of layers or a Sequential; input_shape has no batch."""
+
+    def __init__(self, layers, input_shape, backend=None, name="model"):
+        self.backend = backend if backend is not None else CPUBackend()
+        self.name = name
+        self.root = layers if isinstance(layers, Sequential) else Sequential(layers)
+        self.root.need_dx = False  # nothing upstream of the input wants a gradient
+        self.input_shape = tuple(int(s) for s in input_shape)
+        self.root.build(self.input_shape, self.backend.dtype, self.backend)
+        self.output_shape = self.root.output_shape
+        self.training = True
+        self._hooks = []
+        self._param_names = {}  # id(layer) -> full names of its parameters
+        for path, layer in self.root.named_layers():
+            layer.path = path or None
+            if isinstance(layer, Container):
+                layer.grad_hook = self._grads_ready
+            if layer.params:
+                self._param_names[id(layer)] = [_join(path, k) for k in layer.params]
+        names = [n for n, _ in self.named_state()]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ShapeError(f"{name}: state names are not unique: {dup}; give children distinct names")
+
+    # -- running -------------------------------------------------------------------------
+    def forward(self, x, training=None):
+        """Output for a batch x of shape (N, *input_shape); training defaults to the model's mode."""
+        return self.root.forward(x, self.training if training is None else training)
+
+    __call__ = forward
+
+    def backward(self, dy):
+        """Backpropagate dL/doutput; every layer's grads are overwritten. Hooks fire as grads appear."""
+        self.root.backward(dy)
+
+    def train(self):
+        self.training = True
+        return self
+
+    def eval(self):
+        self.training = False
+        return self
+
+    def add_grad_ready_hook(self, fn):
+        """Call fn(names) during backward as soon as the gradients of those parameters are final.
+
+        Layers finish in reverse order, so a data-parallel reducer can start communicating the last
+        layers' gradients while earlier layers still compute.
+        """
+        self._hooks.append(fn)
+
+    def _grads_ready(self, layer):
+        names = self._param_names[id(layer)]
+        for fn in self._hooks:
+            fn(names)
+
+    # -- state ---------------------------------------------------------------------------
+    def layers(self):
+        """Depth-first (path, layer) pairs of every layer, containers included."""
+        return [(p, l) for p, l in self.root.named_layers() if p]
+
+    def named_state(self):
+        """(name, array, is_param) in state-dict order."""
+        out = []
+        for path, layer in self.root.named_layers():
+            out += [(_join(path, k), v) for k, v in layer.params.items()]
+            out += [(_join(path, k), v) for k, v in layer.buffers.items()]
+        return out
+
+    def parameters(self):
+        """[(name, param, grad)] in state-dict order: what an optimizer updates."""
+        return [
+            (_join(path, k), v, layer.grads[k]) for path, layer in self.root.named_layers() for k, v in layer.params.items()
+        ]
+
+    def state_dict(self):
+        """{name: array} of parameters and buffers (live arrays, not copies)."""
+        return dict(self.named_state())
+
+    def load_state_dict(self, state, strict=True):
+        """Copy arrays into the model's own (memory stays where it is). Names and shapes must match.
+
+        With strict=False, names missing from `state` keep their values; extra names are an error
+        either way, since they mean a different architecture.
+        """
+        own = self.state_dict()
+        extra = sorted(set(state) - set(own))
+        missing = sorted(set(own) - set(state))
+        if extra or (strict and missing):
+            raise ShapeError(
+                f"{self.name}: state dict does not fit this model: "
+                + "; ".join(s for s in (f"unexpected {extra[:5]}" if extra else "", f"missing {missing[:5]}" if strict and missing else "") if s)
+            )
+        for k, v in state.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise ShapeError(f"{self.name}: {k} has shape {tuple(v.shape)} in the state dict, expected {tuple(own[k].shape)}")
+        for k, v in state.items():
+            own[k][...] = self.backend.asarray(v, dtype=own[k].dtype)
+
+    def count_params(self):
+        """Number of trainable scalars."""
+        return sum(int(np.prod(p.shape)) for _, p, _ in self.parameters())
+
+    def flops(self):
+        """Forward FLOPs per sample."""
+        return self.root.flops()
+
+    def params_sha256(self):
+        """SHA-256 over all parameters in state-dict order, as little-endian bytes of their dtype."""
+        h = hashlib.sha256()
+        for _, p, _ in self.parameters():
+            a = np.ascontiguousarray(self.backend.to_numpy(p))
+            h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+        return h.hexdigest()
+
+    # -- reporting -----------------------------------------------------------------------
+    def summary(self, file=None):
+        """Print one row per layer: path, layer, output shape, parameters, forward FLOPs per sample."""
+        rows = [("layer", "type", "output shape", "params", "MFLOPs")]
+        for path, layer in self.layers():
+            own = sum(int(np.prod(p.shape)) for p in layer.params.values())
+            flops = "" if isinstance(layer, Container) else f"{layer.flops() / 1e6:.3f}"
+            rows.append((path, layer.describe(), str(layer.output_shape), f"{own:,}" if own else "", flops))
+        rows.append(("total", "", str(self.output_shape), f"{self.count_params():,}", f"{self.flops() / 1e6:.3f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [
+            "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
+        ]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        text = f"{self.name}: input {self.input_shape}, {self.backend!r}\n" + "\n".join(lines)
+        print(text, file=file)
+        return text

@@ -1,0 +1,29 @@
+"""pydtnn: training deep neural networks on one machine or a cluster, with NumPy/CuPy and MPI."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="pydtnn",
+    version="0.1.0",
+    description="Research library for (distributed) deep neural network training with NumPy and MPI",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pydtnn", "pydtnn.*"]),
+    package_data={"pydtnn.data": ["mnist5k/*"]},
+    install_requires=[
+        "numpy>=1.24",
+        "tqdm>=4.60",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "torch==2.13.0", "mpi4py>=4", "mpich"],
+        # GPU support arrives with the GPU backend; these name its stack.
+        "gpu": ["cupy-cuda12x", "nvidia-cudnn-frontend"],
+        "gpu-cuda13": ["cupy-cuda13x", "nvidia-cudnn-frontend"],
+    },
+    entry_points={"console_scripts": ["pydtnn-train=pydtnn.cli:main"]},
+    classifiers=["Programming Language :: Python :: 3"],
+)
