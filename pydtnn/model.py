@@ -29,13 +29,14 @@ class Model:
         self.root = layers if isinstance(layers, Sequential) else Sequential(layers)
         self.root.need_dx = False  # nothing upstream of the input wants a gradient
         self.input_shape = tuple(int(s) for s in input_shape)
+        for path, layer in self.root.named_layers():
+            layer.path = path or None  # before build, so shape errors name the layer
         self.root.build(self.input_shape, self.backend.dtype, self.backend)
         self.output_shape = self.root.output_shape
         self.training = True
         self._hooks = []
         self._param_names = {}  # id(layer) -> full names of its parameters
         for path, layer in self.root.named_layers():
-            layer.path = path or None
             if isinstance(layer, Container):
                 layer.grad_hook = self._grads_ready
             if layer.params:
