@@ -5,7 +5,16 @@ import numpy as np
 from pydtnn.layers.base import Layer
 
 
-class ReLU(Layer):
+class _Elementwise(Layer):
+    """An activation costs `cost` FLOPs per element."""
+
+    cost = 1
+
+    def flops(self):
+        return self.cost * int(np.prod(self.input_shape))
+
+
+class ReLU(_Elementwise):
     """y = max(x, 0)."""
 
     def forward(self, x, training=True):
@@ -17,7 +26,7 @@ class ReLU(Layer):
         return dy * (self.y > 0)
 
 
-class LeakyReLU(Layer):
+class LeakyReLU(_Elementwise):
     """y = x if x > 0 else alpha * x."""
 
     def __init__(self, alpha=0.01):
@@ -35,8 +44,10 @@ class LeakyReLU(Layer):
         return self.xp.where(self.mask, dy, dy * self.alpha)
 
 
-class Sigmoid(Layer):
+class Sigmoid(_Elementwise):
     """y = 1 / (1 + exp(-x)), computed without overflow for large |x|."""
+
+    cost = 4
 
     def forward(self, x, training=True):
         xp = self.xp
@@ -49,8 +60,10 @@ class Sigmoid(Layer):
         return dy * self.y * (1 - self.y)
 
 
-class Tanh(Layer):
+class Tanh(_Elementwise):
     """y = tanh(x); dy/dx = 1 - y^2."""
+
+    cost = 4
 
     def forward(self, x, training=True):
         y = self.xp.tanh(x)
@@ -61,9 +74,11 @@ class Tanh(Layer):
         return dy * (1 - self.y * self.y)
 
 
-class Softmax(Layer):
+class Softmax(_Elementwise):
     """Softmax over axis 1 (features or channels). For training, prefer the fused loss
     `SoftmaxCrossEntropy` on logits: it is cheaper and numerically safer."""
+
+    cost = 4
 
     def forward(self, x, training=True):
         z = x - x.max(axis=1, keepdims=True)

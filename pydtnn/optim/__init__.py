@@ -1,0 +1,33 @@
+"""Optimizers: update a model's parameters in place from its gradients; state lives here, keyed by name.
+
+    opt = optim.create("adam", model.parameters(), lr=1e-3)
+    opt.step()
+
+Each matches its torch.optim counterpart (tests/test_optimizers.py checks every step against it).
+"""
+
+import inspect
+
+from pydtnn.errors import ConfigError
+from pydtnn.optim.adam import Adam, AdamW, Nadam
+from pydtnn.optim.base import Optimizer
+from pydtnn.optim.rmsprop import RMSProp
+from pydtnn.optim.sgd import SGD
+
+NAMES = ("sgd", "rmsprop", "adam", "adamw", "nadam")
+_CLASSES = dict(zip(NAMES, (SGD, RMSProp, Adam, AdamW, Nadam)))
+
+
+def create(name, params, **hyper):
+    """Optimizer `name` (one of NAMES, any case) over params [(name, param, grad)] with hyperparameters."""
+    cls = _CLASSES.get(str(name).lower())
+    if cls is None:
+        raise ConfigError(f"unknown optimizer {name!r}; expected one of {', '.join(NAMES)}")
+    accepted = [k for k in inspect.signature(cls).parameters if k != "params"]
+    unknown = sorted(set(hyper) - set(accepted))
+    if unknown:
+        raise ConfigError(f"optimizer {name!r} has no option {', '.join(unknown)}; it takes {', '.join(accepted)}")
+    return cls(params, **hyper)
+
+
+__all__ = ["Adam", "AdamW", "create", "NAMES", "Nadam", "Optimizer", "RMSProp", "SGD"]

@@ -1,0 +1,198 @@
+"""The training loop: batches -> forward -> loss -> backward -> optimizer step -> callbacks.
+
+    trainer = Trainer(model, SoftmaxCrossEntropy(), SGD(model.parameters(), lr=0.05, momentum=0.9))
+    history = trainer.fit(train, epochs=5, batch_size=64, val=val, test=test)
+    trainer.evaluate(test)            # {"loss": ..., "accuracy": ...}
+    trainer.predict(test)             # (N, num_classes) outputs
+
+Per-epoch numbers go to `history`, to the progress bar, and (with metrics_file) to a JSON Lines file
+whose format is a public contract (docs/architecture.md).
+"""
+
+import json
+import math
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from pydtnn import metrics as metric_fns
+from pydtnn.data.dataset import batch_slices, epoch_order
+from pydtnn.errors import ConfigError, TrainingDiverged
+
+
+class MetricsFile:
+    """JSON Lines writer: one object per line, flushed at once so a crash never leaves half a record."""
+
+    def __init__(self, path):
+        self.path = path
+        try:
+            self.f = open(path, "w", encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot write metrics file {path}: {e.strerror}") from None
+
+    def write(self, record):
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+
+    def close(self):
+        self.f.close()
+
+
+class Trainer:
+    """Single-process trainer for a Model, a loss and an optimizer.
+
+    metrics: names from pydtnn.metrics reported besides the loss. seed: drives the per-epoch sample
+    order (a pure function of (seed, epoch), so runs are reproducible and resumable). callbacks:
+    objects with any of on_epoch_begin(trainer, epoch) / on_batch_end(trainer, step, logs) /
+    on_epoch_end(trainer, epoch, logs); setting trainer.stop_training = True ends fit after the epoch.
+    """
+
+    def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
+                 callbacks=()):
+        self.model, self.loss, self.optimizer = model, loss, optimizer
+        self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
+        self.metric_fns = {m: metric_fns.get(m) for m in self.metric_names}
+        self.seed, self.progress = seed, progress
+        self.metrics_file = metrics_file
+        self.callbacks = list(callbacks)
+        self.history = []
+        self.stop_training = False
+        self.world_size = 1
+
+    # -- one step ------------------------------------------------------------------------
+    def train_step(self, x, y):
+        """Forward, loss, backward and update on one batch. Returns (loss, outputs)."""
+        out = self.model.forward(x, training=True)
+        loss = self.loss.forward(out, y)
+        if not math.isfinite(loss):
+            raise TrainingDiverged(f"loss is {loss}")
+        self.model.backward(self.loss.backward())
+        self.optimizer.step()
+        return loss, out
+
+    # -- loops ---------------------------------------------------------------------------
+    def fit(self, train, epochs=1, batch_size=64, val=None, test=None, steps_per_epoch=None, start_epoch=0):
+        """Train for `epochs` epochs; evaluate on val after each and on test at the end.
+
+        Returns the history: one dict per epoch with loss, metrics, val_* (None without val), lr,
+        time_s and samples_per_second (training samples over training time, validation excluded).
+        The final record (test_*, wall time, params_sha256) is left in `self.final`.
+        """
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive integer, got {batch_size}")
+        writer = MetricsFile(self.metrics_file) if self.metrics_file else None
+        t_start, train_time, train_samples = time.perf_counter(), 0.0, 0
+        try:
+            for epoch in range(start_epoch, epochs):
+                self._callback("on_epoch_begin", epoch)
+                t0 = time.perf_counter()
+                record, seen = self._train_epoch(train, epoch, epochs, batch_size, steps_per_epoch)
+                t_train = time.perf_counter() - t0
+                train_time, train_samples = train_time + t_train, train_samples + seen
+                record.update(self._prefixed("val", val, batch_size))
+                record["lr"] = getattr(self.optimizer, "lr", None)
+                record["time_s"] = time.perf_counter() - t0
+                record["samples_per_second"] = seen / t_train if t_train > 0 else None
+                self.history.append(record)
+                if writer:
+                    writer.write(record)
+                if self.progress:
+                    print(format_record(record), file=sys.stderr)
+                self._callback("on_epoch_end", epoch, record)
+                if self.stop_training:
+                    break
+            self.final = {"final": True, **self._prefixed("test", test, batch_size)}
+            self.final["wall_time_s"] = time.perf_counter() - t_start
+            self.final["samples_per_second"] = train_samples / train_time if train_time > 0 else None
+            self.final["world_size"] = self.world_size
+            self.final["params_sha256"] = self.model.params_sha256()
+            if writer:
+                writer.write(self.final)
+            return self.history
+        finally:
+            if writer:
+                writer.close()
+
+    def _train_epoch(self, train, epoch, epochs, batch_size, steps_per_epoch):
+        """One pass over the epoch's batches; returns ({"epoch", "loss", metrics...}, samples seen)."""
+        backend = self.model.backend
+        order = epoch_order(len(train), self.seed, epoch)
+        slices = batch_slices(len(train), batch_size)[:steps_per_epoch]
+        sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
+        bar = tqdm(slices, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", file=sys.stderr,
+                   disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
+        self.model.train()
+        for step, (a, b) in enumerate(bar):
+            x, y = train.get_batch(np.sort(order[a:b]), backend.dtype)
+            x, y = backend.asarray(x), backend.asarray(y)
+            try:
+                loss, out = self.train_step(x, y)
+            except TrainingDiverged as e:
+                last = self.history[-1] if self.history else None
+                raise TrainingDiverged(
+                    f"{e} at epoch {epoch + 1} step {step + 1}; parameters keep the values of the step before; "
+                    f"last completed epoch: {json.dumps(last) if last else 'none'}; try a smaller learning rate"
+                ) from None
+            sums["loss"] += loss * (b - a)
+            for m, fn in self.metric_fns.items():
+                sums[m] += fn(out, y) * (b - a)
+            seen += b - a
+            bar.set_postfix({k: f"{v / seen:.4f}" for k, v in sums.items()}, refresh=False)
+            self._callback("on_batch_end", step, None)
+        bar.close()
+        record = {"epoch": epoch + 1, **{k: v / seen for k, v in sums.items()}}
+        record.setdefault("accuracy", None)
+        return record, seen
+
+    def _prefixed(self, prefix, data, batch_size):
+        """{prefix_loss, prefix_<metric>...} of evaluate(data), all None when data is None."""
+        keys = ("loss",) + tuple(dict.fromkeys(self.metric_names + ("accuracy",)))
+        values = self.evaluate(data, batch_size) if data is not None else {}
+        return {f"{prefix}_{k}": values.get(k) for k in keys}
+
+    def _callback(self, hook, *args):
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
+    def evaluate(self, data, batch_size=256):
+        """Mean loss and metrics over a whole dataset, in evaluation mode (no parameter changes)."""
+        backend, was_training = self.model.backend, self.model.training
+        self.model.eval()
+        sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
+        try:
+            for a, b in batch_slices(len(data), max(batch_size, 1)):
+                x, y = data.get_batch(np.arange(a, b), backend.dtype)
+                x, y = backend.asarray(x), backend.asarray(y)
+                out = self.model.forward(x, training=False)
+                sums["loss"] += self.loss.forward(out, y) * (b - a)
+                for m, fn in self.metric_fns.items():
+                    sums[m] += fn(out, y) * (b - a)
+                seen += b - a
+        finally:
+            self.model.training = was_training
+        return {k: v / max(seen, 1) for k, v in sums.items()}
+
+    def predict(self, data, batch_size=256):
+        """Model outputs for every sample of a dataset (or an array of inputs), as a NumPy array."""
+        backend = self.model.backend
+        outs = []
+        n = len(data)
+        for a, b in batch_slices(n, max(batch_size, 1)):
+            if hasattr(data, "get_batch"):
+                x = data.get_batch(np.arange(a, b), backend.dtype)[0]
+            else:
+                x = np.asarray(data[a:b], dtype=backend.dtype)
+            outs.append(backend.to_numpy(self.model.forward(backend.asarray(x), training=False)))
+        return np.concatenate(outs) if outs else np.empty((0,) + self.model.output_shape, backend.dtype)
+
+
+def format_record(r):
+    """'epoch 3: loss 0.1234, accuracy 0.9612, val_loss ...' for the log."""
+    skip = {"epoch", "final", "params_sha256"}
+    parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in skip and v is not None]
+    head = "final" if r.get("final") else f"epoch {r['epoch']}"
+    return f"{head}: " + ", ".join(parts)

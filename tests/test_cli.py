@@ -1,0 +1,90 @@
+"""The command line: the main job, flag spellings, and user errors (exit 2, one line, no traceback)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pydtnn.cli import main, parse_args
+
+BIN = os.path.dirname(sys.executable)
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "pydtnn", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_main_job_reaches_95_percent_on_held_out_digits(tmp_path):
+    """The README's main job, with its defaults: simplecnn on the embedded 5,000 digits."""
+    metrics = tmp_path / "run.jsonl"
+    assert main(["--model", "simplecnn", "--metrics_file", str(metrics), "--progress", "false"]) == 0
+    final = json.loads(metrics.read_text().splitlines()[-1])
+    assert final["final"] is True
+    assert final["test_accuracy"] >= 0.95, final
+
+
+def test_console_script_and_module_are_the_same_program(tmp_path):
+    script = os.path.join(BIN, "pydtnn-train")
+    assert os.path.exists(script), "pip install -e . should install the pydtnn-train console script"
+    common = ["--num_epochs", "1", "--steps_per_epoch", "3", "--progress", "false"]
+    outs = []
+    for cmd in ([script], [sys.executable, "-m", "pydtnn"], [sys.executable, "examples/train.py"]):
+        f = tmp_path / f"{len(outs)}.jsonl"
+        r = subprocess.run(cmd + common + ["--metrics_file", str(f)], capture_output=True, text=True, timeout=120,
+                           cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(f.read_text().splitlines()[-1])["params_sha256"])
+    assert outs[0] == outs[1] == outs[2]  # same program, same seed, same result
+
+
+def test_flags_accept_dashes_and_pydtnn_booleans():
+    a = parse_args(["--batch-size", "8", "--nesterov", "False", "--learning_rate", "0.1"])
+    assert a.batch_size == 8 and a.nesterov is False and a.learning_rate == 0.1
+    for text, want in (("true", True), ("1", True), ("YES", True), ("no", False), ("0", False)):
+        assert parse_args(["--nesterov", text]).nesterov is want
+    assert parse_args(["--nesterov"]).nesterov is True
+    assert parse_args([]).nesterov is False
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--model", "resnet9000"], ["unknown model 'resnet9000'", "simplecnn"]),
+        (["--dataset", "imagenet22k"], ["unknown dataset", "mnist5k"]),
+        (["--batch_size", "0"], ["--batch_size", "positive integer", "0"]),
+        (["--batch_size", "-3"], ["--batch_size", "positive integer"]),
+        (["--learning_rate", "fast"], ["--learning_rate", "'fast'"]),
+        (["--nesterov", "maybe"], ["--nesterov", "'maybe'"]),
+        (["--no_such_flag", "1"], ["--no_such_flag"]),
+        (["--dataset", "mnist"], ["dataset_train_path"]),
+        (["--dataset", "mnist", "--dataset_train_path", "/nonexistent"], ["/nonexistent", "train-images-idx3-ubyte"]),
+        (["--metrics_file", "/nonexistent/dir/m.jsonl"], ["cannot write metrics file", "/nonexistent/dir/m.jsonl"]),
+        (["--learning_rate", "1e30", "--num_epochs", "2"], ["loss is", "try a smaller learning rate"]),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(args, words):
+    r = run_cli(*args, "--progress", "false")
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    err_lines = [line for line in r.stderr.splitlines() if line.startswith("pydtnn: error:")]
+    assert len(err_lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for w in words:
+        assert w in err_lines[0], (w, err_lines[0])
+
+
+def test_bad_dataset_file_leaves_no_metrics_file(tmp_path):
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03garbage")
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x01\x00")
+    out = tmp_path / "m.jsonl"
+    r = run_cli("--dataset", "mnist", "--dataset_train_path", str(tmp_path), "--metrics_file", str(out))
+    assert r.returncode == 2 and "pydtnn: error:" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_help_and_list_models():
+    r = run_cli("--help")
+    assert r.returncode == 0 and "--batch_size" in r.stdout and "--learning_rate" in r.stdout
+    r = run_cli("--list_models")
+    assert r.returncode == 0 and "simplecnn" in r.stdout.split()

@@ -1,0 +1,100 @@
+"""Trainer: learning on the embedded digits, the metrics file, reproducibility, divergence."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pydtnn import data, models
+from pydtnn.backends import CPUBackend
+from pydtnn.errors import TrainingDiverged
+from pydtnn.losses import SoftmaxCrossEntropy
+from pydtnn.optim import SGD, Adam
+from pydtnn.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def mnist5k():
+    return data.load("mnist5k")
+
+
+def make_trainer(seed=0, lr=0.05, model="simplecnn", **kw):
+    m = models.create(model, backend=CPUBackend(seed=seed))
+    return Trainer(m, SoftmaxCrossEntropy(), SGD(m.parameters(), lr=lr, momentum=0.9), seed=seed, progress=False, **kw)
+
+
+def test_mlp_learns_digits_and_writes_metrics_file(mnist5k, tmp_path):
+    train, test = mnist5k
+    val = test.subset(np.arange(0, 1000, 2), name="val")
+    t = make_trainer(model="simplemlp", metrics_file=str(tmp_path / "m.jsonl"))
+    history = t.fit(train, epochs=3, batch_size=64, val=val, test=test)
+    assert len(history) == 3
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert t.final["test_accuracy"] > 0.9  # an MLP on 4,000 digits; chance is 0.1
+    lines = [json.loads(s) for s in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and lines[-1]["final"] is True
+    for rec in lines[:3]:
+        for key in ("epoch", "loss", "accuracy", "val_loss", "val_accuracy", "time_s", "samples_per_second"):
+            assert rec[key] is not None, key
+    for key in ("test_loss", "test_accuracy", "wall_time_s", "samples_per_second", "world_size", "params_sha256"):
+        assert lines[-1][key] is not None, key
+    assert lines[-1]["params_sha256"] == t.model.params_sha256() and lines[-1]["world_size"] == 1
+    assert [r["epoch"] for r in lines[:3]] == [1, 2, 3]
+
+
+def test_no_validation_gives_nulls(mnist5k, tmp_path):
+    train, _ = mnist5k
+    t = make_trainer(metrics_file=str(tmp_path / "m.jsonl"))
+    t.fit(train, epochs=1, batch_size=64, steps_per_epoch=3)
+    first, final = [json.loads(s) for s in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert first["val_loss"] is None and first["val_accuracy"] is None
+    assert final["test_loss"] is None and final["test_accuracy"] is None
+
+
+def test_same_seed_same_parameters_different_seed_different(mnist5k):
+    train, _ = mnist5k
+    runs = []
+    for seed in (1, 1, 2):
+        t = make_trainer(seed=seed)
+        t.fit(train, epochs=1, batch_size=32, steps_per_epoch=10)
+        runs.append(t.final["params_sha256"])
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_evaluate_and_predict_agree(mnist5k):
+    train, test = mnist5k
+    t = make_trainer()
+    t.fit(train, epochs=1, batch_size=64, steps_per_epoch=20)
+    ev = t.evaluate(test, batch_size=100)
+    pred = t.predict(test, batch_size=333)
+    assert pred.shape == (1000, 10)
+    assert ev["accuracy"] == pytest.approx((pred.argmax(1) == test.y).mean())
+    x = test.get_batch(np.arange(10))[0]
+    np.testing.assert_allclose(t.predict(x), pred[:10], rtol=1e-5, atol=1e-6)
+
+
+def test_nan_loss_stops_with_last_good_epoch_kept(mnist5k, tmp_path):
+    train, _ = mnist5k
+
+    class Explode:
+        def on_epoch_begin(self, trainer, epoch):
+            if epoch == 1:
+                trainer.optimizer.lr = 1e30
+
+    t = make_trainer(metrics_file=str(tmp_path / "m.jsonl"), callbacks=[Explode()])
+    with pytest.raises(TrainingDiverged) as e:
+        t.fit(train, epochs=3, batch_size=64, steps_per_epoch=10)
+    msg = str(e.value)
+    assert "epoch 2" in msg and "last completed epoch" in msg and '"epoch": 1' in msg
+    assert len(t.history) == 1
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["epoch"] == 1
+    assert all(np.isfinite(p).all() for _, p, _ in t.model.parameters())  # the bad update never happened
+
+
+def test_adam_trains_too(mnist5k):
+    train, test = mnist5k
+    m = models.create("simplemlp", backend=CPUBackend(seed=0))
+    t = Trainer(m, SoftmaxCrossEntropy(), Adam(m.parameters(), lr=1e-3), progress=False)
+    t.fit(train, epochs=1, batch_size=64, test=test)
+    assert t.final["test_accuracy"] > 0.8
