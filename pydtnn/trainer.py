@@ -125,7 +125,7 @@ class Trainer:
                    disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
         self.model.train()
         for step, (a, b) in enumerate(bar):
-            x, y = train.get_batch(np.sort(order[a:b]), backend.dtype)
+            x, y = train.get_batch(np.sort(order[a:b]), backend.dtype, rng=batch_rng(self.seed, epoch, step))
             x, y = backend.asarray(x), backend.asarray(y)
             try:
                 loss, out = self.train_step(x, y)
@@ -188,6 +188,12 @@ class Trainer:
                 x = np.asarray(data[a:b], dtype=backend.dtype)
             outs.append(backend.to_numpy(self.model.forward(backend.asarray(x), training=False)))
         return np.concatenate(outs) if outs else np.empty((0,) + self.model.output_shape, backend.dtype)
+
+
+def batch_rng(seed, epoch, step):
+    """Generator for one training batch's augmentation: a function of (seed, epoch, step) alone, so a
+    resumed run (or another rank) draws exactly what the uninterrupted run drew."""
+    return np.random.default_rng([seed, epoch, step, 0xA6])
 
 
 def format_record(r):

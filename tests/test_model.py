@@ -175,3 +175,19 @@ def test_models_registry():
     with pytest.raises(Exception, match="simplecnn"):
         models.create("nosuchnet")
     assert torch.__version__  # the oracle is importable in the test environment
+
+
+def test_named_paths_reproduce_torchvision_names():
+    block = Sequential({
+        "": AdditionBlock(
+            {"conv1": Conv2D(4, 3, stride=2, padding=1, use_bias=False), "bn1": BatchNorm(), "relu": ReLU()},
+            [Conv2D(4, 1, stride=2, use_bias=False), BatchNorm()],
+            names=("", "downsample"),
+        ),
+        "relu": ReLU(),
+    })
+    m = Model({"layer1": Sequential([block])}, (2, 6, 6))
+    assert list(m.state_dict())[:3] == ["layer1.0.conv1.weight", "layer1.0.bn1.weight", "layer1.0.bn1.bias"]
+    assert "layer1.0.downsample.1.running_var" in m.state_dict()
+    with pytest.raises(ShapeError, match="not unique"):
+        Model(Sequential({"": Sequential([Dense(2)]), "0": Dense(2)}), (3,))

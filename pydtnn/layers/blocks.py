@@ -6,6 +6,12 @@
     ConcatenationBlock([Conv2D(8, 1)], [Conv2D(8, 3, padding=1)]) channel concat (Inception)
 
 A path is a Sequential (a list or dict of layers becomes one); an empty path is the identity.
+Paths are named "0", "1", ... unless `names` says otherwise; an empty name puts the path's children
+directly in the block's namespace, which is how torchvision's names are reproduced:
+
+    AdditionBlock({"conv1": ..., "bn1": ..., "relu": ..., "conv2": ..., "bn2": ...},
+                  [Conv2D(128, 1, stride=2, use_bias=False), BatchNorm()], names=("", "downsample"))
+    # -> conv1.weight, bn1.weight, ..., downsample.0.weight, downsample.1.running_mean
 Every container calls `grad_hook(child)` right after a child with parameters has written its
 gradients, which is how a data-parallel reducer starts communication during backward.
 """
@@ -81,11 +87,14 @@ class Sequential(Container):
 class _Paths(Container):
     """Parallel paths over the same input; subclasses say how outputs combine."""
 
-    def __init__(self, *paths):
+    def __init__(self, *paths, names=None):
         super().__init__()
         if not paths:
             raise ValueError(f"{type(self).__name__} needs at least one path")
-        self.children = [(str(i), p if isinstance(p, Layer) else Sequential(p)) for i, p in enumerate(paths)]
+        names = [str(i) for i in range(len(paths))] if names is None else list(names)
+        if len(names) != len(paths):
+            raise ValueError(f"{type(self).__name__}: {len(paths)} paths but {len(names)} names")
+        self.children = [(n, p if isinstance(p, Layer) else Sequential(p)) for n, p in zip(names, paths)]
 
     def describe(self):
         return f"{type(self).__name__}({len(self.children)} paths)"
