@@ -20,6 +20,7 @@ from tqdm import tqdm
 from pydtnn import metrics as metric_fns
 from pydtnn.data.dataset import batch_slices, epoch_order
 from pydtnn.errors import ConfigError, TrainingDiverged
+from pydtnn.optim.schedules import learning_rate
 
 
 class MetricsFile:
@@ -44,19 +45,24 @@ class Trainer:
     """Single-process trainer for a Model, a loss and an optimizer.
 
     metrics: names from pydtnn.metrics reported besides the loss. seed: drives the per-epoch sample
-    order (a pure function of (seed, epoch), so runs are reproducible and resumable). callbacks:
-    objects with any of on_epoch_begin(trainer, epoch) / on_batch_end(trainer, step, logs) /
-    on_epoch_end(trainer, epoch, logs); setting trainer.stop_training = True ends fit after the epoch.
+    order (a pure function of (seed, epoch), so runs are reproducible and resumable). schedules:
+    pydtnn.optim.schedules objects; the learning rate of each step is optimizer.lr at construction
+    times their factors. callbacks: objects with any of on_train_begin(trainer),
+    on_epoch_begin(trainer, epoch), on_batch_end(trainer, step, logs), on_epoch_end(trainer, epoch,
+    logs) (see pydtnn.callbacks); setting trainer.stop_training = True ends fit after the epoch.
     """
 
     def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
-                 callbacks=()):
+                 callbacks=(), schedules=(), log=None):
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
         self.metric_fns = {m: metric_fns.get(m) for m in self.metric_names}
         self.seed, self.progress = seed, progress
         self.metrics_file = metrics_file
         self.callbacks = list(callbacks)
+        self.schedules = list(schedules)
+        self.base_lr = optimizer.lr
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.history = []
         self.stop_training = False
         self.world_size = 1
@@ -82,7 +88,11 @@ class Trainer:
         """
         if batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size}")
+        self.epochs, self.stop_training = epochs, False
+        self._callback("on_train_begin")
         writer = MetricsFile(self.metrics_file) if self.metrics_file else None
+        for record in self.history[:start_epoch] if writer else ():  # a resumed run keeps its earlier epochs
+            writer.write(record)
         t_start, train_time, train_samples = time.perf_counter(), 0.0, 0
         try:
             for epoch in range(start_epoch, epochs):
@@ -99,7 +109,9 @@ class Trainer:
                 if writer:
                     writer.write(record)
                 if self.progress:
-                    print(format_record(record), file=sys.stderr)
+                    self.log(format_record(record))
+                for sched in self.schedules:
+                    sched.on_epoch_end(epoch, record)
                 self._callback("on_epoch_end", epoch, record)
                 if self.stop_training:
                     break
@@ -125,6 +137,8 @@ class Trainer:
                    disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
         self.model.train()
         for step, (a, b) in enumerate(bar):
+            if self.schedules:
+                self.optimizer.lr = learning_rate(self.base_lr, self.schedules, epoch, step, len(slices))
             x, y = train.get_batch(np.sort(order[a:b]), backend.dtype, rng=batch_rng(self.seed, epoch, step))
             x, y = backend.asarray(x), backend.asarray(y)
             try:
