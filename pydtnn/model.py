@@ -73,6 +73,12 @@ class Model:
         """
         self._hooks.append(fn)
 
+    def set_tracer(self, tracer):
+        """Time every layer's forward and backward into `tracer` (a profiling.Tracer), or stop (None)."""
+        for _, layer in self.root.named_layers():
+            if isinstance(layer, Container):
+                layer.tracer = tracer
+
     def _grads_ready(self, layer):
         names = self._param_names[id(layer)]
         for fn in self._hooks:

@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 from tqdm import tqdm
@@ -66,17 +67,26 @@ class Trainer:
         self.history = []
         self.stop_training = False
         self.world_size = 1
+        self.tracer = None  # a profiling.Tracer: spans for data, forward, loss, backward, optimizer
 
     # -- one step ------------------------------------------------------------------------
     def train_step(self, x, y):
         """Forward, loss, backward and update on one batch. Returns (loss, outputs)."""
-        out = self.model.forward(x, training=True)
-        loss = self.loss.forward(out, y)
-        if not math.isfinite(loss):
-            raise TrainingDiverged(f"loss is {loss}")
-        self.model.backward(self.loss.backward())
-        self.optimizer.step()
+        with self._span("forward"):
+            out = self.model.forward(x, training=True)
+        with self._span("loss"):
+            loss = self.loss.forward(out, y)
+            if not math.isfinite(loss):
+                raise TrainingDiverged(f"loss is {loss}")
+            dy = self.loss.backward()
+        with self._span("backward"):
+            self.model.backward(dy)
+        with self._span("optimizer"):
+            self.optimizer.step()
         return loss, out
+
+    def _span(self, cat, name=None):
+        return nullcontext() if self.tracer is None else self.tracer.span(name or cat, cat, tid=1)
 
     # -- loops ---------------------------------------------------------------------------
     def fit(self, train, epochs=1, batch_size=64, val=None, test=None, steps_per_epoch=None, start_epoch=0):
@@ -139,8 +149,10 @@ class Trainer:
         for step, (a, b) in enumerate(bar):
             if self.schedules:
                 self.optimizer.lr = learning_rate(self.base_lr, self.schedules, epoch, step, len(slices))
-            x, y = train.get_batch(np.sort(order[a:b]), backend.dtype, rng=batch_rng(self.seed, epoch, step))
-            x, y = backend.asarray(x), backend.asarray(y)
+            t_step = time.perf_counter_ns()
+            with self._span("data"):
+                x, y = train.get_batch(np.sort(order[a:b]), backend.dtype, rng=batch_rng(self.seed, epoch, step))
+                x, y = backend.asarray(x), backend.asarray(y)
             try:
                 loss, out = self.train_step(x, y)
             except TrainingDiverged as e:
@@ -149,6 +161,8 @@ class Trainer:
                     f"{e} at epoch {epoch + 1} step {step + 1}; parameters keep the values of the step before; "
                     f"last completed epoch: {json.dumps(last) if last else 'none'}; try a smaller learning rate"
                 ) from None
+            if self.tracer is not None:
+                self.tracer.add(f"step {step + 1}", "step", t_step, time.perf_counter_ns(), tid=0, epoch=epoch + 1)
             sums["loss"] += loss * (b - a)
             for m, fn in self.metric_fns.items():
                 sums[m] += fn(out, y) * (b - a)

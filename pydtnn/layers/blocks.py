@@ -29,6 +29,7 @@ class Container(Layer):
         super().__init__()
         self.children = []  # [(name, layer)]
         self.grad_hook = None  # set by Model: called as grad_hook(layer) when a child's grads are ready
+        self.tracer = None  # set by Model.set_tracer: times each leaf child's forward and backward
 
     def named_children(self):
         return list(self.children)
@@ -36,8 +37,18 @@ class Container(Layer):
     def flops(self):
         return sum(child.flops() for _, child in self.children)
 
+    def _forward_child(self, child, x, training):
+        if self.tracer is None or isinstance(child, Container):
+            return child.forward(x, training)
+        with self.tracer.span(child.path or child.name, "forward"):
+            return child.forward(x, training)
+
     def _backward_child(self, child, dy):
-        dx = child.backward(dy)
+        if self.tracer is None or isinstance(child, Container):
+            dx = child.backward(dy)
+        else:
+            with self.tracer.span(child.path or child.name, "backward"):
+                dx = child.backward(dy)
         if child.params and self.grad_hook is not None:
             self.grad_hook(child)
         return dx
@@ -75,7 +86,7 @@ class Sequential(Container):
 
     def forward(self, x, training=True):
         for _, child in self.children:
-            x = child.forward(x, training)
+            x = self._forward_child(child, x, training)
         return x
 
     def backward(self, dy):
@@ -126,7 +137,7 @@ class AdditionBlock(_Paths):
     def forward(self, x, training=True):
         y = None
         for _, path in self.children:
-            out = path.forward(x, training)
+            out = self._forward_child(path, x, training)
             y = out.copy() if y is None else y.__iadd__(out)
         return y
 
@@ -146,7 +157,7 @@ class ConcatenationBlock(_Paths):
         return (sum(s[0] for s in shapes),) + shapes[0][1:]
 
     def forward(self, x, training=True):
-        return self.xp.concatenate([path.forward(x, training) for _, path in self.children], axis=1)
+        return self.xp.concatenate([self._forward_child(path, x, training) for _, path in self.children], axis=1)
 
     def backward(self, dy):
         parts = self.xp.split(dy, self.splits, axis=1)
