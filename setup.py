@@ -17,6 +17,8 @@ setup(
         "tqdm>=4.60",
         "safetensors>=0.4",
         "pyyaml>=6",
+        "Pillow>=9.1",
+        "matplotlib>=3.5",
     ],
     extras_require={
         "test": ["pytest>=7", "torch==2.13.0", "mpi4py>=4", "mpich"],
@@ -24,6 +26,6 @@ setup(
         "gpu": ["cupy-cuda12x", "nvidia-cudnn-frontend"],
         "gpu-cuda13": ["cupy-cuda13x", "nvidia-cudnn-frontend"],
     },
-    entry_points={"console_scripts": ["pydtnn-train=pydtnn.cli:main"]},
+    entry_points={"console_scripts": ["pydtnn-train=pydtnn.cli:main", "pydtnn-plot=pydtnn.plot:main"]},
     classifiers=["Programming Language :: Python :: 3"],
 )

@@ -1,16 +1,22 @@
 """`pydtnn-train`, `python -m pydtnn` and `python examples/train.py`: one program.
 
-Flag names follow PyDTNN (underscores); each is also accepted with dashes. Exit codes: 0 success,
+Flag names follow PyDTNN (underscores); each is also accepted with dashes. Values come from, in
+increasing priority: the defaults below, `--config FILE` (YAML or JSON, keys are flag names), a
+checkpoint's saved configuration (`--resume DIR`), and the command line. Exit codes: 0 success,
 2 user error (one line `pydtnn: error: ...`, no traceback), 1 internal error.
 """
 
 import argparse
 import json
+import os
 import sys
 
 from pydtnn.errors import ConfigError, PydtnnError
 
 TRUE, FALSE = ("true", "1", "yes", "y", "on"), ("false", "0", "no", "n", "off")
+DEFAULT_LR = {"sgd": 0.05, "rmsprop": 0.001, "adam": 0.001, "adamw": 0.001, "nadam": 0.002}
+SCHEDULERS = ("warm_up", "reduce_lr_on_plateau", "reduce_lr_every_nepochs", "cosine", "early_stopping",
+              "stop_at_loss", "model_checkpoint")
 
 
 def parse_bool(text):
@@ -23,28 +29,39 @@ def parse_bool(text):
     raise argparse.ArgumentTypeError(f"expected a boolean (true/false/1/0/yes/no), got {text!r}")
 
 
-def positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+def _number(kind, lo=None, lo_open=False, hi=None):
+    """argparse type: a number of `kind` within bounds, with an error naming the bound."""
+
+    def convert(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if v != v or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v >= hi):
+            rng = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in [{lo}, {hi})"
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} {rng}, got {text!r}")
+        return v
+
+    return convert
 
 
-def non_negative_float(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+positive_int = _number(int, 0, lo_open=True)
+non_negative_int = _number(int, 0)
+non_negative_float = _number(float, 0.0)
+positive_float = _number(float, 0.0, lo_open=True)
+fraction = _number(float, 0.0, hi=1.0)
+
+
+def scheduler_list(text):
+    names = [s.strip() for s in str(text).split(",") if s.strip()]
+    bad = [s for s in names if s not in SCHEDULERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown scheduler {bad[0]!r}; expected a comma list of {', '.join(SCHEDULERS)}")
+    return ",".join(names)
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line and exit code 2."""
+    """argparse that reports a bad flag as one line (exit code 2 through PydtnnError)."""
 
     def error(self, message):
         raise ConfigError(message)
@@ -52,123 +69,206 @@ class Parser(argparse.ArgumentParser):
     def flag(self, group, name, **kw):
         """Add --name (PyDTNN's underscore spelling) and its dashed twin."""
         names = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        if self.argument_default is argparse.SUPPRESS:
+            kw["default"] = argparse.SUPPRESS
         if kw.get("type") is parse_bool:
             kw.setdefault("nargs", "?")
             kw.setdefault("const", True)
             kw.setdefault("metavar", "BOOL")
-        group.add_argument(*names, **kw)
+        group.add_argument(*names, dest=name, **kw)
 
 
-def build_parser():
-    from pydtnn import data, losses, models, optim
+def build_parser(suppress_defaults=False):
+    """The parser; with suppress_defaults, parse_args returns only the flags actually given."""
+    from pydtnn import data, losses, metrics, models, optim
 
-    p = Parser(prog="pydtnn", description="Train a model with pydtnn.", allow_abbrev=False)
+    p = Parser(prog="pydtnn", description="Train and evaluate a model with pydtnn.", allow_abbrev=False,
+               argument_default=argparse.SUPPRESS if suppress_defaults else None)
+    f = p.flag
+
     g = p.add_argument_group("model")
-    p.flag(g, "model", default="simplecnn", help=f"architecture: {', '.join(models.names())} (default simplecnn)")
-    p.flag(g, "list_models", type=parse_bool, default=False, help="list the model zoo and exit")
-    p.flag(g, "batch_size", type=positive_int, default=64, help="samples per step and process (default 64)")
-    p.flag(g, "num_epochs", type=positive_int, default=10, help="epochs to train (default 10)")
-    p.flag(g, "steps_per_epoch", type=positive_int, default=None, help="cap on steps per epoch (default: whole dataset)")
-    p.flag(g, "dtype", choices=("float32", "float64"), default="float32", help="parameter/activation dtype")
-    p.flag(g, "summary", type=parse_bool, default=False, help="print the per-layer summary before training")
+    f(g, "model", default="simplecnn", help=f"architecture (see --list_models); default simplecnn")
+    f(g, "list_models", type=parse_bool, default=False, help="print the model zoo and exit")
+    f(g, "batch_size", type=positive_int, default=64, help="samples per step and process (default 64)")
+    f(g, "global_batch_size", type=positive_int, default=None,
+      help="samples per step over all processes; must divide by the process count (sets --batch_size)")
+    f(g, "num_epochs", type=positive_int, default=10, help="epochs to train (default 10)")
+    f(g, "steps_per_epoch", type=positive_int, default=None, help="cap on steps per epoch (default: whole dataset)")
+    f(g, "dtype", choices=("float32", "float64"), default="float32", help="parameters and activations (default float32)")
+    f(g, "evaluate", type=parse_bool, default=False, help="evaluate on the test set before and after training")
+    f(g, "evaluate_only", type=parse_bool, default=False, help="only evaluate on the test set (inference throughput)")
+    f(g, "weights_and_bias_filename", default=None,
+      help="initial weights: a .safetensors state dict (ours or PyTorch's, same names) or a checkpoint directory")
+    f(g, "summary", type=parse_bool, default=False, help="print the per-layer summary before training")
 
     g = p.add_argument_group("dataset")
-    p.flag(g, "dataset", default="mnist5k", help=f"{', '.join(data.NAMES)} (default mnist5k: embedded, 5,000 MNIST digits)")
-    p.flag(g, "dataset_train_path", default=None, help="directory holding the training files")
-    p.flag(g, "dataset_test_path", default=None, help="directory holding the test files (default: the training one)")
+    f(g, "dataset", default="mnist5k", help=f"{', '.join(data.NAMES)} (default mnist5k: 5,000 embedded MNIST digits)")
+    f(g, "dataset_train_path", default=None, help="directory holding the training files")
+    f(g, "dataset_test_path", default=None, help="directory holding the test files (default: the training one)")
+    f(g, "validation_split", type=fraction, default=0.0, help="fraction of the training set held out for validation")
+    f(g, "test_as_validation", type=parse_bool, default=False, help="validate on the test set after every epoch")
+    _add_dataset_flags(p, g)
 
     g = p.add_argument_group("optimizer")
-    p.flag(g, "optimizer", default="sgd", choices=optim.NAMES, help="default sgd")
-    p.flag(g, "learning_rate", type=non_negative_float, default=None,
-           help="default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_LR.items()))
-    p.flag(g, "momentum", type=non_negative_float, default=None, help="SGD/RMSProp momentum (default: sgd 0.9, rmsprop 0)")
-    p.flag(g, "nesterov", type=parse_bool, default=False, help="Nesterov momentum for SGD")
-    p.flag(g, "decay", type=non_negative_float, default=None,
-           help="weight decay: L2 added to the gradient; decoupled for adamw (default 0, adamw 0.01)")
-    p.flag(g, "beta1", type=non_negative_float, default=0.9, help="Adam/AdamW/Nadam beta1 (default 0.9)")
-    p.flag(g, "beta2", type=non_negative_float, default=0.999, help="Adam/AdamW/Nadam beta2 (default 0.999)")
-    p.flag(g, "epsilon", type=non_negative_float, default=1e-8, help="denominator epsilon (default 1e-8)")
-    p.flag(g, "rho", type=non_negative_float, default=0.99, help="RMSProp decay of the squared average (default 0.99)")
-    p.flag(g, "loss_func", default="categorical_cross_entropy", choices=losses.NAMES, help="loss")
-    p.flag(g, "metrics", default="accuracy", help=f"comma-separated: {', '.join(_metric_names())}")
+    f(g, "optimizer", default="sgd", choices=optim.NAMES, help="default sgd")
+    f(g, "learning_rate", type=non_negative_float, default=None,
+      help="default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_LR.items()))
+    f(g, "momentum", type=non_negative_float, default=None, help="SGD/RMSProp momentum (default: sgd 0.9, rmsprop 0)")
+    f(g, "nesterov", type=parse_bool, default=False, help="Nesterov momentum for SGD")
+    f(g, "decay", type=non_negative_float, default=None,
+      help="weight decay: L2 added to the gradient, decoupled for adamw (default 0, adamw 0.01)")
+    f(g, "beta1", type=fraction, default=0.9, help="Adam/AdamW/Nadam beta1 (default 0.9)")
+    f(g, "beta2", type=fraction, default=0.999, help="Adam/AdamW/Nadam beta2 (default 0.999)")
+    f(g, "epsilon", type=positive_float, default=1e-8, help="denominator epsilon (default 1e-8)")
+    f(g, "rho", type=fraction, default=0.99, help="RMSProp decay of the squared average (default 0.99)")
+    f(g, "loss_func", default="categorical_cross_entropy", choices=losses.NAMES, help="default categorical_cross_entropy")
+    f(g, "metrics", default="accuracy", help=f"comma list of {', '.join(metrics.NAMES)}, topK_accuracy")
+
+    g = p.add_argument_group("schedules and callbacks")
+    f(g, "lr_schedulers", type=scheduler_list, default="", help=f"comma list of {', '.join(SCHEDULERS)} (default none)")
+    f(g, "warm_up_epochs", type=non_negative_int, default=5, help="warm_up: epochs of linear ramp (default 5)")
+    f(g, "warm_up_start_factor", type=_number(float, 0.0, lo_open=True, hi=1.0000001), default=None,
+      help="warm_up: starting fraction of the learning rate (default 1/processes, or 0.1 with one process)")
+    f(g, "cosine_min_factor", type=_number(float, 0.0, hi=1.0000001), default=0.0,
+      help="cosine: final fraction of the learning rate (default 0)")
+    f(g, "reduce_lr_on_plateau_metric", default="val_loss", help="default val_loss")
+    f(g, "reduce_lr_on_plateau_factor", type=_number(float, 0.0, lo_open=True, hi=1.0), default=0.1, help="default 0.1")
+    f(g, "reduce_lr_on_plateau_patience", type=non_negative_int, default=5, help="default 5")
+    f(g, "reduce_lr_on_plateau_min_lr", type=non_negative_float, default=0.0, help="default 0")
+    f(g, "reduce_lr_every_nepochs_factor", type=_number(float, 0.0, lo_open=True, hi=1.0000001), default=0.1, help="default 0.1")
+    f(g, "reduce_lr_every_nepochs_nepochs", type=positive_int, default=5, help="default 5")
+    f(g, "reduce_lr_every_nepochs_min_lr", type=non_negative_float, default=0.0, help="default 0")
+    f(g, "early_stopping_metric", default="val_loss", help="default val_loss")
+    f(g, "early_stopping_patience", type=non_negative_int, default=10, help="default 10")
+    f(g, "stop_at_loss_metric", default="val_accuracy", help="default val_accuracy")
+    f(g, "stop_at_loss_threshold", type=float, default=0.0, help="default 0")
+    f(g, "model_checkpoint_save_freq", type=positive_int, default=1, help="epochs between checkpoints (default 1)")
+
+    g = p.add_argument_group("parallel")
+    f(g, "parallel", choices=("sequential", "data"), default=None,
+      help="data-parallel over MPI when launched with several processes (default: data if so, else sequential)")
+    f(g, "non_blocking_mpi", type=parse_bool, default=False, help="overlap gradient allreduces with backward")
+
+    g = p.add_argument_group("GPU")
+    f(g, "enable_gpu", type=parse_bool, default=False, help="compute on an NVIDIA GPU (CuPy + cuDNN)")
+    f(g, "enable_nccl", type=parse_bool, default=False, help="reduce gradients with NCCL")
+
+    g = p.add_argument_group("tracing")
+    f(g, "tracing", type=parse_bool, default=False, help="write a Chrome-trace timeline (see --tracer_output)")
+    f(g, "tracer_output", default="pydtnn-trace.json", help="trace file (default pydtnn-trace.json)")
+    f(g, "profile", type=parse_bool, default=False, help="run under cProfile and print the top functions")
 
     g = p.add_argument_group("output")
-    p.flag(g, "seed", type=int, default=0, help="seed of initialization, dropout and data order (default 0)")
-    p.flag(g, "metrics_file", default=None, help="JSON Lines file of per-epoch and final metrics")
-    p.flag(g, "progress", type=parse_bool, default=True, help="show progress bars (default true)")
+    f(g, "seed", type=int, default=0, help="seed of initialization, dropout, augmentation and data order (default 0)")
+    f(g, "metrics_file", default=None, help="JSON Lines file of per-epoch and final metrics")
+    f(g, "history_file", default=None, help="CSV file of per-epoch metrics")
+    f(g, "checkpoint_dir", default=None, help="save a resumable checkpoint here after every epoch (see model_checkpoint)")
+    f(g, "resume", default=None, help="continue the run saved in this checkpoint directory")
+    f(g, "config", default=None, help="YAML or JSON file of flag values; command-line flags override it")
+    f(g, "progress", type=parse_bool, default=True, help="show progress bars (default true)")
     return p
 
 
-def _metric_names():
-    from pydtnn import metrics
+def _add_dataset_flags(p, g):
+    """Augmentation flags (PyDTNN's names)."""
+    p.flag(g, "flip_images", type=parse_bool, default=False, help="random horizontal flips while training")
+    p.flag(g, "flip_images_prob", type=fraction, default=0.5, help="probability of a flip (default 0.5)")
+    p.flag(g, "crop_images", type=parse_bool, default=False, help="random crops with zero padding while training")
+    p.flag(g, "crop_images_padding", type=non_negative_int, default=4, help="padding before the random crop (default 4)")
+    p.flag(g, "use_synthetic_data", type=parse_bool, default=False, help="random images in the model's input shape")
 
-    return metrics.NAMES
+
+# -- configuration ------------------------------------------------------------------------------
+def load_config_file(path, parser):
+    """{flag: value} from a YAML or JSON file, each value checked as if given on the command line."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                          f"{' '.join(str(e).split())}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must map flag names to values, got a {type(values).__name__}")
+    return check_values(values, parser, f"config file {path}")
+
+
+def check_values(values, parser, origin):
+    """Validate {flag: value} (from a file or a checkpoint) with the parser's own types and choices."""
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help",)}
+    out = {}
+    for key, value in values.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in actions or name in ("config", "resume"):
+            raise ConfigError(f"{origin}: unknown flag {key!r}")
+        action = actions[name]
+        if value is not None:
+            try:
+                value = action.type(str(value)) if action.type else str(value)
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"{origin}: {name}: {e}") from None
+            if action.choices and value not in action.choices:
+                raise ConfigError(f"{origin}: {name}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+        out[name] = value
+    return out
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    """Namespace of the effective configuration: defaults < --config < --resume's saved one < command line."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    given = vars(build_parser(suppress_defaults=True).parse_args(argv))
+    args = parser.parse_args(argv)
+    layered = {}
+    if args.config:
+        layered.update(load_config_file(args.config, parser))
+    if args.resume:
+        from pydtnn.run import saved_config
 
-
-def run(args):
-    """Train and evaluate as the parsed flags say; returns the final metrics record."""
-    from pydtnn import data, losses, models, optim
-    from pydtnn.backends import get_backend
-    from pydtnn.trainer import Trainer, format_record
-
-    if args.list_models:
-        print("\n".join(models.names()))
-        return None
-    metric_names = tuple(m.strip() for m in args.metrics.split(",") if m.strip())
-    backend = get_backend("cpu", args.dtype, args.seed)
-    train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path)
-    model = models.create(args.model, input_shape=train.input_shape, num_classes=train.num_classes, backend=backend)
-    optimizer = optim.create(args.optimizer, model.parameters(), **optimizer_options(args))
-    trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names, seed=args.seed,
-                      progress=args.progress, metrics_file=args.metrics_file)
-    config = {k: v for k, v in sorted(vars(args).items()) if k not in ("list_models",)}
-    print(f"pydtnn: {args.model} on {args.dataset} ({len(train)} train, {len(test)} test); {model.count_params():,} "
-          f"parameters; config {json.dumps(config)}", file=sys.stderr)
-    if args.summary:
-        model.summary(file=sys.stderr)
-    trainer.fit(train, args.num_epochs, args.batch_size, test=test, steps_per_epoch=args.steps_per_epoch)
-    print(format_record(trainer.final))
-    return trainer.final
-
-
-DEFAULT_LR = {"sgd": 0.05, "rmsprop": 0.001, "adam": 0.001, "adamw": 0.001, "nadam": 0.002}
-
-
-def optimizer_options(args):
-    """Keyword arguments of the chosen optimizer from the flags that apply to it.
-
-    Flags left unset take the optimizer's own default (AdamW's weight decay stays 0.01), except
-    the learning rate (DEFAULT_LR) and SGD's momentum (0.9), which suit the default model.
-    """
-    name = args.optimizer
-    opts = {"lr": args.learning_rate if args.learning_rate is not None else DEFAULT_LR[name]}
-    if args.decay is not None:
-        opts["weight_decay"] = args.decay
-    if name == "sgd":
-        opts.update(momentum=0.9 if args.momentum is None else args.momentum, nesterov=args.nesterov)
-    elif name == "rmsprop":
-        opts.update(rho=args.rho, eps=args.epsilon)
-        if args.momentum is not None:
-            opts["momentum"] = args.momentum
-    else:
-        opts.update(beta1=args.beta1, beta2=args.beta2, eps=args.epsilon)
-    return opts
+        layered.update(check_values(saved_config(args.resume), parser, f"checkpoint {args.resume}"))
+    for k, v in layered.items():
+        if k not in given:
+            setattr(args, k, v)
+    return args
 
 
 def main(argv=None):
-    """Entry point; returns the exit code (and exits with it when run as a script)."""
+    """Entry point; returns the exit code (the console script exits with it)."""
     try:
-        run(parse_args(argv))
+        args = parse_args(argv)
+        from pydtnn.run import run
+
+        if args.profile:
+            return _profiled(run, args)
+        run(args)
     except PydtnnError as e:
         print(f"pydtnn: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pydtnn: interrupted", file=sys.stderr)
         return 130
+    return 0
+
+
+def _profiled(fn, args):
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(fn, args)
+    finally:
+        out = os.path.abspath("pydtnn.prof")
+        prof.dump_stats(out)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
+        print(f"pydtnn: profile written to {out} (open with python -m pstats or snakeviz)", file=sys.stderr)
     return 0
 
 

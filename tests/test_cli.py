@@ -53,8 +53,8 @@ def test_flags_accept_dashes_and_pydtnn_booleans():
     [
         (["--model", "resnet9000"], ["unknown model 'resnet9000'", "simplecnn"]),
         (["--dataset", "imagenet22k"], ["unknown dataset", "mnist5k"]),
-        (["--batch_size", "0"], ["--batch_size", "positive integer", "0"]),
-        (["--batch_size", "-3"], ["--batch_size", "positive integer"]),
+        (["--batch_size", "0"], ["--batch_size", "an integer > 0", "'0'"]),
+        (["--batch_size", "-3"], ["--batch_size", "an integer > 0"]),
         (["--learning_rate", "fast"], ["--learning_rate", "'fast'"]),
         (["--nesterov", "maybe"], ["--nesterov", "'maybe'"]),
         (["--no_such_flag", "1"], ["--no_such_flag"]),

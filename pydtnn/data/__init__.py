@@ -1,7 +1,21 @@
-"""Datasets, file formats and batch ordering."""
+"""Datasets, file formats, downloads, augmentation, validation splits and batch ordering."""
 
+from pydtnn.data.augment import (Augmentation, AugmentedDataset, center_crop, normalize, random_crop, random_flip,
+                                 with_augmentation)
+from pydtnn.data.cifar import load_cifar, read_records
 from pydtnn.data.dataset import ArrayDataset, batch_slices, epoch_order
-from pydtnn.data.datasets import NAMES, load
+from pydtnn.data.datasets import NAMES, REMOTE, fetch, load
+from pydtnn.data.download import cache_dir, download, extract_tar, sha256_file
 from pydtnn.data.idx import read_idx, write_idx
+from pydtnn.data.imagenet import ImageFolder, load_imagenet, load_shards
+from pydtnn.data.split import resolve_validation, split_validation
+from pydtnn.data.streamed import ShardedArrayDataset, StreamedDataset
+from pydtnn.data.synthetic import SyntheticDataset, load_synthetic
 
-__all__ = ["ArrayDataset", "batch_slices", "epoch_order", "load", "NAMES", "read_idx", "write_idx"]
+__all__ = [
+    "ArrayDataset", "batch_slices", "epoch_order", "load", "fetch", "NAMES", "REMOTE", "read_idx", "write_idx",
+    "Augmentation", "AugmentedDataset", "with_augmentation", "random_crop", "random_flip", "center_crop", "normalize",
+    "split_validation", "resolve_validation", "download", "cache_dir", "extract_tar", "sha256_file",
+    "StreamedDataset", "ShardedArrayDataset", "ImageFolder", "SyntheticDataset",
+    "load_cifar", "read_records", "load_imagenet", "load_shards", "load_synthetic",
+]

@@ -1,0 +1,234 @@
+"""Assemble and execute one run from a parsed configuration (the CLI's namespace).
+
+    flags -> Backend, datasets, Model, optimizer, schedules, callbacks -> Trainer.fit -> outputs
+
+Everything here is plain wiring: each piece is built by the module that owns it.
+"""
+
+import csv
+import json
+import os
+import sys
+import time
+
+from pydtnn import checkpoint, data, losses, models, optim
+from pydtnn.backends import get_backend
+from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
+from pydtnn.errors import ConfigError
+from pydtnn.optim import schedules as sch
+from pydtnn.trainer import MetricsFile, Trainer, format_record
+
+# flags that describe how to run rather than what to compute: not saved as the run's configuration
+_NOT_SAVED = ("config", "resume", "list_models", "progress", "profile")
+
+
+def saved_config(directory):
+    """The configuration stored in a checkpoint directory by an earlier run."""
+    return checkpoint.read_meta(directory).get("config", {})
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args):
+    """Train (or evaluate) as `args` says; returns the final metrics record (None for --list_models)."""
+    if args.list_models:
+        print("\n".join(models.names()))
+        return None
+    if args.enable_gpu or args.enable_nccl:
+        raise ConfigError("--enable_gpu/--enable_nccl: this build has no GPU backend yet; run without them (CPU)")
+    world = 1
+    if args.parallel == "data" and world == 1:
+        log("pydtnn: --parallel data with one process trains sequentially")
+    if args.global_batch_size is not None:
+        if args.global_batch_size % world:
+            raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by {world} processes")
+        args.batch_size = args.global_batch_size // world
+
+    backend = get_backend("cpu", args.dtype, args.seed)
+    train, val, test = load_datasets(args)
+    model = models.create(args.model, input_shape=train.input_shape, num_classes=train.num_classes, backend=backend)
+    if args.weights_and_bias_filename:
+        checkpoint.load_weights(args.weights_and_bias_filename, model)
+    optimizer = optim.create(args.optimizer, model.parameters(), **optimizer_options(args))
+    schedules = build_schedules(args, world)
+    trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
+                      progress=args.progress, metrics_file=args.metrics_file, schedules=schedules, log=log)
+    config = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
+    trainer.callbacks = build_callbacks(args, trainer, config)
+
+    start_epoch = 0
+    if args.resume:
+        start_epoch = resume(args.resume, trainer)
+    log(f"pydtnn: {args.model} on {args.dataset} ({len(train)} train, {len(val) if val else 0} validation, "
+        f"{len(test) if test else 0} test); {model.count_params():,} parameters")
+    log(f"pydtnn: configuration {json.dumps(config)}")
+    if args.summary:
+        model.summary(file=sys.stderr)
+    if args.tracing:
+        from pydtnn.profiling import Tracer
+
+        trainer.tracer = Tracer(name=f"pydtnn {args.model}")
+        model.set_tracer(trainer.tracer)
+
+    if args.evaluate_only:
+        return evaluate_only(trainer, test, args)
+    if args.evaluate and test is not None:
+        log("before training: " + format_record({"epoch": 0, **prefixed("test", trainer.evaluate(test, args.batch_size))}))
+    if start_epoch >= args.num_epochs:
+        log(f"pydtnn: the checkpoint already holds {start_epoch} epochs (--num_epochs {args.num_epochs}); nothing to train")
+    trainer.fit(train, args.num_epochs, args.batch_size, val=val, test=test, steps_per_epoch=args.steps_per_epoch,
+                start_epoch=start_epoch)
+    print(format_record(trainer.final))
+    if trainer.tracer is not None:
+        trainer.tracer.write(args.tracer_output)
+        log(f"pydtnn: trace written to {args.tracer_output}\n{trainer.tracer.summary_table()}")
+    return trainer.final
+
+
+def load_datasets(args):
+    """(train, validation or None, test or None) as the dataset flags say."""
+    train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path)
+    val = None
+    if args.validation_split:
+        train, val = data.split_validation(train, args.validation_split, args.seed)
+    if args.test_as_validation:
+        if val is not None:
+            raise ConfigError("--validation_split and --test_as_validation are exclusive; choose one")
+        val = test
+    return data.with_augmentation(train, flip=args.flip_images, flip_prob=args.flip_images_prob,
+                                  crop=args.crop_images, crop_padding=args.crop_images_padding), val, test
+
+
+def metric_names(args):
+    return tuple(m.strip() for m in args.metrics.split(",") if m.strip())
+
+
+def optimizer_options(args):
+    """Keyword arguments of the chosen optimizer from the flags that apply to it.
+
+    Flags left unset take the optimizer's own default (AdamW's weight decay stays 0.01), except the
+    learning rate (DEFAULT_LR) and SGD's momentum (0.9), which suit the default model.
+    """
+    from pydtnn.cli import DEFAULT_LR
+
+    name = args.optimizer
+    opts = {"lr": args.learning_rate if args.learning_rate is not None else DEFAULT_LR[name]}
+    if args.decay is not None:
+        opts["weight_decay"] = args.decay
+    if name == "sgd":
+        opts.update(momentum=0.9 if args.momentum is None else args.momentum, nesterov=args.nesterov)
+    elif name == "rmsprop":
+        opts.update(rho=args.rho, eps=args.epsilon)
+        if args.momentum is not None:
+            opts["momentum"] = args.momentum
+    else:
+        opts.update(beta1=args.beta1, beta2=args.beta2, eps=args.epsilon)
+    return opts
+
+
+def _chosen(args):
+    return [s for s in args.lr_schedulers.split(",") if s]
+
+
+def build_schedules(args, world):
+    chosen, out = _chosen(args), []
+    if "warm_up" in chosen:
+        start = args.warm_up_start_factor or (1 / world if world > 1 else 0.1)
+        out.append(sch.WarmUp(args.warm_up_epochs, start))
+    if "cosine" in chosen:
+        out.append(sch.Cosine(args.num_epochs, args.cosine_min_factor))
+    if "reduce_lr_every_nepochs" in chosen:
+        out.append(sch.ReduceEveryNEpochs(args.reduce_lr_every_nepochs_factor, args.reduce_lr_every_nepochs_nepochs,
+                                          args.reduce_lr_every_nepochs_min_lr))
+    if "reduce_lr_on_plateau" in chosen:
+        out.append(sch.ReduceOnPlateau(args.reduce_lr_on_plateau_metric, args.reduce_lr_on_plateau_factor,
+                                       args.reduce_lr_on_plateau_patience, args.reduce_lr_on_plateau_min_lr))
+    return out
+
+
+def build_callbacks(args, trainer, config):
+    chosen, out = _chosen(args), []
+    if "early_stopping" in chosen:
+        out.append(EarlyStopping(args.early_stopping_metric, args.early_stopping_patience))
+    if "stop_at_loss" in chosen:
+        out.append(StopAtThreshold(args.stop_at_loss_metric, args.stop_at_loss_threshold))
+    if args.history_file:
+        out.append(HistoryCSV(args.history_file))
+    if "model_checkpoint" in chosen or args.checkpoint_dir:
+        if not args.checkpoint_dir:
+            raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
+        out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config),
+                                   args.model_checkpoint_save_freq))
+        checkpoint.write_json_atomic(os.path.join(args.checkpoint_dir, "config.json"), config)
+    return out
+
+
+def save_checkpoint(directory, trainer, epoch, config):
+    """Everything a resumed run needs to continue bit-identically after `epoch` (0-based) ended."""
+    meta = {
+        "epoch": epoch + 1,
+        "config": config,
+        "rng": checkpoint.rng_state(trainer.model.backend.rng),
+        "base_lr": trainer.base_lr,
+        "schedules": [s.state_dict() for s in trainer.schedules],
+        "callbacks": [getattr(c, "state_dict", dict)() for c in trainer.callbacks],
+        "history": trainer.history,
+    }
+    checkpoint.save(directory, trainer.model, trainer.optimizer, meta)
+
+
+def resume(directory, trainer):
+    """Restore a checkpoint into a freshly built trainer; returns the epoch to start from."""
+    meta = checkpoint.load(directory, trainer.model, trainer.optimizer)
+    checkpoint.set_rng_state(trainer.model.backend.rng, meta["rng"])
+    trainer.base_lr = meta["base_lr"]
+    for s, state in zip(trainer.schedules, meta["schedules"]):
+        s.load_state_dict(state)
+    for c, state in zip(trainer.callbacks, meta["callbacks"]):
+        if hasattr(c, "load_state_dict"):
+            c.load_state_dict(state)
+    trainer.history = list(meta["history"])
+    log(f"pydtnn: resumed {directory} after epoch {meta['epoch']}")
+    return meta["epoch"]
+
+
+def prefixed(prefix, values):
+    return {f"{prefix}_{k}": v for k, v in values.items()}
+
+
+def evaluate_only(trainer, test, args):
+    """Evaluate on the test set and report inference throughput; writes the final record."""
+    if test is None:
+        raise ConfigError(f"--evaluate_only needs a test set; dataset {args.dataset} has none")
+    t0 = time.perf_counter()
+    values = trainer.evaluate(test, args.batch_size)
+    wall = time.perf_counter() - t0
+    final = {"final": True, **prefixed("test", values), "wall_time_s": wall, "samples_per_second": len(test) / wall,
+             "world_size": trainer.world_size, "params_sha256": trainer.model.params_sha256()}
+    final.setdefault("test_accuracy", None)
+    if args.metrics_file:
+        out = MetricsFile(args.metrics_file)
+        out.write(final)
+        out.close()
+    print(format_record(final))
+    return final
+
+
+class HistoryCSV:
+    """--history_file: the per-epoch records as CSV, rewritten atomically after every epoch."""
+
+    def __init__(self, path):
+        self.path = path
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ConfigError(f"cannot write history file {path}: {folder} is not a writable directory")
+
+    def on_epoch_end(self, trainer, epoch, logs):
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=list(trainer.history[0]))
+            w.writeheader()
+            w.writerows(trainer.history)
+        os.replace(tmp, self.path)
