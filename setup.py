@@ -19,9 +19,12 @@ setup(
         "pyyaml>=6",
         "Pillow>=9.1",
         "matplotlib>=3.5",
+        "threadpoolctl>=3",
     ],
     extras_require={
         "test": ["pytest>=7", "torch==2.13.0", "mpi4py>=4", "mpich"],
+        # data-parallel runs under mpirun/mpiexec; use your cluster's MPI instead of the mpich wheel if it has one
+        "mpi": ["mpi4py>=4", "mpich"],
         # GPU support arrives with the GPU backend; these name its stack.
         "gpu": ["cupy-cuda12x", "nvidia-cudnn-frontend"],
         "gpu-cuda13": ["cupy-cuda13x", "nvidia-cudnn-frontend"],

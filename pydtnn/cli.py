@@ -148,6 +148,12 @@ def build_parser(suppress_defaults=False):
     f(g, "parallel", choices=("sequential", "data"), default=None,
       help="data-parallel over MPI when launched with several processes (default: data if so, else sequential)")
     f(g, "non_blocking_mpi", type=parse_bool, default=False, help="overlap gradient allreduces with backward")
+    f(g, "reduction", choices=("blocking", "per_layer", "bucketed"), default=None,
+      help="gradient reduction: one allreduce after backward, one per gradient as layers finish "
+           "(= --non_blocking_mpi), or buckets started as they fill (default)")
+    f(g, "bucket_size_mb", type=positive_float, default=25.0, help="bucketed: bucket size in MB (default 25)")
+    f(g, "threads_per_process", type=non_negative_int, default=1,
+      help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice)")
 
     g = p.add_argument_group("GPU")
     f(g, "enable_gpu", type=parse_bool, default=False, help="compute on an NVIDIA GPU (CuPy + cuDNN)")

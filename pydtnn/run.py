@@ -14,6 +14,8 @@ import time
 from pydtnn import checkpoint, data, losses, models, optim
 from pydtnn.backends import get_backend
 from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
+from pydtnn.distributed import launch, reducers
+from pydtnn.distributed.consistency import broadcast_state
 from pydtnn.errors import ConfigError
 from pydtnn.optim import schedules as sch
 from pydtnn.trainer import MetricsFile, Trainer, format_record
@@ -38,9 +40,14 @@ def run(args):
         return None
     if args.enable_gpu or args.enable_nccl:
         raise ConfigError("--enable_gpu/--enable_nccl: this build has no GPU backend yet; run without them (CPU)")
-    world = 1
+    comm = launch.init(threads=args.threads_per_process)
+    launch.install_abort_handler(comm)
+    world = comm.size
+    say = log if comm.rank == 0 else (lambda msg: None)
+    if world > 1 and args.parallel == "sequential":
+        raise ConfigError(f"--parallel sequential, but {world} processes were launched; use --parallel data or one process")
     if args.parallel == "data" and world == 1:
-        log("pydtnn: --parallel data with one process trains sequentially")
+        say("pydtnn: --parallel data with one process trains sequentially")
     if args.global_batch_size is not None:
         if args.global_batch_size % world:
             raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by {world} processes")
@@ -53,37 +60,50 @@ def run(args):
         checkpoint.load_weights(args.weights_and_bias_filename, model)
     optimizer = optim.create(args.optimizer, model.parameters(), **optimizer_options(args))
     schedules = build_schedules(args, world)
+    reducer = None
+    if world > 1:
+        strategy = args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
+        options = {"bucket_mb": args.bucket_size_mb} if strategy == "bucketed" else {}
+        reducer = reducers.create(strategy, comm, **options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
-                      progress=args.progress, metrics_file=args.metrics_file, schedules=schedules, log=log)
+                      progress=args.progress, metrics_file=args.metrics_file, schedules=schedules, log=log,
+                      comm=comm, reducer=reducer)
     config = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
     trainer.callbacks = build_callbacks(args, trainer, config)
 
     start_epoch = 0
     if args.resume:
         start_epoch = resume(args.resume, trainer)
-    log(f"pydtnn: {args.model} on {args.dataset} ({len(train)} train, {len(val) if val else 0} validation, "
+    broadcast_state(comm, model, optimizer)
+    say(f"pydtnn: {world} processes, {reducer.name if reducer else 'no'} gradient reduction, "
+        f"batch {args.batch_size} per process" if world > 1 else "pydtnn: one process")
+    say(f"pydtnn: {args.model} on {args.dataset} ({len(train)} train, {len(val) if val else 0} validation, "
         f"{len(test) if test else 0} test); {model.count_params():,} parameters")
-    log(f"pydtnn: configuration {json.dumps(config)}")
-    if args.summary:
+    say(f"pydtnn: configuration {json.dumps(config)}")
+    if args.summary and comm.rank == 0:
         model.summary(file=sys.stderr)
     if args.tracing:
         from pydtnn.profiling import Tracer
 
-        trainer.tracer = Tracer(name=f"pydtnn {args.model}")
+        trainer.tracer = Tracer(pid=comm.rank, name=f"pydtnn {args.model} rank {comm.rank}")
         model.set_tracer(trainer.tracer)
+        if reducer is not None:
+            reducer.tracer = trainer.tracer
 
     if args.evaluate_only:
         return evaluate_only(trainer, test, args)
     if args.evaluate and test is not None:
-        log("before training: " + format_record({"epoch": 0, **prefixed("test", trainer.evaluate(test, args.batch_size))}))
+        say("before training: " + format_record({"epoch": 0, **prefixed("test", trainer.evaluate(test, args.batch_size))}))
     if start_epoch >= args.num_epochs:
-        log(f"pydtnn: the checkpoint already holds {start_epoch} epochs (--num_epochs {args.num_epochs}); nothing to train")
+        say(f"pydtnn: the checkpoint already holds {start_epoch} epochs (--num_epochs {args.num_epochs}); nothing to train")
     trainer.fit(train, args.num_epochs, args.batch_size, val=val, test=test, steps_per_epoch=args.steps_per_epoch,
                 start_epoch=start_epoch)
-    print(format_record(trainer.final))
+    if comm.rank == 0:
+        print(format_record(trainer.final))
     if trainer.tracer is not None:
-        trainer.tracer.write(args.tracer_output)
-        log(f"pydtnn: trace written to {args.tracer_output}\n{trainer.tracer.summary_table()}")
+        out = args.tracer_output if world == 1 else f"{os.path.splitext(args.tracer_output)[0]}.rank{comm.rank}.json"
+        trainer.tracer.write(out)
+        say(f"pydtnn: trace written to {out}\n{trainer.tracer.summary_table()}")
     return trainer.final
 
 
@@ -159,9 +179,10 @@ def build_callbacks(args, trainer, config):
     if "model_checkpoint" in chosen or args.checkpoint_dir:
         if not args.checkpoint_dir:
             raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
-        out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config),
-                                   args.model_checkpoint_save_freq))
-        checkpoint.write_json_atomic(os.path.join(args.checkpoint_dir, "config.json"), config)
+        if trainer.is_root:  # rank 0 writes; parameters are identical on every rank
+            out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config),
+                                       args.model_checkpoint_save_freq))
+            checkpoint.write_json_atomic(os.path.join(args.checkpoint_dir, "config.json"), config)
     return out
 
 
@@ -190,7 +211,7 @@ def resume(directory, trainer):
         if hasattr(c, "load_state_dict"):
             c.load_state_dict(state)
     trainer.history = list(meta["history"])
-    log(f"pydtnn: resumed {directory} after epoch {meta['epoch']}")
+    trainer.log(f"pydtnn: resumed {directory} after epoch {meta['epoch']}")
     return meta["epoch"]
 
 

@@ -43,7 +43,7 @@ class MetricsFile:
 
 
 class Trainer:
-    """Single-process trainer for a Model, a loss and an optimizer.
+    """Trainer for a Model, a loss and an optimizer, on one process or data-parallel over many.
 
     metrics: names from pydtnn.metrics reported besides the loss. seed: drives the per-epoch sample
     order (a pure function of (seed, epoch), so runs are reproducible and resumable). schedules:
@@ -51,27 +51,44 @@ class Trainer:
     times their factors. callbacks: objects with any of on_train_begin(trainer),
     on_epoch_begin(trainer, epoch), on_batch_end(trainer, step, logs), on_epoch_end(trainer, epoch,
     logs) (see pydtnn.callbacks); setting trainer.stop_training = True ends fit after the epoch.
+
+    Data parallelism: pass a communicator (pydtnn.distributed.launch.init()) and a reducer
+    (pydtnn.distributed.reducers.create(...)). batch_size is then per process: each step takes a
+    global batch of batch_size * world_size samples and gives each rank its share. Metrics are
+    reduced once per epoch; only rank 0 shows progress and writes files.
     """
 
     def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
-                 callbacks=(), schedules=(), log=None):
+                 callbacks=(), schedules=(), log=None, comm=None, reducer=None):
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
         self.metric_fns = {m: metric_fns.get(m) for m in self.metric_names}
-        self.seed, self.progress = seed, progress
-        self.metrics_file = metrics_file
+        self.seed = seed
         self.callbacks = list(callbacks)
         self.schedules = list(schedules)
         self.base_lr = optimizer.lr
-        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        if comm is None:
+            from pydtnn.distributed.comm import SingleProcess
+
+            comm = SingleProcess()
+        self.comm, self.world_size, self.is_root = comm, comm.size, comm.rank == 0
+        self.reducer = reducer.attach(model) if reducer is not None else None
+        self.progress = progress and self.is_root
+        self.metrics_file = metrics_file if self.is_root else None
+        say = log or (lambda msg: print(msg, file=sys.stderr))
+        self.log = say if self.is_root else (lambda msg: None)
         self.history = []
         self.stop_training = False
-        self.world_size = 1
         self.tracer = None  # a profiling.Tracer: spans for data, forward, loss, backward, optimizer
 
     # -- one step ------------------------------------------------------------------------
-    def train_step(self, x, y):
-        """Forward, loss, backward and update on one batch. Returns (loss, outputs)."""
+    def train_step(self, x, y, weight=1.0):
+        """Forward, loss, backward, gradient reduction and update on one batch. Returns (loss, outputs).
+
+        weight: this rank's share of the global batch (its gradients count that much in the average).
+        """
+        if self.reducer is not None:
+            self.reducer.begin_step(weight)
         with self._span("forward"):
             out = self.model.forward(x, training=True)
         with self._span("loss"):
@@ -81,6 +98,9 @@ class Trainer:
             dy = self.loss.backward()
         with self._span("backward"):
             self.model.backward(dy)
+        if self.reducer is not None:
+            with self._span("reduce"):
+                self.reducer.finish()
         with self._span("optimizer"):
             self.optimizer.step()
         return loss, out
@@ -116,6 +136,7 @@ class Trainer:
                 record["time_s"] = time.perf_counter() - t0
                 record["samples_per_second"] = seen / t_train if t_train > 0 else None
                 self.history.append(record)
+                self._average_buffers()
                 if writer:
                     writer.write(record)
                 if self.progress:
@@ -138,10 +159,17 @@ class Trainer:
                 writer.close()
 
     def _train_epoch(self, train, epoch, epochs, batch_size, steps_per_epoch):
-        """One pass over the epoch's batches; returns ({"epoch", "loss", metrics...}, samples seen)."""
-        backend = self.model.backend
+        """One pass over the epoch's global batches; returns ({"epoch", "loss", metrics...}, samples seen).
+
+        Every rank walks the same global batches (the order is a function of seed and epoch) and
+        takes its own share of each, so all ranks issue the same collectives even when the last
+        batch is smaller than the world; an empty share computes on one sample with weight 0.
+        """
+        from pydtnn.distributed.sampler import shard_bounds
+
+        backend, rank, size = self.model.backend, self.comm.rank, self.world_size
         order = epoch_order(len(train), self.seed, epoch)
-        slices = batch_slices(len(train), batch_size)[:steps_per_epoch]
+        slices = batch_slices(len(train), batch_size * size)[:steps_per_epoch]
         sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
         bar = tqdm(slices, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
@@ -150,29 +178,46 @@ class Trainer:
             if self.schedules:
                 self.optimizer.lr = learning_rate(self.base_lr, self.schedules, epoch, step, len(slices))
             t_step = time.perf_counter_ns()
+            bounds = shard_bounds(b - a, size)
+            lo, hi = a + bounds[rank], a + bounds[rank + 1]
+            n = hi - lo
+            idx = np.sort(order[lo:hi]) if n else order[a : a + 1]
             with self._span("data"):
-                x, y = train.get_batch(np.sort(order[a:b]), backend.dtype, rng=batch_rng(self.seed, epoch, step))
+                x, y = train.get_batch(idx, backend.dtype, rng=batch_rng(self.seed, epoch, step, rank))
                 x, y = backend.asarray(x), backend.asarray(y)
             try:
-                loss, out = self.train_step(x, y)
+                loss, out = self.train_step(x, y, weight=n / (b - a))
             except TrainingDiverged as e:
                 last = self.history[-1] if self.history else None
+                where = f" on rank {rank}" if size > 1 else ""
                 raise TrainingDiverged(
-                    f"{e} at epoch {epoch + 1} step {step + 1}; parameters keep the values of the step before; "
-                    f"last completed epoch: {json.dumps(last) if last else 'none'}; try a smaller learning rate"
+                    f"{e} at epoch {epoch + 1} step {step + 1}{where}; parameters keep the values of the step "
+                    f"before; last completed epoch: {json.dumps(last) if last else 'none'}; try a smaller learning rate"
                 ) from None
             if self.tracer is not None:
                 self.tracer.add(f"step {step + 1}", "step", t_step, time.perf_counter_ns(), tid=0, epoch=epoch + 1)
-            sums["loss"] += loss * (b - a)
-            for m, fn in self.metric_fns.items():
-                sums[m] += fn(out, y) * (b - a)
-            seen += b - a
-            bar.set_postfix({k: f"{v / seen:.4f}" for k, v in sums.items()}, refresh=False)
+            if n:
+                sums["loss"] += loss * n
+                for m, fn in self.metric_fns.items():
+                    sums[m] += fn(out, y) * n
+                seen += n
+                bar.set_postfix({k: f"{v / seen:.4f}" for k, v in sums.items()}, refresh=False)
             self._callback("on_batch_end", step, None)
         bar.close()
-        record = {"epoch": epoch + 1, **{k: v / seen for k, v in sums.items()}}
+        totals = self.comm.allreduce_sum(list(sums.values()) + [seen])  # one reduction per epoch
+        seen = int(totals[-1])
+        record = {"epoch": epoch + 1, **{k: float(v) / max(seen, 1) for k, v in zip(sums, totals)}}
         record.setdefault("accuracy", None)
         return record, seen
+
+    def _average_buffers(self):
+        """Make BatchNorm running statistics (per rank while training) the same on every rank."""
+        if self.world_size == 1:
+            return
+        for _, layer in self.model.layers():
+            for buf in layer.buffers.values():
+                self.comm.allreduce(buf)
+                buf /= self.world_size
 
     def _prefixed(self, prefix, data, batch_size):
         """{prefix_loss, prefix_<metric>...} of evaluate(data), all None when data is None."""
@@ -187,13 +232,20 @@ class Trainer:
                 fn(self, *args)
 
     def evaluate(self, data, batch_size=256):
-        """Mean loss and metrics over a whole dataset, in evaluation mode (no parameter changes)."""
+        """Mean loss and metrics over a whole dataset, in evaluation mode (no parameter changes).
+
+        With several processes each evaluates a contiguous shard; the sums are reduced once.
+        """
+        from pydtnn.distributed.sampler import shard_bounds
+
         backend, was_training = self.model.backend, self.model.training
+        bounds = shard_bounds(len(data), self.world_size)
+        first, last = bounds[self.comm.rank], bounds[self.comm.rank + 1]
         self.model.eval()
         sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
         try:
-            for a, b in batch_slices(len(data), max(batch_size, 1)):
-                x, y = data.get_batch(np.arange(a, b), backend.dtype)
+            for a, b in batch_slices(last - first, max(batch_size, 1)):
+                x, y = data.get_batch(np.arange(first + a, first + b), backend.dtype)
                 x, y = backend.asarray(x), backend.asarray(y)
                 out = self.model.forward(x, training=False)
                 sums["loss"] += self.loss.forward(out, y) * (b - a)
@@ -202,7 +254,8 @@ class Trainer:
                 seen += b - a
         finally:
             self.model.training = was_training
-        return {k: v / max(seen, 1) for k, v in sums.items()}
+        totals = self.comm.allreduce_sum(list(sums.values()) + [seen])
+        return {k: float(v) / max(totals[-1], 1) for k, v in zip(sums, totals)}
 
     def predict(self, data, batch_size=256):
         """Model outputs for every sample of a dataset (or an array of inputs), as a NumPy array."""
@@ -218,10 +271,10 @@ class Trainer:
         return np.concatenate(outs) if outs else np.empty((0,) + self.model.output_shape, backend.dtype)
 
 
-def batch_rng(seed, epoch, step):
-    """Generator for one training batch's augmentation: a function of (seed, epoch, step) alone, so a
-    resumed run (or another rank) draws exactly what the uninterrupted run drew."""
-    return np.random.default_rng([seed, epoch, step, 0xA6])
+def batch_rng(seed, epoch, step, rank=0):
+    """Generator for one training batch's augmentation: a function of (seed, epoch, step, rank) alone,
+    so a resumed run draws exactly what the uninterrupted run drew."""
+    return np.random.default_rng([seed, epoch, step, rank, 0xA6])
 
 
 def format_record(r):

@@ -1,0 +1,63 @@
+"""Launch helpers: world discovery, one BLAS thread per rank, abort-on-exception.
+
+A plain `python` run needs no MPI: MPI is initialised only when a launcher's environment variables
+say there are several processes (mpiexec/mpirun of MPICH or Open MPI, Slurm's srun).
+"""
+
+import os
+import sys
+import traceback
+
+from pydtnn.distributed.comm import MPIComm, SingleProcess
+from pydtnn.errors import ConfigError, PydtnnError
+
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+
+
+def launched_size():
+    """Process count announced by the launcher's environment (1 for a plain run)."""
+    for var in _SIZE_VARS:
+        if os.environ.get(var, "").isdigit():
+            if var == "SLURM_NTASKS" and "SLURM_STEP_ID" not in os.environ:
+                continue  # inside an allocation but not started by srun
+            return int(os.environ[var])
+    return 1
+
+
+def init(threads=1):
+    """The world communicator; limits BLAS to `threads` threads per process when there are several."""
+    if launched_size() <= 1:
+        return SingleProcess()
+    try:
+        comm = MPIComm()
+    except ImportError:
+        raise ConfigError("launched with several processes but mpi4py is missing; pip install mpi4py mpich") from None
+    if threads:
+        limit_blas_threads(threads)
+    return comm
+
+
+def limit_blas_threads(n):
+    """One BLAS thread per rank by default: measured here, 2 ranks x 2 threads lose 10-30%."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(n)
+
+
+def install_abort_handler(comm):
+    """Any uncaught exception on any rank prints `rank R: <error>` and aborts the whole job.
+
+    Without it, the other ranks would wait forever in their next collective.
+    """
+    if comm.size <= 1:
+        return
+
+    def hook(kind, value, tb):
+        if issubclass(kind, PydtnnError):
+            msg = f"pydtnn: error: rank {comm.rank}: {' '.join(str(value).split())}"
+        else:
+            msg = f"rank {comm.rank}: " + "".join(traceback.format_exception(kind, value, tb)).rstrip()
+        print(msg, file=sys.stderr, flush=True)
+        comm.abort(2 if issubclass(kind, PydtnnError) else 1)
+
+    sys.excepthook = hook

@@ -1,0 +1,20 @@
+"""Gradient reduction strategies, one class per file behind the Reducer interface (base.py)."""
+
+from pydtnn.distributed.reducers.base import Reducer
+from pydtnn.distributed.reducers.blocking import BlockingReducer
+from pydtnn.distributed.reducers.bucketed import BucketedReducer
+from pydtnn.distributed.reducers.per_layer import PerLayerReducer
+from pydtnn.errors import ConfigError
+
+_CLASSES = {c.name: c for c in (BlockingReducer, PerLayerReducer, BucketedReducer)}
+NAMES = tuple(_CLASSES)
+
+
+def create(name, comm, **options):
+    """Reducer by name: blocking, per_layer or bucketed (options: bucket_mb, first_bucket_mb)."""
+    if name not in _CLASSES:
+        raise ConfigError(f"unknown reduction strategy {name!r}; expected one of {', '.join(NAMES)}")
+    return _CLASSES[name](comm, **options)
+
+
+__all__ = ["Reducer", "BlockingReducer", "PerLayerReducer", "BucketedReducer", "create", "NAMES"]

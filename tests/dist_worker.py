@@ -1,0 +1,67 @@
+"""Worker launched by tests/test_distributed.py under mpiexec (or plain python for one process).
+
+    python tests/dist_worker.py OUT_DIR [--raise_at STEP --raise_rank R]
+
+Trains simplecnn on 250 embedded digits (global batch 24: the last batch of each epoch has 10
+samples, uneven over 3 ranks) for 2 epochs with every reduction strategy and both dtypes, and rank 0
+saves the parameters of each run to OUT_DIR/<strategy>-<dtype>.safetensors.
+"""
+
+import argparse
+import os
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from pydtnn import data, models
+from pydtnn.backends import CPUBackend
+from pydtnn.distributed import launch, reducers
+from pydtnn.distributed.consistency import broadcast_state
+from pydtnn.losses import SoftmaxCrossEntropy
+from pydtnn.optim import SGD
+from pydtnn.trainer import Trainer
+
+GLOBAL_BATCH, SAMPLES, EPOCHS = 24, 250, 2
+
+
+class RaiseAt:
+    def __init__(self, step, rank):
+        self.step, self.rank = step, rank
+
+    def on_batch_end(self, trainer, step, logs):
+        if step + 1 == self.step and trainer.comm.rank == self.rank:
+            raise RuntimeError(f"deliberate failure at step {self.step}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--raise_at", type=int, default=0)
+    p.add_argument("--raise_rank", type=int, default=1)
+    p.add_argument("--strategies", default=",".join(reducers.NAMES))
+    args = p.parse_args()
+    comm = launch.init()
+    launch.install_abort_handler(comm)
+    train, _ = data.load("mnist5k")
+    train = train.subset(np.arange(SAMPLES) * 16)  # all ten digits
+    strategies = args.strategies.split(",") if comm.size > 1 else ["single"]
+    for strategy in strategies:
+        for dtype in ("float64", "float32"):
+            seed = comm.rank * 1000 + 7  # different seeds: the broadcast must make ranks equal
+            model = models.create("simplecnn", backend=CPUBackend(dtype, seed=seed))
+            opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
+            reducer = reducers.create(strategy, comm, bucket_mb=0.05, first_bucket_mb=0.01) if strategy == "bucketed" \
+                else (reducers.create(strategy, comm) if comm.size > 1 else None)
+            callbacks = [RaiseAt(args.raise_at, args.raise_rank)] if args.raise_at else []
+            t = Trainer(model, SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer,
+                        callbacks=callbacks, seed=3)
+            broadcast_state(comm, model, opt)
+            t.fit(train, epochs=EPOCHS, batch_size=GLOBAL_BATCH // comm.size)
+            if comm.rank == 0:
+                params = {n: np.ascontiguousarray(p) for n, p, _ in model.parameters()}
+                save_file(params, os.path.join(args.out, f"{strategy}-{dtype}.safetensors"),
+                          metadata={"sha": t.final["params_sha256"], "loss": repr(t.history[-1]["loss"])})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Data parallelism: N processes compute what 1 process computes, and failures end the whole job.
+
+Multi-process runs use the mpiexec next to the Python in use, as subprocesses with a timeout, so a
+hang fails the test instead of stalling the suite.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from pydtnn.distributed.sampler import shard_bounds
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+WORKER = os.path.join(HERE, "dist_worker.py")
+STRATEGIES = ("blocking", "per_layer", "bucketed")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def launch(n, out, *extra, timeout=240):
+    cmd = ([MPIEXEC, "-n", str(n)] if n > 1 else []) + [sys.executable, WORKER, str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def read(path):
+    with safe_open(str(path), "numpy") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("np1")
+    r = launch(1, out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_n_processes_equal_one_process(single, tmp_path, n):
+    assert os.path.exists(MPIEXEC), "pip install mpich puts mpiexec next to python"
+    r = launch(n, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for dtype, rtol in (("float64", 1e-12), ("float32", 1e-5)):
+        want, _ = read(single / f"single-{dtype}.safetensors")
+        for strategy in STRATEGIES:
+            got, _ = read(tmp_path / f"{strategy}-{dtype}.safetensors")
+            assert got.keys() == want.keys()
+            for k in want:
+                scale = np.abs(want[k]).max()
+                err = np.abs(got[k].astype(np.float64) - want[k]).max() / scale
+                assert err <= rtol, f"np={n} {strategy} {dtype} {k}: relative difference {err:.3g} > {rtol}"
+                assert not np.array_equal(want[k], 0 * want[k])
+
+
+def test_repeated_runs_give_identical_parameters(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    for out in (a, b):
+        r = launch(2, out, "--strategies", "bucketed")
+        assert r.returncode == 0, r.stderr[-3000:]
+    for dtype in ("float64", "float32"):
+        assert read(a / f"bucketed-{dtype}.safetensors")[1]["sha"] == read(b / f"bucketed-{dtype}.safetensors")[1]["sha"]
+
+
+def test_a_failing_rank_ends_the_whole_job(tmp_path):
+    t0 = time.time()
+    r = launch(3, tmp_path, "--raise_at", "5", "--raise_rank", "1", "--strategies", "per_layer", timeout=60)
+    assert time.time() - t0 < 30
+    assert r.returncode != 0
+    assert "rank 1:" in r.stderr and "deliberate failure at step 5" in r.stderr
+
+
+def test_cli_under_mpiexec_matches_single_process(tmp_path):
+    common = ["-m", "pydtnn", "--model", "simplemlp", "--num_epochs", "1", "--steps_per_epoch", "15",
+              "--global_batch_size", "48", "--progress", "false", "--dtype", "float64"]
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"m{n}.jsonl"
+        cmd = ([MPIEXEC, "-n", str(n)] if n > 1 else []) + [sys.executable, *common, "--metrics_file", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV)
+        assert r.returncode == 0, r.stderr[-3000:]
+        import json
+
+        runs[n] = [json.loads(s) for s in out.read_text().splitlines()]
+    assert runs[2][-1]["world_size"] == 2
+    assert runs[1][0]["loss"] == pytest.approx(runs[2][0]["loss"], rel=1e-9)
+    assert runs[1][-1]["test_accuracy"] == pytest.approx(runs[2][-1]["test_accuracy"], abs=1e-9)
+
+
+def test_shard_bounds():
+    assert shard_bounds(10, 3) == [0, 4, 7, 10]
+    assert shard_bounds(2, 3) == [0, 1, 2, 2]
+    assert shard_bounds(9, 3) == [0, 3, 6, 9]
