@@ -77,7 +77,7 @@ def run(args):
     broadcast_state(comm, model, optimizer)
     say(f"pydtnn: {world} processes, {reducer.name if reducer else 'no'} gradient reduction, "
         f"batch {args.batch_size} per process" if world > 1 else "pydtnn: one process")
-    say(f"pydtnn: {args.model} on {args.dataset} ({len(train)} train, {len(val) if val else 0} validation, "
+    say(f"pydtnn: {args.model} on {'synthetic' if args.use_synthetic_data else args.dataset} ({len(train)} train, {len(val) if val else 0} validation, "
         f"{len(test) if test else 0} test); {model.count_params():,} parameters")
     say(f"pydtnn: configuration {json.dumps(config)}")
     if args.summary and comm.rank == 0:
@@ -109,7 +109,11 @@ def run(args):
 
 def load_datasets(args):
     """(train, validation or None, test or None) as the dataset flags say."""
-    train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path)
+    if args.use_synthetic_data or args.dataset == "synthetic":
+        shape, classes = models.defaults(args.model)
+        train, test = data.load("synthetic", input_shape=shape, num_classes=classes, seed=args.seed)
+    else:
+        train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path)
     val = None
     if args.validation_split:
         train, val = data.split_validation(train, args.validation_split, args.seed)
