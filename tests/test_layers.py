@@ -18,6 +18,7 @@ from pydtnn.layers import (
     LeakyReLU,
     MaxPool2D,
     ReLU,
+    ReLU6,
     Sequential,
     Sigmoid,
     Softmax,
@@ -162,6 +163,7 @@ def test_batchnorm_eval_uses_running_stats():
 # -- Activations, Flatten, Softmax ---------------------------------------------------------
 ACTIVATIONS = [
     (ReLU, F.relu),
+    (ReLU6, F.relu6),
     (lambda: LeakyReLU(0.1), lambda x: F.leaky_relu(x, 0.1)),
     (Sigmoid, torch.sigmoid),
     (Tanh, torch.tanh),
@@ -174,6 +176,20 @@ ACTIVATIONS = [
 @pytest.mark.parametrize("x_shape", [(4, 6), (2, 3, 4, 5)])
 def test_activation(make, fn, x_shape):
     both_checks(make, x_shape, lambda x, _: fn(x))
+
+
+def test_relu6_clips_both_sides():
+    x = 4 * np.random.default_rng(3).standard_normal((4, 50))  # reaches past 0 and 6
+    check_gradients(ReLU6(), x.shape, x=x)
+    for dtype in DTYPES:
+        layer = ReLU6()
+        layer.build((50,), dtype)
+        y = layer.forward(x.astype(dtype))
+        tx = torch.tensor(x.astype(dtype), requires_grad=True)
+        F.relu6(tx).sum().backward()
+        np.testing.assert_allclose(y, F.relu6(tx).detach().numpy())
+        np.testing.assert_allclose(layer.backward(np.ones_like(y)), tx.grad.numpy())
+    assert (y == 6).any() and (y == 0).any()
 
 
 def test_sigmoid_and_softmax_do_not_overflow():

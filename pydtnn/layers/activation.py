@@ -26,6 +26,17 @@ class ReLU(_Elementwise):
         return dy * (self.y > 0)
 
 
+class ReLU6(_Elementwise):
+    """y = min(max(x, 0), 6) (MobileNet's activation)."""
+
+    def forward(self, x, training=True):
+        self.mask = ((x > 0) & (x < 6)) if training else None
+        return self.xp.clip(x, 0, 6)
+
+    def backward(self, dy):
+        return dy * self.mask
+
+
 class LeakyReLU(_Elementwise):
     """y = x if x > 0 else alpha * x."""
 

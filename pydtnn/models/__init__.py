@@ -1,21 +1,70 @@
 """The model zoo: one builder function per architecture, registered by name below.
 
-    pydtnn.models.names()                                 # ['simplecnn', 'simplemlp', ...]
-    model = pydtnn.models.create("simplecnn", backend=CPUBackend(seed=1))
+    pydtnn.models.names()                                 # ['alexnet_cifar10', ..., 'vgg19bn_imagenet']
+    model = pydtnn.models.create("resnet50_imagenet", backend=CPUBackend(seed=1))
 
-A builder takes (input_shape, num_classes, **options) and returns the list of layers; `create`
-builds it into a Model. Defaults come from the dataset the architecture was designed for.
+A builder takes (input_shape, num_classes, **options) and returns its layers (a list, a dict or a
+Sequential); `create` builds them into a Model. Defaults come from the dataset the architecture
+was designed for: *_imagenet models take 3x224x224 (Inception v3: 3x299x299) and 1000 classes,
+*_cifar10 models 3x32x32 and 10 classes. The ImageNet models reproduce torchvision's architectures
+and state-dict names, so torchvision weights load (see models/convert.py). docs/models.md lists
+every model with its parameters and FLOPs.
 """
 
 from pydtnn.backends.cpu import CPUBackend
 from pydtnn.errors import ConfigError
 from pydtnn.model import Model
-from pydtnn.models import simple
+from pydtnn.models import alexnet, densenet, inception, lenet, mobilenet, resnet, simple, vgg
+
+# (default input shape, default number of classes) of each dataset
+IMAGENET, IMAGENET_299 = ((3, 224, 224), 1000), ((3, 299, 299), 1000)
+CIFAR10, MNIST = ((3, 32, 32), 10), ((1, 28, 28), 10)
 
 # name -> (builder, default input shape, default number of classes)
 _REGISTRY = {
-    "simplecnn": (simple.simplecnn, (1, 28, 28), 10),
-    "simplemlp": (simple.simplemlp, (1, 28, 28), 10),
+    name: (builder, *defaults)
+    for name, builder, defaults in [
+        ("simplecnn", simple.simplecnn, MNIST),
+        ("simplemlp", simple.simplemlp, MNIST),
+        ("lenet5", lenet.lenet5, MNIST),
+        ("alexnet_cifar10", alexnet.alexnet_cifar10, CIFAR10),
+        ("alexnet_imagenet", alexnet.alexnet_imagenet, IMAGENET),
+        ("vgg11_cifar10", vgg.vgg11_cifar10, CIFAR10),
+        ("vgg13_cifar10", vgg.vgg13_cifar10, CIFAR10),
+        ("vgg16_cifar10", vgg.vgg16_cifar10, CIFAR10),
+        ("vgg19_cifar10", vgg.vgg19_cifar10, CIFAR10),
+        ("vgg11bn_cifar10", vgg.vgg11bn_cifar10, CIFAR10),
+        ("vgg13bn_cifar10", vgg.vgg13bn_cifar10, CIFAR10),
+        ("vgg16bn_cifar10", vgg.vgg16bn_cifar10, CIFAR10),
+        ("vgg19bn_cifar10", vgg.vgg19bn_cifar10, CIFAR10),
+        ("vgg11_imagenet", vgg.vgg11_imagenet, IMAGENET),
+        ("vgg13_imagenet", vgg.vgg13_imagenet, IMAGENET),
+        ("vgg16_imagenet", vgg.vgg16_imagenet, IMAGENET),
+        ("vgg19_imagenet", vgg.vgg19_imagenet, IMAGENET),
+        ("vgg11bn_imagenet", vgg.vgg11bn_imagenet, IMAGENET),
+        ("vgg13bn_imagenet", vgg.vgg13bn_imagenet, IMAGENET),
+        ("vgg16bn_imagenet", vgg.vgg16bn_imagenet, IMAGENET),
+        ("vgg19bn_imagenet", vgg.vgg19bn_imagenet, IMAGENET),
+        ("resnet20_cifar10", resnet.resnet20_cifar10, CIFAR10),
+        ("resnet32_cifar10", resnet.resnet32_cifar10, CIFAR10),
+        ("resnet44_cifar10", resnet.resnet44_cifar10, CIFAR10),
+        ("resnet56_cifar10", resnet.resnet56_cifar10, CIFAR10),
+        ("resnet110_cifar10", resnet.resnet110_cifar10, CIFAR10),
+        ("resnet18_imagenet", resnet.resnet18_imagenet, IMAGENET),
+        ("resnet34_imagenet", resnet.resnet34_imagenet, IMAGENET),
+        ("resnet50_imagenet", resnet.resnet50_imagenet, IMAGENET),
+        ("resnet101_imagenet", resnet.resnet101_imagenet, IMAGENET),
+        ("resnet152_imagenet", resnet.resnet152_imagenet, IMAGENET),
+        ("densenet_cifar10", densenet.densenet_cifar10, CIFAR10),
+        ("densenet121_imagenet", densenet.densenet121_imagenet, IMAGENET),
+        ("densenet169_imagenet", densenet.densenet169_imagenet, IMAGENET),
+        ("densenet201_imagenet", densenet.densenet201_imagenet, IMAGENET),
+        ("googlenet_cifar10", inception.googlenet_cifar10, CIFAR10),
+        ("googlenet_imagenet", inception.googlenet_imagenet, IMAGENET),
+        ("inceptionv3_imagenet", inception.inceptionv3_imagenet, IMAGENET_299),
+        ("mobilenetv1_cifar10", mobilenet.mobilenetv1_cifar10, CIFAR10),
+        ("mobilenetv1_imagenet", mobilenet.mobilenetv1_imagenet, IMAGENET),
+    ]
 }
 
 
@@ -24,11 +73,30 @@ def names():
     return sorted(_REGISTRY)
 
 
+def defaults(name):
+    """(input_shape, num_classes) that `create(name)` uses when none are given."""
+    _, shape, classes = _entry(name)
+    return shape, classes
+
+
 def create(name, input_shape=None, num_classes=None, backend=None, **options):
-    """Built Model of architecture `name` on `backend` (CPU float32 seed 0 by default)."""
+    """Built Model of architecture `name` on `backend` (CPU float32 seed 0 by default).
+
+    options go to the builder (e.g. dropout=0.3, or alpha=0.5 for MobileNet); an option the
+    builder does not take is a ConfigError.
+    """
+    builder, default_shape, default_classes = _entry(name)
+    shape = tuple(input_shape or default_shape)
+    try:
+        layers = builder(shape, num_classes or default_classes, **options)
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        raise ConfigError(f"model {name!r} does not take option(s) {sorted(options)}: {e}") from None
+    return Model(layers, shape, backend if backend is not None else CPUBackend(), name=name)
+
+
+def _entry(name):
     if name not in _REGISTRY:
         raise ConfigError(f"unknown model {name!r}; expected one of {', '.join(names())}")
-    builder, default_shape, default_classes = _REGISTRY[name]
-    shape = tuple(input_shape or default_shape)
-    layers = builder(shape, num_classes or default_classes, **options)
-    return Model(layers, shape, backend if backend is not None else CPUBackend(), name=name)
+    return _REGISTRY[name]
