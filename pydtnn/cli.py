@@ -152,6 +152,14 @@ def build_parser(suppress_defaults=False):
       help="gradient reduction: one allreduce after backward, one per gradient as layers finish "
            "(= --non_blocking_mpi), or buckets started as they fill (default)")
     f(g, "bucket_size_mb", type=positive_float, default=25.0, help="bucketed: bucket size in MB (default 25)")
+    f(g, "learning_rate_scaling", type=parse_bool, default=True,
+      help="multiply the learning rate by the process count when --batch_size is per process "
+           "(Goyal et al.; not with --global_batch_size, whose global batch does not grow)")
+    f(g, "drop_last", type=parse_bool, default=False, help="skip each epoch's last, smaller global batch")
+    f(g, "stall_timeout", type=non_negative_float, default=300.0,
+      help="seconds a collective may wait before the job reports which ranks have not arrived and aborts (0: off)")
+    f(g, "debug_collectives", type=parse_bool, default=False,
+      help="check before every collective that all ranks issue the same one (op, dtype, size, number)")
     f(g, "threads_per_process", type=non_negative_int, default=1,
       help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice)")
 

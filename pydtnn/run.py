@@ -40,7 +40,7 @@ def run(args):
         return None
     if args.enable_gpu or args.enable_nccl:
         raise ConfigError("--enable_gpu/--enable_nccl: this build has no GPU backend yet; run without them (CPU)")
-    comm = launch.init(threads=args.threads_per_process)
+    comm = launch.init(args.threads_per_process, args.stall_timeout, args.debug_collectives)
     launch.install_abort_handler(comm)
     world = comm.size
     say = log if comm.rank == 0 else (lambda msg: None)
@@ -58,7 +58,10 @@ def run(args):
     model = models.create(args.model, input_shape=train.input_shape, num_classes=train.num_classes, backend=backend)
     if args.weights_and_bias_filename:
         checkpoint.load_weights(args.weights_and_bias_filename, model)
-    optimizer = optim.create(args.optimizer, model.parameters(), **optimizer_options(args))
+    options = optimizer_options(args)
+    if world > 1 and args.learning_rate_scaling and args.global_batch_size is None:
+        options["lr"] *= world  # the global batch grew P times (Goyal et al. 2017)
+    optimizer = optim.create(args.optimizer, model.parameters(), **options)
     schedules = build_schedules(args, world)
     reducer = None
     if world > 1:
@@ -97,7 +100,7 @@ def run(args):
     if start_epoch >= args.num_epochs:
         say(f"pydtnn: the checkpoint already holds {start_epoch} epochs (--num_epochs {args.num_epochs}); nothing to train")
     trainer.fit(train, args.num_epochs, args.batch_size, val=val, test=test, steps_per_epoch=args.steps_per_epoch,
-                start_epoch=start_epoch)
+                start_epoch=start_epoch, drop_last=args.drop_last)
     if comm.rank == 0:
         print(format_record(trainer.final))
     if trainer.tracer is not None:

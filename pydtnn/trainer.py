@@ -109,7 +109,8 @@ class Trainer:
         return nullcontext() if self.tracer is None else self.tracer.span(name or cat, cat, tid=1)
 
     # -- loops ---------------------------------------------------------------------------
-    def fit(self, train, epochs=1, batch_size=64, val=None, test=None, steps_per_epoch=None, start_epoch=0):
+    def fit(self, train, epochs=1, batch_size=64, val=None, test=None, steps_per_epoch=None, start_epoch=0,
+            drop_last=False):
         """Train for `epochs` epochs; evaluate on val after each and on test at the end.
 
         Returns the history: one dict per epoch with loss, metrics, val_* (None without val), lr,
@@ -128,7 +129,7 @@ class Trainer:
             for epoch in range(start_epoch, epochs):
                 self._callback("on_epoch_begin", epoch)
                 t0 = time.perf_counter()
-                record, seen = self._train_epoch(train, epoch, epochs, batch_size, steps_per_epoch)
+                record, seen = self._train_epoch(train, epoch, epochs, batch_size, steps_per_epoch, drop_last)
                 t_train = time.perf_counter() - t0
                 train_time, train_samples = train_time + t_train, train_samples + seen
                 record.update(self._prefixed("val", val, batch_size))
@@ -158,7 +159,7 @@ class Trainer:
             if writer:
                 writer.close()
 
-    def _train_epoch(self, train, epoch, epochs, batch_size, steps_per_epoch):
+    def _train_epoch(self, train, epoch, epochs, batch_size, steps_per_epoch, drop_last=False):
         """One pass over the epoch's global batches; returns ({"epoch", "loss", metrics...}, samples seen).
 
         Every rank walks the same global batches (the order is a function of seed and epoch) and
@@ -169,7 +170,7 @@ class Trainer:
 
         backend, rank, size = self.model.backend, self.comm.rank, self.world_size
         order = epoch_order(len(train), self.seed, epoch)
-        slices = batch_slices(len(train), batch_size * size)[:steps_per_epoch]
+        slices = batch_slices(len(train), batch_size * size, drop_last)[:steps_per_epoch]
         sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
         bar = tqdm(slices, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
@@ -216,7 +217,7 @@ class Trainer:
             return
         for _, layer in self.model.layers():
             for buf in layer.buffers.values():
-                self.comm.allreduce(buf)
+                self.comm.allreduce(buf, "buffers")
                 buf /= self.world_size
 
     def _prefixed(self, prefix, data, batch_size):

@@ -1,6 +1,7 @@
 """Worker launched by tests/test_distributed.py under mpiexec (or plain python for one process).
 
-    python tests/dist_worker.py OUT_DIR [--raise_at STEP --raise_rank R]
+    python tests/dist_worker.py OUT_DIR [--raise_at STEP --raise_rank R] [--stall_at STEP --stall_timeout S]
+                                        [--mismatch_at STEP --debug_collectives]
 
 Trains simplecnn on 250 embedded digits (global batch 24: the last batch of each epoch has 10
 samples, uneven over 3 ranks) for 2 epochs with every reduction strategy and both dtypes, and rank 0
@@ -9,6 +10,7 @@ saves the parameters of each run to OUT_DIR/<strategy>-<dtype>.safetensors.
 
 import argparse
 import os
+import time
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -24,13 +26,21 @@ from pydtnn.trainer import Trainer
 GLOBAL_BATCH, SAMPLES, EPOCHS = 24, 250, 2
 
 
-class RaiseAt:
-    def __init__(self, step, rank):
-        self.step, self.rank = step, rank
+class Misbehave:
+    """On rank `rank` at step `step`: raise, stop calling collectives, or issue a different one."""
+
+    def __init__(self, step, rank, how):
+        self.step, self.rank, self.how = step, rank, how
 
     def on_batch_end(self, trainer, step, logs):
-        if step + 1 == self.step and trainer.comm.rank == self.rank:
+        if step + 1 != self.step or trainer.comm.rank != self.rank:
+            return
+        if self.how == "raise":
             raise RuntimeError(f"deliberate failure at step {self.step}")
+        if self.how == "stall":
+            time.sleep(120)
+        if self.how == "mismatch":
+            trainer.comm.allreduce(np.zeros(3), "deliberate extra")
 
 
 def main():
@@ -38,9 +48,13 @@ def main():
     p.add_argument("out")
     p.add_argument("--raise_at", type=int, default=0)
     p.add_argument("--raise_rank", type=int, default=1)
+    p.add_argument("--stall_at", type=int, default=0)
+    p.add_argument("--stall_timeout", type=float, default=300.0)
+    p.add_argument("--mismatch_at", type=int, default=0)
+    p.add_argument("--debug_collectives", action="store_true")
     p.add_argument("--strategies", default=",".join(reducers.NAMES))
     args = p.parse_args()
-    comm = launch.init()
+    comm = launch.init(stall_timeout=args.stall_timeout, debug_collectives=args.debug_collectives)
     launch.install_abort_handler(comm)
     train, _ = data.load("mnist5k")
     train = train.subset(np.arange(SAMPLES) * 16)  # all ten digits
@@ -52,7 +66,8 @@ def main():
             opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
             reducer = reducers.create(strategy, comm, bucket_mb=0.05, first_bucket_mb=0.01) if strategy == "bucketed" \
                 else (reducers.create(strategy, comm) if comm.size > 1 else None)
-            callbacks = [RaiseAt(args.raise_at, args.raise_rank)] if args.raise_at else []
+            callbacks = [Misbehave(step, args.raise_rank, how) for how, step in
+                         (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at)) if step]
             t = Trainer(model, SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer,
                         callbacks=callbacks, seed=3)
             broadcast_state(comm, model, opt)

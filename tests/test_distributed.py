@@ -75,6 +75,28 @@ def test_a_failing_rank_ends_the_whole_job(tmp_path):
     assert "rank 1:" in r.stderr and "deliberate failure at step 5" in r.stderr
 
 
+def test_stalled_rank_is_reported_by_the_watchdog(tmp_path):
+    t0 = time.time()
+    r = launch(3, tmp_path, "--stall_at", "4", "--raise_rank", "2", "--stall_timeout", "2", "--strategies", "bucketed",
+               timeout=90)
+    assert time.time() - t0 < 40
+    assert r.returncode != 0
+    assert "rank 0: stalled" in r.stderr and "ranks that have not arrived: 2;" in r.stderr, r.stderr[-2000:]
+
+
+def test_debug_collectives_names_the_first_mismatch(tmp_path):
+    r = launch(2, tmp_path, "--mismatch_at", "3", "--raise_rank", "1", "--debug_collectives", "--strategies",
+               "blocking", timeout=90)
+    assert r.returncode != 0
+    assert "differs between ranks" in r.stderr, r.stderr[-2000:]
+    assert "rank 1: allreduce float64 x 3" in r.stderr and "rank 0: allreduce" in r.stderr
+
+
+def test_debug_collectives_passes_a_correct_run(tmp_path):
+    r = launch(2, tmp_path, "--debug_collectives", "--strategies", "per_layer")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_cli_under_mpiexec_matches_single_process(tmp_path):
     common = ["-m", "pydtnn", "--model", "simplemlp", "--num_epochs", "1", "--steps_per_epoch", "15",
               "--global_batch_size", "48", "--progress", "false", "--dtype", "float64"]

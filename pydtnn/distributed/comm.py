@@ -2,9 +2,26 @@
 
 Arrays are reduced in place. Non-blocking reductions return a request with test() and wait();
 MPI makes no progress in the background here, so whoever starts one should call test() now and then.
+
+MPIComm numbers every collective. Two safety nets use the numbers:
+- stall_timeout: waits poll instead of blocking; a wait longer than the timeout reports the
+  collective and, on rank 0, which ranks have not arrived at it (every rank tells rank 0 the number
+  of each collective it enters, with an 8-byte non-blocking send), then aborts the job.
+- debug: before every collective the ranks compare (operation, dtype, element count, number) and
+  the first mismatch is raised as an error naming each rank's call, instead of hanging or corrupting.
 """
 
+import atexit
+import sys
+import time
+
 import numpy as np
+
+from pydtnn.errors import PydtnnError
+
+
+class CollectiveMismatch(PydtnnError):
+    """Ranks issued different collectives (found by --debug_collectives)."""
 
 
 class SingleProcess:
@@ -13,10 +30,10 @@ class SingleProcess:
     rank, size = 0, 1
     name = "single"
 
-    def allreduce(self, buf):
+    def allreduce(self, buf, label=""):
         return buf
 
-    def iallreduce(self, buf):
+    def iallreduce(self, buf, label=""):
         return _Done()
 
     def bcast(self, buf, root=0):
@@ -28,9 +45,6 @@ class SingleProcess:
     def allreduce_sum(self, values):
         """Sum of a small float vector over ranks (a new array)."""
         return np.array(values, dtype=np.float64)
-
-    def allgather_obj(self, obj):
-        return [obj]
 
     def barrier(self):
         pass
@@ -47,50 +61,140 @@ class _Done:
         pass
 
 
+_ARRIVE = 7707  # tag of arrival notes
+
+
 class MPIComm:
-    """mpi4py's COMM_WORLD (or a given communicator)."""
+    """mpi4py's COMM_WORLD (or a given communicator), with numbered collectives."""
 
     name = "mpi"
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, stall_timeout=None, debug=False):
         from mpi4py import MPI
 
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.stall_timeout, self.debug = stall_timeout, debug
+        self.seq = 0  # collectives entered so far
+        self.current = None  # description of the collective being entered
+        if stall_timeout:
+            self.side = self.comm.Dup()  # arrival notes travel apart from the collectives
+            self._sends = []
+            if self.rank == 0:
+                self.board = np.zeros(self.size, np.int64)  # last collective each rank entered
+                self._bufs = [np.zeros(1, np.int64) for _ in range(self.size)]
+                self._recvs = [self.side.Irecv(self._bufs[r], source=r, tag=_ARRIVE) if r else None
+                               for r in range(self.size)]
+            atexit.register(self._close_side)
 
-    def allreduce(self, buf):
-        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+    # -- collectives ---------------------------------------------------------------------
+    def allreduce(self, buf, label=""):
+        self._enter("allreduce", buf, label)
+        if not self.stall_timeout:
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+            return buf
+        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM), self.current)
         return buf
 
-    def iallreduce(self, buf):
-        return _MPIRequest(self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
+    def iallreduce(self, buf, label=""):
+        self._enter("allreduce", buf, label)
+        return _MPIRequest(self, self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM), self.current)
 
     def bcast(self, buf, root=0):
+        self._enter("bcast", buf)
         self.comm.Bcast(buf, root=root)
         return buf
 
     def bcast_obj(self, obj, root=0):
+        self._enter("bcast_obj", None)
         return self.comm.bcast(obj, root=root)
 
     def allreduce_sum(self, values):
         buf = np.array(values, dtype=np.float64)
-        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        return buf
-
-    def allgather_obj(self, obj):
-        return self.comm.allgather(obj)
+        return self.allreduce(buf, "metrics")
 
     def barrier(self):
+        self._enter("barrier", None)
         self.comm.Barrier()
 
     def abort(self, code=1):
+        sys.stderr.flush()
         self.comm.Abort(code)
+
+    # -- numbering, checks, stalls ---------------------------------------------------------
+    def _enter(self, op, buf, label=""):
+        self.seq += 1
+        sig = (op, "-" if buf is None else buf.dtype.name, 0 if buf is None else int(buf.size))
+        self.current = f"{op} #{self.seq}" + (f" ({label})" if label else "") + (
+            f" [{sig[1]} x {sig[2]}]" if buf is not None else "")
+        if self.debug:
+            sigs = self.comm.allgather(sig + (self.seq,))
+            if any(s != sigs[0] for s in sigs):
+                calls = "; ".join(f"rank {r}: {s[0]} {s[1]} x {s[2]} (#{s[3]})" for r, s in enumerate(sigs))
+                raise CollectiveMismatch(f"collective #{self.seq} differs between ranks: {calls}")
+        if self.stall_timeout:
+            if self.rank:
+                note = np.array([self.seq], np.int64)
+                self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+                self._sends.append((self.side.Isend(note, dest=0, tag=_ARRIVE), note))
+            else:
+                self.board[0] = self.seq
+                self._drain()
+
+    def _drain(self):
+        for r in range(1, self.size):
+            while self._recvs[r].Test():
+                self.board[r] = self._bufs[r][0]
+                self._recvs[r] = self.side.Irecv(self._bufs[r], source=r, tag=_ARRIVE)
+
+    def _wait(self, req, what):
+        """Wait for req, polling; past stall_timeout report and abort the job."""
+        if not self.stall_timeout:
+            req.Wait()
+            return
+        start, pause = time.monotonic(), 0.0
+        seq = int(what.split("#")[1].split()[0])
+        # rank 0 knows who has arrived, so it reports first; the others only if rank 0 does not
+        limit = self.stall_timeout if self.rank == 0 else 1.5 * self.stall_timeout + 1
+        while not req.Test():
+            if self.rank == 0:
+                self._drain()
+            waited = time.monotonic() - start
+            if waited > limit:
+                self._report_stall(what, seq, waited)
+            time.sleep(pause)
+            pause = min(pause + 1e-5, 1e-3)  # spin first, then back off to a millisecond
+
+    def _report_stall(self, what, seq, waited):
+        msg = f"pydtnn: error: rank {self.rank}: stalled {waited:.1f} s in {what}"
+        if self.rank == 0:
+            self._drain()
+            late = [r for r in range(self.size) if self.board[r] < seq]
+            msg += f"; ranks that have not arrived: {', '.join(map(str, late)) or 'none (all are inside it)'}"
+            msg += f"; last collective each rank entered: {dict(enumerate(self.board.tolist()))}"
+        else:
+            msg += "; rank 0 did not report, so it may be the rank that stopped"
+        print(msg + "; aborting (see --stall_timeout)", file=sys.stderr, flush=True)
+        self.abort(1)
+
+    def _close_side(self):
+        try:
+            if self.rank == 0:
+                for r in self._recvs[1:]:
+                    r.Cancel()
+                    r.Wait()
+            for r, _ in self._sends:
+                if not r.Test():
+                    r.Cancel()
+                    r.Wait()
+        except Exception:  # finalization must not fail the job
+            pass
 
 
 class _MPIRequest:
-    def __init__(self, req):
-        self.req, self.done = req, False
+    def __init__(self, comm, req, what):
+        self.comm, self.req, self.what, self.done = comm, req, what, False
 
     def test(self):
         if not self.done:
@@ -99,5 +203,5 @@ class _MPIRequest:
 
     def wait(self):
         if not self.done:
-            self.req.Wait()
+            self.comm._wait(self.req, self.what)
             self.done = True

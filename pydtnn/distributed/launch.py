@@ -24,12 +24,15 @@ def launched_size():
     return 1
 
 
-def init(threads=1):
-    """The world communicator; limits BLAS to `threads` threads per process when there are several."""
+def init(threads=1, stall_timeout=300.0, debug_collectives=False):
+    """The world communicator; limits BLAS to `threads` threads per process when there are several.
+
+    stall_timeout (seconds; 0 or None: off) and debug_collectives: see distributed.comm.MPIComm.
+    """
     if launched_size() <= 1:
         return SingleProcess()
     try:
-        comm = MPIComm()
+        comm = MPIComm(stall_timeout=stall_timeout or None, debug=debug_collectives)
     except ImportError:
         raise ConfigError("launched with several processes but mpi4py is missing; pip install mpi4py mpich") from None
     if threads:

@@ -51,9 +51,9 @@ class Reducer:
         """Blocking allreduce of one buffer, traced when a tracer is set."""
         self.bytes_reduced += buf.nbytes
         if self.tracer is None:
-            return self.comm.allreduce(buf)
+            return self.comm.allreduce(buf, label)
         with self.tracer.span(label, "allreduce", tid=2, bytes=int(buf.nbytes)):
-            return self.comm.allreduce(buf)
+            return self.comm.allreduce(buf, label)
 
 
 def flat_buffer(grads, dtype=None):

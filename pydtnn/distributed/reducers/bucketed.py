@@ -50,7 +50,7 @@ class BucketedReducer(Reducer):
             view[...] = self.grads[n]
         self._scale(buf)
         self.bytes_reduced += buf.nbytes
-        self.pending.append((self.comm.iallreduce(buf), i, time.perf_counter_ns()))
+        self.pending.append((self.comm.iallreduce(buf, f"bucket {i}"), i, time.perf_counter_ns()))
 
     def finish(self):
         for req, i, start in self.pending:

@@ -19,7 +19,7 @@ class PerLayerReducer(Reducer):
             g = self.grads[n]
             self._scale(g)
             self.bytes_reduced += g.nbytes
-            self.pending.append((self.comm.iallreduce(g), n, time.perf_counter_ns(), g.nbytes))
+            self.pending.append((self.comm.iallreduce(g, n), n, time.perf_counter_ns(), g.nbytes))
 
     def _progress(self):
         for req, *_ in self.pending:
