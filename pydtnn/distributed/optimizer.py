@@ -1,0 +1,51 @@
+"""Data parallelism for a hand-written training loop: wrap the optimizer (Horovod's idea).
+
+    comm = launch.init()
+    opt = DistributedOptimizer(SGD(model.parameters(), lr=0.1), model, comm)   # broadcasts rank 0's state
+    for x, y in my_batches_for(comm.rank):
+        loss.forward(model.forward(x), y)
+        model.backward(loss.backward())       # reductions start as layers finish
+        opt.step()                            # waits, averages, updates
+"""
+
+from pydtnn.distributed import reducers
+from pydtnn.distributed.consistency import broadcast_state
+
+
+class DistributedOptimizer:
+    """An optimizer whose step() first averages the gradients over all ranks.
+
+    Each rank's gradients count 1/size by default, right when every rank's batch has the same size;
+    call set_weight(local_samples / global_samples) before backward when they differ.
+    """
+
+    def __init__(self, optimizer, model, comm, strategy="bucketed", **options):
+        self.optimizer, self.comm = optimizer, comm
+        self.reducer = reducers.create(strategy, comm, **options).attach(model) if comm.size > 1 else None
+        broadcast_state(comm, model, optimizer)
+        self.set_weight(1 / comm.size)
+
+    def set_weight(self, weight):
+        """This rank's share of the global batch for the next backward."""
+        if self.reducer is not None:
+            self.reducer.begin_step(weight)
+
+    def step(self):
+        if self.reducer is not None:
+            self.reducer.finish()
+        self.optimizer.step()
+        self.set_weight(1 / self.comm.size)
+
+    @property
+    def lr(self):
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value):
+        self.optimizer.lr = value
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
