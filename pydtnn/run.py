@@ -71,6 +71,7 @@ def run(args):
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, metrics_file=args.metrics_file, schedules=schedules, log=log,
                       comm=comm, reducer=reducer)
+    trainer.accumulation_steps = args.accumulation_steps
     config = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
     trainer.callbacks = build_callbacks(args, trainer, config)
 

@@ -80,6 +80,7 @@ class Trainer:
         self.history = []
         self.stop_training = False
         self.tracer = None  # a profiling.Tracer: spans for data, forward, loss, backward, optimizer
+        self.accumulation_steps, self._acc = 1, None  # micro-batches per step (set before fit)
 
     # -- one step ------------------------------------------------------------------------
     def train_step(self, x, y, weight=1.0):
@@ -87,6 +88,8 @@ class Trainer:
 
         weight: this rank's share of the global batch (its gradients count that much in the average).
         """
+        if self.accumulation_steps > 1:
+            return self._accumulated_step(x, y, weight)
         if self.reducer is not None:
             self.reducer.begin_step(weight)
         with self._span("forward"):
@@ -104,6 +107,51 @@ class Trainer:
         with self._span("optimizer"):
             self.optimizer.step()
         return loss, out
+
+    def _accumulated_step(self, x, y, weight):
+        """The batch in `accumulation_steps` micro-batches, gradients summed, one reduction, one update.
+
+        Memory for activations is that of a micro-batch; the update is that of the whole batch.
+        """
+        n = x.shape[0]
+        bounds = [n * i // self.accumulation_steps for i in range(self.accumulation_steps + 1)]
+        params = self.model.parameters()
+        if self._acc is None:
+            self._acc = [self.model.backend.xp.zeros_like(g) for _, _, g in params]
+        if self.reducer is not None:
+            self.reducer.paused = True
+        total, outs = 0.0, []
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if a == b:
+                continue
+            with self._span("forward"):
+                out = self.model.forward(x[a:b], training=True)
+            with self._span("loss"):
+                loss = self.loss.forward(out, y[a:b])
+                if not math.isfinite(loss):
+                    raise TrainingDiverged(f"loss is {loss}")
+                dy = self.loss.backward()
+            with self._span("backward"):
+                self.model.backward(dy)
+            share = (b - a) / n
+            for acc, (_, _, g) in zip(self._acc, params):
+                if a == 0:
+                    self.model.backend.xp.multiply(g, share, out=acc)
+                else:
+                    acc += g * share
+            total += loss * share
+            outs.append(out)
+        for acc, (_, _, g) in zip(self._acc, params):
+            g[...] = acc
+        if self.reducer is not None:
+            self.reducer.paused = False
+            self.reducer.begin_step(weight)
+            with self._span("reduce"):
+                self.reducer.replay()
+                self.reducer.finish()
+        with self._span("optimizer"):
+            self.optimizer.step()
+        return total, self.model.backend.xp.concatenate(outs)
 
     def _span(self, cat, name=None):
         return nullcontext() if self.tracer is None else self.tracer.span(name or cat, cat, tid=1)

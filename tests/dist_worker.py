@@ -52,6 +52,7 @@ def main():
     p.add_argument("--stall_timeout", type=float, default=300.0)
     p.add_argument("--mismatch_at", type=int, default=0)
     p.add_argument("--debug_collectives", action="store_true")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--strategies", default=",".join(reducers.NAMES))
     args = p.parse_args()
     comm = launch.init(stall_timeout=args.stall_timeout, debug_collectives=args.debug_collectives)
@@ -70,6 +71,7 @@ def main():
                          (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at)) if step]
             t = Trainer(model, SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer,
                         callbacks=callbacks, seed=3)
+            t.accumulation_steps = args.accumulate
             broadcast_state(comm, model, opt)
             t.fit(train, epochs=EPOCHS, batch_size=GLOBAL_BATCH // comm.size)
             if comm.rank == 0:

@@ -57,6 +57,19 @@ def test_n_processes_equal_one_process(single, tmp_path, n):
                 assert not np.array_equal(want[k], 0 * want[k])
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_gradient_accumulation_equals_one_big_batch(single, tmp_path, n):
+    r = launch(n, tmp_path, "--accumulate", "3", "--strategies", "bucketed,per_layer")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for dtype, rtol in (("float64", 1e-12), ("float32", 1e-5)):
+        want, _ = read(single / f"single-{dtype}.safetensors")
+        for strategy in ("single",) if n == 1 else ("bucketed", "per_layer"):
+            got, _ = read(tmp_path / f"{strategy}-{dtype}.safetensors")
+            for k in want:
+                err = np.abs(got[k].astype(np.float64) - want[k]).max() / np.abs(want[k]).max()
+                assert err <= rtol, f"np={n} {strategy} {dtype} {k}: {err:.3g}"
+
+
 def test_repeated_runs_give_identical_parameters(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

@@ -55,6 +55,11 @@ class Tracer:
         rows = [f"{'phase':<14}{'seconds':>10}{'% of steps':>12}"]
         for cat, sec in sorted(totals.items(), key=lambda kv: -kv[1]):
             rows.append(f"{cat:<14}{sec:>10.3f}{100 * sec / step:>11.1f}%")
+        comm, exposed = totals.get("allreduce", 0.0), totals.get("wait", 0.0) + totals.get("blocking", 0.0)
+        if comm > 0:
+            hidden = max(comm - exposed, 0.0)
+            rows.append(f"communication {comm:.3f} s in flight, {exposed:.3f} s waited for: "
+                        f"{100 * hidden / comm:.0f}% hidden behind computation")
         return "\n".join(rows)
 
     def write(self, path):

@@ -10,6 +10,8 @@ Each rank's loss is the mean over its own samples; scaling its gradients by its 
 global batch before summing makes the result exact for uneven batches (and for empty shards).
 """
 
+import time
+
 import numpy as np
 
 
@@ -27,9 +29,25 @@ class Reducer:
     def attach(self, model):
         self.params = model.parameters()
         self.grads = {n: g for n, _, g in self.params}
-        model.add_grad_ready_hook(self.grads_ready)
+        self.paused, self.order, self.order_done = False, [], False
+        model.add_grad_ready_hook(self._hook)
         self.setup()
         return self
+
+    def _hook(self, names):
+        if not self.order_done:  # learn backward's order (the same on every rank) from the first pass
+            if names in self.order:
+                self.order_done = True
+            else:
+                self.order.append(names)
+        if not self.paused:
+            self.grads_ready(names)
+
+    def replay(self):
+        """Report every gradient ready, in backward's order (after backward ran with the reducer paused,
+        e.g. to accumulate micro-batches)."""
+        for names in self.order:
+            self.grads_ready(names)
 
     def setup(self):
         """Allocate buffers once the parameters are known."""
@@ -52,8 +70,12 @@ class Reducer:
         self.bytes_reduced += buf.nbytes
         if self.tracer is None:
             return self.comm.allreduce(buf, label)
-        with self.tracer.span(label, "allreduce", tid=2, bytes=int(buf.nbytes)):
-            return self.comm.allreduce(buf, label)
+        start = time.perf_counter_ns()
+        self.comm.allreduce(buf, label)
+        end = time.perf_counter_ns()
+        self.tracer.add(label, "allreduce", start, end, tid=2, bytes=int(buf.nbytes))
+        self.tracer.add(label, "blocking", start, end, tid=1)  # nothing overlaps a blocking reduction
+        return buf
 
 
 def flat_buffer(grads, dtype=None):

@@ -12,6 +12,7 @@ class BlockingReducer(Reducer):
         self.buf, self.views = flat_buffer([g for _, _, g in self.params])
 
     def finish(self):
+        self.order_done = True
         for view, (_, _, g) in zip(self.views, self.params):
             view[...] = g
         self._scale(self.buf)

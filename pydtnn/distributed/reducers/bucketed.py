@@ -53,6 +53,7 @@ class BucketedReducer(Reducer):
         self.pending.append((self.comm.iallreduce(buf, f"bucket {i}"), i, time.perf_counter_ns()))
 
     def finish(self):
+        self.order_done = True
         for req, i, start in self.pending:
             t_wait = time.perf_counter_ns()
             req.wait()

@@ -26,6 +26,7 @@ class PerLayerReducer(Reducer):
             req.test()
 
     def finish(self):
+        self.order_done = True
         for req, n, start, nbytes in self.pending:
             t_wait = time.perf_counter_ns()
             req.wait()
