@@ -158,6 +158,8 @@ def build_parser(suppress_defaults=False):
     f(g, "learning_rate_scaling", type=parse_bool, default=True,
       help="multiply the learning rate by the process count when --batch_size is per process "
            "(Goyal et al.; not with --global_batch_size, whose global batch does not grow)")
+    f(g, "sync_batchnorm", type=parse_bool, default=False,
+      help="BatchNorm statistics over the global batch (two small allreduces per layer and step)")
     f(g, "drop_last", type=parse_bool, default=False, help="skip each epoch's last, smaller global batch")
     f(g, "stall_timeout", type=non_negative_float, default=300.0,
       help="seconds a collective may wait before the job reports which ranks have not arrived and aborts (0: off)")

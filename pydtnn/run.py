@@ -72,6 +72,8 @@ def run(args):
                       progress=args.progress, metrics_file=args.metrics_file, schedules=schedules, log=log,
                       comm=comm, reducer=reducer)
     trainer.accumulation_steps = args.accumulation_steps
+    if args.sync_batchnorm:
+        trainer.sync_batchnorm()
     config = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
     trainer.callbacks = build_callbacks(args, trainer, config)
 

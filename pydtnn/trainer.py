@@ -81,6 +81,20 @@ class Trainer:
         self.stop_training = False
         self.tracer = None  # a profiling.Tracer: spans for data, forward, loss, backward, optimizer
         self.accumulation_steps, self._acc = 1, None  # micro-batches per step (set before fit)
+        self._bn_sync = None
+
+    def sync_batchnorm(self):
+        """BatchNorm statistics over the global batch (all ranks) instead of each rank's share.
+
+        Costs two small allreduces per BatchNorm layer and step (forward and backward); makes N
+        processes compute what one process computes on the same global batch, BatchNorm included.
+        """
+        from pydtnn.layers.norm import BatchNorm
+
+        self._bn_sync = _BatchNormSync(self.comm)
+        for _, layer in self.model.layers():
+            if isinstance(layer, BatchNorm):
+                layer.sync = self._bn_sync
 
     # -- one step ------------------------------------------------------------------------
     def train_step(self, x, y, weight=1.0):
@@ -90,6 +104,8 @@ class Trainer:
         """
         if self.accumulation_steps > 1:
             return self._accumulated_step(x, y, weight)
+        if self._bn_sync is not None:
+            self._bn_sync.weight = weight
         if self.reducer is not None:
             self.reducer.begin_step(weight)
         with self._span("forward"):
@@ -124,6 +140,8 @@ class Trainer:
         for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
             if a == b:
                 continue
+            if self._bn_sync is not None:
+                self._bn_sync.weight = weight * (b - a) / n
             with self._span("forward"):
                 out = self.model.forward(x[a:b], training=True)
             with self._span("loss"):
@@ -318,6 +336,16 @@ class Trainer:
                 x = np.asarray(data[a:b], dtype=backend.dtype)
             outs.append(backend.to_numpy(self.model.forward(backend.asarray(x), training=False)))
         return np.concatenate(outs) if outs else np.empty((0,) + self.model.output_shape, backend.dtype)
+
+
+class _BatchNormSync:
+    """What a synchronized BatchNorm needs: a sum over ranks, and this rank's share of the batch."""
+
+    def __init__(self, comm):
+        self.comm, self.weight = comm, 1.0
+
+    def allreduce(self, buf):
+        return self.comm.allreduce(buf, "batchnorm")
 
 
 def batch_rng(seed, epoch, step, rank=0):

@@ -19,7 +19,9 @@ from pydtnn import data, models
 from pydtnn.backends import CPUBackend
 from pydtnn.distributed import launch, reducers
 from pydtnn.distributed.consistency import broadcast_state
+from pydtnn.layers import BatchNorm, Conv2D, Dense, Flatten, MaxPool2D, ReLU
 from pydtnn.losses import SoftmaxCrossEntropy
+from pydtnn.model import Model
 from pydtnn.optim import SGD
 from pydtnn.trainer import Trainer
 
@@ -53,6 +55,7 @@ def main():
     p.add_argument("--mismatch_at", type=int, default=0)
     p.add_argument("--debug_collectives", action="store_true")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--sync_bn", action="store_true", help="a model with BatchNorm, statistics synchronized")
     p.add_argument("--strategies", default=",".join(reducers.NAMES))
     args = p.parse_args()
     comm = launch.init(stall_timeout=args.stall_timeout, debug_collectives=args.debug_collectives)
@@ -63,7 +66,13 @@ def main():
     for strategy in strategies:
         for dtype in ("float64", "float32"):
             seed = comm.rank * 1000 + 7  # different seeds: the broadcast must make ranks equal
-            model = models.create("simplecnn", backend=CPUBackend(dtype, seed=seed))
+            if args.sync_bn:
+                layers = [Conv2D(8, 3, padding=1, use_bias=False), BatchNorm(), ReLU(), MaxPool2D(2),
+                          Conv2D(16, 3, padding=1, use_bias=False),
+                          BatchNorm(), ReLU(), MaxPool2D(2), Flatten(), Dense(10)]
+                model = Model(layers, (1, 28, 28), CPUBackend(dtype, seed=seed))
+            else:
+                model = models.create("simplecnn", backend=CPUBackend(dtype, seed=seed))
             opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
             reducer = reducers.create(strategy, comm, bucket_mb=0.05, first_bucket_mb=0.01) if strategy == "bucketed" \
                 else (reducers.create(strategy, comm) if comm.size > 1 else None)
@@ -72,6 +81,8 @@ def main():
             t = Trainer(model, SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer,
                         callbacks=callbacks, seed=3)
             t.accumulation_steps = args.accumulate
+            if args.sync_bn:
+                t.sync_batchnorm()
             broadcast_state(comm, model, opt)
             t.fit(train, epochs=EPOCHS, batch_size=GLOBAL_BATCH // comm.size)
             if comm.rank == 0:

@@ -70,6 +70,24 @@ def test_gradient_accumulation_equals_one_big_batch(single, tmp_path, n):
                 assert err <= rtol, f"np={n} {strategy} {dtype} {k}: {err:.3g}"
 
 
+def test_synchronized_batchnorm_equals_one_process(tmp_path):
+    """With BatchNorm, N processes equal one only when statistics span the global batch."""
+    ref, par = tmp_path / "ref", tmp_path / "par"
+    ref.mkdir(), par.mkdir()
+    r = subprocess.run([sys.executable, WORKER, str(ref), "--sync_bn"], capture_output=True, text=True,
+                       timeout=240, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = launch(3, par, "--sync_bn", "--strategies", "bucketed,blocking")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for dtype, rtol in (("float64", 1e-11), ("float32", 1e-4)):
+        want, _ = read(ref / f"single-{dtype}.safetensors")
+        for strategy in ("bucketed", "blocking"):
+            got, _ = read(par / f"{strategy}-{dtype}.safetensors")
+            for k in want:
+                err = np.abs(got[k].astype(np.float64) - want[k]).max() / np.abs(want[k]).max()
+                assert err <= rtol, f"{strategy} {dtype} {k}: {err:.3g}"
+
+
 def test_repeated_runs_give_identical_parameters(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

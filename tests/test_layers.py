@@ -271,3 +271,25 @@ def test_nested_sequential_with_names():
         (2, 1, 5, 5),
         lambda x, p: F.linear(torch.sigmoid(F.conv2d(x, p["conv.weight"], p["conv.bias"])).flatten(1), p["fc.weight"], p["fc.bias"]),
     )
+
+
+def test_synchronized_batchnorm_on_one_rank_is_batchnorm():
+    """The synchronized path (one allreduce of moments, one of gradient sums) on a world of one."""
+
+    class OneRank:
+        weight = 1.0
+        calls = 0
+
+        def allreduce(self, buf):
+            OneRank.calls += 1
+            return buf
+
+    def make():
+        bn = BatchNorm()
+        bn.sync = OneRank()
+        return bn
+
+    check_gradients(make(), (4, 3, 5, 5))
+    tr = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    check_against_torch(make(), (4, 3, 5, 5), lambda x, p: F.batch_norm(x, *tr, p["weight"], p["bias"], True))
+    assert OneRank.calls > 0

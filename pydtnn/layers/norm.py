@@ -16,6 +16,9 @@ class BatchNorm(Layer):
     def __init__(self, momentum=0.1, eps=1e-5):
         super().__init__()
         self.momentum, self.eps = float(momentum), float(eps)
+        # Synchronized statistics across data-parallel ranks: an object with allreduce(array) (sum
+        # over ranks, in place) and weight (this rank's share of the global batch), set by the trainer.
+        self.sync = None
 
     def describe(self):
         return "BatchNorm()"
@@ -36,10 +39,13 @@ class BatchNorm(Layer):
     def forward(self, x, training=True):
         xp, axes = self.xp, self.axes
         if training:
-            mean = x.mean(axis=axes)
-            xc = x - mean.reshape(self.bshape)
-            var = (xc * xc).mean(axis=axes)
-            m = x.size // x.shape[1]
+            if self.sync is not None:
+                mean, var, m = self._global_moments(x)
+                xc = x - mean.reshape(self.bshape)
+            else:
+                mean, m = x.mean(axis=axes), x.size // x.shape[1]
+                xc = x - mean.reshape(self.bshape)
+                var = (xc * xc).mean(axis=axes)
             mom = self.momentum
             self.buffers["running_mean"] *= 1 - mom
             self.buffers["running_mean"] += mom * mean
@@ -61,9 +67,36 @@ class BatchNorm(Layer):
         scale = (self.params["weight"] * self.inv_std).reshape(b)
         if not self.training:  # statistics were constants
             return dy * scale
+        if self.sync is not None:
+            return self._global_dx(dy, scale)
         m = dy.size // dy.shape[1]
         # dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat))
         return scale * (dy - (self.grads["bias"] / m).reshape(b) - xhat * (self.grads["weight"] / m).reshape(b))
+
+    def _global_moments(self, x):
+        """Mean and biased variance over the samples of every rank, and their count (one allreduce)."""
+        xp, c = self.xp, x.shape[1]
+        stats = xp.zeros(2 * c + 1, x.dtype)
+        if self.sync.weight > 0:  # a rank with an empty share computes on a stand-in sample: leave it out
+            stats[:c], stats[c : 2 * c] = x.sum(axis=self.axes), (x * x).sum(axis=self.axes)
+            stats[-1] = x.size // c
+        self.sync.allreduce(stats)
+        m = int(stats[-1])
+        mean = stats[:c] / m
+        return mean, xp.maximum(stats[c : 2 * c] / m - mean * mean, 0), m
+
+    def _global_dx(self, dy, scale):
+        """dL_r/dx for the global objective sum_r w_r L_r, in this rank's own scale (divided by w_r)."""
+        w, b, c = self.sync.weight, self.bshape, dy.shape[1]
+        sums = self.xp.zeros(2 * c + 1, dy.dtype)
+        if w > 0:
+            sums[:c], sums[c : 2 * c] = w * self.grads["bias"], w * self.grads["weight"]
+            sums[-1] = dy.size // c
+        self.sync.allreduce(sums)
+        if w == 0:
+            return self.xp.zeros_like(dy)
+        m = sums[-1]
+        return scale * (dy - ((sums[:c] / m).reshape(b) + self.xhat * (sums[c : 2 * c] / m).reshape(b)) / w)
 
     def flops(self):
         return 4 * int(np.prod(self.input_shape))
