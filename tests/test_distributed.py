@@ -149,3 +149,23 @@ def test_shard_bounds():
     assert shard_bounds(10, 3) == [0, 4, 7, 10]
     assert shard_bounds(2, 3) == [0, 1, 2, 2]
     assert shard_bounds(9, 3) == [0, 3, 6, 9]
+
+
+def test_resume_at_another_world_size_and_trace_per_rank(tmp_path):
+    import json
+
+    base = [sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--steps_per_epoch", "6",
+            "--global_batch_size", "32", "--progress", "false", "--checkpoint_dir", str(tmp_path / "ck")]
+    r = subprocess.run(base + ["--num_epochs", "1"], capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([MPIEXEC, "-n", "2"] + base + ["--num_epochs", "2", "--resume", str(tmp_path / "ck"),
+                       "--tracing", "--metrics_file", str(tmp_path / "m.jsonl")],
+                       capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed" in r.stderr and "hidden behind computation" in r.stderr
+    lines = [json.loads(s) for s in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [x.get("epoch") for x in lines[:-1]] == [1, 2] and lines[-1]["world_size"] == 2
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"pydtnn-trace.rank{rank}.json").read_text())["traceEvents"]
+        cats = {e.get("cat") for e in events}
+        assert {"allreduce", "wait", "forward", "backward"} <= cats, cats
