@@ -32,6 +32,19 @@ def read(path):
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
+def assert_same_parameters(ref_dir, out_dir, strategies, rtols=(("float64", 1e-12), ("float32", 1e-5)), what=""):
+    """Every parameter of every run in out_dir equals the one-process run in ref_dir, relative to its scale."""
+    for dtype, rtol in rtols:
+        want, _ = read(ref_dir / f"single-{dtype}.safetensors")
+        for strategy in strategies:
+            got, _ = read(out_dir / f"{strategy}-{dtype}.safetensors")
+            assert got.keys() == want.keys()
+            for k in want:
+                assert np.abs(want[k]).max() > 0, k  # a parameter that stayed zero would prove nothing
+                err = np.abs(got[k].astype(np.float64) - want[k]).max() / np.abs(want[k]).max()
+                assert err <= rtol, f"{what} {strategy} {dtype} {k}: relative difference {err:.3g} > {rtol}"
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("np1")
@@ -45,29 +58,14 @@ def test_n_processes_equal_one_process(single, tmp_path, n):
     assert os.path.exists(MPIEXEC), "pip install mpich puts mpiexec next to python"
     r = launch(n, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    for dtype, rtol in (("float64", 1e-12), ("float32", 1e-5)):
-        want, _ = read(single / f"single-{dtype}.safetensors")
-        for strategy in STRATEGIES:
-            got, _ = read(tmp_path / f"{strategy}-{dtype}.safetensors")
-            assert got.keys() == want.keys()
-            for k in want:
-                scale = np.abs(want[k]).max()
-                err = np.abs(got[k].astype(np.float64) - want[k]).max() / scale
-                assert err <= rtol, f"np={n} {strategy} {dtype} {k}: relative difference {err:.3g} > {rtol}"
-                assert not np.array_equal(want[k], 0 * want[k])
+    assert_same_parameters(single, tmp_path, STRATEGIES, what=f"np={n}")
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_gradient_accumulation_equals_one_big_batch(single, tmp_path, n):
     r = launch(n, tmp_path, "--accumulate", "3", "--strategies", "bucketed,per_layer")
     assert r.returncode == 0, r.stderr[-3000:]
-    for dtype, rtol in (("float64", 1e-12), ("float32", 1e-5)):
-        want, _ = read(single / f"single-{dtype}.safetensors")
-        for strategy in ("single",) if n == 1 else ("bucketed", "per_layer"):
-            got, _ = read(tmp_path / f"{strategy}-{dtype}.safetensors")
-            for k in want:
-                err = np.abs(got[k].astype(np.float64) - want[k]).max() / np.abs(want[k]).max()
-                assert err <= rtol, f"np={n} {strategy} {dtype} {k}: {err:.3g}"
+    assert_same_parameters(single, tmp_path, ("single",) if n == 1 else ("bucketed", "per_layer"), what=f"np={n}")
 
 
 def test_synchronized_batchnorm_equals_one_process(tmp_path):
@@ -79,13 +77,7 @@ def test_synchronized_batchnorm_equals_one_process(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     r = launch(3, par, "--sync_bn", "--strategies", "bucketed,blocking")
     assert r.returncode == 0, r.stderr[-3000:]
-    for dtype, rtol in (("float64", 1e-11), ("float32", 1e-4)):
-        want, _ = read(ref / f"single-{dtype}.safetensors")
-        for strategy in ("bucketed", "blocking"):
-            got, _ = read(par / f"{strategy}-{dtype}.safetensors")
-            for k in want:
-                err = np.abs(got[k].astype(np.float64) - want[k]).max() / np.abs(want[k]).max()
-                assert err <= rtol, f"{strategy} {dtype} {k}: {err:.3g}"
+    assert_same_parameters(ref, par, ("bucketed", "blocking"), (("float64", 1e-11), ("float32", 1e-4)), "sync BN")
 
 
 def test_repeated_runs_give_identical_parameters(tmp_path):

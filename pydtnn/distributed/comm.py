@@ -120,6 +120,7 @@ class MPIComm:
 
     def abort(self, code=1):
         sys.stderr.flush()
+        time.sleep(0.5)  # let the launcher forward the message before it kills every process
         self.comm.Abort(code)
 
     # -- numbering, checks, stalls ---------------------------------------------------------
