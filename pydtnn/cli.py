@@ -154,6 +154,8 @@ def build_parser(suppress_defaults=False):
     f(g, "reduction", choices=("blocking", "per_layer", "bucketed"), default=None,
       help="gradient reduction: one allreduce after backward, one per gradient as layers finish "
            "(= --non_blocking_mpi), or buckets started as they fill (default)")
+    f(g, "gradient_compression", choices=("none", "fp16"), default="none",
+      help="wire format of gradient reductions: fp16 halves the bytes, rounds every gradient to fp16")
     f(g, "bucket_size_mb", type=positive_float, default=25.0, help="bucketed: bucket size in MB (default 25)")
     f(g, "learning_rate_scaling", type=parse_bool, default=True,
       help="multiply the learning rate by the process count when --batch_size is per process "

@@ -66,7 +66,9 @@ def run(args):
     reducer = None
     if world > 1:
         strategy = args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
-        options = {"bucket_mb": args.bucket_size_mb} if strategy == "bucketed" else {}
+        options = {"compression": args.gradient_compression}
+        if strategy == "bucketed":
+            options["bucket_mb"] = args.bucket_size_mb
         reducer = reducers.create(strategy, comm, **options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, metrics_file=args.metrics_file, schedules=schedules, log=log,

@@ -56,6 +56,7 @@ def main():
     p.add_argument("--debug_collectives", action="store_true")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--sync_bn", action="store_true", help="a model with BatchNorm, statistics synchronized")
+    p.add_argument("--fp16", action="store_true", help="fp16 wire format for gradients")
     p.add_argument("--strategies", default=",".join(reducers.NAMES))
     args = p.parse_args()
     comm = launch.init(stall_timeout=args.stall_timeout, debug_collectives=args.debug_collectives)
@@ -74,8 +75,10 @@ def main():
             else:
                 model = models.create("simplecnn", backend=CPUBackend(dtype, seed=seed))
             opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
-            reducer = reducers.create(strategy, comm, bucket_mb=0.05, first_bucket_mb=0.01) if strategy == "bucketed" \
-                else (reducers.create(strategy, comm) if comm.size > 1 else None)
+            options = {"compression": "fp16"} if args.fp16 else {}
+            if strategy == "bucketed":
+                options.update(bucket_mb=0.05, first_bucket_mb=0.01)
+            reducer = reducers.create(strategy, comm, **options) if comm.size > 1 else None
             callbacks = [Misbehave(step, args.raise_rank, how) for how, step in
                          (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at)) if step]
             t = Trainer(model, SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer,
@@ -88,7 +91,8 @@ def main():
             if comm.rank == 0:
                 params = {n: np.ascontiguousarray(p) for n, p, _ in model.parameters()}
                 save_file(params, os.path.join(args.out, f"{strategy}-{dtype}.safetensors"),
-                          metadata={"sha": t.final["params_sha256"], "loss": repr(t.history[-1]["loss"])})
+                          metadata={"sha": t.final["params_sha256"], "loss": repr(t.history[-1]["loss"]),
+                                    "bytes": str(reducer.bytes_reduced if reducer else 0)})
 
 
 if __name__ == "__main__":

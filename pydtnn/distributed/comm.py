@@ -91,15 +91,29 @@ class MPIComm:
     # -- collectives ---------------------------------------------------------------------
     def allreduce(self, buf, label=""):
         self._enter("allreduce", buf, label)
+        msg, op = self._sum_of(buf)
         if not self.stall_timeout:
-            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+            self.comm.Allreduce(self.MPI.IN_PLACE, msg, op=op)
             return buf
-        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM), self.current)
+        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, msg, op=op), self.current)
         return buf
 
     def iallreduce(self, buf, label=""):
         self._enter("allreduce", buf, label)
-        return _MPIRequest(self, self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM), self.current)
+        msg, op = self._sum_of(buf)
+        return _MPIRequest(self, self.comm.Iallreduce(self.MPI.IN_PLACE, msg, op=op), self.current)
+
+    def _sum_of(self, buf):
+        """(message, op) summing `buf`; float16, which MPI cannot add, travels as 16-bit words."""
+        if buf.dtype != np.float16:
+            return buf, self.MPI.SUM
+        if not hasattr(self, "_fp16_sum"):
+            def add(inbuf, inoutbuf, datatype):
+                out = np.frombuffer(inoutbuf, np.float16)
+                out += np.frombuffer(inbuf, np.float16)
+
+            self._fp16_sum = self.MPI.Op.Create(add, commute=True)
+        return [buf.view(np.uint16), self.MPI.UINT16_T], self._fp16_sum
 
     def bcast(self, buf, root=0):
         self._enter("bcast", buf)

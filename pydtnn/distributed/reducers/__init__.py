@@ -11,7 +11,8 @@ NAMES = tuple(_CLASSES)
 
 
 def create(name, comm, **options):
-    """Reducer by name: blocking, per_layer or bucketed (options: bucket_mb, first_bucket_mb)."""
+    """Reducer by name: blocking, per_layer or bucketed; options: compression ("none" or "fp16"),
+    and for bucketed bucket_mb, first_bucket_mb."""
     if name not in _CLASSES:
         raise ConfigError(f"unknown reduction strategy {name!r}; expected one of {', '.join(NAMES)}")
     return _CLASSES[name](comm, **options)

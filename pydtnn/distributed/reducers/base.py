@@ -8,6 +8,10 @@
 
 Each rank's loss is the mean over its own samples; scaling its gradients by its share of the
 global batch before summing makes the result exact for uneven batches (and for empty shards).
+
+compression="fp16" sends half-precision copies of the (already scaled) gradients: half the bytes on
+the wire, at the price of fp16 rounding of every gradient and a reduction operator written in Python
+(MPI has no half-precision sum). It pays only where the network, not memory, is the bottleneck.
 """
 
 import time
@@ -20,8 +24,13 @@ class Reducer:
 
     name = None
 
-    def __init__(self, comm):
+    def __init__(self, comm, compression="none"):
+        if compression not in ("none", "fp16"):
+            from pydtnn.errors import ConfigError
+
+            raise ConfigError(f"unknown gradient compression {compression!r}; expected none or fp16")
         self.comm = comm
+        self.wire_dtype = np.float16 if compression == "fp16" else None
         self.weight = 1.0
         self.tracer = None
         self.bytes_reduced = 0
@@ -61,9 +70,15 @@ class Reducer:
     def finish(self):
         raise NotImplementedError
 
-    def _scale(self, g):
-        if self.weight != 1.0:
-            g *= g.dtype.type(self.weight)
+    def _pack(self, views, names):
+        """Copy each gradient, times this rank's weight, into its wire buffer view (casting if compressed)."""
+        for view, n in zip(views, names):
+            np.multiply(self.grads[n], self.weight, out=view, casting="same_kind")
+
+    def _unpack(self, views, names):
+        for view, n in zip(views, names):
+            if view is not self.grads[n]:
+                self.grads[n][...] = view
 
     def _reduce(self, buf, label):
         """Blocking allreduce of one buffer, traced when a tracer is set."""
@@ -77,12 +92,25 @@ class Reducer:
         self.tracer.add(label, "blocking", start, end, tid=1)  # nothing overlaps a blocking reduction
         return buf
 
+    def _start(self, buf, label):
+        """Start a non-blocking allreduce; returns what _wait needs."""
+        self.bytes_reduced += buf.nbytes
+        return self.comm.iallreduce(buf, label), label, time.perf_counter_ns(), int(buf.nbytes)
+
+    def _wait(self, pending):
+        req, label, start, nbytes = pending
+        t_wait = time.perf_counter_ns()
+        req.wait()
+        if self.tracer is not None:
+            end = time.perf_counter_ns()
+            self.tracer.add(f"allreduce {label}", "allreduce", start, end, tid=2, bytes=nbytes)
+            self.tracer.add(f"wait {label}", "wait", t_wait, end, tid=1)
+
 
 def flat_buffer(grads, dtype=None):
     """One contiguous buffer large enough for `grads` and views of it shaped like each."""
     dtype = dtype or grads[0].dtype
-    total = sum(g.size for g in grads)
-    buf = np.empty(total, dtype)
+    buf = np.empty(sum(g.size for g in grads), dtype)
     views, off = [], 0
     for g in grads:
         views.append(buf[off : off + g.size].reshape(g.shape))

@@ -9,13 +9,11 @@ class BlockingReducer(Reducer):
     name = "blocking"
 
     def setup(self):
-        self.buf, self.views = flat_buffer([g for _, _, g in self.params])
+        self.names = [n for n, _, _ in self.params]
+        self.buf, self.views = flat_buffer([g for _, _, g in self.params], self.wire_dtype)
 
     def finish(self):
         self.order_done = True
-        for view, (_, _, g) in zip(self.views, self.params):
-            view[...] = g
-        self._scale(self.buf)
-        self._reduce(self.buf, "allreduce all")
-        for view, (_, _, g) in zip(self.views, self.params):
-            g[...] = view
+        self._pack(self.views, self.names)
+        self._reduce(self.buf, "all gradients")
+        self._unpack(self.views, self.names)

@@ -7,16 +7,14 @@ as all its gradients are ready, and outstanding ones are progressed with test() 
 finishes, since MPI makes no progress in the background here.
 """
 
-import time
-
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
 
 
 class BucketedReducer(Reducer):
     name = "bucketed"
 
-    def __init__(self, comm, bucket_mb=25.0, first_bucket_mb=1.0):
-        super().__init__(comm)
+    def __init__(self, comm, bucket_mb=25.0, first_bucket_mb=1.0, compression="none"):
+        super().__init__(comm, compression)
         self.bucket_bytes, self.first_bytes = bucket_mb * 2**20, first_bucket_mb * 2**20
 
     def setup(self):
@@ -31,42 +29,31 @@ class BucketedReducer(Reducer):
         if current:
             self.buckets.append(current)
         self.bucket_of = {n: i for i, names in enumerate(self.buckets) for n in names}
-        self.buffers = [flat_buffer([self.grads[n] for n in names]) for names in self.buckets]
+        self.buffers = [flat_buffer([self.grads[n] for n in names], self.wire_dtype) for names in self.buckets]
         self.missing = [len(names) for names in self.buckets]
         self.pending = []
 
     def grads_ready(self, names):
-        for req, *_ in self.pending:
-            req.test()
+        for _, p in self.pending:
+            p[0].test()
         for n in names:
             i = self.bucket_of[n]
             self.missing[i] -= 1
             if self.missing[i] == 0:
-                self._start(i)
+                self._start_bucket(i)
 
-    def _start(self, i):
+    def _start_bucket(self, i):
         buf, views = self.buffers[i]
-        for view, n in zip(views, self.buckets[i]):
-            view[...] = self.grads[n]
-        self._scale(buf)
-        self.bytes_reduced += buf.nbytes
-        self.pending.append((self.comm.iallreduce(buf, f"bucket {i}"), i, time.perf_counter_ns()))
+        self._pack(views, self.buckets[i])
+        self.pending.append((i, self._start(buf, f"bucket {i}")))
 
     def finish(self):
         self.order_done = True
-        for req, i, start in self.pending:
-            t_wait = time.perf_counter_ns()
-            req.wait()
-            if self.tracer is not None:
-                end = time.perf_counter_ns()
-                nbytes = int(self.buffers[i][0].nbytes)
-                self.tracer.add(f"allreduce bucket {i}", "allreduce", start, end, tid=2, bytes=nbytes)
-                self.tracer.add(f"wait bucket {i}", "wait", t_wait, end, tid=1)
-            buf, views = self.buffers[i]
-            for view, n in zip(views, self.buckets[i]):
-                self.grads[n][...] = view
         if len(self.pending) != len(self.buckets):
             raise RuntimeError(f"bucketed reducer: {len(self.pending)} of {len(self.buckets)} buckets were started; "
                                "some gradients never reported ready")
+        for i, p in self.pending:
+            self._wait(p)
+            self._unpack(self.buffers[i][1], self.buckets[i])
         self.pending = []
         self.missing = [len(names) for names in self.buckets]
