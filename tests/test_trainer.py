@@ -73,6 +73,7 @@ def test_evaluate_and_predict_agree(mnist5k):
     np.testing.assert_allclose(t.predict(x), pred[:10], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
 def test_nan_loss_stops_with_last_good_epoch_kept(mnist5k, tmp_path):
     train, _ = mnist5k
 
