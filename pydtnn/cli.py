@@ -171,8 +171,10 @@ def build_parser(suppress_defaults=False):
       help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice)")
 
     g = p.add_argument_group("GPU")
-    f(g, "enable_gpu", type=parse_bool, default=False, help="compute on an NVIDIA GPU (CuPy + cuDNN)")
-    f(g, "enable_nccl", type=parse_bool, default=False, help="reduce gradients with NCCL")
+    f(g, "enable_gpu", type=parse_bool, default=False,
+      help="compute on an NVIDIA GPU (CuPy + cuDNN); not in this version: it stops with an error")
+    f(g, "enable_nccl", type=parse_bool, default=False,
+      help="reduce gradients with NCCL; not in this version: it stops with an error")
 
     g = p.add_argument_group("tracing")
     f(g, "tracing", type=parse_bool, default=False, help="write a Chrome-trace timeline (see --tracer_output)")
@@ -257,6 +259,7 @@ def parse_args(argv=None):
     for k, v in layered.items():
         if k not in given:
             setattr(args, k, v)
+    args.explicit = set(given)  # flags given on the command line (they win over a resumed run's)
     return args
 
 
@@ -270,7 +273,13 @@ def main(argv=None):
             return _profiled(run, args)
         run(args)
     except PydtnnError as e:
-        print(f"pydtnn: error: {' '.join(str(e).split())}", file=sys.stderr)
+        from pydtnn.distributed.launch import abort_others
+
+        rank = abort_others()  # in a multi-process run: None for one process, else this rank
+        where = "" if rank is None else f"rank {rank}: "
+        print(f"pydtnn: error: {where}{' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        if rank is not None:
+            abort_others(now=True)
         return 2
     except KeyboardInterrupt:
         print("pydtnn: interrupted", file=sys.stderr)

@@ -21,7 +21,7 @@ from pydtnn.optim import schedules as sch
 from pydtnn.trainer import MetricsFile, Trainer, format_record
 
 # flags that describe how to run rather than what to compute: not saved as the run's configuration
-_NOT_SAVED = ("config", "resume", "list_models", "progress", "profile")
+_NOT_SAVED = ("config", "resume", "list_models", "progress", "profile", "explicit")
 
 
 def saved_config(directory):
@@ -66,10 +66,10 @@ def run(args):
     reducer = None
     if world > 1:
         strategy = args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
-        options = {"compression": args.gradient_compression}
+        reducer_options = {"compression": args.gradient_compression}
         if strategy == "bucketed":
-            options["bucket_mb"] = args.bucket_size_mb
-        reducer = reducers.create(strategy, comm, **options)
+            reducer_options["bucket_mb"] = args.bucket_size_mb
+        reducer = reducers.create(strategy, comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, metrics_file=args.metrics_file, schedules=schedules, log=log,
                       comm=comm, reducer=reducer)
@@ -81,7 +81,8 @@ def run(args):
 
     start_epoch = 0
     if args.resume:
-        start_epoch = resume(args.resume, trainer)
+        start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,
+                             scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
     broadcast_state(comm, model, optimizer)
     say(f"pydtnn: {world} processes, {reducer.name if reducer else 'no'} gradient reduction, "
         f"batch {args.batch_size} per process" if world > 1 else "pydtnn: one process")
@@ -93,6 +94,7 @@ def run(args):
     if args.tracing:
         from pydtnn.profiling import Tracer
 
+        check_writable(args.tracer_output, "trace file")
         trainer.tracer = Tracer(pid=comm.rank, name=f"pydtnn {args.model} rank {comm.rank}")
         model.set_tracer(trainer.tracer)
         if reducer is not None:
@@ -122,13 +124,7 @@ def load_datasets(args):
         train, test = data.load("synthetic", input_shape=shape, num_classes=classes, seed=args.seed)
     else:
         train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path)
-    val = None
-    if args.validation_split:
-        train, val = data.split_validation(train, args.validation_split, args.seed)
-    if args.test_as_validation:
-        if val is not None:
-            raise ConfigError("--validation_split and --test_as_validation are exclusive; choose one")
-        val = test
+    train, val = data.resolve_validation(train, test, args.validation_split, args.test_as_validation, args.seed)
     return data.with_augmentation(train, flip=args.flip_images, flip_prob=args.flip_images_prob,
                                   crop=args.crop_images, crop_padding=args.crop_images_padding), val, test
 
@@ -186,7 +182,7 @@ def build_callbacks(args, trainer, config):
         out.append(EarlyStopping(args.early_stopping_metric, args.early_stopping_patience))
     if "stop_at_loss" in chosen:
         out.append(StopAtThreshold(args.stop_at_loss_metric, args.stop_at_loss_threshold))
-    if args.history_file:
+    if args.history_file and trainer.is_root:
         out.append(HistoryCSV(args.history_file))
     if "model_checkpoint" in chosen or args.checkpoint_dir:
         if not args.checkpoint_dir:
@@ -203,6 +199,8 @@ def save_checkpoint(directory, trainer, epoch, config):
     meta = {
         "epoch": epoch + 1,
         "config": config,
+        "step": trainer.optimizer.t,
+        "world_size": trainer.world_size,
         "rng": checkpoint.rng_state(trainer.model.backend.rng),
         "base_lr": trainer.base_lr,
         "schedules": [s.state_dict() for s in trainer.schedules],
@@ -212,11 +210,16 @@ def save_checkpoint(directory, trainer, epoch, config):
     checkpoint.save(directory, trainer.model, trainer.optimizer, meta)
 
 
-def resume(directory, trainer):
-    """Restore a checkpoint into a freshly built trainer; returns the epoch to start from."""
+def resume(directory, trainer, lr=None, scaled=False):
+    """Restore a checkpoint into a freshly built trainer; returns the epoch to start from.
+
+    lr: a learning rate given on the command line now, which wins over the saved one. scaled: the
+    rate follows the process count (linear scaling), so a resume at another count rescales it.
+    """
     meta = checkpoint.load(directory, trainer.model, trainer.optimizer)
     checkpoint.set_rng_state(trainer.model.backend.rng, meta["rng"])
-    trainer.base_lr = meta["base_lr"]
+    base = meta["base_lr"] * (trainer.world_size / meta.get("world_size", 1) if scaled else 1)
+    trainer.base_lr = trainer.optimizer.lr = lr if lr is not None else base
     for s, state in zip(trainer.schedules, meta["schedules"]):
         s.load_state_dict(state)
     for c, state in zip(trainer.callbacks, meta["callbacks"]):
@@ -241,6 +244,8 @@ def evaluate_only(trainer, test, args):
     final = {"final": True, **prefixed("test", values), "wall_time_s": wall, "samples_per_second": len(test) / wall,
              "world_size": trainer.world_size, "params_sha256": trainer.model.params_sha256()}
     final.setdefault("test_accuracy", None)
+    if not trainer.is_root:
+        return final
     if args.metrics_file:
         out = MetricsFile(args.metrics_file)
         out.write(final)
@@ -249,14 +254,19 @@ def evaluate_only(trainer, test, args):
     return final
 
 
+def check_writable(path, what):
+    """path, if its folder exists and is writable (checked before training, not after)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"cannot write {what} {path}: {folder} is not a writable directory")
+    return path
+
+
 class HistoryCSV:
     """--history_file: the per-epoch records as CSV, rewritten atomically after every epoch."""
 
     def __init__(self, path):
-        self.path = path
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ConfigError(f"cannot write history file {path}: {folder} is not a writable directory")
+        self.path = check_writable(path, "history file")
 
     def on_epoch_end(self, trainer, epoch, logs):
         tmp = f"{self.path}.tmp{os.getpid()}"

@@ -81,6 +81,7 @@ class Trainer:
         self.stop_training = False
         self.tracer = None  # a profiling.Tracer: spans for data, forward, loss, backward, optimizer
         self.accumulation_steps, self._acc = 1, None  # micro-batches per step (set before fit)
+        self._params = model.parameters()
         self._bn_sync = None
 
     def sync_batchnorm(self):
@@ -131,7 +132,7 @@ class Trainer:
         """
         n = x.shape[0]
         bounds = [n * i // self.accumulation_steps for i in range(self.accumulation_steps + 1)]
-        params = self.model.parameters()
+        params = self._params
         if self._acc is None:
             self._acc = [self.model.backend.xp.zeros_like(g) for _, _, g in params]
         if self.reducer is not None:
@@ -156,7 +157,7 @@ class Trainer:
                 if a == 0:
                     self.model.backend.xp.multiply(g, share, out=acc)
                 else:
-                    acc += g * share
+                    acc += self.model.backend.xp.multiply(g, share, out=g)  # g is rewritten next backward
             total += loss * share
             outs.append(out)
         for acc, (_, _, g) in zip(self._acc, params):
@@ -198,12 +199,12 @@ class Trainer:
                 record, seen = self._train_epoch(train, epoch, epochs, batch_size, steps_per_epoch, drop_last)
                 t_train = time.perf_counter() - t0
                 train_time, train_samples = train_time + t_train, train_samples + seen
+                self._average_buffers()  # before validation, so every rank evaluates the same model
                 record.update(self._prefixed("val", val, batch_size))
                 record["lr"] = getattr(self.optimizer, "lr", None)
                 record["time_s"] = time.perf_counter() - t0
                 record["samples_per_second"] = seen / t_train if t_train > 0 else None
                 self.history.append(record)
-                self._average_buffers()
                 if writer:
                     writer.write(record)
                 if self.progress:
@@ -252,6 +253,8 @@ class Trainer:
             with self._span("data"):
                 x, y = train.get_batch(idx, backend.dtype, rng=batch_rng(self.seed, epoch, step, rank))
                 x, y = backend.asarray(x), backend.asarray(y)
+            # dropout masks from (seed, epoch, step, rank) too: independent per rank, nothing to checkpoint
+            backend.reseed([self.seed, epoch, step, rank, 1])
             try:
                 loss, out = self.train_step(x, y, weight=n / (b - a))
             except TrainingDiverged as e:
@@ -348,10 +351,10 @@ class _BatchNormSync:
         return self.comm.allreduce(buf, "batchnorm")
 
 
-def batch_rng(seed, epoch, step, rank=0):
-    """Generator for one training batch's augmentation: a function of (seed, epoch, step, rank) alone,
-    so a resumed run draws exactly what the uninterrupted run drew."""
-    return np.random.default_rng([seed, epoch, step, rank, 0xA6])
+def batch_rng(seed, epoch, step, rank=0, stream=0):
+    """Generator of one training batch's randomness (stream 0: augmentation, 1: dropout): a function of
+    (seed, epoch, step, rank) alone, so a resumed run draws exactly what the uninterrupted run drew."""
+    return np.random.default_rng([seed, epoch, step, rank, stream, 0xA6])
 
 
 def format_record(r):

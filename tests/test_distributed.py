@@ -144,6 +144,18 @@ def test_debug_collectives_passes_a_correct_run(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_a_user_error_on_one_rank_ends_every_rank(tmp_path):
+    """Only rank 0 writes checkpoints, so only rank 0 finds that the directory is a file."""
+    (tmp_path / "afile").write_text("not a directory")
+    t0 = time.time()
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--num_epochs", "1", "--progress", "false",
+                        "--checkpoint_dir", str(tmp_path / "afile"), "--stall_timeout", "60"],
+                       capture_output=True, text=True, timeout=90, env=ENV)
+    assert time.time() - t0 < 30
+    assert r.returncode != 0
+    assert "pydtnn: error: rank 0:" in r.stderr and "afile" in r.stderr, r.stderr[-2000:]
+
+
 def test_cli_under_mpiexec_matches_single_process(tmp_path):
     common = ["-m", "pydtnn", "--model", "simplemlp", "--num_epochs", "1", "--steps_per_epoch", "15",
               "--global_batch_size", "48", "--progress", "false", "--dtype", "float64"]

@@ -28,6 +28,7 @@ CEIL_CASES = [
     ((2, 2, 5, 5), 3, 2, 1),  # padded
     ((2, 2, 5, 5), 2, 2, 1),  # last window would start in the bottom padding: dropped (4 -> 3)
     ((1, 3, 9, 8), (3, 2), (3, 2), 0),
+    ((1, 2, 5, 5), 1, 3, 0),  # stride larger than the window: 5 -> 2, no padding needed
 ]
 
 

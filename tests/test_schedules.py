@@ -99,3 +99,10 @@ def test_stop_at_threshold(digits):
     t = trainer_for(callbacks=[StopAtThreshold("val_accuracy", 0.5)])
     t.fit(train, epochs=10, batch_size=50, val=val)
     assert t.history[-1]["val_accuracy"] >= 0.5 and len(t.history) < 10
+
+
+def test_min_lr_floors_decay_but_never_raises_the_rate():
+    warm, step = WarmUp(epochs=1, start_factor=0.1), ReduceEveryNEpochs(factor=0.1, nepochs=1, min_lr=0.05)
+    assert learning_rate(0.01, [step], 3, 0, 10) == pytest.approx(0.01)  # min_lr above base: stays at base
+    assert learning_rate(0.1, [warm, step], 0, 0, 10) == pytest.approx(0.1 * (0.1 + 0.9 / 10))  # ramp intact
+    assert learning_rate(0.1, [warm, step], 3, 0, 10) == pytest.approx(0.05)

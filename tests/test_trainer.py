@@ -99,3 +99,26 @@ def test_adam_trains_too(mnist5k):
     t = Trainer(m, SoftmaxCrossEntropy(), Adam(m.parameters(), lr=1e-3), progress=False)
     t.fit(train, epochs=1, batch_size=64, test=test)
     assert t.final["test_accuracy"] > 0.8
+
+
+def test_dropout_run_resumed_from_a_checkpoint_is_bit_identical(mnist5k, tmp_path):
+    """Dropout masks are keyed by (seed, epoch, step, rank), so stopping and resuming changes nothing."""
+    from pydtnn import checkpoint
+    from pydtnn.layers import Dense, Dropout, Flatten, ReLU
+    from pydtnn.model import Model
+
+    train = mnist5k[0].subset(np.arange(0, 4000, 10))
+
+    def fresh(seed):
+        m = Model([Flatten(), Dense(32), Dropout(0.5), ReLU(), Dense(10)], (1, 28, 28), CPUBackend(seed=seed))
+        return Trainer(m, SoftmaxCrossEntropy(), Adam(m.parameters(), lr=1e-3), progress=False, seed=5)
+
+    whole = fresh(0)
+    whole.fit(train, epochs=3, batch_size=32)
+    first = fresh(0)
+    first.fit(train, epochs=1, batch_size=32)
+    checkpoint.save(str(tmp_path / "ck"), first.model, first.optimizer, {"epoch": 1})
+    resumed = fresh(9)  # other initial weights: everything must come from the checkpoint
+    checkpoint.load(str(tmp_path / "ck"), resumed.model, resumed.optimizer)
+    resumed.fit(train, epochs=3, batch_size=32, start_epoch=1)
+    assert resumed.final["params_sha256"] == whole.final["params_sha256"]

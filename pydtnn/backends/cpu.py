@@ -69,6 +69,10 @@ class CPUBackend:
     def __repr__(self):
         return f"CPUBackend(dtype={self.dtype.name}, seed={self.seed})"
 
+    def reseed(self, key):
+        """Restart the Generator from a key (a list of ints): the trainer keys dropout per step."""
+        self.rng = np.random.default_rng(key)
+
     # -- host <-> device -------------------------------------------------------------------
     def asarray(self, a, dtype=None):
         """Array on this device (no copy when it already is one of the right dtype)."""

@@ -129,7 +129,11 @@ def _load_npy(path, what):
 def load_shards(directory, prefix, num_classes, name):
     """ShardedArrayDataset of ROOT/{prefix}_images_NNN.npy + {prefix}_labels_NNN.npy, NNN = 000, 001, ..."""
     pattern = re.compile(rf"{re.escape(prefix)}_images_(\d{{3}})\.npy")
-    numbers = sorted(m.group(1) for m in map(pattern.fullmatch, os.listdir(directory)) if m)
+    try:
+        names = os.listdir(directory)
+    except OSError as e:
+        raise DataError(f"cannot read {directory}: {e.strerror}; expected {SHARD_LAYOUT}") from None
+    numbers = sorted(m.group(1) for m in map(pattern.fullmatch, names) if m)
     if not numbers:
         raise DataError(f"{directory}: no {prefix}_images_000.npy; expected {SHARD_LAYOUT}")
     if numbers != [f"{i:03d}" for i in range(len(numbers))]:

@@ -12,6 +12,7 @@ MPIComm numbers every collective. Two safety nets use the numbers:
 """
 
 import atexit
+import json
 import sys
 import time
 
@@ -117,12 +118,25 @@ class MPIComm:
 
     def bcast(self, buf, root=0):
         self._enter("bcast", buf)
-        self.comm.Bcast(buf, root=root)
+        if not self.stall_timeout:
+            self.comm.Bcast(buf, root=root)
+        else:
+            self._wait(self.comm.Ibcast(buf, root=root), self.current)
         return buf
 
     def bcast_obj(self, obj, root=0):
+        """A small JSON-serialisable object from root (sent as JSON text: nothing is unpickled)."""
         self._enter("bcast_obj", None)
-        return self.comm.bcast(obj, root=root)
+        if root == self.rank:
+            data = np.frombuffer(json.dumps(obj).encode(), np.uint8).copy()
+            size = np.array([data.size], np.int64)
+        else:
+            size = np.zeros(1, np.int64)
+        self.bcast(size, root)
+        if root != self.rank:
+            data = np.empty(int(size[0]), np.uint8)
+        self.bcast(data, root)
+        return json.loads(data.tobytes().decode())
 
     def allreduce_sum(self, values):
         buf = np.array(values, dtype=np.float64)

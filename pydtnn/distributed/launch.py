@@ -6,6 +6,7 @@ say there are several processes (mpiexec/mpirun of MPICH or Open MPI, Slurm's sr
 
 import os
 import sys
+import time
 import traceback
 
 from pydtnn.distributed.comm import MPIComm, SingleProcess
@@ -45,6 +46,22 @@ def limit_blas_threads(n):
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(n)
+
+
+def abort_others(now=False):
+    """In a multi-process MPI run: the rank (now=False), or end every process with exit code 2 (now=True).
+
+    A user error found by one rank alone (a bad path only rank 0 writes to, a diverging loss) would
+    otherwise leave the other ranks waiting in their next collective. Returns None without MPI.
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() == 1:
+        return None
+    if now:
+        sys.stderr.flush()
+        time.sleep(0.5)  # let the launcher forward the message first
+        mpi.COMM_WORLD.Abort(2)
+    return mpi.COMM_WORLD.Get_rank()
 
 
 def install_abort_handler(comm):

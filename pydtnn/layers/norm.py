@@ -76,14 +76,16 @@ class BatchNorm(Layer):
     def _global_moments(self, x):
         """Mean and biased variance over the samples of every rank, and their count (one allreduce)."""
         xp, c = self.xp, x.shape[1]
-        stats = xp.zeros(2 * c + 1, x.dtype)
+        stats = xp.zeros(2 * c + 1, np.float64)  # sums in float64: E[x^2] - E[x]^2 cancels badly in float32
         if self.sync.weight > 0:  # a rank with an empty share computes on a stand-in sample: leave it out
-            stats[:c], stats[c : 2 * c] = x.sum(axis=self.axes), (x * x).sum(axis=self.axes)
+            stats[:c] = x.sum(axis=self.axes, dtype=np.float64)
+            stats[c : 2 * c] = (x * x).sum(axis=self.axes, dtype=np.float64)
             stats[-1] = x.size // c
         self.sync.allreduce(stats)
         m = int(stats[-1])
         mean = stats[:c] / m
-        return mean, xp.maximum(stats[c : 2 * c] / m - mean * mean, 0), m
+        var = xp.maximum(stats[c : 2 * c] / m - mean * mean, 0)
+        return mean.astype(x.dtype), var.astype(x.dtype), m
 
     def _global_dx(self, dy, scale):
         """dL_r/dx for the global objective sum_r w_r L_r, in this rank's own scale (divided by w_r)."""

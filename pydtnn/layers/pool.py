@@ -77,7 +77,7 @@ class MaxPool2D(_Pool2D):
             out = -(-(size + 2 * p - k) // s) + 1
             if (out - 1) * s >= size + p:
                 out -= 1
-            extra.append((out - 1) * s + k - (size + 2 * p))
+            extra.append(max((out - 1) * s + k - (size + 2 * p), 0))
         self.geometry = replace(g, pb=g.pb + extra[0], pr=g.pr + extra[1])
         self.output_shape = (g.c, self.geometry.ho, self.geometry.wo)
 

@@ -122,8 +122,14 @@ def improved(metric, value, best):
 
 
 def learning_rate(base_lr, schedules, epoch, step, steps_per_epoch):
-    """The learning rate of one step."""
-    lr = base_lr
+    """The learning rate of one step: base_lr times every factor, with the decays (not the warm-up)
+    floored at the largest min_lr (a floor never raises the rate above base_lr)."""
+    ramp = decay = 1.0
     for s in schedules:
-        lr *= s.factor(epoch, step, steps_per_epoch)
-    return max(lr, max((s.min_lr for s in schedules), default=0.0))
+        f = s.factor(epoch, step, steps_per_epoch)
+        if isinstance(s, WarmUp):
+            ramp *= f
+        else:
+            decay *= f
+    floor = min(max((s.min_lr for s in schedules), default=0.0), base_lr)
+    return ramp * max(base_lr * decay, floor)
