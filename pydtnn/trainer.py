@@ -11,6 +11,7 @@ whose format is a public contract (docs/architecture.md).
 
 import json
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -25,21 +26,30 @@ from pydtnn.optim.schedules import learning_rate
 
 
 class MetricsFile:
-    """JSON Lines writer: one object per line, flushed at once so a crash never leaves half a record."""
+    """JSON Lines writer: one object per line, flushed at once so a crash never leaves half a record.
+
+    The path is checked at once, but the file is created with the first record: a run that fails
+    before finishing an epoch leaves no file behind.
+    """
 
     def __init__(self, path):
-        self.path = path
-        try:
-            self.f = open(path, "w", encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"cannot write metrics file {path}: {e.strerror}") from None
+        self.path, self.f = path, None
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ConfigError(f"cannot write metrics file {path}: {folder} is not a writable directory")
 
     def write(self, record):
+        if self.f is None:
+            try:
+                self.f = open(self.path, "w", encoding="utf-8")
+            except OSError as e:
+                raise ConfigError(f"cannot write metrics file {self.path}: {e.strerror}") from None
         self.f.write(json.dumps(record) + "\n")
         self.f.flush()
 
     def close(self):
-        self.f.close()
+        if self.f is not None:
+            self.f.close()
 
 
 class Trainer:

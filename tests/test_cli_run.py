@@ -160,3 +160,63 @@ def test_history_plot_trace_and_profile(tmp_path):
 )
 def test_more_user_errors(args, words):
     assert_user_error(cli(*args, *FAST, "--num_epochs", "1", check=False), *words)
+
+
+def _mnist_dir(path, images=None, labels=None, gz=True):
+    from pydtnn.data import write_idx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path.mkdir(exist_ok=True)
+    for split, n in (("train", 64), ("t10k", 16)):
+        ext = ".gz" if gz else ""
+        write_idx(path / f"{split}-images-idx3-ubyte{ext}",
+                  images if images is not None else rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        write_idx(path / f"{split}-labels-idx1-ubyte{ext}",
+                  labels if labels is not None else rng.integers(0, 10, n, dtype=np.uint8))
+    return path
+
+
+def _corrupt(kind, path):
+    import numpy as np
+
+    d = _mnist_dir(path)
+    f = d / "train-images-idx3-ubyte.gz"
+    if kind == "bad magic":
+        import gzip
+
+        f.write_bytes(gzip.compress(b"\x08\x08\x08\x03" + gzip.decompress(f.read_bytes())[4:]))
+    elif kind == "wrong length":
+        import gzip
+
+        f.write_bytes(gzip.compress(gzip.decompress(f.read_bytes())[:-100]))
+    elif kind == "bad gzip":
+        f.write_bytes(f.read_bytes()[:40])
+    elif kind == "label out of range":
+        _mnist_dir(path, labels=np.full(64, 12, np.uint8))
+    elif kind == "nan in data":
+        d = path / "shards"
+        d.mkdir()
+        x = np.random.default_rng(0).random((8, 3, 28, 28)).astype(np.float32)
+        x[3, 1, 2, 2] = np.nan
+        for prefix in ("train", "val"):
+            np.save(d / f"{prefix}_images_000.npy", x)
+            np.save(d / f"{prefix}_labels_000.npy", np.arange(8) % 2)
+        return ["--dataset", "imagenet", "--dataset_train_path", str(d)]
+    return ["--dataset", "mnist", "--dataset_train_path", str(d)]
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("bad magic", ["train-images-idx3-ubyte.gz", "magic"]),
+    ("wrong length", ["train-images-idx3-ubyte.gz", "wrong length"]),
+    ("bad gzip", ["train-images-idx3-ubyte.gz", "gzip"]),
+    ("label out of range", ["label 12", "0..9"]),
+    ("nan in data", ["NaN"]),
+])
+def test_bad_dataset_files_exit_2_and_leave_no_output(tmp_path, kind, words):
+    args = _corrupt(kind, tmp_path / "data")
+    out = tmp_path / "m.jsonl"
+    r = cli(*args, "--model", "simplecnn", "--batch_size", "4", "--num_epochs", "1", "--metrics_file", out,
+            "--checkpoint_dir", tmp_path / "ck", "--progress", "false", check=False)
+    assert_user_error(r, *words)
+    assert not out.exists() and not (tmp_path / "ck" / "model.safetensors").exists()
