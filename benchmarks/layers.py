@@ -1,0 +1,122 @@
+"""Forward and backward time of each layer type, pydtnn against PyTorch CPU, side by side.
+
+    python benchmarks/layers.py [--threads 1] [--repeats 20] [--out docs/benchmarks_layers.md]
+
+Same dtype (float32), same thread count (threadpoolctl for NumPy's BLAS, torch.set_num_threads for
+PyTorch), inputs rotated among three sets so caches flatter neither side. Reports the median time,
+the ratio ours / PyTorch, and our achieved GFLOP/s as a fraction of this machine's sgemm peak,
+measured by the script itself.
+"""
+
+import argparse
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from threadpoolctl import threadpool_limits
+
+from pydtnn.layers import AvgPool2D, BatchNorm, Conv2D, Dense, MaxPool2D, ReLU
+
+# name, layer factory, input shape (N, C, H, W) or (N, F), torch function(x, params)
+CASES = [
+    ("conv 3x3 64->64 32x32", lambda: Conv2D(64, 3, padding=1), (32, 64, 32, 32),
+     lambda x, p: F.conv2d(x, p["weight"], p["bias"], padding=1)),
+    ("conv 3x3 s2 64->128 32x32", lambda: Conv2D(128, 3, stride=2, padding=1), (32, 64, 32, 32),
+     lambda x, p: F.conv2d(x, p["weight"], p["bias"], stride=2, padding=1)),
+    ("conv 1x1 256->64 16x16", lambda: Conv2D(64, 1), (32, 256, 16, 16),
+     lambda x, p: F.conv2d(x, p["weight"], p["bias"])),
+    ("conv 3x3 16->16 32x32 (ResNet-20)", lambda: Conv2D(16, 3, padding=1), (64, 16, 32, 32),
+     lambda x, p: F.conv2d(x, p["weight"], p["bias"], padding=1)),
+    ("depthwise 3x3 128 16x16", lambda: Conv2D(128, 3, padding=1, groups=128), (32, 128, 16, 16),
+     lambda x, p: F.conv2d(x, p["weight"], p["bias"], padding=1, groups=128)),
+    ("dense 4096->1024", lambda: Dense(1024), (64, 4096), lambda x, p: F.linear(x, p["weight"], p["bias"])),
+    ("maxpool 2x2 64 32x32", lambda: MaxPool2D(2), (32, 64, 32, 32), lambda x, p: F.max_pool2d(x, 2)),
+    ("avgpool 2x2 64 32x32", lambda: AvgPool2D(2), (32, 64, 32, 32), lambda x, p: F.avg_pool2d(x, 2)),
+    ("batchnorm 64 32x32", lambda: BatchNorm(), (32, 64, 32, 32),
+     lambda x, p: F.batch_norm(x, None, None, p["weight"], p["bias"], True)),
+    ("relu 64 32x32", lambda: ReLU(), (32, 64, 32, 32), lambda x, p: F.relu(x)),
+]
+
+
+def median_time(fn, repeats):
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sgemm_peak(threads, n=2048, repeats=5):
+    """GFLOP/s of a large float32 matrix product through NumPy's BLAS (the ceiling for conv/dense)."""
+    a, b = (np.random.default_rng(i).standard_normal((n, n), np.float32) for i in (0, 1))
+    with threadpool_limits(threads):
+        a @ b
+        t = median_time(lambda i: a @ b, repeats)
+    return 2 * n**3 / t / 1e9
+
+
+def bench(name, make, shape, torch_fn, threads, repeats):
+    layer = make()
+    layer.build(shape[1:], np.float32)
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(shape, np.float32) for _ in range(3)]
+    dys = [rng.standard_normal((shape[0],) + layer.output_shape, np.float32) for _ in range(3)]
+    with threadpool_limits(threads):
+        layer.forward(xs[0]), layer.backward(dys[0])  # warm-up
+        fwd = median_time(lambda i: layer.forward(xs[i % 3]), repeats)
+
+        def fwd_bwd(i):
+            layer.forward(xs[i % 3])
+            layer.backward(dys[i % 3])
+
+        both = median_time(fwd_bwd, repeats)
+    torch.set_num_threads(threads)
+    txs = [torch.tensor(x, requires_grad=True) for x in xs]
+    tdys = [torch.tensor(d) for d in dys]
+    params = {k: torch.tensor(np.array(v), requires_grad=True) for k, v in layer.params.items()}
+    with torch.no_grad():
+        torch_fn(txs[0], params)
+    t_fwd = median_time(lambda i: torch_fn(txs[i % 3], params), repeats)
+
+    def t_fwd_bwd(i):
+        torch_fn(txs[i % 3], params).backward(tdys[i % 3])
+
+    t_fwd_bwd(0)
+    t_both = median_time(t_fwd_bwd, repeats)
+    flops = layer.flops() * shape[0]
+    return {"name": name, "fwd_ms": fwd * 1e3, "bwd_ms": (both - fwd) * 1e3, "torch_fwd_ms": t_fwd * 1e3,
+            "torch_bwd_ms": (t_both - t_fwd) * 1e3, "ratio": both / t_both,
+            # backward of conv/dense costs about twice the forward
+            "gflops": 3 * flops / both / 1e9 if isinstance(layer, (Conv2D, Dense)) else None}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--out", help="write the table as markdown to this file")
+    args = p.parse_args()
+    peak = sgemm_peak(args.threads)
+    rows = [bench(*case, args.threads, args.repeats) for case in CASES]
+    head = (f"| layer (batch, float32, {args.threads} thread{'s' * (args.threads > 1)}) | ours fwd ms | ours bwd ms "
+            f"| torch fwd ms | torch bwd ms | ours/torch (fwd+bwd) | ours GFLOP/s (% of sgemm peak) |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        g = f"{r['gflops']:.1f} ({100 * r['gflops'] / peak:.0f}%)" if r["gflops"] else ""
+        lines.append(f"| {r['name']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['torch_fwd_ms']:.2f} | "
+                     f"{r['torch_bwd_ms']:.2f} | {r['ratio']:.2f} | {g} |")
+    machine = (f"{platform.processor() or platform.machine()}, NumPy {np.__version__}, PyTorch {torch.__version__}, "
+               f"sgemm peak measured {peak:.0f} GFLOP/s on {args.threads} thread(s)")
+    text = f"{machine}\n\n" + "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
