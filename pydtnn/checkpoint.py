@@ -113,8 +113,13 @@ def fingerprint(model):
 
 def write_json_atomic(path, obj):
     """Write `obj` as JSON to `path` via a synced temporary file and a rename (creates the folder)."""
+    write_atomic(path, (json.dumps(obj, indent=1, default=_json_default) + "\n").encode("utf-8"))
+
+
+def write_atomic(path, data):
+    """Write bytes to `path` via a synced temporary file and a rename: readers never see half a file,
+    and a failure leaves neither a temporary file nor a broken one (ConfigError naming the path)."""
     path = os.fspath(path)
-    data = (json.dumps(obj, indent=1, default=_json_default) + "\n").encode("utf-8")
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         _write_synced(path + TMP, data)

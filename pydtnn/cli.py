@@ -80,14 +80,14 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(suppress_defaults=False):
     """The parser; with suppress_defaults, parse_args returns only the flags actually given."""
-    from pydtnn import data, losses, metrics, models, optim
+    from pydtnn import data, losses, metrics, optim
 
     p = Parser(prog="pydtnn", description="Train and evaluate a model with pydtnn.", allow_abbrev=False,
                argument_default=argparse.SUPPRESS if suppress_defaults else None)
     f = p.flag
 
     g = p.add_argument_group("model")
-    f(g, "model", default="simplecnn", help=f"architecture (see --list_models); default simplecnn")
+    f(g, "model", default="simplecnn", help="architecture (see --list_models); default simplecnn")
     f(g, "list_models", type=parse_bool, default=False, help="print the model zoo and exit")
     f(g, "batch_size", type=positive_int, default=64, help="samples per step and process (default 64)")
     f(g, "global_batch_size", type=positive_int, default=None,

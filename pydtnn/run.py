@@ -6,6 +6,7 @@ Everything here is plain wiring: each piece is built by the module that owns it.
 """
 
 import csv
+import io
 import json
 import os
 import sys
@@ -103,7 +104,7 @@ def run(args):
     if args.evaluate_only:
         return evaluate_only(trainer, test, args)
     if args.evaluate and test is not None:
-        say("before training: " + format_record({"epoch": 0, **prefixed("test", trainer.evaluate(test, args.batch_size))}))
+        say("before training: " + format_record({"epoch": 0, **trainer.evaluate_as("test", test, args.batch_size)}))
     if start_epoch >= args.num_epochs:
         say(f"pydtnn: the checkpoint already holds {start_epoch} epochs (--num_epochs {args.num_epochs}); nothing to train")
     trainer.fit(train, args.num_epochs, args.batch_size, val=val, test=test, steps_per_epoch=args.steps_per_epoch,
@@ -230,20 +231,15 @@ def resume(directory, trainer, lr=None, scaled=False):
     return meta["epoch"]
 
 
-def prefixed(prefix, values):
-    return {f"{prefix}_{k}": v for k, v in values.items()}
-
-
 def evaluate_only(trainer, test, args):
     """Evaluate on the test set and report inference throughput; writes the final record."""
     if test is None:
         raise ConfigError(f"--evaluate_only needs a test set; dataset {args.dataset} has none")
     t0 = time.perf_counter()
-    values = trainer.evaluate(test, args.batch_size)
+    values = trainer.evaluate_as("test", test, args.batch_size)
     wall = time.perf_counter() - t0
-    final = {"final": True, **prefixed("test", values), "wall_time_s": wall, "samples_per_second": len(test) / wall,
+    final = {"final": True, **values, "wall_time_s": wall, "samples_per_second": len(test) / wall,
              "world_size": trainer.world_size, "params_sha256": trainer.model.params_sha256()}
-    final.setdefault("test_accuracy", None)
     if not trainer.is_root:
         return final
     if args.metrics_file:
@@ -269,9 +265,8 @@ class HistoryCSV:
         self.path = check_writable(path, "history file")
 
     def on_epoch_end(self, trainer, epoch, logs):
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=list(trainer.history[0]))
-            w.writeheader()
-            w.writerows(trainer.history)
-        os.replace(tmp, self.path)
+        text = io.StringIO(newline="")
+        w = csv.DictWriter(text, fieldnames=list(trainer.history[0]))
+        w.writeheader()
+        w.writerows(trainer.history)
+        checkpoint.write_atomic(self.path, text.getvalue().encode("utf-8"))

@@ -210,7 +210,7 @@ class Trainer:
                 t_train = time.perf_counter() - t0
                 train_time, train_samples = train_time + t_train, train_samples + seen
                 self._average_buffers()  # before validation, so every rank evaluates the same model
-                record.update(self._prefixed("val", val, batch_size))
+                record.update(self.evaluate_as("val", val, batch_size))
                 record["lr"] = getattr(self.optimizer, "lr", None)
                 record["time_s"] = time.perf_counter() - t0
                 record["samples_per_second"] = seen / t_train if t_train > 0 else None
@@ -224,7 +224,7 @@ class Trainer:
                 self._callback("on_epoch_end", epoch, record)
                 if self.stop_training:
                     break
-            self.final = {"final": True, **self._prefixed("test", test, batch_size)}
+            self.final = {"final": True, **self.evaluate_as("test", test, batch_size)}
             self.final["wall_time_s"] = time.perf_counter() - t_start
             self.final["samples_per_second"] = train_samples / train_time if train_time > 0 else None
             self.final["world_size"] = self.world_size
@@ -299,7 +299,7 @@ class Trainer:
                 self.comm.allreduce(buf, "buffers")
                 buf /= self.world_size
 
-    def _prefixed(self, prefix, data, batch_size):
+    def evaluate_as(self, prefix, data, batch_size=256):
         """{prefix_loss, prefix_<metric>...} of evaluate(data), all None when data is None."""
         keys = ("loss",) + tuple(dict.fromkeys(self.metric_names + ("accuracy",)))
         values = self.evaluate(data, batch_size) if data is not None else {}

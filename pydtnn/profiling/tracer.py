@@ -11,7 +11,6 @@ tracer exists and the only cost is one `is None` test per layer call.
 """
 
 import json
-import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -64,8 +63,7 @@ class Tracer:
 
     def write(self, path):
         """Write the trace as Chrome JSON (atomically: a temporary file renamed into place)."""
+        from pydtnn.checkpoint import write_atomic
+
         meta = [{"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": self.name}}]
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}).encode())
