@@ -279,7 +279,9 @@ def test_sigkill_while_training_and_saving_leaves_a_loadable_checkpoint(tmp_path
 
         model, opt = lib["build"]()
         meta = checkpoint.load(directory, model, opt)  # the previous or the new checkpoint, complete
-        assert meta["step"] in (target - 1, target)
+        # the previous or the new checkpoint; on a quick machine the child may finish another save
+        # before the signal lands, which is as good: what matters is that it is complete and right
+        assert target - 1 <= meta["step"] <= target + 2
         ref, ref_opt = lib["build"]()
         for i in range(meta["step"]):
             lib["step"](ref, ref_opt, i)
