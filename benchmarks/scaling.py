@@ -1,181 +1,550 @@
-"""Data-parallel training throughput at 1, 2 (and 4) processes, pydtnn against PyTorch DDP (gloo).
+"""Data-parallel training throughput: pydtnn (every reduction strategy) against PyTorch DDP (gloo).
 
-    python benchmarks/scaling.py [--models simplecnn,resnet20_cifar10,vgg11_cifar10] [--procs 1,2,4]
-                                 [--batch 32] [--steps 8] [--out FILE]
+    python benchmarks/scaling.py [--quick] [--nps 1,2,4] [--models simplecnn,vgg11_cifar10,resnet20_cifar10]
+                                 [--batch 32] [--warmup 2] [--steps 6] [--json FILE] [--out FILE] [--plot PREFIX]
 
-Each configuration runs in fresh processes (mpiexec for pydtnn, one process per rank with
-torch.distributed's gloo backend for PyTorch), one BLAS/torch thread per process, per-process batch
-`--batch` of synthetic data, the same architecture and initial weights (benchmarks/torch_equivalent.py).
-Reports samples/s (median step after warm-up), scaling efficiency = throughput_P / (P * throughput_1),
-and for pydtnn the exposed communication: time spent waiting in reducer.finish() per step.
+The driver starts, for each process count P, one `mpiexec -n P` job that trains every model with
+every strategy in turn (pydtnn's Trainer.train_step on synthetic data, a fresh model per run), and
+one PyTorch job that spawns P processes (torch.distributed, gloo, MASTER_ADDR=127.0.0.1, no torchrun)
+and trains the same architectures, written out by hand below (the parameter counts are checked
+against pydtnn's), with DistributedDataParallel.
+
+Same per-process batch, float32, SGD with momentum, softmax cross-entropy, one BLAS/OpenMP thread per
+process (threadpoolctl for NumPy, torch.set_num_threads(1) for PyTorch). Every run starts with a
+barrier; each step is timed on every rank; a step's time is the slowest rank's, and throughput is
+P * batch / the median step time after `--warmup` steps. Scaling efficiency = throughput(P) /
+(P * throughput(1)) of the same library.
+
+Strategies: pydtnn `blocking`, `per_layer`, `bucketed` (pydtnn.distributed.reducers, default options)
+and `none` (no gradient reduction at all: every rank trains alone; the compute-only ceiling of data
+parallelism on this machine). PyTorch: `ddp` (DistributedDataParallel, default 25 MB buckets) and
+`no_sync` (the same model inside `ddp.no_sync()`, so no gradient allreduce: PyTorch's ceiling).
+
+Exposed communication (pydtnn): per step, the time the last rank to arrive spends in
+`reducer.finish()` (the Trainer's "reduce" span: waiting for outstanding allreduces, and for
+`blocking` the whole pack-reduce-unpack) over the slowest rank's step; median over steps. Overhead
+(both libraries): 1 - t(none or no_sync) / t(strategy), the share of a step that gradient averaging
+adds over the same P processes training alone: it also counts communication work done inside
+backward (MPI progress in test(), packing), which finish() does not see.
+
+Before each job the driver waits (up to --wait_idle s) until other processes leave the cores, and
+reports how many cores other processes used while it ran.
 """
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 import argparse
 import json
-import os
-import statistics
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+MODELS = ("simplecnn", "vgg11_cifar10", "resnet20_cifar10")
+PYDTNN_STRATEGIES = ("none", "blocking", "per_layer", "bucketed")
+TORCH_STRATEGIES = ("no_sync", "ddp")
+LR = 0.001
 
 
-def batch_for(model_name, batch, rank, step):
-    from pydtnn import models
-
-    shape, classes = models.defaults(model_name)
-    rng = np.random.default_rng([rank, step])
-    return rng.standard_normal((batch,) + shape, np.float32), rng.integers(0, classes, batch)
+def median_of_slowest(step_times):
+    """step_times: (ranks, steps) -> median over steps of each step's slowest rank."""
+    return float(np.median(np.max(np.asarray(step_times), axis=0)))
 
 
+# ----------------------------------------------------------------------------------------------
+# pydtnn worker (one per mpiexec job)
+# ----------------------------------------------------------------------------------------------
 def pydtnn_worker(args):
-    from pydtnn import models
-    from pydtnn.backends import CPUBackend
+    from threadpoolctl import threadpool_limits
+
+    from pydtnn import losses, models, optim
+    from pydtnn.backends.cpu import CPUBackend
     from pydtnn.distributed import launch, reducers
     from pydtnn.distributed.consistency import broadcast_state
-    from pydtnn.losses import SoftmaxCrossEntropy
-    from pydtnn.optim import SGD
+    from pydtnn.profiling import Tracer
     from pydtnn.trainer import Trainer
 
-    comm = launch.init(threads=1, stall_timeout=None)
-    model = models.create(args.model, backend=CPUBackend(seed=0))
-    opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
-    reducer = reducers.create(args.strategy, comm) if comm.size > 1 else None
-    trainer = Trainer(model, SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer)
-    broadcast_state(comm, model, opt)
-    waits, steps = [], []
-    if reducer is not None:
-        finish = reducer.finish
+    threadpool_limits(1)
+    comm = launch.init(threads=1, stall_timeout=0)
+    size, rank = comm.size, comm.rank
+    strategies = PYDTNN_STRATEGIES if size > 1 else ("sequential",)
+    cats = ("forward", "backward", "reduce", "wait", "optimizer")
+    results = []
+    for name in args.models.split(","):
+        shape, classes = models.defaults(name)
+        rng = np.random.default_rng([rank, 7])
+        x = rng.standard_normal((args.batch,) + tuple(shape), dtype=np.float32)
+        y = rng.integers(0, classes, args.batch)
+        for strategy in strategies:
+            model = models.create(name, backend=CPUBackend(seed=0))
+            opt = optim.create("sgd", model.parameters(), lr=LR, momentum=0.9)
+            reducer = reducers.create(strategy, comm) if strategy in reducers.NAMES else None
+            trainer = Trainer(model, losses.SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer)
+            broadcast_state(comm, model, opt)
+            tracer = Tracer(pid=rank)
+            trainer.tracer = tracer
+            if reducer is not None:
+                reducer.tracer = tracer
+            steps, phase = [], {c: [] for c in cats}
+            comm.barrier()  # every rank starts the run together (`none` never synchronises again)
+            for i in range(args.warmup + args.steps):
+                tracer.events.clear()
+                t0 = time.perf_counter()
+                trainer.train_step(x, y, weight=1 / size)
+                t = time.perf_counter() - t0
+                if i >= args.warmup:
+                    steps.append(t)
+                    totals = tracer.totals()
+                    for c in cats:
+                        phase[c].append(totals.get(c, 0.0))
+            local = np.array([steps] + [phase[c] for c in cats], np.float64)
+            if size > 1:
+                every = np.empty((size,) + local.shape)
+                comm.comm.Gather(local, every, root=0)
+            else:
+                every = local[None]
+            if rank == 0:
+                step = median_of_slowest(every[:, 0])
+                rec = {"lib": "pydtnn", "model": name, "strategy": strategy, "np": size, "batch": args.batch,
+                       "params": model.count_params(), "step_s": step, "samples_per_s": size * args.batch / step,
+                       "steps": args.steps}
+                for j, c in enumerate(cats, 1):
+                    rec[f"{c}_s"] = median_of_slowest(every[:, j])
+                # exposed communication: per step, the time the last rank to arrive spends in reducer.finish()
+                # (the least over ranks: the others also wait for that rank) over the slowest rank's step;
+                # median over steps. finish_max_frac keeps the most over ranks: communication plus imbalance.
+                slowest = np.max(every[:, 0], axis=0)
+                rec["exposed_frac"] = float(np.median(np.min(every[:, 3], axis=0) / slowest))
+                rec["finish_max_frac"] = float(np.median(np.max(every[:, 3], axis=0) / slowest))
+                results.append(rec)
+                print(f"  pydtnn np={size} {name} {strategy}: {rec['samples_per_s']:.1f} samples/s, "
+                      f"step {step * 1e3:.1f} ms, finish() {rec['exposed_frac']:.1%}", file=sys.stderr, flush=True)
+            del trainer, model, opt, reducer
+    if rank == 0:
+        with open(args.result, "w", encoding="utf-8") as f:
+            json.dump(results, f)
+    comm.barrier()
 
-        def timed_finish():
-            t0 = time.perf_counter()
-            finish()
-            waits.append(time.perf_counter() - t0)
 
-        reducer.finish = timed_finish
-    for step in range(args.steps + 2):
-        x, y = batch_for(args.model, args.batch, comm.rank, step)
-        t0 = time.perf_counter()
-        trainer.train_step(x, y, weight=1 / comm.size)
-        steps.append(time.perf_counter() - t0)
-    steps, waits = steps[2:], waits[2:]
-    if comm.rank == 0:
-        step = statistics.median(steps)
-        print(json.dumps({"step_s": step, "exposed_s": statistics.median(waits) if waits else 0.0}))
+# ----------------------------------------------------------------------------------------------
+# PyTorch: the same architectures, written out by hand
+# ----------------------------------------------------------------------------------------------
+def torch_model(name):
+    from torch import nn
+
+    if name == "simplecnn":
+        # conv16-relu-maxpool-conv32-relu-maxpool-fc64-relu-fc10, 3x3 'same' convolutions, on 1x28x28
+        return nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * 7 * 7, 64), nn.ReLU(), nn.Linear(64, 10))
+    if name.startswith("vgg") and name.endswith("_cifar10"):
+        # pydtnn's vgg<d>[bn]_cifar10: torchvision's features on 32x32 (ending at 512x1x1), no adaptive
+        # pooling, classifier 512-4096-4096-10 with ReLU and Dropout(0.5)
+        from pydtnn.models.vgg import CONFIGS
+
+        tag = name.split("_")[0][3:]
+        bn = tag.endswith("bn")
+        depth = int(tag[:-2] if bn else tag)
+        layers, c = [], 3
+        for v in CONFIGS[depth]:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2))
+            else:
+                layers += [nn.Conv2d(c, v, 3, padding=1)] + ([nn.BatchNorm2d(v)] if bn else []) + [nn.ReLU()]
+                c = v
+        return nn.Sequential(
+            nn.Sequential(*layers), nn.Flatten(),
+            nn.Sequential(nn.Linear(512, 4096), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Linear(4096, 4096), nn.ReLU(), nn.Dropout(0.5), nn.Linear(4096, 10)))
+    if name == "resnet20_cifar10":
+        return resnet_cifar(3)
+    raise SystemExit(f"scaling.py: no PyTorch equivalent written for {name}")
 
 
-def torch_worker(args):
+def resnet_cifar(n, num_classes=10):
+    """He et al. 2016 CIFAR ResNet (6n + 2 layers): 16-32-64 channels, global average pool, fc; option-B
+    shortcuts (identity, or 1x1 convolution + BatchNorm where the shape changes), as pydtnn builds it."""
+    from torch import nn
+
+    class BasicBlock(nn.Module):
+        def __init__(self, cin, planes, stride):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, planes, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(planes)
+            self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(planes)
+            self.relu = nn.ReLU()
+            self.downsample = None
+            if stride != 1 or cin != planes:
+                self.downsample = nn.Sequential(nn.Conv2d(cin, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
+
+        def forward(self, x):
+            out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+            return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+    blocks, c = [nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()], 16
+    for i, planes in enumerate((16, 32, 64)):
+        for b in range(n):
+            blocks.append(BasicBlock(c, planes, 2 if i > 0 and b == 0 else 1))
+            c = planes
+    return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+
+
+def torch_rank(rank, args, size, port, out):
     import torch
     import torch.distributed as dist
-
-    sys.path.insert(0, HERE)
-    from torch_equivalent import to_torch
+    from torch import nn
 
     from pydtnn import models
-    from pydtnn.backends import CPUBackend
 
     torch.set_num_threads(1)
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    net = to_torch(models.create(args.model, backend=CPUBackend(seed=0)))
+    torch.manual_seed(0)
     if size > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=size)
-        net = torch.nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    steps = []
-    for step in range(args.steps + 2):
-        x, y = batch_for(args.model, args.batch, rank, step)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
-        opt.step()
-        steps.append(time.perf_counter() - t0)
+    results = []
+    for name in args.models.split(","):
+        shape, classes = models.defaults(name)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn((args.batch,) + tuple(shape), generator=g)
+        y = torch.randint(0, classes, (args.batch,), generator=g)
+        for strategy in (TORCH_STRATEGIES if size > 1 else ("sequential",)):
+            model = torch_model(name)
+            params = sum(p.numel() for p in model.parameters())
+            expected = models.create(name).count_params()
+            if params != expected:
+                raise SystemExit(f"scaling.py: PyTorch {name} has {params} parameters, pydtnn's {expected}")
+            net = nn.parallel.DistributedDataParallel(model) if size > 1 else model
+            opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+            loss_fn = nn.CrossEntropyLoss()
+            times = []
+            if size > 1:
+                dist.barrier()
+            for i in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=False)
+                if strategy == "no_sync":
+                    with net.no_sync():
+                        loss_fn(net(x), y).backward()
+                else:
+                    loss_fn(net(x), y).backward()
+                opt.step()
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            local = torch.tensor(times, dtype=torch.float64)
+            if size > 1:
+                every = [torch.empty_like(local) for _ in range(size)]
+                dist.all_gather(every, local)
+                every = torch.stack(every).numpy()
+            else:
+                every = local.numpy()[None]
+            if rank == 0:
+                step = median_of_slowest(every)
+                results.append({"lib": "torch", "model": name, "strategy": strategy, "np": size, "batch": args.batch,
+                                "params": params, "step_s": step, "samples_per_s": size * args.batch / step,
+                                "steps": args.steps})
+                print(f"  torch np={size} {name} {strategy}: {size * args.batch / step:.1f} samples/s, "
+                      f"step {step * 1e3:.1f} ms", file=sys.stderr, flush=True)
     if rank == 0:
-        print(json.dumps({"step_s": statistics.median(steps[2:])}))
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(results, f)
     if size > 1:
+        dist.barrier()
         dist.destroy_process_group()
 
 
-def run_pydtnn(model, strategy, procs, args):
-    cmd = ([MPIEXEC, "-n", str(procs)] if procs > 1 else []) + [
-        sys.executable, __file__, "--worker", "pydtnn", "--model", model, "--strategy", strategy,
-        "--batch", str(args.batch), "--steps", str(args.steps)]
-    return _last_json(subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=1800))
+def torch_worker(args):
+    import torch.multiprocessing as mp
+
+    size = args.np
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if size == 1:
+        torch_rank(0, args, 1, port, args.result)
+    else:
+        mp.spawn(torch_rank, args=(args, size, port, args.result), nprocs=size, join=True)
 
 
-def run_torch(model, procs, args, port):
-    cmd = [sys.executable, __file__, "--worker", "torch", "--model", model, "--batch", str(args.batch),
-           "--steps", str(args.steps)]
-    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(procs)}
-    children = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env={**env, "RANK": str(r)}) for r in range(procs)]
-    outs = [c.communicate(timeout=1800) for c in children]
-    for c, (_, err) in zip(children, outs):
-        if c.returncode:
-            raise RuntimeError(f"torch worker failed: {err[-2000:]}")
-    return _last_json(subprocess.CompletedProcess(cmd, 0, outs[0][0], outs[0][1]))
+# ----------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------
+def busy_seconds():
+    """CPU-seconds the whole machine has spent busy since boot (/proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(t) for t in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
-def _last_json(r):
-    if r.returncode:
-        raise RuntimeError(f"{' '.join(r.args[:6])} failed: {r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def own_seconds():
+    """CPU-seconds of this process and of its finished children (their children included)."""
+    import resource
+
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
+def wait_idle(max_wait, threshold=0.15, window=2.0):
+    """Wait (up to max_wait s) until other processes use less than `threshold` cores over `window` s."""
+    t0 = time.perf_counter()
+    while busy_seconds() is not None:
+        b0, o0 = busy_seconds(), own_seconds()
+        time.sleep(window)
+        load = (busy_seconds() - b0 - (own_seconds() - o0)) / window
+        if load < threshold:
+            return
+        if time.perf_counter() - t0 > max_wait:
+            print(f"  (machine still busy, {load:.2f} cores used by other processes; running anyway)",
+                  file=sys.stderr, flush=True)
+            return
+        print(f"  (waiting: other processes use {load:.2f} cores)", file=sys.stderr, flush=True)
+
+
+def run_job(cmd, result, args):
+    wait_idle(args.wait_idle)
+    t0, b0, o0 = time.perf_counter(), busy_seconds(), own_seconds()
+    proc = subprocess.run(cmd, check=False, env=dict(os.environ), timeout=900)
+    if proc.returncode:
+        raise SystemExit(f"scaling.py: {' '.join(cmd)} failed with exit code {proc.returncode}")
+    wall = time.perf_counter() - t0
+    foreign = max(0.0, (busy_seconds() - b0 - (own_seconds() - o0)) / wall) if b0 is not None else float("nan")
+    with open(result, encoding="utf-8") as f:
+        out = json.load(f)
+    for r in out:
+        r["foreign_cores"] = foreign
+    print(f"  ({wall:.0f} s, other processes used {foreign:.2f} cores meanwhile: {' '.join(cmd[-8:])})",
+          file=sys.stderr, flush=True)
+    return out
+
+
+def mpiexec():
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec") or "mpiexec"
+
+
+def drive(args):
+    nps = [int(p) for p in args.nps.split(",")]
+    common = ["--models", args.models, "--batch", str(args.batch), "--warmup", str(args.warmup),
+              "--steps", str(args.steps)]
+    me = os.path.abspath(__file__)
+    records = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in nps:
+            res = os.path.join(tmp, f"pydtnn{p}.json")
+            records += run_job([mpiexec(), "-n", str(p), sys.executable, me, "--worker", "pydtnn", "--result", res]
+                               + common, res, args)
+            res = os.path.join(tmp, f"torch{p}.json")
+            records += run_job([sys.executable, me, "--worker", "torch", "--np", str(p), "--result", res] + common,
+                               res, args)
+    wall = time.perf_counter() - t0
+    info = machine_info()
+    text = report(records, nps, args, info, wall)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"machine": info, "args": vars(args), "wall_s": wall, "records": records}, f, indent=1)
+    if args.plot:
+        plot(records, nps, args.plot)
+
+
+def machine_info():
+    import platform
+
+    import torch
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": model, "numpy": np.__version__, "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def _base(records, lib, model):
+    r = _find(records, lib, model, "sequential", 1)
+    return r["samples_per_s"] if r else None
+
+
+def _find(records, lib, model, strategy, p):
+    for r in records:
+        if (r["lib"], r["model"], r["strategy"], r["np"]) == (lib, model, strategy, p):
+            return r
+    return None
+
+
+def report(records, nps, args, info, wall):
+    multi = [p for p in nps if p > 1]
+    cpus = info["cpus"]
+    lines = [(f"{info['cpu']}, {cpus} cores; numpy {info['numpy']}, torch {info['torch']}; per-process batch "
+             f"{args.batch}, {args.warmup} warm-up + {args.steps} timed steps per run, 1 thread per process; "
+             f"script wall time {wall:.0f} s"), ""]
+    foreign = max((r.get("foreign_cores", 0.0) for r in records), default=0.0)
+    lines += [f"Other processes on the machine used at most {foreign:.2f} cores on average during any one job.", ""]
+    over = [p for p in multi if p > cpus]
+    if over:
+        lines += [f"np={','.join(map(str, over))}: more processes than cores (oversubscribed).", ""]
+    head = "| model | library | strategy | np=1 samples/s | " + " | ".join(
+        f"np={p} samples/s | eff. np={p} | finish() np={p} | overhead np={p}" for p in multi) + " |"
+    lines += [head, "| --- | --- | --- | ---: | " + " | ".join("---: | ---: | ---: | ---:" for _ in multi) + " |"]
+    for model in args.models.split(","):
+        for lib, strategies, ref in (("pydtnn", PYDTNN_STRATEGIES, "none"), ("torch", TORCH_STRATEGIES, "no_sync")):
+            base = _base(records, lib, model)
+            for s in strategies:
+                cells = []
+                for p in multi:
+                    r, rr = _find(records, lib, model, s, p), _find(records, lib, model, ref, p)
+                    if r is None:
+                        cells.append(" | | | ")
+                        continue
+                    eff = r["samples_per_s"] / (p * base) if base else float("nan")
+                    fin = f"{r['exposed_frac']:.1%}" if "exposed_frac" in r and s != "none" else ""
+                    ovh = f"{1 - rr['step_s'] / r['step_s']:.1%}" if rr is not None and s != ref else ""
+                    cells.append(f"{r['samples_per_s']:.1f} | {eff:.2f} | {fin} | {ovh}")
+                lines.append(f"| {model} | {lib} | {s} | {base:.1f} | " + " | ".join(cells) + " |")
+    lines += ["", ("eff.: throughput(np) / (np * throughput(np=1)) of the same library. finish(): pydtnn's exposed "
+              "communication, the share of the step that the last rank to arrive spends in reducer.finish(). "
+              "overhead: 1 - t_step(none or no_sync) / t_step(strategy) at the same np: what gradient averaging "
+              "adds over P processes training alone (negative: within noise)."),
+              "", ("Per-phase medians of pydtnn runs (ms, slowest rank per phase; the finish() shares are per step, "
+              "of the last rank to arrive and of the first, which also waits for the others):"), "",
+              ("| model | strategy | np | step | forward | backward | finish() | of which wait | optimizer "
+              "| finish() last rank % | finish() first rank % |"),
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in records:
+        if r["lib"] == "pydtnn":
+            fr = (f"{r['exposed_frac']:.1%} | {r['finish_max_frac']:.1%}" if r["strategy"] in PYDTNN_STRATEGIES[1:]
+                  else " | ")
+            lines.append(f"| {r['model']} | {r['strategy']} | {r['np']} | {r['step_s'] * 1e3:.1f} | "
+                         f"{r['forward_s'] * 1e3:.1f} | {r['backward_s'] * 1e3:.1f} | {r['reduce_s'] * 1e3:.1f} | "
+                         f"{r['wait_s'] * 1e3:.1f} | {r['optimizer_s'] * 1e3:.1f} | {fr} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records, nps, prefix):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in records))
+    series = [("pydtnn", s) for s in PYDTNN_STRATEGIES] + [("torch", s) for s in TORCH_STRATEGIES]
+    fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 8), squeeze=False)
+    for col, model in enumerate(models):
+        ax, ax2 = axes[0][col], axes[1][col]
+        for lib, s in series:
+            xs, ys, effs = [], [], []
+            base = _base(records, lib, model)
+            for p in nps:
+                r = _find(records, lib, model, s, p) if p > 1 else _find(records, lib, model, "sequential", 1)
+                if r is not None:
+                    xs.append(p)
+                    ys.append(r["samples_per_s"])
+                    effs.append(r["samples_per_s"] / (p * base))
+            style = "-" if lib == "pydtnn" else "--"
+            ax.plot(xs, ys, style, marker="o", label=f"{lib} {s}", markersize=4)
+            ax2.plot(xs, effs, style, marker="o", label=f"{lib} {s}", markersize=4)
+        base = _base(records, "pydtnn", model)
+        ax.plot(nps, [p * base for p in nps], color="grey", lw=0.8, ls=":", label="pydtnn ideal")
+        ax.set_title(model)
+        ax.set_xlabel("processes (2 cores: np=4 oversubscribed)")
+        ax.set_ylabel("samples/s")
+        ax.set_xticks(nps)
+        ax2.axhline(0.95, color="red", lw=0.6, ls=":", label="0.95 (1.9x at np=2)")
+        ax2.set_xticks(nps)
+        ax2.set_ylim(0, 1.25)
+        ax2.set_xlabel("processes")
+        ax2.set_ylabel("scaling efficiency")
+        for a in (ax, ax2):
+            a.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax2.legend(handles=ax2.get_lines()[-1:], fontsize=7, loc="lower left")
+    fig.tight_layout()
+    out = f"{prefix}_scaling.png"
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}", file=sys.stderr)
+
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
+    multi = [p for p in nps if p > 1]
+    bars = [(p, kind) for p in multi for kind in ("finish", "overhead")]
+    for ax, model in zip(axes[0], models):
+        width = 0.8 / max(len(bars), 1)
+        for k, (p, kind) in enumerate(bars):
+            vals = []
+            for s in PYDTNN_STRATEGIES[1:]:
+                r, rr = _find(records, "pydtnn", model, s, p), _find(records, "pydtnn", model, "none", p)
+                if r is None:
+                    vals.append(0)
+                elif kind == "finish":
+                    vals.append(100 * r["exposed_frac"])
+                else:
+                    vals.append(100 * (1 - rr["step_s"] / r["step_s"]) if rr else 0)
+            label = f"np={p}: in finish()" if kind == "finish" else f"np={p}: overhead vs none"
+            ax.bar(np.arange(3) + k * width, vals, width, label=label, color=f"C{multi.index(p)}",
+                   hatch="" if kind == "finish" else "//", alpha=1 if kind == "finish" else 0.55)
+        ax.axhline(10, color="red", lw=0.8, ls=":", label="target 10%")
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set_xticks(np.arange(3) + width * (len(bars) - 1) / 2, PYDTNN_STRATEGIES[1:])
+        ax.set_ylabel("% of a step")
+        ax.set_title(f"{model}: communication cost")
+        ax.legend(fontsize=6, loc="best", framealpha=0.6)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    out = f"{prefix}_exposed.png"
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}", file=sys.stderr)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=("pydtnn", "torch"))
-    p.add_argument("--model", default="simplecnn")
-    p.add_argument("--models", default="simplecnn,resnet20_cifar10,vgg11_cifar10")
-    p.add_argument("--strategy", default="bucketed")
-    p.add_argument("--strategies", default="blocking,per_layer,bucketed")
-    p.add_argument("--procs", default="1,2,4")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--out")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--nps", default="1,2,4", help="process counts, comma-separated (1 is the baseline)")
+    p.add_argument("--batch", type=int, default=32, help="per-process batch")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    p.add_argument("--wait_idle", type=float, default=60,
+                   help="before each job, wait up to this many seconds for other processes to leave the cores")
+    p.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps, np=1,2 only")
+    p.add_argument("--out", help="also write the tables (markdown) here")
+    p.add_argument("--json", help="also write every record here")
+    p.add_argument("--plot", metavar="PREFIX", help="write PREFIX_scaling.png and PREFIX_exposed.png")
+    p.add_argument("--from_json", metavar="FILE", help="print the tables (and --plot) of a run saved with --json")
+    p.add_argument("--worker", choices=("pydtnn", "torch"), help=argparse.SUPPRESS)
+    p.add_argument("--np", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.quick:
+        args.warmup, args.steps, args.nps = 1, 3, "1,2"
     if args.worker == "pydtnn":
         return pydtnn_worker(args)
     if args.worker == "torch":
         return torch_worker(args)
-
-    procs = [int(n) for n in args.procs.split(",")]
-    lines = [f"per-process batch {args.batch}, {args.steps} timed steps, 1 thread per process, "
-             f"{os.cpu_count()} cores (more processes than cores are oversubscribed)", "",
-             "| model | implementation | processes | samples/s | speed-up | efficiency | exposed comm. / step |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    port = 29500
-    for model in args.models.split(","):
-        impls = [("pydtnn " + s, lambda n, s=s: run_pydtnn(model, s, n, args)) for s in args.strategies.split(",")]
-        impls.append(("PyTorch DDP (gloo)", None))
-        base = {}
-        for label, fn in impls:
-            for n in procs:
-                if fn is None:
-                    port += 1
-                    res = run_torch(model, n, args, port)
-                elif n == 1 and "pydtnn" in base:
-                    res = base["pydtnn"]  # one process has no reduction: the same run for every strategy
-                else:
-                    res = fn(n)
-                key = "pydtnn" if fn is not None else "torch"
-                if n == 1:
-                    base[key] = res
-                thr = n * args.batch / res["step_s"]
-                thr1 = args.batch / base[key]["step_s"]
-                exposed = f"{100 * res['exposed_s'] / res['step_s']:.1f}%" if "exposed_s" in res and n > 1 else ""
-                lines.append(f"| {model} | {label} | {n} | {thr:.1f} | {thr / thr1:.2f}x | {thr / (n * thr1):.0%} | "
-                             f"{exposed} |")
-                print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print("\n" + text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            saved = json.load(f)
+        run = argparse.Namespace(**saved["args"])
+        nps = [int(p) for p in run.nps.split(",")]
+        print(report(saved["records"], nps, run, saved["machine"], saved["wall_s"]))
+        if args.plot:
+            plot(saved["records"], nps, args.plot)
+        return None
+    return drive(args)
 
 
 if __name__ == "__main__":
