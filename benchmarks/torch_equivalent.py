@@ -27,19 +27,20 @@ class _Concat(_Sum):
         return torch.cat([p(x) for p in self.paths], dim=1)
 
 
-def _convert(layer):
-    """torch module for one pydtnn layer (weights copied)."""
+def _convert(layer, dtype):
+    """torch module for one pydtnn layer (weights copied), with parameters of `dtype`."""
     if isinstance(layer, L.Sequential):
-        return nn.Sequential(*[_convert(child) for _, child in layer.children])
+        return nn.Sequential(*[_convert(child, dtype) for _, child in layer.children])
     if isinstance(layer, (L.AdditionBlock, L.ConcatenationBlock)):
-        paths = [_convert(p) for _, p in layer.children]
+        paths = [_convert(p, dtype) for _, p in layer.children]
         return _Sum(paths) if isinstance(layer, L.AdditionBlock) else _Concat(paths)
     if isinstance(layer, L.Conv2D):
         g = layer.geometry
-        m = nn.Conv2d(g.c, layer.filters, layer.kernel_size, layer.stride, 0, layer.dilation, layer.groups,
-                      bias=layer.use_bias)
-        pad = (g.pl, g.pr, g.pt, g.pb)
-        m = nn.Sequential(nn.ZeroPad2d(pad), m) if any(pad) else m
+        symmetric = g.pt == g.pb and g.pl == g.pr  # what nn.Conv2d pads itself; else an explicit ZeroPad2d
+        m = nn.Conv2d(g.c, layer.filters, layer.kernel_size, layer.stride, (g.pt, g.pl) if symmetric else 0,
+                      layer.dilation, layer.groups, bias=layer.use_bias)
+        if not symmetric:
+            m = nn.Sequential(nn.ZeroPad2d((g.pl, g.pr, g.pt, g.pb)), m)
     elif isinstance(layer, L.Dense):
         m = nn.Linear(layer.input_shape[0], layer.units, bias=layer.use_bias)
     elif isinstance(layer, L.BatchNorm):
@@ -59,6 +60,7 @@ def _convert(layer):
         m = nn.Dropout(layer.rate)
     else:
         m = {L.ReLU: nn.ReLU, L.ReLU6: nn.ReLU6, L.Sigmoid: nn.Sigmoid, L.Tanh: nn.Tanh}[type(layer)]()
+    m = m.to(dtype)
     target = m[-1] if isinstance(m, nn.Sequential) and isinstance(layer, L.Conv2D) else m
     with torch.no_grad():
         for name, value in list(layer.params.items()) + list(layer.buffers.items()):
@@ -67,5 +69,9 @@ def _convert(layer):
 
 
 def to_torch(model):
-    """torch.nn.Module computing what `model` (a built pydtnn Model) computes, from the same weights."""
-    return _convert(model.root)
+    """torch.nn.Module computing what `model` (a built pydtnn Model) computes, from the same weights.
+
+    Its parameters() come in the order of model.parameters(), with the same shapes and dtype.
+    """
+    dtype = torch.float64 if model.backend.dtype == np.float64 else torch.float32
+    return _convert(model.root, dtype)
