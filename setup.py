@@ -25,9 +25,9 @@ setup(
         "test": ["pytest>=7", "torch==2.13.0", "mpi4py>=4", "mpich"],
         # data-parallel runs under mpirun/mpiexec; use your cluster's MPI instead of the mpich wheel if it has one
         "mpi": ["mpi4py>=4", "mpich"],
-        # GPU support arrives with the GPU backend; these name its stack.
-        "gpu": ["cupy-cuda12x", "nvidia-cudnn-frontend"],
-        "gpu-cuda13": ["cupy-cuda13x", "nvidia-cudnn-frontend"],
+        # GPU backend (--enable_gpu): CuPy, cuDNN and its frontend, NCCL (--enable_nccl)
+        "gpu": ["cupy-cuda12x>=13", "nvidia-cudnn-cu12>=9", "nvidia-cudnn-frontend>=1.10", "nvidia-nccl-cu12"],
+        "gpu-cuda13": ["cupy-cuda13x>=14", "nvidia-cudnn-cu13>=9", "nvidia-cudnn-frontend>=1.10", "nvidia-nccl-cu13"],
     },
     entry_points={"console_scripts": ["pydtnn-train=pydtnn.cli:main", "pydtnn-plot=pydtnn.plot:main"]},
     classifiers=["Programming Language :: Python :: 3"],

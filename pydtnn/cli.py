@@ -172,9 +172,9 @@ def build_parser(suppress_defaults=False):
 
     g = p.add_argument_group("GPU")
     f(g, "enable_gpu", type=parse_bool, default=False,
-      help="compute on an NVIDIA GPU (CuPy + cuDNN); not in this version: it stops with an error")
+      help="compute on an NVIDIA GPU, one per process (CuPy + cuDNN frontend; pip install -e '.[gpu-cuda13]')")
     f(g, "enable_nccl", type=parse_bool, default=False,
-      help="reduce gradients with NCCL; not in this version: it stops with an error")
+      help="reduce gradients with NCCL on a side stream (with --enable_gpu; otherwise MPI through pinned host memory)")
 
     g = p.add_argument_group("tracing")
     f(g, "tracing", type=parse_bool, default=False, help="write a Chrome-trace timeline (see --tracer_output)")

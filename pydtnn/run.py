@@ -39,8 +39,8 @@ def run(args):
     if args.list_models:
         print("\n".join(models.names()))
         return None
-    if args.enable_gpu or args.enable_nccl:
-        raise ConfigError("--enable_gpu/--enable_nccl: this build has no GPU backend yet; run without them (CPU)")
+    if args.enable_nccl and not args.enable_gpu:
+        raise ConfigError("--enable_nccl reduces GPU gradients; expected it together with --enable_gpu")
     comm = launch.init(args.threads_per_process, args.stall_timeout, args.debug_collectives)
     launch.install_abort_handler(comm)
     world = comm.size
@@ -54,7 +54,15 @@ def run(args):
             raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by {world} processes")
         args.batch_size = args.global_batch_size // world
 
-    backend = get_backend("cpu", args.dtype, args.seed)
+    backend = get_backend("gpu" if args.enable_gpu else "cpu", args.dtype, args.seed)
+    grad_comm = comm
+    if args.enable_gpu:  # collectives that take device arrays; gradients over NCCL when asked
+        from pydtnn.distributed.gpu_comm import DeviceComm, NcclComm
+
+        comm = grad_comm = DeviceComm(comm)
+        if args.enable_nccl:
+            grad_comm = NcclComm(comm)
+        say(f"pydtnn: {backend}, {grad_comm.name} gradient reduction" if world > 1 else f"pydtnn: {backend}")
     train, val, test = load_datasets(args)
     model = models.create(args.model, input_shape=train.input_shape, num_classes=train.num_classes, backend=backend)
     if args.weights_and_bias_filename:
@@ -70,7 +78,7 @@ def run(args):
         reducer_options = {"compression": args.gradient_compression}
         if strategy == "bucketed":
             reducer_options["bucket_mb"] = args.bucket_size_mb
-        reducer = reducers.create(strategy, comm, **reducer_options)
+        reducer = reducers.create(strategy, grad_comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, metrics_file=args.metrics_file, schedules=schedules, log=log,
                       comm=comm, reducer=reducer)

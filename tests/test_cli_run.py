@@ -154,6 +154,7 @@ def test_history_plot_trace_and_profile(tmp_path):
         (["--lr_schedulers", "reduce_lr_on_plateau"], ["val_loss", "--validation_split"]),
         (["--global_batch_size", "0"], ["--global_batch_size"]),
         (["--enable_gpu"], ["GPU"]),
+        (["--enable_nccl"], ["--enable_nccl", "--enable_gpu"]),
         (["--tracing", "--tracer_output", "/nonexistent/t.json"], ["trace file", "/nonexistent"]),
         (["--model", "vgg16_imagenet"], ["larger than the padded input", "input shape"]),
     ],

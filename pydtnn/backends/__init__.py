@@ -9,7 +9,7 @@ import numpy as np
 from pydtnn.backends.cpu import ConvGeometry, CPUBackend
 from pydtnn.errors import ConfigError
 
-NAMES = ("cpu",)
+NAMES = ("cpu", "gpu")
 
 
 def array_module(a):
@@ -21,11 +21,15 @@ def array_module(a):
     return np
 
 
-def get_backend(name="cpu", dtype="float32", seed=0):
-    """Backend by name: 'cpu'."""
+def get_backend(name="cpu", dtype="float32", seed=0, **options):
+    """Backend by name: 'cpu', or 'gpu' (CuPy + cuDNN; options: device, tf32; see backends/gpu.py)."""
     if name == "cpu":
         return CPUBackend(dtype=dtype, seed=seed)
+    if name == "gpu":
+        from pydtnn.backends.gpu import GPUBackend
+
+        return GPUBackend(dtype=dtype, seed=seed, **options)
     raise ConfigError(f"unknown backend {name!r}; expected one of {', '.join(NAMES)}")
 
 
-__all__ = ["array_module", "CPUBackend", "ConvGeometry", "get_backend", "NAMES"]
+__all__ = ["NAMES", "CPUBackend", "ConvGeometry", "array_module", "get_backend"]

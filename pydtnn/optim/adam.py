@@ -1,6 +1,7 @@
 """Adam and its variants: AdamW (decoupled weight decay) and Nadam (Nesterov momentum)."""
 
 from pydtnn.backends import array_module
+from pydtnn.optim import fused
 from pydtnn.optim.base import Optimizer, check
 
 
@@ -56,6 +57,8 @@ class Adam(Optimizer):
         return d
 
     def update(self, p, g, state, tmp):
+        if fused.on_gpu(p):
+            return fused.adam(self, p, g, state)
         xp = array_module(p)
         self.decay_and_moments(p, g, state, tmp)
         s = xp.sqrt(state["exp_avg_sq"], out=tmp[1])

@@ -2,6 +2,7 @@
 
 from pydtnn.backends import array_module
 from pydtnn.errors import ConfigError
+from pydtnn.optim import fused
 from pydtnn.optim.base import Optimizer, check
 
 
@@ -49,6 +50,8 @@ class SGD(Optimizer):
         return self.slots if self.momentum > 0 else ()
 
     def update(self, p, g, state, tmp):
+        if fused.on_gpu(p):
+            return fused.sgd(self, p, g, state)
         xp = array_module(p)
         d = g
         if self.weight_decay:

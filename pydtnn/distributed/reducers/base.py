@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from pydtnn.backends import array_module
+
 
 class Reducer:
     """Base: keeps the (name, param, grad) list and the step's weight."""
@@ -73,7 +75,7 @@ class Reducer:
     def _pack(self, views, names):
         """Copy each gradient, times this rank's weight, into its wire buffer view (casting if compressed)."""
         for view, n in zip(views, names):
-            np.multiply(self.grads[n], self.weight, out=view, casting="same_kind")
+            array_module(view).multiply(self.grads[n], self.weight, out=view, casting="same_kind")
 
     def _unpack(self, views, names):
         for view, n in zip(views, names):
@@ -110,7 +112,7 @@ class Reducer:
 def flat_buffer(grads, dtype=None):
     """One contiguous buffer large enough for `grads` and views of it shaped like each."""
     dtype = dtype or grads[0].dtype
-    buf = np.empty(sum(g.size for g in grads), dtype)
+    buf = array_module(grads[0]).empty(sum(g.size for g in grads), dtype)
     views, off = [], 0
     for g in grads:
         views.append(buf[off : off + g.size].reshape(g.shape))

@@ -1,7 +1,6 @@
 """PyDTNN's non-blocking scheme: an Iallreduce per gradient as soon as its layer's backward ends."""
 
-import numpy as np
-
+from pydtnn.backends import array_module
 from pydtnn.distributed.reducers.base import Reducer
 
 
@@ -12,7 +11,7 @@ class PerLayerReducer(Reducer):
     name = "per_layer"
 
     def setup(self):
-        self.wire = {n: g if self.wire_dtype is None else np.empty(g.shape, self.wire_dtype)
+        self.wire = {n: g if self.wire_dtype is None else array_module(g).empty(g.shape, self.wire_dtype)
                      for n, g in self.grads.items()}
         self.pending = []
 

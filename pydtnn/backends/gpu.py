@@ -1,0 +1,381 @@
+"""GPU backend: CuPy arrays, cuDNN frontend graphs for convolution, CUDA kernels for pooling and dropout.
+
+The same seam as CPUBackend (backends/cpu.py): layers keep one implementation of their logic,
+written against `backend.xp` (here `cupy`: Dense is a cuBLAS GEMM through CuPy's matmul,
+activations and BatchNorm are CuPy elementwise and reduction kernels), and call the backend for the
+kernels that differ per device:
+
+- convolution forward, data gradient and weight gradient: one cuDNN frontend graph per
+  (operation, batch size, geometry), built on first use and cached (`ConvGraphs`);
+- max and average pooling: CUDA kernels compiled once by CuPy, NCHW, one thread per output
+  (forward) or per input element (backward: a gather, so results do not depend on thread order);
+- dropout masks: a counter-based hash of (seed, element index), seeded from the host Generator,
+  so masks are reproducible, cheap, and follow `reseed()` exactly as on the CPU.
+
+Why this stack: CuPy 14 no longer wraps cuDNN, and NVIDIA's cuDNN frontend Python package
+(`nvidia-cudnn-frontend`) is the maintained way to reach cuDNN's graph API; pycuda needs a full CUDA
+toolkit to build and scikit-cuda is unmaintained and fails on NumPy 2.
+
+Initialization draws from the same host NumPy Generator as the CPU backend, so a model built with
+the same seed starts from the same weights on either device.
+
+Nothing here is imported by `import pydtnn` or by the CPU path: `get_backend("gpu")` imports it.
+"""
+
+import os
+
+import numpy as np
+
+from pydtnn.errors import ConfigError
+
+_INSTALL = "pip install -e '.[gpu-cuda13]' (CUDA 13) or '.[gpu]' (CUDA 12)"
+
+
+def gpu_status():
+    """(number of visible GPUs, reason when none can be used): never raises."""
+    try:
+        import cupy
+    except ImportError as e:
+        return 0, f"CuPy is not installed ({e}); {_INSTALL}"
+    except Exception as e:  # noqa: BLE001 (a broken CUDA installation fails at import in many ways)
+        return 0, f"CuPy cannot be imported: {e}"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 (cudaErrorInsufficientDriver, cudaErrorNoDevice, no libcuda...)
+        return 0, f"no usable GPU: {e}"
+    return count, ("" if count else "no GPU is visible (CUDA reports 0 devices)")
+
+
+def _require_cupy():
+    count, reason = gpu_status()
+    if not count:
+        raise ConfigError(f"--enable_gpu: the GPU backend needs CuPy and a visible GPU; {reason}")
+    import cupy
+
+    return cupy
+
+
+def _require_cudnn():
+    try:
+        import cudnn
+    except ImportError as e:
+        raise ConfigError(
+            f"the GPU backend needs NVIDIA's cuDNN frontend ({e}); pip install nvidia-cudnn-frontend "
+            f"(part of {_INSTALL})"
+        ) from None
+    return cudnn
+
+
+def local_rank():
+    """This process's rank among the processes of its node, from the launcher's environment (0 alone)."""
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                "PMI_LOCAL_RANK", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+# -- CUDA kernels ----------------------------------------------------------------------------
+_POOL_SRC = r"""
+typedef float real;
+extern "C" {
+__global__ void maxpool_fwd(const real* x, real* y, int* arg, long long total, int H, int W, int Ho, int Wo,
+                            int kh, int kw, int sh, int sw, int pt, int pl) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    int wo = i % Wo, ho = (i / Wo) % Ho;
+    long long nc = i / ((long long)Wo * Ho);
+    const real* xc = x + nc * H * W;
+    int h0 = ho * sh - pt, w0 = wo * sw - pl, best_at = -1;
+    real best = -__int_as_float(0x7f800000);
+    for (int a = 0; a < kh; a++) {
+        int h = h0 + a;
+        if (h < 0 || h >= H) continue;
+        for (int b = 0; b < kw; b++) {
+            int w = w0 + b;
+            if (w < 0 || w >= W) continue;
+            real v = xc[h * W + w];
+            // the first maximum in row-major window order wins; NaN wins over numbers
+            if (best_at < 0 || v > best || (v != v && best == best)) { best = v; best_at = h * W + w; }
+        }
+    }
+    y[i] = best;
+    arg[i] = best_at;
+}
+
+// first output row (column) whose window reaches input row h: ceil((h + pt - kh + 1) / sh), at least 0
+__device__ int first_window(int h, int pt, int kh, int sh) {
+    int a = h + pt - kh + 1;
+    return a <= 0 ? 0 : (a + sh - 1) / sh;
+}
+
+// dx[p] = sum of dy[o] over the windows o that contain p and whose maximum was p: a gather, no atomics
+__global__ void maxpool_bwd(const real* dy, const int* arg, real* dx, long long total, int H, int W, int Ho, int Wo,
+                            int kh, int kw, int sh, int sw, int pt, int pl) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    int w = i % W, h = (i / W) % H;
+    long long nc = i / ((long long)W * H);
+    int p = h * W + w;
+    int ho1 = min(Ho - 1, (h + pt) / sh), wo1 = min(Wo - 1, (w + pl) / sw);
+    real s = 0;
+    for (int ho = first_window(h, pt, kh, sh); ho <= ho1; ho++)
+        for (int wo = first_window(w, pl, kw, sw); wo <= wo1; wo++) {
+            long long o = (nc * Ho + ho) * Wo + wo;
+            if (arg[o] == p) s += dy[o];
+        }
+    dx[i] = s;
+}
+
+// mean over the window; zero padding counts in the divisor (kh * kw), as PyTorch's default
+__global__ void avgpool_fwd(const real* x, real* y, long long total, int H, int W, int Ho, int Wo,
+                            int kh, int kw, int sh, int sw, int pt, int pl) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    int wo = i % Wo, ho = (i / Wo) % Ho;
+    long long nc = i / ((long long)Wo * Ho);
+    const real* xc = x + nc * H * W;
+    int h0 = ho * sh - pt, w0 = wo * sw - pl;
+    real s = 0;
+    for (int a = max(0, -h0); a < kh && h0 + a < H; a++)
+        for (int b = max(0, -w0); b < kw && w0 + b < W; b++) s += xc[(h0 + a) * W + w0 + b];
+    y[i] = s / (real)(kh * kw);
+}
+
+__global__ void avgpool_bwd(const real* dy, real* dx, long long total, int H, int W, int Ho, int Wo,
+                            int kh, int kw, int sh, int sw, int pt, int pl) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    int w = i % W, h = (i / W) % H;
+    long long nc = i / ((long long)W * H);
+    int ho1 = min(Ho - 1, (h + pt) / sh), wo1 = min(Wo - 1, (w + pl) / sw);
+    real s = 0;
+    for (int ho = first_window(h, pt, kh, sh); ho <= ho1; ho++)
+        for (int wo = first_window(w, pl, kw, sw); wo <= wo1; wo++) s += dy[(nc * Ho + ho) * Wo + wo];
+    dx[i] = s / (real)(kh * kw);
+}
+}
+"""
+
+# splitmix64 of (seed, index): a uniform 24-bit number per element, compared with the drop rate
+_DROPOUT_SRC = r"""
+unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ULL;
+z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+z = z ^ (z >> 31);
+float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+mask = u >= rate ? (T)scale : (T)0;
+"""
+
+
+class GPUBackend:
+    """CuPy backend on one GPU: device = local rank modulo visible GPUs (or `device`).
+
+    dtype: float32 (cuDNN's convolution engines are float32/half; float64 is refused).
+    tf32: let cuDNN and cuBLAS use TF32 tensor cores for float32 (faster, ~1e-3 relative error);
+    False sets NVIDIA_TF32_OVERRIDE=0 before the first CUDA call of this process.
+    """
+
+    name = "gpu"
+
+    def __init__(self, dtype=np.float32, seed=0, device=None, tf32=True):
+        self.dtype = np.dtype(dtype)
+        if self.dtype != np.float32:
+            raise ConfigError(f"--enable_gpu computes in float32; got --dtype {self.dtype.name}")
+        if not tf32:
+            os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
+        cp = _require_cupy()
+        self.xp = self.cupy = cp
+        count = cp.cuda.runtime.getDeviceCount()
+        self.device_id = (local_rank() if device is None else int(device)) % count
+        self.device = cp.cuda.Device(self.device_id)
+        self.device.use()
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.convs = ConvGraphs(self)
+        self._pool = cp.RawModule(code=_POOL_SRC)
+        self._dropout = cp.ElementwiseKernel("uint64 seed, float32 rate, float32 scale", "T mask", _DROPOUT_SRC,
+                                             "pydtnn_dropout_mask")
+        self._pinned = {}
+
+    def __repr__(self):
+        return f"GPUBackend(device={self.device_id}, dtype={self.dtype.name}, seed={self.seed})"
+
+    def reseed(self, key):
+        self.rng = np.random.default_rng(key)
+
+    # -- host <-> device -------------------------------------------------------------------
+    def asarray(self, a, dtype=None):
+        """Array on this GPU; host arrays travel through a reused pinned buffer, asynchronously."""
+        cp = self.cupy
+        if isinstance(a, cp.ndarray):
+            return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+        a = np.asarray(a, dtype=dtype)
+        if a.nbytes < (1 << 16) or not a.flags.c_contiguous:
+            return cp.asarray(a)
+        key = (a.shape, a.dtype.str)
+        if key not in self._pinned:
+            import cupyx
+
+            self._pinned[key] = cupyx.empty_pinned(a.shape, a.dtype)
+        host = self._pinned[key]
+        # the previous copy out of this buffer must be over before it is overwritten
+        stream = cp.cuda.get_current_stream()
+        stream.synchronize()
+        host[...] = a
+        out = cp.empty(a.shape, a.dtype)
+        out.set(host, stream=stream)
+        return out
+
+    def to_numpy(self, a):
+        return a.get() if isinstance(a, self.cupy.ndarray) else np.asarray(a)
+
+    def synchronize(self):
+        self.cupy.cuda.get_current_stream().synchronize()
+
+    # -- convolution -----------------------------------------------------------------------
+    def conv2d_forward(self, x, w, g, keep=True):
+        cp = self.cupy
+        x = cp.ascontiguousarray(x)
+        y = cp.empty((x.shape[0], w.shape[0], g.ho, g.wo), x.dtype)
+        self.convs.run("fprop", x.shape[0], g, w.shape, {"X": x, "W": w, "Y": y})
+        return y, (x if keep else None)
+
+    def conv2d_backward(self, dy, w, ctx, g, need_dx=True):
+        cp = self.cupy
+        x = ctx
+        dy = cp.ascontiguousarray(dy)
+        n = dy.shape[0]
+        dw = cp.empty(w.shape, w.dtype)
+        self.convs.run("wgrad", n, g, w.shape, {"X": x, "DY": dy, "DW": dw})
+        if not need_dx:
+            return None, dw
+        dx = cp.empty((n, g.c, g.h, g.w), dy.dtype)
+        self.convs.run("dgrad", n, g, w.shape, {"DY": dy, "W": w, "DX": dx})
+        return dx, dw
+
+    # -- pooling ---------------------------------------------------------------------------
+    def _launch(self, name, total, *args):
+        threads = 256
+        blocks = (total + threads - 1) // threads
+        if blocks:
+            self._pool.get_function(name)((blocks,), (threads,), args)
+
+    def _pool_args(self, g):
+        i32 = np.int32
+        return (i32(g.h), i32(g.w), i32(g.ho), i32(g.wo), i32(g.kh), i32(g.kw), i32(g.sh), i32(g.sw),
+                i32(g.pt), i32(g.pl))
+
+    def maxpool2d_forward(self, x, g, keep=True):
+        cp = self.cupy
+        x = cp.ascontiguousarray(x)
+        n = x.shape[0]
+        y = cp.empty((n, g.c, g.ho, g.wo), x.dtype)
+        arg = cp.empty(y.shape, cp.int32)  # index of each maximum within its (n, c) plane
+        self._launch("maxpool_fwd", y.size, x, y, arg, np.int64(y.size), *self._pool_args(g))
+        return y, (arg if keep else None)
+
+    def maxpool2d_backward(self, dy, ctx, g):
+        cp = self.cupy
+        dy = cp.ascontiguousarray(dy)
+        dx = cp.empty((dy.shape[0], g.c, g.h, g.w), dy.dtype)
+        self._launch("maxpool_bwd", dx.size, dy, ctx, dx, np.int64(dx.size), *self._pool_args(g))
+        return dx
+
+    def avgpool2d_forward(self, x, g, keep=True):
+        cp = self.cupy
+        x = cp.ascontiguousarray(x)
+        y = cp.empty((x.shape[0], g.c, g.ho, g.wo), x.dtype)
+        self._launch("avgpool_fwd", y.size, x, y, np.int64(y.size), *self._pool_args(g))
+        return y, None
+
+    def avgpool2d_backward(self, dy, ctx, g):
+        cp = self.cupy
+        dy = cp.ascontiguousarray(dy)
+        dx = cp.empty((dy.shape[0], g.c, g.h, g.w), dy.dtype)
+        self._launch("avgpool_bwd", dx.size, dy, dx, np.int64(dx.size), *self._pool_args(g))
+        return dx
+
+    # -- dropout ---------------------------------------------------------------------------
+    def dropout_mask(self, shape, rate, dtype):
+        """Mask of 0 and 1/(1-rate), drawn from a seed taken from the host Generator."""
+        seed = np.uint64(self.rng.integers(0, 2**63))
+        mask = self.cupy.empty(shape, dtype)
+        self._dropout(seed, np.float32(rate), np.float32(1 / (1 - rate)), mask)
+        return mask
+
+
+class ConvGraphs:
+    """cuDNN frontend graphs for one backend, built once per (operation, batch, geometry, weight shape).
+
+    fprop: Y = conv(X, W); dgrad: DX = conv_dgrad(DY, W); wgrad: DW = conv_wgrad(X, DY). NCHW tensors,
+    grouped convolutions through the weight's channel count (C / groups), float32 compute.
+    """
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.cudnn = _require_cudnn()
+        self.handle = self.cudnn.create_handle()
+        self.cache = {}
+        self.workspace = None
+
+    def run(self, kind, n, g, w_shape, arrays):
+        key = (kind, n, g, tuple(w_shape))
+        entry = self.cache.get(key)
+        if entry is None:
+            entry = self.cache[key] = self._build(kind, n, g, tuple(w_shape))
+        graph, tensors, ws_size = entry
+        ws = self._workspace(ws_size)
+        cp = self.backend.cupy
+        self.cudnn.set_stream(handle=self.handle, stream=cp.cuda.get_current_stream().ptr)
+        graph.execute({tensors[k]: v for k, v in arrays.items()}, ws, handle=self.handle)
+
+    def _workspace(self, size):
+        cp = self.backend.cupy
+        if self.workspace is None or self.workspace.size < size:
+            self.workspace = cp.empty(max(size, 1), cp.uint8)
+        return self.workspace
+
+    def _build(self, kind, n, g, w_shape):
+        cudnn = self.cudnn
+        f32 = cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
+                              handle=self.handle)
+        x_dim = [n, g.c, g.h, g.w]
+        y_dim = [n, w_shape[0], g.ho, g.wo]
+        conv = {"pre_padding": [g.pt, g.pl], "post_padding": [g.pb, g.pr], "stride": [g.sh, g.sw],
+                "dilation": [g.dh, g.dw], "compute_data_type": f32}
+
+        def tensor(name, dim):
+            return graph.tensor(name=name, dim=list(dim), stride=_row_major(dim), data_type=f32)
+
+        if kind == "fprop":
+            t = {"X": tensor("X", x_dim), "W": tensor("W", w_shape)}
+            t["Y"] = graph.conv_fprop(image=t["X"], weight=t["W"], **conv)
+            out, dim = t["Y"], y_dim
+        elif kind == "dgrad":
+            t = {"DY": tensor("DY", y_dim), "W": tensor("W", w_shape)}
+            t["DX"] = graph.conv_dgrad(loss=t["DY"], filter=t["W"], **conv)
+            out, dim = t["DX"], x_dim
+        else:
+            t = {"X": tensor("X", x_dim), "DY": tensor("DY", y_dim)}
+            t["DW"] = graph.conv_wgrad(image=t["X"], loss=t["DY"], **conv)
+            out, dim = t["DW"], w_shape
+        out.set_output(True).set_dim(list(dim)).set_stride(_row_major(dim)).set_data_type(f32)
+        try:
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            graph.check_support()
+            graph.build_plans()
+        except Exception as e:
+            raise RuntimeError(f"cuDNN has no engine for conv {kind} with batch {n}, weight {w_shape}, {g}: {e}") from e
+        return graph, t, graph.get_workspace_size()
+
+
+def _row_major(dim):
+    strides, acc = [], 1
+    for d in reversed(list(dim)):
+        strides.append(acc)
+        acc *= d
+    return strides[::-1]

@@ -1,0 +1,195 @@
+"""Collectives on GPU arrays: NCCL on its own CUDA stream, or MPI (CUDA-aware, or through pinned host memory).
+
+Two communicators with the interface of distributed.comm (allreduce, iallreduce -> request with
+test()/wait(), bcast, bcast_obj, allreduce_sum, barrier, abort), for the GPU backend:
+
+- DeviceComm wraps the MPI communicator (MPIComm or SingleProcess). Host arrays go straight through.
+  Device arrays go straight through too when the MPI library reports CUDA support
+  (MPIX_Query_cuda_support, via mpi4py); otherwise they are staged through page-locked host
+  buffers, one per device buffer, kept across steps. The trainer, BatchNorm synchronization and
+  the start-of-run broadcast use it; so do the reducers when NCCL is off.
+- NcclComm reduces gradients with NCCL. Each reduction runs on a dedicated stream, after an event
+  recorded on the computing stream once the gradients are produced, so it overlaps the rest of
+  backward; wait() makes the computing stream wait for it (the host does not block). The NCCL unique
+  id travels from rank 0 over MPI as JSON (a list of byte values). Collectives of other kinds go to
+  the wrapped DeviceComm.
+
+Neither module imports CuPy until it is constructed: the CPU path never touches it.
+"""
+
+import numpy as np
+
+
+def is_device_array(a):
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def mpi_cuda_aware():
+    """True when the MPI library says it accepts device pointers (False when it cannot tell)."""
+    try:
+        from mpi4py import MPI
+
+        query = getattr(MPI, "Query_cuda_support", None)
+        return bool(query()) if query is not None else False
+    except Exception:  # noqa: BLE001 (an MPI without the MPIX extension raises NotImplementedError or others)
+        return False
+
+
+class DeviceComm:
+    """MPI collectives that also take CuPy arrays (see the module docstring)."""
+
+    def __init__(self, comm, cuda_aware=None):
+        import cupy
+
+        self.cupy, self.comm = cupy, comm
+        self.rank, self.size = comm.rank, comm.size
+        self.cuda_aware = (comm.size > 1 and mpi_cuda_aware()) if cuda_aware is None else cuda_aware
+        self.name = f"{comm.name}+{'cuda-aware' if self.cuda_aware else 'host-staged'}"
+        self._staging = {}
+
+    def __getattr__(self, name):  # seq, stall_timeout, debug...: those of the wrapped communicator
+        return getattr(self.comm, name)
+
+    def _host(self, buf):
+        """The page-locked host twin of device buffer `buf` (made once per buffer)."""
+        key = (buf.data.ptr, buf.size, buf.dtype.str)
+        host = self._staging.get(key)
+        if host is None:
+            import cupyx
+
+            host = self._staging[key] = cupyx.empty_pinned(buf.shape, buf.dtype)
+        return host.reshape(buf.shape)
+
+    def _direct(self, buf):
+        """Whether `buf` can go to MPI as it is; a device array is then complete (stream synchronized)."""
+        if not is_device_array(buf):
+            return True
+        if self.cuda_aware:
+            self.cupy.cuda.get_current_stream().synchronize()
+            return True
+        return False
+
+    def allreduce(self, buf, label=""):
+        if self.size == 1 or self._direct(buf):
+            return self.comm.allreduce(buf, label)
+        host = self._host(buf)
+        buf.get(out=host)
+        self.comm.allreduce(host, label)
+        buf.set(host)
+        return buf
+
+    def iallreduce(self, buf, label=""):
+        if self.size == 1 or self._direct(buf):
+            return self.comm.iallreduce(buf, label)
+        host = self._host(buf)
+        buf.get(out=host)  # blocking: the reduction starts on complete gradients
+        return _StagedRequest(self.comm.iallreduce(host, label), buf, host)
+
+    def bcast(self, buf, root=0):
+        if self.size == 1 or self._direct(buf):
+            return self.comm.bcast(buf, root)
+        host = self._host(buf)
+        buf.get(out=host)
+        self.comm.bcast(host, root)
+        buf.set(host)
+        return buf
+
+    def bcast_obj(self, obj, root=0):
+        return self.comm.bcast_obj(obj, root)
+
+    def allreduce_sum(self, values):
+        return self.comm.allreduce_sum([float(v) for v in values])
+
+    def barrier(self):
+        self.comm.barrier()
+
+    def abort(self, code=1):
+        self.comm.abort(code)
+
+
+class _StagedRequest:
+    def __init__(self, req, buf, host):
+        self.req, self.buf, self.host, self.done = req, buf, host, False
+
+    def test(self):
+        return self.req.test()
+
+    def wait(self):
+        if not self.done:
+            self.req.wait()
+            self.buf.set(self.host)  # queued on the current stream, before any later use of buf
+            self.done = True
+
+
+class NcclComm:
+    """Gradient allreduce over NCCL on a side stream; everything else through `comm` (a DeviceComm)."""
+
+    name = "nccl"
+
+    def __init__(self, comm):
+        import cupy
+
+        try:
+            from cupy.cuda import nccl
+        except ImportError as e:
+            from pydtnn.errors import ConfigError
+
+            raise ConfigError(f"--enable_nccl: CuPy was built without NCCL ({e}); pip install nvidia-nccl-cu13 "
+                              "(or -cu12), or run without --enable_nccl (MPI through host memory)") from None
+        if not nccl.available:
+            from pydtnn.errors import ConfigError
+
+            raise ConfigError("--enable_nccl: CuPy cannot load the NCCL library; pip install nvidia-nccl-cu13 "
+                              "(or -cu12), or run without --enable_nccl")
+        self.cupy, self.nccl, self.comm = cupy, nccl, comm
+        self.rank, self.size = comm.rank, comm.size
+        uid = comm.bcast_obj([int(b) for b in nccl.get_unique_id()] if comm.rank == 0 else None, root=0)
+        self.nccl_comm = nccl.NcclCommunicator(comm.size, tuple(uid), comm.rank)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._types = {np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32,
+                       np.dtype(np.float64): nccl.NCCL_FLOAT64}
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def iallreduce(self, buf, label=""):
+        if not is_device_array(buf):
+            return self.comm.iallreduce(buf, label)
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"NCCL allreduce of {label or 'a buffer'}: expected a contiguous array")
+        self.stream.wait_event(self.cupy.cuda.get_current_stream().record())  # after the kernels that wrote buf
+        self.nccl_comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._types[buf.dtype], self.nccl.NCCL_SUM,
+                                 self.stream.ptr)
+        return _NcclRequest(self.stream.record())
+
+    def allreduce(self, buf, label=""):
+        self.iallreduce(buf, label).wait()
+        return buf
+
+    def bcast(self, buf, root=0):
+        return self.comm.bcast(buf, root)
+
+    def bcast_obj(self, obj, root=0):
+        return self.comm.bcast_obj(obj, root)
+
+    def allreduce_sum(self, values):
+        return self.comm.allreduce_sum(values)
+
+    def barrier(self):
+        self.comm.barrier()
+
+    def abort(self, code=1):
+        self.comm.abort(code)
+
+
+class _NcclRequest:
+    def __init__(self, done):
+        self.done_event = done
+
+    def test(self):
+        return self.done_event.done
+
+    def wait(self):
+        import cupy
+
+        cupy.cuda.get_current_stream().wait_event(self.done_event)  # ordering on the device, no host block

@@ -1,0 +1,57 @@
+"""One-pass optimizer updates for GPU arrays (CuPy elementwise kernels).
+
+Each kernel reads the parameter, its gradient and its slots once and writes them once, where the
+array-module code of sgd.py and adam.py makes one pass per term. The formulas are those of the
+classes' docstrings; the CPU path keeps the array-module code.
+"""
+
+import functools
+
+
+@functools.cache
+def _kernels():
+    import cupy
+
+    sgd = cupy.ElementwiseKernel(
+        "T g, T lr, T wd", "T p", "p = p - lr * (g + wd * p);", "pydtnn_sgd")
+    sgd_momentum = cupy.ElementwiseKernel(
+        "T g, T lr, T wd, T momentum, T keep, bool nesterov, bool first", "T p, T buf",
+        """
+        T d = g + wd * p;
+        buf = first ? d : momentum * buf + keep * d;
+        p = p - lr * (nesterov ? d + momentum * buf : buf);
+        """, "pydtnn_sgd_momentum")
+    adam = cupy.ElementwiseKernel(
+        "T g, T lr_t, T beta1, T beta2, T eps, T wd, T decay, T bc2_sqrt", "T p, T m, T v",
+        """
+        p = p * decay;
+        T d = g + wd * p;
+        m = m + ((T)1 - beta1) * (d - m);
+        v = beta2 * v + ((T)1 - beta2) * d * d;
+        p = p - lr_t * m / (sqrt(v) / bc2_sqrt + eps);
+        """, "pydtnn_adam")
+    return sgd, sgd_momentum, adam
+
+
+def sgd(opt, p, g, state):
+    """SGD (optim/sgd.py) in one pass."""
+    t = p.dtype.type
+    plain, with_momentum, _ = _kernels()
+    if not opt.momentum:
+        plain(g, t(opt.lr), t(opt.weight_decay), p)
+        return
+    with_momentum(g, t(opt.lr), t(opt.weight_decay), t(opt.momentum), t(1 - opt.dampening), opt.nesterov,
+                  opt.t == 1, p, state["momentum_buffer"])
+
+
+def adam(opt, p, g, state):
+    """Adam and AdamW (optim/adam.py) in one pass."""
+    t = p.dtype.type
+    decay = 1 - opt.lr * opt.weight_decay if opt.decoupled else 1.0
+    wd = 0.0 if opt.decoupled else opt.weight_decay
+    _kernels()[2](g, t(opt.lr / (1 - opt.beta1**opt.t)), t(opt.beta1), t(opt.beta2), t(opt.eps), t(wd), t(decay),
+                  t((1 - opt.beta2**opt.t) ** 0.5), p, state["exp_avg"], state["exp_avg_sq"])
+
+
+def on_gpu(p):
+    return type(p).__module__.split(".")[0] == "cupy"

@@ -1,0 +1,287 @@
+"""GPU backend: every layer, optimizer updates and whole training steps against the CPU backend.
+
+Tests marked `gpu` need CuPy and a visible NVIDIA GPU; without one they are skipped with the reason
+(CuPy missing, or CUDA's own error such as cudaErrorInsufficientDriver). TF32 is off for this
+module (NVIDIA_TF32_OVERRIDE=0, read by cuDNN and cuBLAS when CUDA starts), so float32 results
+must match the CPU within 1e-4 relative. The first tests run everywhere: they check that the CPU
+path never imports CuPy and that asking for a GPU without one is a clear user error.
+"""
+
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # before anything starts CUDA in this process
+
+import numpy as np
+import pytest
+
+from pydtnn import layers as L
+from pydtnn.backends import CPUBackend
+from pydtnn.backends.gpu import gpu_status
+
+COUNT, REASON = gpu_status()
+needs_gpu = pytest.mark.skipif(not COUNT, reason=f"no GPU: {REASON}")
+RTOL = 1e-4
+
+
+# -- everywhere ------------------------------------------------------------------------------
+def test_cpu_path_never_imports_cupy():
+    code = (
+        "import sys, numpy as np\n"
+        "import pydtnn\n"
+        "from pydtnn import models, losses, optim\n"
+        "from pydtnn.backends import get_backend\n"
+        "from pydtnn.trainer import Trainer\n"
+        "from pydtnn.distributed import reducers\n"
+        "m = models.create('simplecnn', input_shape=(1, 28, 28), num_classes=10, backend=get_backend('cpu'))\n"
+        "t = Trainer(m, losses.create('categorical_cross_entropy'), optim.create('sgd', m.parameters()))\n"
+        "x = np.random.default_rng(0).standard_normal((4, 1, 28, 28)).astype(np.float32)\n"
+        "t.train_step(x, np.eye(10, dtype=np.float32)[[0, 1, 2, 3]])\n"
+        "bad = sorted(k for k in sys.modules if k.split('.')[0] in ('cupy', 'cupyx', 'cudnn'))\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_gpu_status_gives_a_reason_or_a_count():
+    count, reason = gpu_status()
+    assert (count > 0 and reason == "") or (count == 0 and len(reason) > 10)
+
+
+@pytest.mark.skipif(bool(COUNT), reason="checks the error raised on a machine without a GPU")
+def test_gpu_backend_without_gpu_is_a_config_error():
+    from pydtnn.backends import get_backend
+    from pydtnn.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="GPU"):
+        get_backend("gpu")
+
+
+# -- helpers ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpu():
+    from pydtnn.backends import get_backend
+
+    return get_backend("gpu", "float32", seed=0)
+
+
+def close(got, want, what, rtol=RTOL):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert np.isfinite(got).all() and err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def layer_state(layer):
+    """[(name, array)] of the parameters and buffers of a layer and its children."""
+    return [(f"{path}.{k}", v) for path, sub in layer.named_layers() for d in (sub.params, sub.buffers)
+            for k, v in d.items()]
+
+
+def layer_grads(layer):
+    return [(f"{path}.{k}", sub.grads[k]) for path, sub in layer.named_layers() for k in sub.params]
+
+
+def build_pair(make, in_shape, gpu):
+    """The same layer on the CPU and on the GPU, with the CPU layer's parameters and buffers."""
+    cpu_layer, gpu_layer = make(), make()
+    cpu_layer.build(in_shape, np.float32, CPUBackend(np.float32, seed=0))
+    gpu_layer.build(in_shape, np.float32, gpu)
+    for (_, a), (_, b) in zip(layer_state(cpu_layer), layer_state(gpu_layer)):
+        b[...] = gpu.asarray(a)
+    return cpu_layer, gpu_layer
+
+
+def compare_layer(make, x_shape, gpu, training=True, seed=0):
+    rng = np.random.default_rng(seed)
+    cpu_layer, gpu_layer = build_pair(make, x_shape[1:], gpu)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    y_cpu = cpu_layer.forward(x.copy(), training=training)
+    y_gpu = gpu_layer.forward(gpu.asarray(x), training=training)
+    name = type(cpu_layer).__name__
+    close(gpu.to_numpy(y_gpu), y_cpu, f"{name} forward")
+    dy = rng.standard_normal(y_cpu.shape).astype(np.float32)
+    dx_cpu = cpu_layer.backward(dy.copy())
+    dx_gpu = gpu_layer.backward(gpu.asarray(dy))
+    if dx_cpu is not None:
+        close(gpu.to_numpy(dx_gpu), dx_cpu, f"{name} dx")
+    for (pname, g_cpu), (_, g_gpu) in zip(layer_grads(cpu_layer), layer_grads(gpu_layer)):
+        close(gpu.to_numpy(g_gpu), g_cpu, f"{name} d{pname}")
+    for (bname, b_cpu), (_, b_gpu) in zip(layer_state(cpu_layer), layer_state(gpu_layer)):
+        close(gpu.to_numpy(b_gpu), b_cpu, f"{name} {bname} after the step")
+
+
+LAYER_CASES = [
+    ("dense", lambda: L.Dense(16), (8, 32)),
+    ("dense no bias", lambda: L.Dense(5, use_bias=False), (3, 7)),
+    ("conv 3x3 p1", lambda: L.Conv2D(8, 3, padding=1), (4, 3, 12, 12)),
+    ("conv 3x3 s2", lambda: L.Conv2D(6, 3, stride=2, padding=1), (2, 4, 9, 9)),
+    ("conv 1x1", lambda: L.Conv2D(8, 1), (2, 16, 7, 7)),
+    ("conv dilated", lambda: L.Conv2D(6, 3, dilation=2, padding=2), (2, 4, 9, 9)),
+    ("conv grouped", lambda: L.Conv2D(6, 3, groups=2, padding=1), (2, 4, 7, 7)),
+    ("conv depthwise s2", lambda: L.Conv2D(8, 3, groups=8, stride=2, padding=1), (2, 8, 8, 8)),
+    ("conv same even kernel", lambda: L.Conv2D(3, 4, padding="same"), (2, 2, 7, 6)),
+    ("conv 7x7 s2 p3", lambda: L.Conv2D(8, 7, stride=2, padding=3, use_bias=False), (2, 3, 32, 32)),
+    ("maxpool 2x2", lambda: L.MaxPool2D(2), (2, 3, 8, 8)),
+    ("maxpool 3x3 s2 p1", lambda: L.MaxPool2D(3, 2, padding=1), (2, 3, 9, 9)),
+    ("maxpool ceil_mode", lambda: L.MaxPool2D(3, 2, ceil_mode=True), (2, 3, 10, 10)),
+    ("avgpool 2x2", lambda: L.AvgPool2D(2), (2, 3, 8, 8)),
+    ("avgpool 3x3 s1 p1", lambda: L.AvgPool2D(3, 1, padding=1), (2, 3, 7, 7)),
+    ("global avgpool", lambda: L.GlobalAvgPool2D(), (2, 5, 6, 6)),
+    ("adaptive avgpool", lambda: L.AdaptiveAvgPool2D(3), (2, 4, 7, 7)),
+    ("batchnorm 2d", lambda: L.BatchNorm(), (4, 6, 5, 5)),
+    ("batchnorm 1d", lambda: L.BatchNorm(), (8, 10)),
+    ("relu", lambda: L.ReLU(), (4, 3, 5, 5)),
+    ("relu6", lambda: L.ReLU6(), (4, 3, 5, 5)),
+    ("leaky relu", lambda: L.LeakyReLU(0.1), (4, 20)),
+    ("sigmoid", lambda: L.Sigmoid(), (4, 20)),
+    ("tanh", lambda: L.Tanh(), (4, 20)),
+    ("softmax", lambda: L.Softmax(), (4, 10)),
+    ("flatten", lambda: L.Flatten(), (2, 3, 4, 4)),
+    ("addition block", lambda: L.AdditionBlock(L.Conv2D(4, 3, padding=1), L.Conv2D(4, 1)), (2, 4, 6, 6)),
+    ("concatenation block", lambda: L.ConcatenationBlock(L.Conv2D(3, 3, padding=1), L.MaxPool2D(3, 1, padding=1)),
+     (2, 4, 6, 6)),
+]
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("make,x_shape", [c[1:] for c in LAYER_CASES], ids=[c[0] for c in LAYER_CASES])
+def test_layer_matches_cpu(gpu, make, x_shape):
+    compare_layer(make, x_shape, gpu)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_batchnorm_evaluation_matches_cpu(gpu):
+    compare_layer(lambda: L.BatchNorm(), (4, 6, 5, 5), gpu, training=False)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_dropout_mask_is_inverted_reproducible_and_keyed(gpu):
+    layer = L.Dropout(0.25)
+    layer.build((64, 64), np.float32, gpu)
+    x = gpu.asarray(np.ones((32, 64, 64), np.float32))
+    gpu.reseed([1, 2, 3])
+    y1 = gpu.to_numpy(layer.forward(x))
+    dx = gpu.to_numpy(layer.backward(gpu.asarray(np.full((32, 64, 64), 2.0, np.float32))))
+    gpu.reseed([1, 2, 3])
+    y2 = gpu.to_numpy(layer.forward(x))
+    gpu.reseed([1, 2, 4])
+    y3 = gpu.to_numpy(layer.forward(x))
+    assert set(np.unique(y1).tolist()) == {0.0, np.float32(1 / 0.75)}
+    assert abs((y1 == 0).mean() - 0.25) < 0.01
+    np.testing.assert_array_equal(y1, y2)
+    assert (y1 != y3).mean() > 0.2
+    np.testing.assert_allclose(dx, 2 * y1, rtol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,options", [
+    ("sgd", {"lr": 0.1}),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
+    ("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    ("sgd", {"lr": 0.1, "momentum": 0.5, "dampening": 0.3}),
+    ("adam", {"lr": 1e-2, "weight_decay": 1e-2}),
+    ("adamw", {"lr": 1e-2}),
+    ("nadam", {"lr": 1e-2}),
+    ("rmsprop", {"lr": 1e-2, "momentum": 0.9}),
+])
+def test_optimizer_updates_match_cpu(gpu, name, options):
+    from pydtnn import optim
+
+    rng = np.random.default_rng(1)
+    shapes = [(7, 5), (5,), (3, 2, 3, 3)]
+    p_cpu = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    g_cpu = [np.zeros_like(p) for p in p_cpu]
+    p_gpu = [gpu.asarray(p) for p in p_cpu]
+    g_gpu = [gpu.asarray(g) for g in g_cpu]
+    opt_cpu = optim.create(name, [(f"p{i}", p, g) for i, (p, g) in enumerate(zip(p_cpu, g_cpu))], **options)
+    opt_gpu = optim.create(name, [(f"p{i}", p, g) for i, (p, g) in enumerate(zip(p_gpu, g_gpu))], **options)
+    for _ in range(5):
+        for g, gg in zip(g_cpu, g_gpu):
+            g[...] = rng.standard_normal(g.shape)
+            gg[...] = gpu.asarray(g)
+        opt_cpu.step()
+        opt_gpu.step()
+    for i, (a, b) in enumerate(zip(p_cpu, p_gpu)):
+        close(gpu.to_numpy(b), a, f"{name} p{i} after 5 steps")
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,shape", [("simplecnn", (1, 28, 28)), ("resnet20_cifar10", (3, 32, 32)),
+                                         ("vgg11bn_cifar10", (3, 32, 32))])
+def test_training_step_matches_cpu(gpu, model, shape):
+    """One forward/backward/SGD-with-momentum step of a whole model, from the same weights, on the same batch."""
+    from pydtnn import losses, models, optim
+    from pydtnn.trainer import Trainer
+
+    def trainer(backend):
+        m = models.create(model, input_shape=shape, num_classes=10, backend=backend)
+        return Trainer(m, losses.create("categorical_cross_entropy"),
+                       optim.create("sgd", m.parameters(), lr=0.05, momentum=0.9), progress=False)
+
+    t_cpu, t_gpu = trainer(CPUBackend(np.float32, seed=0)), trainer(gpu)
+    for (_, a), (_, b) in zip(t_cpu.model.named_state(), t_gpu.model.named_state()):
+        b[...] = gpu.asarray(a)
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        x = rng.standard_normal((16,) + shape).astype(np.float32)
+        y = np.eye(10, dtype=np.float32)[rng.integers(0, 10, 16)]
+        loss_cpu, _ = t_cpu.train_step(x, y)
+        loss_gpu, _ = t_gpu.train_step(gpu.asarray(x), gpu.asarray(y))
+        assert abs(loss_gpu - loss_cpu) <= 1e-4 * abs(loss_cpu), (loss_gpu, loss_cpu)
+    for (name, a), (_, b) in zip(t_cpu.model.named_state(), t_gpu.model.named_state()):
+        close(gpu.to_numpy(b), a, f"{model} {name} after two steps", rtol=1e-3)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["blocking", "per_layer", "bucketed"])
+def test_nccl_reduction_with_one_rank(gpu, strategy):
+    """NCCL on a world of one: every strategy leaves gradients as computed (times the weight, 1)."""
+    from pydtnn import models
+    from pydtnn.distributed import reducers
+    from pydtnn.distributed.comm import SingleProcess
+    from pydtnn.distributed.gpu_comm import DeviceComm, NcclComm
+
+    comm = NcclComm(DeviceComm(SingleProcess()))
+    buf = gpu.asarray(np.arange(10, dtype=np.float32))
+    comm.allreduce(buf, "check")
+    np.testing.assert_array_equal(gpu.to_numpy(buf), np.arange(10, dtype=np.float32))
+
+    model = models.create("simplecnn", input_shape=(1, 28, 28), num_classes=10, backend=gpu)
+    reducer = reducers.create(strategy, comm).attach(model)
+    rng = np.random.default_rng(3)
+    x = gpu.asarray(rng.standard_normal((8, 1, 28, 28)).astype(np.float32))
+    reducer.begin_step(1.0)
+    out = model.forward(x)
+    model.backward(gpu.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+    want = {n: gpu.to_numpy(g).copy() for n, _, g in model.parameters()}
+    reducer.finish()
+    gpu.synchronize()
+    for n, _, g in model.parameters():
+        np.testing.assert_array_equal(gpu.to_numpy(g), want[n], err_msg=n)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_device_comm_staging_round_trip(gpu):
+    """Host-staged collectives of device arrays at world size 1 leave them unchanged and on the device."""
+    from pydtnn.distributed.comm import SingleProcess
+    from pydtnn.distributed.gpu_comm import DeviceComm
+
+    comm = DeviceComm(SingleProcess(), cuda_aware=False)
+    a = gpu.asarray(np.linspace(0, 1, 1000, dtype=np.float32))
+    comm.allreduce(a)
+    comm.iallreduce(a).wait()
+    comm.bcast(a)
+    np.testing.assert_array_equal(gpu.to_numpy(a), np.linspace(0, 1, 1000, dtype=np.float32))
+    assert type(a).__module__.startswith("cupy")
