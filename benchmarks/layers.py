@@ -1,6 +1,6 @@
 """Forward and backward time of each layer type, pydtnn against PyTorch CPU, side by side.
 
-    python benchmarks/layers.py [--threads 1] [--repeats 20] [--out docs/benchmarks_layers.md]
+    python benchmarks/layers.py [--threads 1] [--repeats 20] [--cases pool,depthwise] [--out FILE]
 
 Same dtype (float32), same thread count (threadpoolctl for NumPy's BLAS, torch.set_num_threads for
 PyTorch), inputs rotated among three sets so caches flatter neither side. Reports the median time,
@@ -98,10 +98,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--cases", help="comma-separated substrings: run only the cases whose name contains one")
     p.add_argument("--out", help="write the table as markdown to this file")
     args = p.parse_args()
+    cases = CASES
+    if args.cases:
+        wanted = [w.strip() for w in args.cases.split(",") if w.strip()]
+        cases = [c for c in CASES if any(w in c[0] for w in wanted)]
+        if not cases:
+            p.error(f"--cases {args.cases!r} matches none of: {', '.join(c[0] for c in CASES)}")
     peak = sgemm_peak(args.threads)
-    rows = [bench(*case, args.threads, args.repeats) for case in CASES]
+    rows = [bench(*case, args.threads, args.repeats) for case in cases]
     head = (f"| layer (batch, float32, {args.threads} thread{'s' * (args.threads > 1)}) | ours fwd ms | ours bwd ms "
             f"| torch fwd ms | torch bwd ms | ours/torch (fwd+bwd) | ours GFLOP/s (% of sgemm peak) |")
     lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

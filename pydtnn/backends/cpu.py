@@ -5,12 +5,13 @@ differently (convolution and pooling through cuDNN there, im2col + GEMM here). E
 a layer is written against `backend.xp`, which is `numpy` here and `cupy` on a GPU.
 
 All tensors are NCHW. Convolution geometry is described by `ConvGeometry`, built once per layer.
+docs/performance.md explains how each kernel is laid out and what it costs.
 """
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,111 @@ class ConvGeometry:
         return self.pt or self.pb or self.pl or self.pr
 
 
+def _span(n_out, n_in, offset, pad, stride):
+    """Outputs o in [lo, hi) whose input index o*stride + offset - pad lies in [0, n_in).
+
+    Returns (output slice, input slice), or None when every output of this kernel offset reads padding.
+    """
+    first = offset - pad  # input index read by output 0
+    lo = max(0, -(first // stride))
+    hi = min(n_out, (n_in - 1 - first) // stride + 1)
+    if hi <= lo:
+        return None
+    start = lo * stride + first
+    return slice(lo, hi), slice(start, start + (hi - lo - 1) * stride + 1, stride)
+
+
+@cache
+def _positions(g):
+    """Kernel positions (k, i, j, out_rows, out_cols, in_rows, in_cols), k = i*kw + j in increasing order.
+
+    For position (i, j), output[..., out_rows, out_cols] reads input[..., in_rows, in_cols] of the
+    unpadded input; outputs outside these slices read zero padding. Positions that read only
+    padding are left out. Padding may be negative (a crop): the transposed convolution uses that.
+    """
+    rows = [_span(g.ho, g.h, i * g.dh, g.pt, g.sh) for i in range(g.kh)]
+    cols = [_span(g.wo, g.w, j * g.dw, g.pl, g.sw) for j in range(g.kw)]
+    return tuple(
+        (i * g.kw + j, i, j, r[0], c[0], r[1], c[1])
+        for i, r in enumerate(rows)
+        for j, c in enumerate(cols)
+        if r is not None and c is not None
+    )
+
+
+@cache
+def _window_layout(g):
+    """(disjoint, covering) for pooling windows: no input element in two windows; every element in one."""
+    disjoint = g.sh >= g.dh * (g.kh - 1) + 1 and g.sw >= g.dw * (g.kw - 1) + 1
+    covering = (
+        disjoint
+        and not g.padded
+        and (g.sh, g.sw, g.dh, g.dw) == (g.kh, g.kw, 1, 1)
+        and (g.h, g.w) == (g.ho * g.kh, g.wo * g.kw)
+    )
+    return disjoint, covering
+
+
+@cache
+def _transposed(g, co):
+    """Geometry of dx = conv(dy, flipped and transposed w) for a stride-1 convolution.
+
+    Its input is dy (co channels, ho x wo); its output is x's shape. Padding becomes d*(k-1) - p,
+    negative (a crop) where the forward padded more than d*(k-1).
+    """
+    et, ew = g.dh * (g.kh - 1), g.dw * (g.kw - 1)
+    return ConvGeometry(
+        co, g.ho, g.wo, g.kh, g.kw, 1, 1, g.dh, g.dw, et - g.pt, et - g.pb, ew - g.pl, ew - g.pr, groups=g.groups
+    )
+
+
+@cache
+def _wide_layout(g):
+    """Depthwise layout: the padded input flattened per channel, read at a flat offset per kernel position.
+
+    Output (ho, wo) is computed on a "wide" grid q = ho*Wp + wo with wo running over the padded width
+    Wp (columns wo >= Wo are thrown away), so that for stride s every kernel position reads the
+    1-D strided run xflat[off + s*q] and NumPy loops run over ho*Wp elements, not wo.
+    Returns (Hp, Wp, L, span, offsets, flat length).
+    """
+    hp, wp = g.h + g.pt + g.pb, g.w + g.pl + g.pr
+    length = g.ho * wp
+    span = g.sh * (length - 1) + 1
+    offsets = tuple(i * g.dh * wp + j * g.dw for i in range(g.kh) for j in range(g.kw))
+    return hp, wp, length, span, offsets, max(hp * wp, offsets[-1] + span)
+
+
+class _Loan:
+    """A pooled array that a forward keeps for its backward.
+
+    It goes back to the pool when the backward is done with it (`release`), or when this object is
+    dropped without a backward (a forward-only call): the next forward of the same layer then
+    finds it there instead of faulting in fresh memory.
+    """
+
+    __slots__ = ("array", "free", "key")
+
+    def __init__(self, free, key, array):
+        self.free, self.key, self.array = free, key, array
+
+    def release(self):
+        if self.array is not None:
+            self.free.setdefault(self.key, []).append(self.array)
+            self.array = None
+
+    def __del__(self):
+        self.release()
+
+
 class CPUBackend:
     """NumPy backend. One per model, passed down explicitly to every layer.
 
     dtype: default floating dtype of parameters and activations.
     seed: seeds the Generator used for initialization and dropout masks.
+
+    Large scratch arrays (im2col matrices) come from a pool keyed by shape and geometry and go back
+    to it once their last user is done, so a training step does not page-fault fresh memory for
+    them. Arrays handed to the caller (outputs, input gradients) are always new.
     """
 
     name = "cpu"
@@ -65,6 +166,7 @@ class CPUBackend:
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+        self._free = {}  # pool key -> list of arrays nobody holds
 
     def __repr__(self):
         return f"CPUBackend(dtype={self.dtype.name}, seed={self.seed})"
@@ -81,94 +183,229 @@ class CPUBackend:
     def to_numpy(self, a):
         return np.asarray(a)
 
-    # -- windows ---------------------------------------------------------------------------
-    def _pad(self, x, g, value=0.0):
-        if not g.padded:
-            return x
-        return np.pad(x, ((0, 0), (0, 0), (g.pt, g.pb), (g.pl, g.pr)), constant_values=value)
+    # -- scratch pool ----------------------------------------------------------------------
+    def _take(self, tag, shape, dtype, g=None):
+        """(key, array) from the pool. A new array is zeroed; a reused one holds what its last user
+        left, which im2col relies on: the entries a geometry never writes (padding) stay zero."""
+        key = (tag, shape, np.dtype(dtype).str, g)
+        free = self._free.get(key)
+        return key, (free.pop() if free else np.zeros(shape, dtype))
 
-    @staticmethod
-    def _windows(xp_, g):
-        """Strided view (N, C, kh, kw, Ho, Wo) of a padded input: no copy."""
-        n, c, _, _ = xp_.shape
-        s_n, s_c, s_h, s_w = xp_.strides
-        return as_strided(
-            xp_,
-            shape=(n, c, g.kh, g.kw, g.ho, g.wo),
-            strides=(s_n, s_c, g.dh * s_h, g.dw * s_w, g.sh * s_h, g.sw * s_w),
-            writeable=False,
-        )
-
-    def _scatter_windows(self, dcols, g, n):
-        """Adjoint of _windows: sum (N, C, kh, kw, Ho, Wo) window values back into (N, C, H, W)."""
-        hp, wp = g.h + g.pt + g.pb, g.w + g.pl + g.pr
-        dx = np.zeros((n, g.c, hp, wp), dtype=dcols.dtype)
-        for i in range(g.kh):
-            for j in range(g.kw):
-                r0, c0 = i * g.dh, j * g.dw
-                dx[:, :, r0 : r0 + g.sh * (g.ho - 1) + 1 : g.sh, c0 : c0 + g.sw * (g.wo - 1) + 1 : g.sw] += dcols[
-                    :, :, i, j
-                ]
-        return dx[:, :, g.pt : g.pt + g.h, g.pl : g.pl + g.w] if g.padded else dx
+    def _give(self, key, a):
+        self._free.setdefault(key, []).append(a)
 
     # -- convolution -----------------------------------------------------------------------
+    def _im2col(self, x, g, tag="cols"):
+        """Pooled cols (G, Cg*kh*kw, N, Ho*Wo) of x (N, C, H, W): cols[:, (c, i, j), n, (ho, wo)] is the
+        input that kernel position (i, j) of channel c sees at output (ho, wo); zero in the padding."""
+        n = x.shape[0]
+        shape = (g.c, g.kh, g.kw, n, g.ho, g.wo)
+        key, buf = self._take(tag, shape, x.dtype, g)
+        buf = buf.reshape(shape)  # the pool gets back the (G, K, N, P) view returned below
+        dst = buf.transpose(3, 0, 1, 2, 4, 5)  # (N, C, kh, kw, Ho, Wo) view
+        for _, i, j, orows, ocols, irows, icols in _positions(g):
+            dst[:, :, i, j, orows, ocols] = x[:, :, irows, icols]
+        k = g.c // g.groups * g.kh * g.kw
+        return key, buf.reshape(g.groups, k, n, g.ho * g.wo)
+
+    @staticmethod
+    def _gemm_nchw(wm, cols, out):
+        """out (N, G*O, Ho, Wo) = wm (G, O, K) @ cols (G, K, N, P) per group and sample, written in place.
+
+        Each (K, P) slice of cols is a strided matrix BLAS reads directly, so neither the cols nor
+        the product is transposed in memory."""
+        n = out.shape[0]
+        g, o, _ = wm.shape
+        np.matmul(wm[:, None], cols.transpose(0, 2, 1, 3), out=out.reshape(n, g, o, -1).transpose(1, 0, 2, 3))
+
     def conv2d_forward(self, x, w, g, keep=True):
         """y = conv(x, w): x (N, C, H, W), w (Co, C/groups, kh, kw) -> y (N, Co, Ho, Wo).
 
         Returns (y, ctx); ctx holds what backward needs (the im2col matrix) when keep is true.
         """
-        n = x.shape[0]
-        G, co = g.groups, w.shape[0]
-        cg = g.c // G
-        win = self._windows(self._pad(x, g), g)  # (N, C, kh, kw, Ho, Wo)
-        # cols: (G, Cg*kh*kw, N*Ho*Wo), one contiguous copy
-        cols = win.reshape(n, G, cg, g.kh, g.kw, g.ho, g.wo).transpose(1, 2, 3, 4, 0, 5, 6)
-        cols = np.ascontiguousarray(cols).reshape(G, cg * g.kh * g.kw, n * g.ho * g.wo)
-        wm = w.reshape(G, co // G, cg * g.kh * g.kw)
-        y = np.matmul(wm, cols)  # (G, Co/G, N*Ho*Wo)
-        y = y.reshape(co, n, g.ho, g.wo).transpose(1, 0, 2, 3)
-        return np.ascontiguousarray(y), (cols if keep else None)
+        if g.c == g.groups and g.sh == g.sw:
+            return self._depthwise_forward(x, w, g, keep)
+        n, co = x.shape[0], w.shape[0]
+        key, cols = self._im2col(x, g)
+        y = np.empty((n, co, g.ho, g.wo), x.dtype)
+        self._gemm_nchw(w.reshape(g.groups, co // g.groups, -1), cols, y)
+        if not keep:
+            self._give(key, cols)
+            return y, None
+        return y, _Loan(self._free, key, cols)
 
     def conv2d_backward(self, dy, w, ctx, g, need_dx=True):
         """Gradients of conv2d_forward: returns (dx or None, dw) for upstream dy (N, Co, Ho, Wo)."""
-        cols = ctx
+        if ctx is None or ctx.array is None:
+            raise RuntimeError(
+                "conv2d_backward: no saved forward state; run forward(x, training=True) before each backward"
+            )
+        if g.c == g.groups and g.sh == g.sw:
+            return self._depthwise_backward(dy, w, ctx, g, need_dx)
         n, co = dy.shape[0], dy.shape[1]
-        G = g.groups
-        cg = g.c // G
-        dym = np.ascontiguousarray(dy.transpose(1, 0, 2, 3)).reshape(G, co // G, n * g.ho * g.wo)
-        dw = np.matmul(dym, cols.transpose(0, 2, 1)).reshape(w.shape)
+        G, p = g.groups, g.ho * g.wo
+        o, cg = co // G, g.c // G
+        cols = ctx.array
+        ykey, dyk = self._take("dyk", (G, o, n, p), dy.dtype)  # dy with (n, ho, wo) merged: one GEMM for dw
+        dyk[...] = dy.reshape(n, G, o, p).transpose(1, 2, 0, 3)
+        dw = np.matmul(dyk.reshape(G, o, n * p), cols.reshape(G, -1, n * p).transpose(0, 2, 1)).reshape(w.shape)
+        ctx.release()
         if not need_dx:
+            self._give(ykey, dyk)
             return None, dw
-        wm = w.reshape(G, co // G, cg * g.kh * g.kw)
-        dcols = np.matmul(wm.transpose(0, 2, 1), dym)  # (G, Cg*kh*kw, N*Ho*Wo)
-        dcols = dcols.reshape(g.c, g.kh, g.kw, n, g.ho, g.wo).transpose(3, 0, 1, 2, 4, 5)
-        return self._scatter_windows(dcols, g, n), dw
+        dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
+        if g.sh == 1 and g.sw == 1:
+            # dx is the stride-1 convolution of dy with the flipped, transposed kernel: one GEMM with
+            # K = Co/G*kh*kw instead of a GEMM with K = Co/G followed by kh*kw scatter-adds.
+            gt = _transposed(g, co)
+            wt = w.reshape(G, o, cg, g.kh, g.kw).transpose(0, 2, 1, 3, 4)[..., ::-1, ::-1].reshape(G, cg, -1)
+            if g.kh == g.kw == 1 and not gt.padded:
+                self._gemm_nchw(wt, dy.reshape(n, G, o, p).transpose(1, 2, 0, 3), dx)
+            else:
+                key, dcols = self._im2col(dy, gt, tag="dcols")
+                self._gemm_nchw(wt, dcols, dx)
+                self._give(key, dcols)
+            self._give(ykey, dyk)
+            return dx, dw
+        # strided: dcols = W^T dy, then each kernel position adds its share back into dx
+        key, dcols = self._take("dcols", (n, g.c, g.kh, g.kw, g.ho, g.wo), dy.dtype)
+        wm = w.reshape(G, o, cg * g.kh * g.kw)
+        np.matmul(
+            wm.transpose(0, 2, 1)[:, None],
+            dyk.transpose(0, 2, 1, 3),
+            out=dcols.reshape(n, G, -1, p).transpose(1, 0, 2, 3),
+        )
+        dx[...] = 0
+        for _, i, j, orows, ocols, irows, icols in _positions(g):
+            dx[:, :, irows, icols] += dcols[:, :, i, j, orows, ocols]
+        self._give(key, dcols)
+        self._give(ykey, dyk)
+        return dx, dw
+
+    # -- depthwise convolution (one input channel per group) ---------------------------------
+    def _depthwise_forward(self, x, w, g, keep):
+        """Direct depthwise convolution: y = sum over kernel positions of shifted x times per-channel weights.
+
+        No im2col and no GEMM: a GEMM with one output row per group does almost no arithmetic per
+        byte it moves. Works in batch chunks of about 1 MB so the running sums stay in cache.
+        """
+        n, co = x.shape[0], w.shape[0]
+        G, m = g.groups, co // g.groups  # m: channel multiplier
+        hp, wp, length, span, offsets, flat = _wide_layout(g)
+        s = g.sh
+        key, xf = self._take("dwx", (n, g.c, flat), x.dtype, g)  # padding and tail stay zero
+        xf[:, :, : hp * wp].reshape(n, g.c, hp, wp)[:, :, g.pt : g.pt + g.h, g.pl : g.pl + g.w] = x
+        wk = w.reshape(G, m, g.kh * g.kw)
+        yw = np.empty((n, G, m, length), x.dtype)
+        step = max(1, (1 << 20) // (co * length * x.itemsize))
+        tmp = np.empty((min(step, n), G, m, length), x.dtype)
+        for n0 in range(0, n, step):
+            ys, t = yw[n0 : n0 + step], tmp[: min(step, n - n0)]
+            for k, off in enumerate(offsets):
+                xv = xf[n0 : n0 + step, :, off : off + span : s][:, :, None, :]
+                if k == 0:
+                    np.multiply(xv, wk[:, :, k, None], out=ys)
+                else:
+                    np.multiply(xv, wk[:, :, k, None], out=t)
+                    ys += t
+        y = np.empty((n, co, g.ho, g.wo), x.dtype)
+        y[...] = yw.reshape(n, co, g.ho, wp)[..., : g.wo]
+        if not keep:
+            self._give(key, xf)
+            return y, None
+        return y, _Loan(self._free, key, xf)
+
+    def _depthwise_backward(self, dy, w, ctx, g, need_dx):
+        n, co = dy.shape[0], dy.shape[1]
+        G, m = g.groups, co // g.groups
+        hp, wp, length, span, offsets, flat = _wide_layout(g)
+        s, xf = g.sh, ctx.array
+        # dy on the wide grid, zero in the thrown-away columns so they add nothing below
+        dkey, dyw = self._take("dwdy", (n, G, m, length), dy.dtype, g)
+        dyw.reshape(n, co, g.ho, wp)[..., : g.wo] = dy
+        dwk = np.empty((G, m, g.kh * g.kw), dy.dtype)
+        for k, off in enumerate(offsets):
+            dwk[:, :, k] = np.einsum("ngml,ngl->gm", dyw, xf[:, :, off : off + span : s])
+        ctx.release()
+        if not need_dx:
+            self._give(dkey, dyw)
+            return None, dwk.reshape(w.shape)
+        xkey, dxf = self._take("dwdx", (n, g.c, flat), dy.dtype, g)
+        dxf[...] = 0
+        wk = w.reshape(G, m, g.kh * g.kw)
+        step = max(1, (1 << 20) // (co * length * dy.itemsize))
+        tmp = np.empty((min(step, n), G, m, length), dy.dtype)
+        for n0 in range(0, n, step):
+            ds, t = dyw[n0 : n0 + step], tmp[: min(step, n - n0)]
+            for k, off in enumerate(offsets):
+                np.multiply(ds, wk[:, :, k, None], out=t)
+                dxv = dxf[n0 : n0 + step, :, off : off + span : s]
+                dxv += t[:, :, 0] if m == 1 else t.sum(axis=2)
+        dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
+        dx[...] = dxf[:, :, : hp * wp].reshape(n, g.c, hp, wp)[:, :, g.pt : g.pt + g.h, g.pl : g.pl + g.w]
+        self._give(dkey, dyw)
+        self._give(xkey, dxf)
+        return dx, dwk.reshape(w.shape)
 
     # -- pooling ---------------------------------------------------------------------------
     def maxpool2d_forward(self, x, g, keep=True):
-        """Max over windows; padding counts as -inf (PyTorch semantics). Returns (y, argmax ctx)."""
-        win = self._windows(self._pad(x, g, value=-np.inf), g)
+        """Max over windows; padding counts as -inf (PyTorch semantics). Returns (y, argmax ctx).
+
+        One pass per kernel position over strided views of the unpadded input. ctx is the index
+        k = i*kw + j of the first maximum in each window (ties go to the first, as in PyTorch).
+        """
         n = x.shape[0]
-        flat = win.transpose(0, 1, 4, 5, 2, 3).reshape(n, g.c, g.ho, g.wo, g.kh * g.kw)
-        idx = flat.argmax(axis=-1)
-        y = np.take_along_axis(flat, idx[..., None], axis=-1)[..., 0]
-        return y, (idx if keep else None)
+        pos = _positions(g)
+        y = np.empty((n, g.c, g.ho, g.wo), x.dtype)
+        idx = np.zeros(y.shape, np.uint8 if g.kh * g.kw <= 256 else np.int32) if keep else None
+        won = np.empty(y.shape, idx.dtype) if keep else None
+        full = pos[0][0] == 0 and pos[0][3] == slice(0, g.ho) and pos[0][4] == slice(0, g.wo)
+        if full:
+            y[...] = x[:, :, pos[0][5], pos[0][6]]
+        else:
+            y[...] = -np.inf
+        for k, _, _, orows, ocols, irows, icols in pos[1:] if full else pos:
+            yv, v = y[:, :, orows, ocols], x[:, :, irows, icols]
+            if keep:
+                # positions come in increasing k, so the running index is the max of k over the wins
+                wv = won[:, :, orows, ocols]
+                np.multiply(np.greater(v, yv), idx.dtype.type(k), out=wv)
+                iv = idx[:, :, orows, ocols]
+                np.maximum(iv, wv, out=iv)
+            np.maximum(yv, v, out=yv)
+        return y, idx
 
     def maxpool2d_backward(self, dy, ctx, g):
         idx = ctx
         n = dy.shape[0]
-        k = np.arange(g.kh * g.kw).reshape(g.kh, g.kw, 1, 1, 1, 1)
-        # (kh, kw, N, C, Ho, Wo) -> (N, C, kh, kw, Ho, Wo): dy where that window position won
-        dcols = np.where(idx[None, None] == k, dy[None, None], 0).astype(dy.dtype, copy=False)
-        return self._scatter_windows(dcols.transpose(2, 3, 0, 1, 4, 5), g, n)
+        disjoint, covering = _window_layout(g)
+        dx = (np.empty if covering else np.zeros)((n, g.c, g.h, g.w), dy.dtype)
+        for k, _, _, orows, ocols, irows, icols in _positions(g):
+            won = idx[:, :, orows, ocols] == k
+            dxv = dx[:, :, irows, icols]
+            if disjoint:
+                np.multiply(dy[:, :, orows, ocols], won, out=dxv)
+            else:
+                dxv += dy[:, :, orows, ocols] * won
+        return dx
 
     def avgpool2d_forward(self, x, g, keep=True):
         """Mean over windows; zero padding is counted in the divisor (PyTorch's default)."""
-        win = self._windows(self._pad(x, g), g)
-        return win.mean(axis=(2, 3)), None
+        y = np.zeros((x.shape[0], g.c, g.ho, g.wo), x.dtype)
+        for _, _, _, orows, ocols, irows, icols in _positions(g):
+            yv = y[:, :, orows, ocols]
+            yv += x[:, :, irows, icols]
+        y /= g.kh * g.kw
+        return y, None
 
     def avgpool2d_backward(self, dy, ctx, g):
-        n = dy.shape[0]
+        disjoint, covering = _window_layout(g)
         share = dy / (g.kh * g.kw)
-        dcols = np.broadcast_to(share[:, :, None, None], (n, g.c, g.kh, g.kw, g.ho, g.wo))
-        return self._scatter_windows(dcols, g, n)
+        dx = (np.empty if covering else np.zeros)((dy.shape[0], g.c, g.h, g.w), dy.dtype)
+        for _, _, _, orows, ocols, irows, icols in _positions(g):
+            dxv = dx[:, :, irows, icols]
+            if disjoint:
+                dxv[...] = share[:, :, orows, ocols]
+            else:
+                dxv += share[:, :, orows, ocols]
+        return dx

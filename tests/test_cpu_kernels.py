@@ -1,0 +1,207 @@
+"""The CPU backend's kernel paths, each against PyTorch and float64 finite differences.
+
+Pooling picks a path per geometry (windows that tile the input exactly, disjoint windows that
+leave rows out, overlapping windows, padding); convolution picks one per shape (depthwise direct,
+stride-1 dx as a convolution of dy, strided dx by scatter-add, 1x1). Every path is exercised here.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pydtnn.backends.cpu import ConvGeometry, CPUBackend, _window_layout
+from pydtnn.layers import AvgPool2D, Conv2D, MaxPool2D
+from pydtnn.testing import check_against_torch, check_gradients
+
+
+def both_checks(make, x_shape, torch_fn):
+    check_gradients(make(), x_shape)
+    for dtype in (np.float64, np.float32):
+        check_against_torch(make(), x_shape, torch_fn, dtype=dtype)
+
+
+# -- pooling -------------------------------------------------------------------------------
+POOL_CASES = [
+    # (x_shape, pool, stride, padding, layout (disjoint, covering))
+    ((2, 3, 8, 8), 2, 2, 0, (True, True)),
+    ((2, 3, 9, 7), 3, 3, 0, (True, False)),  # rows and columns left over
+    ((2, 2, 9, 9), 2, 3, 0, (True, False)),  # stride > window: gaps
+    ((2, 2, 6, 8), (2, 4), (2, 4), 0, (True, True)),
+    ((2, 2, 8, 8), 2, 2, 1, (True, False)),  # padding
+    ((2, 2, 7, 7), 3, 2, 1, (False, False)),
+    ((2, 2, 6, 6), 3, 1, 0, (False, False)),
+]
+
+
+@pytest.mark.parametrize("x_shape,k,s,p,layout", POOL_CASES)
+def test_maxpool_paths(x_shape, k, s, p, layout):
+    layer = MaxPool2D(k, stride=s, padding=p)
+    layer.build(x_shape[1:])
+    assert _window_layout(layer.geometry) == layout
+    both_checks(lambda: MaxPool2D(k, stride=s, padding=p), x_shape, lambda x, _: F.max_pool2d(x, k, s, p))
+
+
+@pytest.mark.parametrize("x_shape,k,s,p,layout", POOL_CASES)
+def test_avgpool_paths(x_shape, k, s, p, layout):
+    both_checks(lambda: AvgPool2D(k, stride=s, padding=p), x_shape, lambda x, _: F.avg_pool2d(x, k, s, p))
+
+
+@pytest.mark.parametrize("x_shape,k,s,p", [((2, 2, 9, 9), 2, 2, 0), ((2, 2, 8, 8), 3, 2, 1), ((1, 2, 7, 7), 3, 3, 0)])
+def test_maxpool_ceil_mode_paths(x_shape, k, s, p):
+    both_checks(
+        lambda: MaxPool2D(k, stride=s, padding=p, ceil_mode=True),
+        x_shape,
+        lambda x, _: F.max_pool2d(x, k, s, p, ceil_mode=True),
+    )
+
+
+@pytest.mark.parametrize("k,s", [(2, 2), (3, 1), (3, 2)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_maxpool_ties_route_to_first_maximum_like_torch(k, s, dtype):
+    # after a ReLU most windows hold several equal zeros: the gradient must go to the first one only
+    rng = np.random.default_rng(1)
+    x = np.maximum(rng.integers(-3, 2, size=(2, 3, 9, 9)), 0).astype(dtype)
+    dy_shape = (2, 3, (9 - k) // s + 1, (9 - k) // s + 1)
+    dy = rng.standard_normal(dy_shape).astype(dtype)
+    layer = MaxPool2D(k, stride=s)
+    layer.build(x.shape[1:], dtype)
+    y = layer.forward(x)
+    dx = layer.backward(dy)
+    tx = torch.tensor(x, requires_grad=True)
+    ty = F.max_pool2d(tx, k, s)
+    ty.backward(torch.tensor(dy))
+    np.testing.assert_array_equal(y, ty.detach().numpy())
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_maxpool_forward_without_keep_gives_the_same_output():
+    backend, g = CPUBackend(), ConvGeometry(3, 7, 7, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1)
+    x = np.random.default_rng(0).standard_normal((2, 3, 7, 7)).astype(np.float32)
+    y_keep, idx = backend.maxpool2d_forward(x, g)
+    y_eval, none = backend.maxpool2d_forward(x, g, keep=False)
+    np.testing.assert_array_equal(y_keep, y_eval)
+    assert none is None and idx.dtype == np.uint8
+
+
+# -- convolution ---------------------------------------------------------------------------
+CONV_CASES = [
+    # (x_shape, filters, kwargs): which path each takes is in the comment
+    ((2, 4, 8, 8), 4, {"kernel_size": 3, "groups": 4, "padding": 1}),  # depthwise, stride 1
+    ((2, 4, 9, 9), 4, {"kernel_size": 3, "groups": 4, "stride": 2, "padding": 1}),  # depthwise, stride 2
+    ((2, 3, 9, 8), 3, {"kernel_size": 3, "groups": 3, "stride": 3}),  # depthwise, stride 3, no padding
+    ((2, 4, 9, 9), 4, {"kernel_size": 3, "groups": 4, "dilation": 2, "padding": 2}),  # depthwise, dilated
+    ((2, 3, 7, 7), 6, {"kernel_size": 3, "groups": 3, "padding": 1}),  # depthwise, channel multiplier 2
+    ((2, 2, 8, 7), 4, {"kernel_size": (3, 2), "groups": 2, "stride": 2, "padding": (1, 0)}),  # multiplier 2, stride 2
+    (
+        (2, 3, 8, 8),
+        3,
+        {"kernel_size": 3, "groups": 3, "stride": (2, 1), "padding": 1},
+    ),  # depthwise, uneven stride: GEMM
+    ((2, 4, 8, 8), 3, {"kernel_size": 4, "groups": 1, "padding": "same"}),  # asymmetric padding
+    ((2, 6, 7, 7), 4, {"kernel_size": 3, "groups": 2, "padding": 1}),  # grouped, stride 1
+    ((2, 6, 9, 9), 4, {"kernel_size": 3, "groups": 2, "stride": 2, "padding": 1}),  # grouped, strided
+    ((2, 4, 6, 6), 6, {"kernel_size": 1}),  # 1x1: dx is one GEMM
+    ((2, 4, 7, 7), 6, {"kernel_size": 1, "stride": 2}),  # 1x1 strided: scatter path
+    ((2, 3, 6, 6), 4, {"kernel_size": 1, "padding": 1}),  # 1x1 padded: transposed padding is a crop
+    ((2, 3, 6, 6), 4, {"kernel_size": 3, "padding": 3}),  # padding beyond k-1: transposed crop
+    ((2, 3, 8, 8), 5, {"kernel_size": 3, "dilation": (2, 1), "padding": (1, 2)}),
+    ((1, 2, 5, 5), 3, {"kernel_size": 5}),  # kernel as large as the input
+]
+
+
+def torch_conv(kwargs):
+    stride, dilation, groups = kwargs.get("stride", 1), kwargs.get("dilation", 1), kwargs.get("groups", 1)
+    padding = kwargs.get("padding", 0)
+    return lambda x, p: F.conv2d(x, p["weight"], p.get("bias"), stride, padding, dilation, groups)
+
+
+@pytest.mark.parametrize("x_shape,filters,kwargs", CONV_CASES)
+def test_conv_paths(x_shape, filters, kwargs):
+    both_checks(lambda: Conv2D(filters, **kwargs), x_shape, torch_conv(kwargs))
+
+
+@pytest.mark.parametrize("kwargs", [{"kernel_size": 3, "padding": 1}, {"kernel_size": 3, "groups": 4, "padding": 1}])
+def test_conv_first_layer_skips_dx(kwargs):
+    layer = Conv2D(4, **kwargs)
+    layer.build((4, 6, 6), np.float64)
+    layer.need_dx = False
+    check_gradients(layer, (2, 4, 6, 6))
+    assert layer.backward(np.ones((2, 4, 6, 6))) is None
+
+
+# -- buffer reuse --------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [{"kernel_size": 3, "padding": 1}, {"kernel_size": 3, "groups": 4, "padding": 1}])
+def test_conv_outputs_never_alias_reused_buffers(kwargs):
+    """Pooled scratch is reused step after step; what a caller keeps must not change under it."""
+    rng = np.random.default_rng(0)
+    layer = Conv2D(4, **kwargs)
+    layer.build((4, 6, 6))
+    xs = [rng.standard_normal((2, 4, 6, 6)).astype(np.float32) for _ in range(3)]
+    dy = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    kept = []
+    for x in xs:
+        y = layer.forward(x)
+        dx = layer.backward(dy)
+        kept.append((x, y, y.copy(), dx, dx.copy(), layer.grads["weight"].copy()))
+    for x, y, y0, dx, dx0, dw in kept:
+        np.testing.assert_array_equal(y, y0)
+        np.testing.assert_array_equal(dx, dx0)
+        fresh = Conv2D(4, **kwargs)
+        fresh.build((4, 6, 6))
+        fresh.params["weight"][...] = layer.params["weight"]
+        fresh.params["bias"][...] = layer.params["bias"]
+        np.testing.assert_array_equal(fresh.forward(x), y0)
+        np.testing.assert_array_equal(fresh.backward(dy), dx0)
+        np.testing.assert_array_equal(fresh.grads["weight"], dw)
+
+
+def test_conv_repeated_forwards_then_one_backward():
+    # a forward without backward (e.g. a forward-only timing loop) hands its buffer back when dropped
+    rng = np.random.default_rng(0)
+    layer = Conv2D(3, 3, padding=1)
+    layer.build((2, 5, 5), np.float64)
+    x1, x2 = rng.standard_normal((2, 2, 2, 5, 5))
+    dy = rng.standard_normal((2, 3, 5, 5))
+    for x in (x1, x2, x1, x2):
+        layer.forward(x)
+    dx = layer.backward(dy)
+    fresh = Conv2D(3, 3, padding=1)
+    fresh.build((2, 5, 5), np.float64)
+    fresh.params["weight"][...] = layer.params["weight"]
+    fresh.params["bias"][...] = layer.params["bias"]
+    fresh.forward(x2)
+    np.testing.assert_array_equal(fresh.backward(dy), dx)
+    np.testing.assert_array_equal(fresh.grads["weight"], layer.grads["weight"])
+
+
+def test_conv_second_backward_without_forward_is_an_error():
+    layer = Conv2D(3, 3, padding=1)
+    layer.build((2, 5, 5))
+    layer.forward(np.ones((1, 2, 5, 5), np.float32))
+    layer.backward(np.ones((1, 3, 5, 5), np.float32))
+    with pytest.raises(RuntimeError, match="run forward"):
+        layer.backward(np.ones((1, 3, 5, 5), np.float32))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Conv2D(4, 3, padding=1),
+        lambda: Conv2D(4, 3, stride=2, padding=1),
+        lambda: Conv2D(4, 3, padding=1, groups=4),
+        lambda: MaxPool2D(2),
+        lambda: MaxPool2D(3, stride=2, padding=1),
+        lambda: AvgPool2D(2),
+        lambda: AvgPool2D(3, stride=1, padding=1),
+    ],
+)
+def test_float32_in_float32_out(make):
+    layer = make()
+    layer.build((4, 8, 8), np.float32)
+    x = np.random.default_rng(0).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    y = layer.forward(x)
+    dx = layer.backward(np.ones_like(y))
+    assert y.dtype == np.float32 and dx.dtype == np.float32
+    for g in layer.grads.values():
+        assert g.dtype == np.float32
