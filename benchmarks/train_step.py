@@ -333,46 +333,58 @@ def _range(values):
     return f"{min(values):.0f}" if max(values) - min(values) < 1 else f"{min(values):.0f}-{max(values):.0f}"
 
 
-def plot(run, path):
+def plot(run, path, busy=0.25):
+    """Bars of ours / PyTorch (time per step, peak RSS) per model, one per (batch, threads); hatched where
+    other processes used more than `busy` cores while either side was timed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FixedLocator, NullLocator
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullLocator
 
     table = rows(run)
     models = list(dict.fromkeys(row[0] for row in table))
     configs = list(dict.fromkeys((row[1], row[2]) for row in table))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
     width = 0.8 / max(len(configs), 1)
-    panels = ((axes[0], "step_ms", "time per step, ours / PyTorch", (1.0,)),
-              (axes[1], "peak_rss_mb", "peak RSS, ours / PyTorch", (1.0, 1.2)))
+    panels = ((axes[0], "step_ms", "time per step, ours / PyTorch", ((1.0, "red", "1.0: as fast as PyTorch"),)),
+              (axes[1], "peak_rss_mb", "peak RSS, ours / PyTorch",
+               ((1.0, "red", "1.0: as much as PyTorch"), (1.2, "orange", "1.2: target"))))
     for ax, key, title, marks in panels:
         top = 1.0
         for k, (batch, threads) in enumerate(configs):
-            vals = []
+            vals, hatches = [], []
             for model in models:
                 row = next((row for row in table if row[:3] == (model, batch, threads)), None)
                 vals.append(row[3][key] / row[4][key] if row else np.nan)
+                foreign = [r["foreign_cores"] or 0.0 for r in row[3:]] if row else [0.0]
+                hatches.append("///" if max(foreign) > busy else "")
             top = max(top, np.nanmax(vals))
-            bars = ax.bar(np.arange(len(models)) + k * width, vals, width, color=f"C{k}",
-                          label=f"batch {batch}, {threads} thread{'s' * (threads > 1)}")
+            bars = ax.bar(np.arange(len(models)) + k * width, vals, width, color=f"C{k}")
+            for bar, hatch in zip(bars, hatches):
+                bar.set_hatch(hatch)
             ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
-        for mark in marks:
-            ax.axhline(mark, color="red" if mark == 1.0 else "orange", lw=0.9, ls="--",
-                       label="1.0: as fast as PyTorch" if key == "step_ms" else
-                       ("1.0: same as PyTorch" if mark == 1.0 else "1.2: target"))
+        for mark, color, label in marks:
+            ax.axhline(mark, color=color, lw=0.9, ls="--", label=label)
         ax.set_xticks(np.arange(len(models)) + width * (len(configs) - 1) / 2, models, fontsize=8)
-        if key == "step_ms" and top > 4:
+        if top > 4:  # a log scale keeps 0.5 and 2 equally far from 1
             ax.set_yscale("log", base=2)
-            ticks = [0.25, 0.5, 1, 2, 4, 8, 16, 32]
-            ax.yaxis.set_major_locator(FixedLocator([t for t in ticks if t <= 2 * top]))
+            ax.set_ylim(0.2, 1.6 * top)
+            ax.yaxis.set_major_locator(FixedLocator([t for t in (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64) if t <= top * 1.6]))
             ax.yaxis.set_minor_locator(NullLocator())
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        else:
+            ax.set_ylim(0, 1.12 * max(top, max(m for m, _, _ in marks)))
         ax.set_title(title)
-        ax.set_ylabel("ratio (lower is better for pydtnn)")
+        ax.set_ylabel("ratio (below 1: pydtnn better)")
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=7, loc="upper left")
+        handles = [Patch(color=f"C{k}", label=f"batch {b}, {t} thread{'s' * (t > 1)}") for k, (b, t) in enumerate(configs)]
+        handles += ax.get_lines()
+        if any(bar.get_hatch() for c in ax.containers for bar in c):
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                                 label=f"other processes used > {busy} cores"))
+        ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=3)
     src = run["pydtnn"]
     fig.suptitle(f"Training step, pydtnn ({src['commit'] or '?'}{'+' if src['dirty'] else ''}) against PyTorch "
                  f"{run['machine']['torch']}, {run['machine']['cpus']} cores", fontsize=10)
