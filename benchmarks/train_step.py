@@ -352,6 +352,10 @@ def report(run):
                        f"{' plus uncommitted changes' if again['pydtnn']['dirty'] else ''}).")]
     foreign = [r["foreign_cores"] for r in run["records"] if r["foreign_cores"] is not None]
     imports = {lib: [r["import_rss_mb"] for r in run["records"] if r["lib"] == lib] for lib in LIBS}
+    spread = [1 - min(r["times_ms"]) / r["step_ms"] for r in run["records"] if r["times_ms"]]
+    if spread:
+        lines += ["", (f"Step-to-step spread: the fastest timed step of a configuration was {np.median(spread):.0%} "
+                       f"below its median (median over configurations; at most {max(spread):.0%}).")]
     lines += ["", (f"Other processes on the machine used {min(foreign):.2f} to {max(foreign):.2f} cores "
                    f"(median {np.median(foreign):.2f}) during the timed steps of the runs (last column)."
                    if foreign else "CPU use of other processes not measured (no /proc/stat)."),
