@@ -32,12 +32,19 @@ REDUCERS = ("blocking", "per_layer", "bucketed")
 
 
 class StandIn:
-    """What a reducer sees of a model: parameters() -> [(name, param, grad)] and the gradients-ready hook."""
+    """What a reducer sees of a model: parameters() -> [(name, param, grad)], the gradients-ready hook, and
+    the gradients as views of one buffer in reverse parameter order (grad_buffer, grad_offsets), as Model has."""
 
     def __init__(self, nbytes, tensors=TENSORS):
         total = max(nbytes // 4, tensors)
         sizes = [total // tensors + (1 if i < total % tensors else 0) for i in range(tensors)]  # sums to total
-        self.params = [(f"{i}.weight", np.zeros(n, np.float32), np.ones(n, np.float32)) for i, n in enumerate(sizes)]
+        self.grad_buffer, self.grad_offsets = np.ones(total, np.float32), {}
+        stop = total
+        self.params = []
+        for i, n in enumerate(sizes):  # the first parameter sits at the end of the buffer
+            self.grad_offsets[f"{i}.weight"] = (stop - n, stop)
+            self.params.append((f"{i}.weight", np.zeros(n, np.float32), self.grad_buffer[stop - n : stop]))
+            stop -= n
         self.hooks = []
 
     def parameters(self):

@@ -45,6 +45,28 @@ class Model:
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ShapeError(f"{name}: state names are not unique: {dup}; give children distinct names")
+        self._flatten_grads()
+
+    def _flatten_grads(self):
+        """Make every gradient a view into one buffer, `grad_buffer`, laid out in reverse parameter order.
+
+        Backward produces gradients roughly in that order, so a data-parallel reducer can scale and
+        reduce contiguous runs of the buffer in place, with no copy in or out. `grad_offsets` maps
+        each parameter's name to its (start, stop) in the buffer.
+        """
+        entries = [(_join(path, k), layer, k) for path, layer in self.root.named_layers() for k in layer.params]
+        self.grad_buffer, self.grad_offsets = None, {}
+        if not entries or len({layer.grads[k].dtype for _, layer, k in entries}) != 1:
+            return
+        _, first, key = entries[0]
+        buf = self.backend.xp.zeros(sum(layer.grads[k].size for _, layer, k in entries), first.grads[key].dtype)
+        off = 0
+        for name, layer, k in reversed(entries):
+            g = layer.grads[k]
+            layer.grads[k] = buf[off : off + g.size].reshape(g.shape)
+            self.grad_offsets[name] = (off, off + g.size)
+            off += g.size
+        self.grad_buffer = buf
 
     # -- running -------------------------------------------------------------------------
     def forward(self, x, training=None):

@@ -58,7 +58,10 @@ def main():
     p.add_argument("--sync_bn", action="store_true", help="a model with BatchNorm, statistics synchronized")
     p.add_argument("--fp16", action="store_true", help="fp16 wire format for gradients")
     p.add_argument("--strategies", default=",".join(reducers.NAMES))
+    p.add_argument("--piece_kb", type=float, default=0, help="cut messages into pieces this small (0: default)")
     args = p.parse_args()
+    if args.piece_kb:
+        reducers.base.PIECE_BYTES = int(args.piece_kb * 1024)
     comm = launch.init(stall_timeout=args.stall_timeout, debug_collectives=args.debug_collectives)
     launch.install_abort_handler(comm)
     train, _ = data.load("mnist5k")

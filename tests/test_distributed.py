@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from pydtnn.distributed.comm import SingleProcess
 from pydtnn.distributed.sampler import shard_bounds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,7 +57,7 @@ def single(tmp_path_factory):
 @pytest.mark.parametrize("n", [2, 3])
 def test_n_processes_equal_one_process(single, tmp_path, n):
     assert os.path.exists(MPIEXEC), "pip install mpich puts mpiexec next to python"
-    r = launch(n, tmp_path)
+    r = launch(n, tmp_path, *(["--piece_kb", "8"] if n == 3 else []))  # np=3: messages cut into many pieces
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_parameters(single, tmp_path, STRATEGIES, what=f"np={n}")
 
@@ -171,6 +172,65 @@ def test_cli_under_mpiexec_matches_single_process(tmp_path):
     assert runs[2][-1]["world_size"] == 2
     assert runs[1][0]["loss"] == pytest.approx(runs[2][0]["loss"], rel=1e-9)
     assert runs[1][-1]["test_accuracy"] == pytest.approx(runs[2][-1]["test_accuracy"], abs=1e-9)
+
+
+class Recorder(SingleProcess):
+    """One process that records the buffers it is asked to reduce."""
+
+    def __init__(self):
+        self.seen = []
+
+    def allreduce(self, buf, label=""):
+        self.seen.append(buf)
+        return super().allreduce(buf, label)
+
+    def iallreduce(self, buf, label=""):
+        self.seen.append(buf)
+        return super().iallreduce(buf, label)
+
+
+@pytest.mark.parametrize("strategy", ["blocking", "bucketed"])
+def test_reducers_work_in_place_on_the_model_gradient_buffer(strategy, monkeypatch):
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+
+    monkeypatch.setattr(reducers.base, "PIECE_BYTES", 4096)
+    model = models.create("simplecnn", backend=CPUBackend("float64", seed=1))
+    assert all(np.shares_memory(g, model.grad_buffer) for _, _, g in model.parameters())
+    comm = Recorder()
+    options = {"bucket_mb": 0.05, "first_bucket_mb": 0.01} if strategy == "bucketed" else {}
+    red = reducers.create(strategy, comm, **options).attach(model)
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((4, 1, 28, 28)), rng.standard_normal((4, 10))
+    red.paused = True  # backward first, then report the gradients ready, as gradient accumulation does
+    model.forward(x, training=True)
+    model.backward(dy)
+    before = {n: g.copy() for n, _, g in model.parameters()}
+    red.paused = False
+    red.begin_step(0.25)
+    red.replay()
+    red.finish()  # the identity reduction: what is left is the scaling by the weight
+    for n, _, g in model.parameters():
+        np.testing.assert_array_equal(g, 0.25 * before[n])
+    assert len(comm.seen) > 10  # 4 KB pieces
+    assert all(b.nbytes <= 4096 and np.shares_memory(b, model.grad_buffer) for b in comm.seen)
+    assert sum(b.size for b in comm.seen) == model.grad_buffer.size
+
+
+def test_fp16_compression_keeps_its_own_wire_buffer():
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+
+    model = models.create("simplecnn", backend=CPUBackend("float32", seed=1))
+    comm = Recorder()
+    red = reducers.create("blocking", comm, compression="fp16").attach(model)
+    red.begin_step(1.0)
+    model.forward(np.zeros((2, 1, 28, 28), np.float32), training=True)
+    model.backward(np.ones((2, 10), np.float32))
+    red.finish()
+    assert comm.seen and all(b.dtype == np.float16 and not np.shares_memory(b, model.grad_buffer) for b in comm.seen)
 
 
 def test_shard_bounds():

@@ -78,7 +78,7 @@ class MPIComm:
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.stall_timeout, self.debug = stall_timeout, debug
         self.seq = 0  # collectives entered so far
-        self.current = None  # description of the collective being entered
+        self.current = None  # (op, number, label, buffer) of the collective being entered
         if stall_timeout:
             self.side = self.comm.Dup()  # arrival notes travel apart from the collectives
             self._sends = []
@@ -154,10 +154,9 @@ class MPIComm:
     # -- numbering, checks, stalls ---------------------------------------------------------
     def _enter(self, op, buf, label=""):
         self.seq += 1
-        sig = (op, "-" if buf is None else buf.dtype.name, 0 if buf is None else int(buf.size))
-        self.current = f"{op} #{self.seq}" + (f" ({label})" if label else "") + (
-            f" [{sig[1]} x {sig[2]}]" if buf is not None else "")
+        self.current = (op, self.seq, label, buf)  # described only when a report needs it
         if self.debug:
+            sig = (op, "-" if buf is None else buf.dtype.name, 0 if buf is None else int(buf.size))
             sigs = self.comm.allgather(sig + (self.seq,))
             if any(s != sigs[0] for s in sigs):
                 calls = "; ".join(f"rank {r}: {s[0]} {s[1]} x {s[2]} (#{s[3]})" for r, s in enumerate(sigs))
@@ -177,13 +176,20 @@ class MPIComm:
                 self.board[r] = self._bufs[r][0]
                 self._recvs[r] = self.side.Irecv(self._bufs[r], source=r, tag=_ARRIVE)
 
+    @staticmethod
+    def describe(what):
+        """'allreduce #12 (bucket 0) [float32 x 1024]' for a collective recorded by _enter."""
+        op, seq, label, buf = what
+        return f"{op} #{seq}" + (f" ({label})" if label else "") + (
+            f" [{buf.dtype.name} x {buf.size}]" if buf is not None else "")
+
     def _wait(self, req, what):
         """Wait for req, polling; past stall_timeout report and abort the job."""
         if not self.stall_timeout:
             req.Wait()
             return
         start, pause = time.monotonic(), 0.0
-        seq = int(what.split("#")[1].split()[0])
+        seq = what[1]
         # rank 0 knows who has arrived, so it reports first; the others only if rank 0 does not
         limit = self.stall_timeout if self.rank == 0 else 1.5 * self.stall_timeout + 1
         while not req.Test():
@@ -196,7 +202,7 @@ class MPIComm:
             pause = min(pause + 1e-5, 1e-3)  # spin first, then back off to a millisecond
 
     def _report_stall(self, what, seq, waited):
-        msg = f"pydtnn: error: rank {self.rank}: stalled {waited:.1f} s in {what}"
+        msg = f"pydtnn: error: rank {self.rank}: stalled {waited:.1f} s in {self.describe(what)}"
         if self.rank == 0:
             self._drain()
             late = [r for r in range(self.size) if self.board[r] < seq]

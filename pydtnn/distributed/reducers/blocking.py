@@ -1,19 +1,28 @@
-"""After the whole backward pass, one allreduce of all gradients packed into one buffer."""
+"""After the whole backward pass, one allreduce of all gradients (in pieces when large)."""
 
+from pydtnn.backends import array_module
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
 
 
 class BlockingReducer(Reducer):
-    """Simplest and a baseline: no overlap, one message (the fewest latencies)."""
+    """Simplest and a baseline: no overlap, the fewest messages."""
 
     name = "blocking"
 
     def setup(self):
         self.names = [n for n, _, _ in self.params]
-        self.buf, self.views = flat_buffer([g for _, _, g in self.params], self.wire_dtype)
+        if self.flat is not None and self._span(self.names) == (0, self.flat.size):
+            self.buf, self.views = self.flat, None  # the model's own gradient buffer, reduced in place
+        else:
+            self.buf, self.views = flat_buffer([g for _, _, g in self.params], self.wire_dtype)
 
     def finish(self):
         self.order_done = True
+        if self.views is None:
+            if self.weight != 1.0:
+                array_module(self.buf).multiply(self.buf, self.weight, out=self.buf)
+            self._reduce(self.buf, "all gradients")
+            return
         self._pack(self.views, self.names)
         self._reduce(self.buf, "all gradients")
         self._unpack(self.views, self.names)

@@ -4,8 +4,11 @@ Buckets are laid out once, identically on every rank, from the model's parameter
 (backward produces gradients roughly in that order). The first bucket is small so communication
 starts early; the others hold about `bucket_mb` MB. A bucket's non-blocking allreduce starts as soon
 as all its gradients are ready, and outstanding ones are progressed with test() each time a layer
-finishes, since MPI makes no progress in the background here.
+finishes, since MPI makes no progress in the background here. Where the model's gradients live in
+one buffer in that same order, a bucket is a slice of it, scaled and reduced in place.
 """
+
+from pydtnn.backends import array_module
 
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
 
@@ -29,13 +32,19 @@ class BucketedReducer(Reducer):
         if current:
             self.buckets.append(current)
         self.bucket_of = {n: i for i, names in enumerate(self.buckets) for n in names}
-        self.buffers = [flat_buffer([self.grads[n] for n in names], self.wire_dtype) for names in self.buckets]
+        self.buffers = []  # (wire buffer, views of it per gradient, or None when the buffer is the gradients)
+        for names in self.buckets:
+            span = self._span(names)
+            if span is not None:
+                self.buffers.append((self.flat[span[0] : span[1]], None))
+            else:
+                self.buffers.append(flat_buffer([self.grads[n] for n in names], self.wire_dtype))
         self.missing = [len(names) for names in self.buckets]
         self.pending = []
 
     def grads_ready(self, names):
         for _, p in self.pending:
-            p[0].test()
+            self._progress(p)
         for n in names:
             i = self.bucket_of[n]
             self.missing[i] -= 1
@@ -44,7 +53,11 @@ class BucketedReducer(Reducer):
 
     def _start_bucket(self, i):
         buf, views = self.buffers[i]
-        self._pack(views, self.buckets[i])
+        if views is None:
+            if self.weight != 1.0:
+                array_module(buf).multiply(buf, self.weight, out=buf)
+        else:
+            self._pack(views, self.buckets[i])
         self.pending.append((i, self._start(buf, f"bucket {i}")))
 
     def finish(self):
@@ -54,6 +67,7 @@ class BucketedReducer(Reducer):
                                "some gradients never reported ready")
         for i, p in self.pending:
             self._wait(p)
-            self._unpack(self.buffers[i][1], self.buckets[i])
+            if self.buffers[i][1] is not None:
+                self._unpack(self.buffers[i][1], self.buckets[i])
         self.pending = []
         self.missing = [len(names) for names in self.buckets]

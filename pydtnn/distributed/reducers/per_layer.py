@@ -17,7 +17,7 @@ class PerLayerReducer(Reducer):
 
     def grads_ready(self, names):
         for p in self.pending:
-            p[0].test()
+            self._progress(p)
         for n in names:
             self._pack([self.wire[n]], [n])
             self.pending.append(self._start(self.wire[n], n))
