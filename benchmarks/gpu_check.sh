@@ -16,6 +16,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         || exit 1
     export PYTHONPATH=/tmp/site
 fi
+# the CUDA libraries of carried wheels (cuDNN, NCCL), where CuPy and the cuDNN frontend look for them
+for lib in /tmp/site/nvidia/*/lib; do
+    [ -d "$lib" ] && export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+done
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 {
@@ -24,10 +28,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 'cudnn-frontend', getattr(cudnn, '__version__', '?'), 'numpy', numpy.__version__, 'torch', torch.__version__)"
 } 2>&1 | tee "$OUT/versions.txt"
 
-python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+# within the device tool's 10 minutes per command: tests at most 4 minutes, benchmarks at most 5
+timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 
-timeout 420 python3 benchmarks/gpu_train.py --out "$OUT/gpu_train.md" --json "$OUT/gpu_train.json" 2>&1 \
+timeout 300 python3 benchmarks/gpu_train.py --out "$OUT/gpu_train.md" --json "$OUT/gpu_train.json" 2>&1 \
     | tee "$OUT/gpu_train.log"
 echo "gpu tests exit code: $tests"
 exit "$tests"

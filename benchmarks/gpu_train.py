@@ -111,6 +111,9 @@ def main():
                 _free_gpu_memory()
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+            if args.json:  # after every row: a run cut short still leaves what it measured
+                with open(args.json, "w", encoding="utf-8") as f:
+                    json.dump(rows, f, indent=1)
 
     def cell(v):
         return "failed" if v is None else f"{v:.0f}"
@@ -130,9 +133,6 @@ def main():
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

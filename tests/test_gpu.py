@@ -223,8 +223,10 @@ def test_training_step_matches_cpu(gpu, model, shape):
     from pydtnn import losses, models, optim
     from pydtnn.trainer import Trainer
 
+    options = {"dropout": 0.0} if model.startswith("vgg") else {}  # masks differ between the devices
+
     def trainer(backend):
-        m = models.create(model, input_shape=shape, num_classes=10, backend=backend)
+        m = models.create(model, input_shape=shape, num_classes=10, backend=backend, **options)
         return Trainer(m, losses.create("categorical_cross_entropy"),
                        optim.create("sgd", m.parameters(), lr=0.05, momentum=0.9), progress=False)
 
@@ -271,17 +273,48 @@ def test_nccl_reduction_with_one_rank(gpu, strategy):
         np.testing.assert_array_equal(gpu.to_numpy(g), want[n], err_msg=n)
 
 
+class _TwoRanks:
+    """A stand-in MPI communicator of size 2 whose collectives are the identity on host arrays, and that
+    records what it was given: enough to drive DeviceComm's staging path in one process."""
+
+    name, rank, size = "stand-in", 0, 2
+
+    def __init__(self):
+        self.seen = []
+
+    def allreduce(self, buf, label=""):
+        self.seen.append(buf)
+        return buf
+
+    def iallreduce(self, buf, label=""):
+        from pydtnn.distributed.comm import _Done
+
+        self.seen.append(buf)
+        return _Done()
+
+    def bcast(self, buf, root=0):
+        self.seen.append(buf)
+        return buf
+
+
 @needs_gpu
 @pytest.mark.gpu
 def test_device_comm_staging_round_trip(gpu):
-    """Host-staged collectives of device arrays at world size 1 leave them unchanged and on the device."""
-    from pydtnn.distributed.comm import SingleProcess
+    """Host-staged collectives of device arrays go through page-locked host buffers, reused by size, and
+    leave the device arrays as they were (the stand-in collectives are the identity)."""
     from pydtnn.distributed.gpu_comm import DeviceComm
 
-    comm = DeviceComm(SingleProcess(), cuda_aware=False)
-    a = gpu.asarray(np.linspace(0, 1, 1000, dtype=np.float32))
+    inner = _TwoRanks()
+    comm = DeviceComm(inner, cuda_aware=False)
+    want = np.linspace(0, 1, 1000, dtype=np.float32)
+    a = gpu.asarray(want)
     comm.allreduce(a)
     comm.iallreduce(a).wait()
     comm.bcast(a)
-    np.testing.assert_array_equal(gpu.to_numpy(a), np.linspace(0, 1, 1000, dtype=np.float32))
+    np.testing.assert_array_equal(gpu.to_numpy(a), want)
     assert type(a).__module__.startswith("cupy")
+    assert len(inner.seen) == 3 and all(isinstance(h, np.ndarray) for h in inner.seen)  # staged on the host
+    assert len({h.ctypes.data for h in inner.seen}) == 1  # one pinned buffer, taken and given back each time
+    b = gpu.asarray(want[:10])
+    comm.allreduce(b)
+    assert inner.seen[-1].ctypes.data != inner.seen[0].ctypes.data  # another size, another buffer

@@ -22,6 +22,8 @@ the same seed starts from the same weights on either device.
 Nothing here is imported by `import pydtnn` or by the CPU path: `get_backend("gpu")` imports it.
 """
 
+import contextlib
+import dataclasses
 import os
 
 import numpy as np
@@ -172,8 +174,9 @@ class GPUBackend:
     """CuPy backend on one GPU: device = local rank modulo visible GPUs (or `device`).
 
     dtype: float32 (cuDNN's convolution engines are float32/half; float64 is refused).
-    tf32: let cuDNN and cuBLAS use TF32 tensor cores for float32 (faster, ~1e-3 relative error);
-    False sets NVIDIA_TF32_OVERRIDE=0 before the first CUDA call of this process.
+    tf32: let cuDNN use TF32 tensor cores for float32 convolutions (faster, ~1e-3 relative error);
+    False sets NVIDIA_TF32_OVERRIDE=0 before the first CUDA call of this process, which turns TF32 off
+    in every CUDA library. CuPy's matmul (Dense) uses TF32 only when CUPY_TF32=1 is set.
     """
 
     name = "gpu"
@@ -217,6 +220,9 @@ class GPUBackend:
         if key not in self._pinned:
             import cupyx
 
+            if len(self._pinned) >= 8:  # batches come in a few shapes; anything else is not kept forever
+                self._pinned.pop(next(iter(self._pinned)))
+                cp.cuda.get_current_stream().synchronize()
             self._pinned[key] = cupyx.empty_pinned(a.shape, a.dtype)
         host = self._pinned[key]
         # the previous copy out of this buffer must be over before it is overwritten
@@ -234,16 +240,30 @@ class GPUBackend:
         self.cupy.cuda.get_current_stream().synchronize()
 
     # -- convolution -----------------------------------------------------------------------
+    @staticmethod
+    def _unpadded(g):
+        """For uneven padding (top != bottom or left != right, e.g. 'same' with an even kernel), the
+        geometry of the convolution of the explicitly padded input; None when padding is even, which
+        cuDNN's engines take as it is."""
+        if g.pt == g.pb and g.pl == g.pr:
+            return None
+        return dataclasses.replace(g, h=g.h + g.pt + g.pb, w=g.w + g.pl + g.pr, pt=0, pb=0, pl=0, pr=0)
+
     def conv2d_forward(self, x, w, g, keep=True):
         cp = self.cupy
         x = cp.ascontiguousarray(x)
+        gp = self._unpadded(g)
+        if gp is not None:
+            x, g = cp.pad(x, ((0, 0), (0, 0), (g.pt, g.pb), (g.pl, g.pr))), gp
         y = cp.empty((x.shape[0], w.shape[0], g.ho, g.wo), x.dtype)
         self.convs.run("fprop", x.shape[0], g, w.shape, {"X": x, "W": w, "Y": y})
         return y, (x if keep else None)
 
     def conv2d_backward(self, dy, w, ctx, g, need_dx=True):
         cp = self.cupy
-        x = ctx
+        x = ctx  # the padded input when padding is uneven
+        g0, gp = g, self._unpadded(g)
+        g = g if gp is None else gp
         dy = cp.ascontiguousarray(dy)
         n = dy.shape[0]
         dw = cp.empty(w.shape, w.dtype)
@@ -252,6 +272,8 @@ class GPUBackend:
             return None, dw
         dx = cp.empty((n, g.c, g.h, g.w), dy.dtype)
         self.convs.run("dgrad", n, g, w.shape, {"DY": dy, "W": w, "DX": dx})
+        if gp is not None:
+            dx = cp.ascontiguousarray(dx[:, :, g0.pt : g0.pt + g0.h, g0.pl : g0.pl + g0.w])
         return dx, dw
 
     # -- pooling ---------------------------------------------------------------------------
@@ -318,6 +340,10 @@ class ConvGraphs:
         self.handle = self.cudnn.create_handle()
         self.cache = {}
         self.workspace = None
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # at interpreter exit the library may be gone already
+            self.cudnn.destroy_handle(self.handle)
 
     def run(self, kind, n, g, w_shape, arrays):
         key = (kind, n, g, tuple(w_shape))

@@ -4,10 +4,12 @@ Two communicators with the interface of distributed.comm (allreduce, iallreduce 
 test()/wait(), bcast, bcast_obj, allreduce_sum, barrier, abort), for the GPU backend:
 
 - DeviceComm wraps the MPI communicator (MPIComm or SingleProcess). Host arrays go straight through.
-  Device arrays go straight through too when the MPI library reports CUDA support
-  (MPIX_Query_cuda_support, via mpi4py); otherwise they are staged through page-locked host
-  buffers, one per device buffer, kept across steps. The trainer, BatchNorm synchronization and
-  the start-of-run broadcast use it; so do the reducers when NCCL is off.
+  Device arrays go straight through too when the MPI library is CUDA-aware: PYDTNN_CUDA_AWARE_MPI=1
+  (or 0) says so, otherwise the library's own MPIX_Query_cuda_support() is asked (Open MPI and
+  MPICH builds with CUDA have it). Else they are staged through page-locked host buffers, taken
+  from a pool by size for each collective and returned when it completes. float16 (fp16 gradient
+  compression) is always staged: its sum is a Python operator that reads host memory. The trainer,
+  BatchNorm synchronization and the start-of-run broadcast use it; so do the reducers when NCCL is off.
 - NcclComm reduces gradients with NCCL. Each reduction runs on a dedicated stream, after an event
   recorded on the computing stream once the gradients are produced, so it overlaps the rest of
   backward; wait() makes the computing stream wait for it (the host does not block). The NCCL unique
@@ -17,6 +19,8 @@ test()/wait(), bcast, bcast_obj, allreduce_sum, barrier, abort), for the GPU bac
 Neither module imports CuPy until it is constructed: the CPU path never touches it.
 """
 
+import os
+
 import numpy as np
 
 
@@ -25,13 +29,21 @@ def is_device_array(a):
 
 
 def mpi_cuda_aware():
-    """True when the MPI library says it accepts device pointers (False when it cannot tell)."""
+    """Whether MPI accepts device pointers: PYDTNN_CUDA_AWARE_MPI if set (1 or 0), else the library's
+    MPIX_Query_cuda_support() (False when the library has no such function)."""
+    env = os.environ.get("PYDTNN_CUDA_AWARE_MPI")
+    if env is not None:
+        return env.strip().lower() in ("1", "true", "yes")
     try:
+        import ctypes
+
         from mpi4py import MPI
 
-        query = getattr(MPI, "Query_cuda_support", None)
-        return bool(query()) if query is not None else False
-    except Exception:  # noqa: BLE001 (an MPI without the MPIX extension raises NotImplementedError or others)
+        lib = ctypes.CDLL(MPI.__file__)  # dlsym on it also searches the MPI library it links
+        query = lib.MPIX_Query_cuda_support
+        query.restype = ctypes.c_int
+        return bool(query())
+    except (AttributeError, OSError, ImportError):  # no such symbol, or no MPI
         return False
 
 
@@ -45,26 +57,32 @@ class DeviceComm:
         self.rank, self.size = comm.rank, comm.size
         self.cuda_aware = (comm.size > 1 and mpi_cuda_aware()) if cuda_aware is None else cuda_aware
         self.name = f"{comm.name}+{'cuda-aware' if self.cuda_aware else 'host-staged'}"
-        self._staging = {}
+        self._pool = {}  # (nbytes, dtype) -> free page-locked host buffers
 
     def __getattr__(self, name):  # seq, stall_timeout, debug...: those of the wrapped communicator
         return getattr(self.comm, name)
 
-    def _host(self, buf):
-        """The page-locked host twin of device buffer `buf` (made once per buffer)."""
-        key = (buf.data.ptr, buf.size, buf.dtype.str)
-        host = self._staging.get(key)
-        if host is None:
+    def _take(self, buf):
+        """A page-locked host buffer shaped like device buffer `buf`, holding a copy of it."""
+        free = self._pool.setdefault((buf.nbytes, buf.dtype.str), [])
+        if free:
+            host = free.pop()
+        else:
             import cupyx
 
-            host = self._staging[key] = cupyx.empty_pinned(buf.shape, buf.dtype)
-        return host.reshape(buf.shape)
+            host = cupyx.empty_pinned(buf.size, buf.dtype)
+        host = host.reshape(buf.shape)
+        buf.get(out=host)  # synchronous: the collective starts on complete data
+        return host
+
+    def _give(self, host):
+        self._pool[(host.nbytes, host.dtype.str)].append(host.reshape(-1))
 
     def _direct(self, buf):
         """Whether `buf` can go to MPI as it is; a device array is then complete (stream synchronized)."""
         if not is_device_array(buf):
             return True
-        if self.cuda_aware:
+        if self.cuda_aware and buf.dtype != np.float16:
             self.cupy.cuda.get_current_stream().synchronize()
             return True
         return False
@@ -72,26 +90,27 @@ class DeviceComm:
     def allreduce(self, buf, label=""):
         if self.size == 1 or self._direct(buf):
             return self.comm.allreduce(buf, label)
-        host = self._host(buf)
-        buf.get(out=host)
+        host = self._take(buf)
         self.comm.allreduce(host, label)
         buf.set(host)
+        self.cupy.cuda.get_current_stream().synchronize()  # the copy has left `host` before it is reused
+        self._give(host)
         return buf
 
     def iallreduce(self, buf, label=""):
         if self.size == 1 or self._direct(buf):
             return self.comm.iallreduce(buf, label)
-        host = self._host(buf)
-        buf.get(out=host)  # blocking: the reduction starts on complete gradients
-        return _StagedRequest(self.comm.iallreduce(host, label), buf, host)
+        host = self._take(buf)
+        return _StagedRequest(self, self.comm.iallreduce(host, label), buf, host)
 
     def bcast(self, buf, root=0):
         if self.size == 1 or self._direct(buf):
             return self.comm.bcast(buf, root)
-        host = self._host(buf)
-        buf.get(out=host)
+        host = self._take(buf)
         self.comm.bcast(host, root)
         buf.set(host)
+        self.cupy.cuda.get_current_stream().synchronize()
+        self._give(host)
         return buf
 
     def bcast_obj(self, obj, root=0):
@@ -108,8 +127,8 @@ class DeviceComm:
 
 
 class _StagedRequest:
-    def __init__(self, req, buf, host):
-        self.req, self.buf, self.host, self.done = req, buf, host, False
+    def __init__(self, owner, req, buf, host):
+        self.owner, self.req, self.buf, self.host, self.done = owner, req, buf, host, False
 
     def test(self):
         return self.req.test()
@@ -118,6 +137,8 @@ class _StagedRequest:
         if not self.done:
             self.req.wait()
             self.buf.set(self.host)  # queued on the current stream, before any later use of buf
+            self.owner.cupy.cuda.get_current_stream().synchronize()  # ...and done before host is reused
+            self.owner._give(self.host)
             self.done = True
 
 
@@ -157,10 +178,14 @@ class NcclComm:
             return self.comm.iallreduce(buf, label)
         if not buf.flags.c_contiguous:
             raise ValueError(f"NCCL allreduce of {label or 'a buffer'}: expected a contiguous array")
-        self.stream.wait_event(self.cupy.cuda.get_current_stream().record())  # after the kernels that wrote buf
+        produced = self.cupy.cuda.Event(disable_timing=True)
+        produced.record(self.cupy.cuda.get_current_stream())
+        self.stream.wait_event(produced)  # after the kernels that wrote buf
         self.nccl_comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._types[buf.dtype], self.nccl.NCCL_SUM,
                                  self.stream.ptr)
-        return _NcclRequest(self.stream.record())
+        done = self.cupy.cuda.Event(disable_timing=True)
+        done.record(self.stream)
+        return _NcclRequest(done)
 
     def allreduce(self, buf, label=""):
         self.iallreduce(buf, label).wait()

@@ -22,12 +22,12 @@ def _kernels():
         p = p - lr * (nesterov ? d + momentum * buf : buf);
         """, "pydtnn_sgd_momentum")
     adam = cupy.ElementwiseKernel(
-        "T g, T lr_t, T beta1, T beta2, T eps, T wd, T decay, T bc2_sqrt", "T p, T m, T v",
+        "T g, T lr_t, T one_m_beta1, T beta2, T one_m_beta2, T eps, T wd, T decay, T bc2_sqrt", "T p, T m, T v",
         """
         p = p * decay;
         T d = g + wd * p;
-        m = m + ((T)1 - beta1) * (d - m);
-        v = beta2 * v + ((T)1 - beta2) * d * d;
+        m = m + one_m_beta1 * (d - m);
+        v = beta2 * v + one_m_beta2 * d * d;
         p = p - lr_t * m / (sqrt(v) / bc2_sqrt + eps);
         """, "pydtnn_adam")
     return sgd, sgd_momentum, adam
@@ -49,7 +49,9 @@ def adam(opt, p, g, state):
     t = p.dtype.type
     decay = 1 - opt.lr * opt.weight_decay if opt.decoupled else 1.0
     wd = 0.0 if opt.decoupled else opt.weight_decay
-    _kernels()[2](g, t(opt.lr / (1 - opt.beta1**opt.t)), t(opt.beta1), t(opt.beta2), t(opt.eps), t(wd), t(decay),
+    # 1 - beta taken in float64 and then rounded, as the CPU code's Python scalars are
+    _kernels()[2](g, t(opt.lr / (1 - opt.beta1**opt.t)), t(1 - opt.beta1), t(opt.beta2), t(1 - opt.beta2),
+                  t(opt.eps), t(wd), t(decay),
                   t((1 - opt.beta2**opt.t) ** 0.5), p, state["exp_avg"], state["exp_avg_sq"])
 
 

@@ -20,6 +20,7 @@ the wire, at the price of fp16 rounding of every gradient and a reduction operat
 (MPI has no half-precision sum). It pays only where the network, not memory, is the bottleneck.
 """
 
+import itertools
 import time
 
 import numpy as np
@@ -100,7 +101,7 @@ class Reducer:
         if self.flat is None:
             return None
         spans = sorted(self.offsets[n] for n in names)
-        if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        if any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
             return None
         return spans[0][0], spans[-1][1]
 

@@ -9,7 +9,6 @@ one buffer in that same order, a bucket is a slice of it, scaled and reduced in 
 """
 
 from pydtnn.backends import array_module
-
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
 
 
