@@ -66,10 +66,14 @@ class Trainer:
     (pydtnn.distributed.reducers.create(...)). batch_size is then per process: each step takes a
     global batch of batch_size * world_size samples and gives each rank its share. Metrics are
     reduced once per epoch; only rank 0 shows progress and writes files.
+
+    prefetch: assemble the next training batch (read, decode, augment) in a background thread while
+    the current step computes. Batches depend only on (seed, epoch, step, rank), so the result is
+    the same either way; the "data" span of a trace then shows only the wait that was not hidden.
     """
 
     def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
-                 callbacks=(), schedules=(), log=None, comm=None, reducer=None):
+                 callbacks=(), schedules=(), log=None, comm=None, reducer=None, prefetch=True):
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
         self.metric_fns = {m: metric_fns.get(m) for m in self.metric_names}
@@ -93,6 +97,7 @@ class Trainer:
         self.accumulation_steps, self._acc = 1, None  # micro-batches per step (set before fit)
         self._params = model.parameters()
         self._bn_sync = None
+        self.prefetch = prefetch
 
     def sync_batchnorm(self):
         """BatchNorm statistics over the global batch (all ranks) instead of each rank's share.
@@ -249,46 +254,58 @@ class Trainer:
         order = epoch_order(len(train), self.seed, epoch)
         slices = batch_slices(len(train), batch_size * size, drop_last)[:steps_per_epoch]
         sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
+        shares = []  # (indices of this rank's samples, n) per step
+        for a, b in slices:
+            bounds = shard_bounds(b - a, size)
+            lo, hi = a + bounds[rank], a + bounds[rank + 1]
+            shares.append((np.sort(order[lo:hi]) if hi > lo else order[a : a + 1], hi - lo))
+
+        def load(step):
+            return train.get_batch(shares[step][0], backend.dtype, rng=batch_rng(self.seed, epoch, step, rank))
+
         bar = tqdm(slices, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
         self.model.train()
-        for step, (a, b) in enumerate(bar):
-            if self.schedules:
-                self.optimizer.lr = learning_rate(self.base_lr, self.schedules, epoch, step, len(slices))
-            t_step = time.perf_counter_ns()
-            bounds = shard_bounds(b - a, size)
-            lo, hi = a + bounds[rank], a + bounds[rank + 1]
-            n = hi - lo
-            idx = np.sort(order[lo:hi]) if n else order[a : a + 1]
-            with self._span("data"):
-                x, y = train.get_batch(idx, backend.dtype, rng=batch_rng(self.seed, epoch, step, rank))
-                x, y = backend.asarray(x), backend.asarray(y)
-            # dropout masks from (seed, epoch, step, rank) too: independent per rank, nothing to checkpoint
-            backend.reseed([self.seed, epoch, step, rank, 1])
-            try:
-                loss, out = self.train_step(x, y, weight=n / (b - a))
-            except TrainingDiverged as e:
-                last = self.history[-1] if self.history else None
-                where = f" on rank {rank}" if size > 1 else ""
-                raise TrainingDiverged(
-                    f"{e} at epoch {epoch + 1} step {step + 1}{where}; parameters keep the values of the step "
-                    f"before; last completed epoch: {json.dumps(last) if last else 'none'}; try a smaller learning rate"
-                ) from None
-            if self.tracer is not None:
-                self.tracer.add(f"step {step + 1}", "step", t_step, time.perf_counter_ns(), tid=0, epoch=epoch + 1)
-            if n:
-                sums["loss"] += loss * n
-                for m, fn in self.metric_fns.items():
-                    sums[m] += fn(out, y) * n
-                seen += n
-                bar.set_postfix({k: f"{v / seen:.4f}" for k, v in sums.items()}, refresh=False)
-            self._callback("on_batch_end", step, None)
+        with _Prefetcher(load, len(slices), self.prefetch) as batches:
+            for step, (a, b) in enumerate(bar):
+                loss, out, y, n = self._train_batch(batches, step, epoch, a, b, shares[step][1])
+                if n:
+                    sums["loss"] += loss * n
+                    for m, fn in self.metric_fns.items():
+                        sums[m] += fn(out, y) * n
+                    seen += n
+                    bar.set_postfix({k: f"{v / seen:.4f}" for k, v in sums.items()}, refresh=False)
+                self._callback("on_batch_end", step, None)
         bar.close()
         totals = self.comm.allreduce_sum(list(sums.values()) + [seen])  # one reduction per epoch
         seen = int(totals[-1])
         record = {"epoch": epoch + 1, **{k: float(v) / max(seen, 1) for k, v in zip(sums, totals)}}
         record.setdefault("accuracy", None)
         return record, seen
+
+    def _train_batch(self, batches, step, epoch, a, b, n):
+        """One step of _train_epoch on global batch [a, b), of which this rank has n samples."""
+        backend, rank, size = self.model.backend, self.comm.rank, self.world_size
+        if self.schedules:
+            self.optimizer.lr = learning_rate(self.base_lr, self.schedules, epoch, step, len(batches))
+        t_step = time.perf_counter_ns()
+        with self._span("data"):
+            x, y = batches.get(step)
+            x, y = backend.asarray(x), backend.asarray(y)
+        # dropout masks from (seed, epoch, step, rank) too: independent per rank, nothing to checkpoint
+        backend.reseed([self.seed, epoch, step, rank, 1])
+        try:
+            loss, out = self.train_step(x, y, weight=n / (b - a))
+        except TrainingDiverged as e:
+            last = self.history[-1] if self.history else None
+            where = f" on rank {rank}" if size > 1 else ""
+            raise TrainingDiverged(
+                f"{e} at epoch {epoch + 1} step {step + 1}{where}; parameters keep the values of the step "
+                f"before; last completed epoch: {json.dumps(last) if last else 'none'}; try a smaller learning rate"
+            ) from None
+        if self.tracer is not None:
+            self.tracer.add(f"step {step + 1}", "step", t_step, time.perf_counter_ns(), tid=0, epoch=epoch + 1)
+        return loss, out, y, n
 
     def _average_buffers(self):
         """Make BatchNorm running statistics (per rank while training) the same on every rank."""
@@ -349,6 +366,39 @@ class Trainer:
                 x = np.asarray(data[a:b], dtype=backend.dtype)
             outs.append(backend.to_numpy(self.model.forward(backend.asarray(x), training=False)))
         return np.concatenate(outs) if outs else np.empty((0,) + self.model.output_shape, backend.dtype)
+
+
+class _Prefetcher:
+    """Batches load(0), load(1), ... load(count - 1), each built one step ahead in a background thread
+    (or on demand when not `enabled`). get(step) must be called with step = 0, 1, 2, ... in order."""
+
+    def __init__(self, load, count, enabled=True):
+        self.load, self.count, self.enabled = load, count, enabled and count > 1
+        self.pool = self.next = None
+
+    def __len__(self):
+        return self.count
+
+    def __enter__(self):
+        if self.enabled:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="pydtnn-data")
+            self.next = self.pool.submit(self.load, 0)
+        return self
+
+    def get(self, step):
+        if not self.enabled:
+            return self.load(step)
+        batch = self.next.result()  # an error while loading is raised here, in the training thread
+        self.next = self.pool.submit(self.load, step + 1) if step + 1 < self.count else None
+        return batch
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            if self.next is not None:
+                self.next.cancel()
+            self.pool.shutdown(wait=True)
 
 
 class _BatchNormSync:

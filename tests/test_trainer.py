@@ -122,3 +122,46 @@ def test_dropout_run_resumed_from_a_checkpoint_is_bit_identical(mnist5k, tmp_pat
     checkpoint.load(str(tmp_path / "ck"), resumed.model, resumed.optimizer)
     resumed.fit(train, epochs=3, batch_size=32, start_epoch=1)
     assert resumed.final["params_sha256"] == whole.final["params_sha256"]
+
+
+class _Watched:
+    """A dataset that records which thread assembles each batch and can fail on a given call."""
+
+    def __init__(self, inner, fail_at=None):
+        self.inner, self.fail_at, self.threads, self.calls = inner, fail_at, [], 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get_batch(self, idx, dtype, rng=None):
+        import threading
+
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise OSError(f"deliberate read error in batch {self.calls}")
+        self.threads.append(threading.current_thread().name)
+        return self.inner.get_batch(idx, dtype, rng=rng)
+
+
+def test_prefetching_builds_batches_in_the_background_and_changes_nothing(mnist5k):
+    train, _ = mnist5k
+    shas = {}
+    for prefetch in (True, False):
+        watched = _Watched(train)
+        t = make_trainer(prefetch=prefetch, model="simplemlp")
+        t.fit(watched, epochs=2, batch_size=32, steps_per_epoch=7)
+        shas[prefetch] = t.final["params_sha256"]
+        assert len(watched.threads) == 14  # one load per step, none wasted
+        from_background = [name.startswith("pydtnn-data") for name in watched.threads]
+        assert all(from_background) if prefetch else not any(from_background)
+    assert shas[True] == shas[False]
+
+
+def test_a_failed_background_read_is_raised_in_the_training_thread(mnist5k):
+    train, _ = mnist5k
+    t = make_trainer(model="simplemlp")
+    with pytest.raises(OSError, match="deliberate read error in batch 3"):
+        t.fit(_Watched(train, fail_at=3), epochs=1, batch_size=32, steps_per_epoch=6)

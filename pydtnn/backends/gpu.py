@@ -209,7 +209,10 @@ class GPUBackend:
 
     # -- host <-> device -------------------------------------------------------------------
     def asarray(self, a, dtype=None):
-        """Array on this GPU; host arrays travel through a reused pinned buffer, asynchronously."""
+        """Array on this GPU. Host arrays of 64 KB and more are copied asynchronously through page-locked
+        buffers, two per shape used in turn: the host waits only for the copy out of the buffer it is
+        about to refill (two batches back), not for the computation queued since, so it can prepare the
+        next step while the GPU runs this one."""
         cp = self.cupy
         if isinstance(a, cp.ndarray):
             return a if dtype is None or a.dtype == dtype else a.astype(dtype)
@@ -217,20 +220,26 @@ class GPUBackend:
         if a.nbytes < (1 << 16) or not a.flags.c_contiguous:
             return cp.asarray(a)
         key = (a.shape, a.dtype.str)
-        if key not in self._pinned:
+        slots = self._pinned.get(key)
+        if slots is None:
             import cupyx
 
             if len(self._pinned) >= 8:  # batches come in a few shapes; anything else is not kept forever
-                self._pinned.pop(next(iter(self._pinned)))
-                cp.cuda.get_current_stream().synchronize()
-            self._pinned[key] = cupyx.empty_pinned(a.shape, a.dtype)
-        host = self._pinned[key]
-        # the previous copy out of this buffer must be over before it is overwritten
-        stream = cp.cuda.get_current_stream()
-        stream.synchronize()
+                for _, done in self._pinned.pop(next(iter(self._pinned))):
+                    if done is not None:
+                        done.synchronize()
+            slots = self._pinned[key] = [[cupyx.empty_pinned(a.shape, a.dtype), None] for _ in range(2)]
+        slots.append(slots.pop(0))  # round robin
+        slot = slots[-1]
+        host, done = slot
+        if done is not None:
+            done.synchronize()  # the copy that last read this buffer is over
         host[...] = a
+        stream = cp.cuda.get_current_stream()
         out = cp.empty(a.shape, a.dtype)
         out.set(host, stream=stream)
+        slot[1] = cp.cuda.Event(disable_timing=True)
+        slot[1].record(stream)
         return out
 
     def to_numpy(self, a):
