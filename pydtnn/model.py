@@ -112,7 +112,7 @@ class Model:
         return [(p, l) for p, l in self.root.named_layers() if p]
 
     def named_state(self):
-        """(name, array, is_param) in state-dict order."""
+        """(name, array) of every parameter and buffer, in state-dict order (each layer: parameters, then buffers)."""
         out = []
         for path, layer in self.root.named_layers():
             out += [(_join(path, k), v) for k, v in layer.params.items()]
