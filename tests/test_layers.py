@@ -149,6 +149,57 @@ def test_batchnorm_training(x_shape):
         np.testing.assert_allclose(bn.buffers["running_var"], rv.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("x_shape", [(7, 3, 4, 5), (9, 6)])
+@pytest.mark.parametrize("training", [True, False])
+def test_batchnorm_in_chunks(monkeypatch, x_shape, training):
+    """The CPU path reduces and writes dx a few samples at a time: chunks of 2 samples, last one short."""
+    import pydtnn.layers.norm as norm
+
+    per_sample = int(np.prod(x_shape[1:]))
+    c = x_shape[1]
+
+    def make(dtype=np.float64):
+        bn = BatchNorm()
+        bn.build(x_shape[1:], dtype)
+        bn.params["weight"][...] = np.linspace(0.5, 1.5, c)
+        bn.params["bias"][...] = np.linspace(-1, 1, c)
+        bn.buffers["running_mean"][...] = np.linspace(-0.3, 0.2, c)
+        bn.buffers["running_var"][...] = np.linspace(0.5, 2.0, c)
+        return bn
+
+    for dtype in DTYPES:
+        monkeypatch.setattr(norm, "_CHUNK_BYTES", 2 * per_sample * np.dtype(dtype).itemsize)
+        bn = make(dtype)
+        assert len(bn._chunks(np.zeros(x_shape, dtype))) == (x_shape[0] + 1) // 2
+        rm, rv = (torch.tensor(bn.buffers[k].copy()) for k in ("running_mean", "running_var"))
+        check_against_torch(
+            bn, x_shape, lambda x, p: F.batch_norm(x, rm, rv, p["weight"], p["bias"], training), dtype=dtype,
+            training=training,
+        )
+        if dtype == np.float64:
+            check_gradients(make(), x_shape, training=training)
+
+
+def test_batchnorm_float32_far_from_zero_mean():
+    """Statistics and gradients stay accurate in float32 when |mean| is 100 standard deviations."""
+    rng = np.random.default_rng(1)
+    x = (100 + rng.standard_normal((8, 4, 6, 6)) * np.array([1, 0.5, 2, 1])[:, None, None]).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    bn = BatchNorm()
+    bn.build(x.shape[1:], np.float32)
+    ref = BatchNorm()
+    ref.build(x.shape[1:], np.float64)
+    for _ in range(2):  # the second step reuses the scratch buffer
+        y, dx = bn.forward(x), bn.backward(dy)
+        want_y, want_dx = ref.forward(x.astype(np.float64)), ref.backward(dy.astype(np.float64))
+    assert y.dtype == dx.dtype == np.float32
+    np.testing.assert_allclose(y, want_y, rtol=0, atol=2e-4)
+    np.testing.assert_allclose(dx, want_dx, rtol=0, atol=1e-5 * np.abs(want_dx).max())
+    for k in ("weight", "bias"):
+        np.testing.assert_allclose(bn.grads[k], ref.grads[k], rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(bn.buffers["running_var"], ref.buffers["running_var"], rtol=1e-4)
+
+
 def test_batchnorm_eval_uses_running_stats():
     x_shape = (4, 3, 2, 2)
     bn = BatchNorm()
