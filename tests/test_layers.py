@@ -229,6 +229,20 @@ def test_activation(make, fn, x_shape):
     both_checks(make, x_shape, lambda x, _: fn(x))
 
 
+def test_relu_batch_size_changes_and_nan():
+    """ReLU keeps one sample of zeros: a new batch size reuses it; NaN goes through as in PyTorch."""
+    relu = ReLU()
+    relu.build((2, 3), np.float32)
+    rng = np.random.default_rng(4)
+    for n in (5, 1, 0, 3):
+        x = rng.standard_normal((n, 2, 3)).astype(np.float32)
+        y = relu.forward(x)
+        assert y.dtype == np.float32 and y.shape == x.shape
+        np.testing.assert_array_equal(y, F.relu(torch.from_numpy(x)).numpy())
+    y = relu.forward(np.array([[[np.nan, -1, 2], [0, -np.inf, 1]]], np.float32))
+    np.testing.assert_array_equal(y, [[[np.nan, 0, 2], [0, 0, 1]]])
+
+
 def test_relu6_clips_both_sides():
     x = 4 * np.random.default_rng(3).standard_normal((4, 50))  # reaches past 0 and 6
     check_gradients(ReLU6(), x.shape, x=x)
