@@ -4,7 +4,8 @@
     mpiexec -n 2 python examples/distributed_custom_loop.py    # two: same result, half the work each
 
 Each step takes a global batch of 64 digits; rank r trains on its share. The gradients are
-averaged over ranks inside opt.step(), so every rank ends with the same parameters as one process.
+averaged over ranks (opt.synchronize(), or inside opt.step()), so every rank ends with the same
+parameters as one process. Gradients are read only after synchronize(): here, to clip their norm.
 """
 
 import numpy as np
@@ -32,6 +33,10 @@ for start in range(0, 64 * 30, GLOBAL):
     opt.set_weight((bounds[comm.rank + 1] - bounds[comm.rank]) / GLOBAL)
     loss.forward(model.forward(x), y)
     model.backward(loss.backward())
+    opt.synchronize()  # the gradients are now the global average: safe to read and change
+    norm = np.sqrt(sum(float((g * g).sum()) for _, _, g in model.parameters()))
+    for _, _, g in model.parameters():
+        g *= min(1.0, 3.0 / norm)  # clip the global gradient norm at 3
     opt.step()
 
 x, y = test.get_batch(np.arange(len(test)), np.float64)

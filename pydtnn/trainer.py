@@ -291,7 +291,8 @@ class Trainer:
         t_step = time.perf_counter_ns()
         with self._span("data"):
             x, y = batches.get(step)
-            x, y = backend.asarray(x), backend.asarray(y)
+            put = getattr(backend, "batch_to_device", backend.asarray)  # the GPU overlaps this copy
+            x, y = put(x), put(y)
         # dropout masks from (seed, epoch, step, rank) too: independent per rank, nothing to checkpoint
         backend.reseed([self.seed, epoch, step, rank, 1])
         try:
@@ -394,11 +395,10 @@ class _Prefetcher:
         self.next = self.pool.submit(self.load, step + 1) if step + 1 < self.count else None
         return batch
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         if self.pool is not None:
-            if self.next is not None:
-                self.next.cancel()
-            self.pool.shutdown(wait=True)
+            # after an error, do not wait for a batch nobody will use: the job may be aborting
+            self.pool.shutdown(wait=exc_type is None, cancel_futures=True)
 
 
 class _BatchNormSync:

@@ -189,7 +189,7 @@ class Recorder(SingleProcess):
         return super().iallreduce(buf, label)
 
 
-@pytest.mark.parametrize("strategy", ["blocking", "bucketed"])
+@pytest.mark.parametrize("strategy", ["blocking", "bucketed", "per_layer"])
 def test_reducers_work_in_place_on_the_model_gradient_buffer(strategy, monkeypatch):
     from pydtnn import models
     from pydtnn.backends import CPUBackend
@@ -214,7 +214,7 @@ def test_reducers_work_in_place_on_the_model_gradient_buffer(strategy, monkeypat
     for n, _, g in model.parameters():
         np.testing.assert_array_equal(g, 0.25 * before[n])
     assert len(comm.seen) > 10  # 4 KB pieces
-    assert all(b.nbytes <= 4096 and np.shares_memory(b, model.grad_buffer) for b in comm.seen)
+    assert all(0 < b.nbytes <= 4096 and np.shares_memory(b, model.grad_buffer) for b in comm.seen)
     assert sum(b.size for b in comm.seen) == model.grad_buffer.size
 
 

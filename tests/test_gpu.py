@@ -263,19 +263,23 @@ def test_nccl_reduction_with_one_rank(gpu, strategy):
     reducer = reducers.create(strategy, comm).attach(model)
     rng = np.random.default_rng(3)
     x = gpu.asarray(rng.standard_normal((8, 1, 28, 28)).astype(np.float32))
-    reducer.begin_step(1.0)
+    reducer.paused = True  # backward first, so the gradients can be read before the reduction scales them
     out = model.forward(x)
     model.backward(gpu.asarray(rng.standard_normal(out.shape).astype(np.float32)))
     want = {n: gpu.to_numpy(g).copy() for n, _, g in model.parameters()}
+    reducer.paused = False
+    reducer.begin_step(0.25)  # scaled in place on the device, then summed over a world of one
+    reducer.replay()
     reducer.finish()
     gpu.synchronize()
     for n, _, g in model.parameters():
-        np.testing.assert_array_equal(gpu.to_numpy(g), want[n], err_msg=n)
+        np.testing.assert_array_equal(gpu.to_numpy(g), 0.25 * want[n], err_msg=n)
 
 
 class _TwoRanks:
-    """A stand-in MPI communicator of size 2 whose collectives are the identity on host arrays, and that
-    records what it was given: enough to drive DeviceComm's staging path in one process."""
+    """A stand-in MPI communicator of size 2 whose collectives double host arrays in place (as a sum of
+    two equal ranks would), and that records what it was given: enough to drive DeviceComm's staging
+    path in one process."""
 
     name, rank, size = "stand-in", 0, 2
 
@@ -284,16 +288,18 @@ class _TwoRanks:
 
     def allreduce(self, buf, label=""):
         self.seen.append(buf)
+        buf *= 2
         return buf
 
     def iallreduce(self, buf, label=""):
         from pydtnn.distributed.comm import _Done
 
-        self.seen.append(buf)
+        self.allreduce(buf, label)
         return _Done()
 
     def bcast(self, buf, root=0):
         self.seen.append(buf)
+        buf += 1
         return buf
 
 
@@ -301,7 +307,7 @@ class _TwoRanks:
 @pytest.mark.gpu
 def test_device_comm_staging_round_trip(gpu):
     """Host-staged collectives of device arrays go through page-locked host buffers, reused by size, and
-    leave the device arrays as they were (the stand-in collectives are the identity)."""
+    bring the collective's result back to the device array."""
     from pydtnn.distributed.gpu_comm import DeviceComm
 
     inner = _TwoRanks()
@@ -311,10 +317,33 @@ def test_device_comm_staging_round_trip(gpu):
     comm.allreduce(a)
     comm.iallreduce(a).wait()
     comm.bcast(a)
-    np.testing.assert_array_equal(gpu.to_numpy(a), want)
+    np.testing.assert_array_equal(gpu.to_numpy(a), want * 4 + 1)
     assert type(a).__module__.startswith("cupy")
     assert len(inner.seen) == 3 and all(isinstance(h, np.ndarray) for h in inner.seen)  # staged on the host
     assert len({h.ctypes.data for h in inner.seen}) == 1  # one pinned buffer, taken and given back each time
     b = gpu.asarray(want[:10])
     comm.allreduce(b)
     assert inner.seen[-1].ctypes.data != inner.seen[0].ctypes.data  # another size, another buffer
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_batches_reach_the_device_intact_through_the_pinned_buffers(gpu):
+    """batch_to_device reuses two page-locked buffers per shape: many batches in a row, of several shapes
+    (more than the 8 kept), each arrive with their own contents even when the host refills a buffer."""
+    rng = np.random.default_rng(5)
+    sent, got = [], []
+    for i in range(30):
+        shape = (64, 3, 16, 16 + i % 10)  # 10 shapes, each well above the 64 KB threshold
+        x = rng.standard_normal(shape).astype(np.float32)
+        sent.append(x)
+        got.append(gpu.batch_to_device(x))
+        x[...] = 0  # the caller may reuse its array at once
+    gpu.synchronize()
+    for i, (x, d) in enumerate(zip(sent, got)):
+        assert d.shape == x.shape
+        assert float(abs(d).sum()) > 0, i
+    rng = np.random.default_rng(5)
+    for i, d in enumerate(got):
+        want = rng.standard_normal(d.shape).astype(np.float32)
+        np.testing.assert_array_equal(gpu.to_numpy(d), want, err_msg=f"batch {i}")

@@ -209,14 +209,22 @@ class GPUBackend:
 
     # -- host <-> device -------------------------------------------------------------------
     def asarray(self, a, dtype=None):
-        """Array on this GPU. Host arrays of 64 KB and more are copied asynchronously through page-locked
-        buffers, two per shape used in turn: the host waits only for the copy out of the buffer it is
-        about to refill (two batches back), not for the computation queued since, so it can prepare the
-        next step while the GPU runs this one."""
+        """Array on this GPU (a synchronous copy from the host; see batch_to_device for batches)."""
         cp = self.cupy
         if isinstance(a, cp.ndarray):
             return a if dtype is None or a.dtype == dtype else a.astype(dtype)
-        a = np.asarray(a, dtype=dtype)
+        return cp.asarray(np.asarray(a, dtype=dtype))
+
+    def batch_to_device(self, a):
+        """A training batch on this GPU. Host arrays of 64 KB and more are copied asynchronously through
+        page-locked buffers, two per shape used in turn: the host waits only for the copy out of the
+        buffer it is about to refill (two batches back), not for the computation queued since, so it
+        prepares the next step while the GPU runs this one. Only batches take this path, so page-locked
+        memory stays at two batches per shape (at most 8 shapes)."""
+        cp = self.cupy
+        if isinstance(a, cp.ndarray):
+            return a
+        a = np.asarray(a)
         if a.nbytes < (1 << 16) or not a.flags.c_contiguous:
             return cp.asarray(a)
         key = (a.shape, a.dtype.str)

@@ -38,13 +38,18 @@ def mpi_cuda_aware():
         import ctypes
 
         from mpi4py import MPI
-
-        lib = ctypes.CDLL(MPI.__file__)  # dlsym on it also searches the MPI library it links
-        query = lib.MPIX_Query_cuda_support
+    except ImportError:
+        return False
+    # the MPI library mpi4py links (dlsym on the module also searches its dependencies), or one
+    # loaded into the process some other way
+    for handle in (MPI.__file__, None):
+        try:
+            query = ctypes.CDLL(handle).MPIX_Query_cuda_support
+        except (AttributeError, OSError):
+            continue
         query.restype = ctypes.c_int
         return bool(query())
-    except (AttributeError, OSError, ImportError):  # no such symbol, or no MPI
-        return False
+    return False
 
 
 class DeviceComm:

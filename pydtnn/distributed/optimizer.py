@@ -17,13 +17,24 @@ class DistributedOptimizer:
 
     Each rank's gradients count 1/size by default, right when every rank's batch has the same size;
     call set_weight(local_samples / global_samples) before backward when they differ.
+
+    Between backward and the end of the reduction the gradients are being reduced in place: to read
+    or change them (clipping, logging), call synchronize() first; they are then the global average,
+    and step() applies them without reducing again.
     """
 
     def __init__(self, optimizer, model, comm, strategy="bucketed", **options):
         self.optimizer, self.comm = optimizer, comm
         self.reducer = reducers.create(strategy, comm, **options).attach(model) if comm.size > 1 else None
         broadcast_state(comm, model, optimizer)
+        self._synchronized = False
         self.set_weight(1 / comm.size)
+
+    def synchronize(self):
+        """Wait for the reduction: the gradients are now averaged over all ranks."""
+        if self.reducer is not None and not self._synchronized:
+            self.reducer.finish()
+        self._synchronized = True
 
     def set_weight(self, weight):
         """This rank's share of the global batch for the next backward."""
@@ -31,9 +42,9 @@ class DistributedOptimizer:
             self.reducer.begin_step(weight)
 
     def step(self):
-        if self.reducer is not None:
-            self.reducer.finish()
+        self.synchronize()
         self.optimizer.step()
+        self._synchronized = False
         self.set_weight(1 / self.comm.size)
 
     @property

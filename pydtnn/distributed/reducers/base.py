@@ -31,7 +31,11 @@ PIECE_BYTES = 16 * 2**20  # largest single message; see the module docstring
 
 
 class Reducer:
-    """Base: keeps the (name, param, grad) list and the step's weight."""
+    """Base: keeps the (name, param, grad) list and the step's weight.
+
+    Gradients may be read only after finish(): between the first gradients-ready hook and then,
+    reductions run in place on them (scaled, and being summed by non-blocking collectives).
+    """
 
     name = None
 
@@ -119,8 +123,10 @@ class Reducer:
 
     @staticmethod
     def _pieces(buf):
+        """Contiguous flat views of buf of at most PIECE_BYTES each (at least one, even when empty)."""
+        flat = buf.reshape(-1)  # a view: wire buffers and gradients are contiguous
         step = max(1, PIECE_BYTES // buf.itemsize)
-        return [buf[i : i + step] for i in range(0, max(buf.size, 1), step)]
+        return [flat[i : i + step] for i in range(0, max(flat.size, 1), step)]
 
     def _start(self, buf, label):
         """Start non-blocking allreduces of buf, in pieces of at most PIECE_BYTES; returns what _wait needs."""
