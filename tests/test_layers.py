@@ -315,6 +315,27 @@ def test_addition_block_identity_path():
     )
 
 
+@pytest.mark.parametrize("n_paths", [1, 3])
+def test_addition_block_one_and_three_paths(n_paths):
+    """The sum is a new array for any number of paths; identity paths leave the input untouched."""
+    paths = [[Conv2D(3, 1)]] + [[] for _ in range(n_paths - 1)]
+
+    def torch_fn(x, p):
+        return F.conv2d(x, p["0.0.weight"], p["0.0.bias"]) + (n_paths - 1) * x
+
+    both_checks(lambda: AdditionBlock(*paths), (2, 3, 4, 4), torch_fn)
+    block = AdditionBlock(*paths)
+    block.build((3, 4, 4), np.float64)
+    x = np.random.default_rng(5).standard_normal((2, 3, 4, 4))
+    x0 = x.copy()
+    y = block.forward(x)
+    dy = np.ones_like(y)
+    dx = block.backward(dy)
+    assert y is not x and dx is not dy
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(dy, 1)
+
+
 def test_concatenation_block():
     def torch_fn(x, p):
         a = F.conv2d(x, p["0.0.weight"], p["0.0.bias"])

@@ -120,10 +120,18 @@ class _Paths(Container):
     def _sum_dx(self, dxs):
         if not self.need_dx:
             return None
-        dx = dxs[0].copy()
-        for d in dxs[1:]:
-            dx += d
-        return dx
+        return _sum_new(self.xp, dxs)
+
+
+def _sum_new(xp, arrays):
+    """Sum of the arrays into a new array (none of them is modified): the first addition allocates
+    the result, so no pass copies an input first."""
+    if len(arrays) == 1:
+        return arrays[0].copy()
+    total = xp.add(arrays[0], arrays[1])
+    for a in arrays[2:]:
+        total += a
+    return total
 
 
 class AdditionBlock(_Paths):
@@ -135,11 +143,16 @@ class AdditionBlock(_Paths):
         return shapes[0]
 
     def forward(self, x, training=True):
-        y = None
+        y, first = None, None
         for _, path in self.children:
             out = self._forward_child(path, x, training)
-            y = out.copy() if y is None else y.__iadd__(out)
-        return y
+            if first is None:
+                first = out
+            elif y is None:
+                y = self.xp.add(first, out)
+            else:
+                y += out
+        return first.copy() if y is None else y
 
     def backward(self, dy):
         return self._sum_dx([self._backward_child(path, dy) for _, path in self.children])
