@@ -283,6 +283,16 @@ class CPUBackend:
         return dx, dw
 
     # -- depthwise convolution (one input channel per group) ---------------------------------
+    def _wide_weights(self, w, g):
+        """Pooled (kh*kw, G, m, L): each kernel position's per-channel weight repeated along the wide
+        grid (L = Ho*Wp). NumPy multiplies two contiguous rows faster than a row by a value repeated
+        with stride 0 (4.6 against 5.4 ms for the forward loop of the benchmark's layer)."""
+        G, kk = g.groups, g.kh * g.kw
+        m, length = w.shape[0] // G, _wide_layout(g)[2]
+        key, wk = self._take("dww", (kk, G, m, length), w.dtype, g)
+        wk[...] = w.reshape(G, m, kk).transpose(2, 0, 1)[..., None]
+        return key, wk
+
     def _depthwise_forward(self, x, w, g, keep):
         """Direct depthwise convolution: y = sum over kernel positions of shifted x times per-channel weights.
 
@@ -295,7 +305,7 @@ class CPUBackend:
         s = g.sh
         key, xf = self._take("dwx", (n, g.c, flat), x.dtype, g)  # padding and tail stay zero
         xf[:, :, : hp * wp].reshape(n, g.c, hp, wp)[:, :, g.pt : g.pt + g.h, g.pl : g.pl + g.w] = x
-        wk = w.reshape(G, m, g.kh * g.kw)
+        wkey, wk = self._wide_weights(w, g)
         yw = np.empty((n, G, m, length), x.dtype)
         step = max(1, (1 << 20) // (co * length * x.itemsize))
         tmp = np.empty((min(step, n), G, m, length), x.dtype)
@@ -304,10 +314,11 @@ class CPUBackend:
             for k, off in enumerate(offsets):
                 xv = xf[n0 : n0 + step, :, off : off + span : s][:, :, None, :]
                 if k == 0:
-                    np.multiply(xv, wk[:, :, k, None], out=ys)
+                    np.multiply(xv, wk[k], out=ys)
                 else:
-                    np.multiply(xv, wk[:, :, k, None], out=t)
+                    np.multiply(xv, wk[k], out=t)
                     ys += t
+        self._give(wkey, wk)
         y = np.empty((n, co, g.ho, g.wo), x.dtype)
         y[...] = yw.reshape(n, co, g.ho, wp)[..., : g.wo]
         if not keep:
@@ -332,15 +343,16 @@ class CPUBackend:
             return None, dwk.reshape(w.shape)
         xkey, dxf = self._take("dwdx", (n, g.c, flat), dy.dtype, g)
         dxf[...] = 0
-        wk = w.reshape(G, m, g.kh * g.kw)
+        wkey, wk = self._wide_weights(w, g)
         step = max(1, (1 << 20) // (co * length * dy.itemsize))
         tmp = np.empty((min(step, n), G, m, length), dy.dtype)
         for n0 in range(0, n, step):
             ds, t = dyw[n0 : n0 + step], tmp[: min(step, n - n0)]
             for k, off in enumerate(offsets):
-                np.multiply(ds, wk[:, :, k, None], out=t)
+                np.multiply(ds, wk[k], out=t)
                 dxv = dxf[n0 : n0 + step, :, off : off + span : s]
                 dxv += t[:, :, 0] if m == 1 else t.sum(axis=2)
+        self._give(wkey, wk)
         dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
         dx[...] = dxf[:, :, : hp * wp].reshape(n, g.c, hp, wp)[:, :, g.pt : g.pt + g.h, g.pl : g.pl + g.w]
         self._give(dkey, dyw)
