@@ -107,6 +107,9 @@ def main():
         cases = [c for c in CASES if any(w in c[0] for w in wanted)]
         if not cases:
             p.error(f"--cases {args.cases!r} matches none of: {', '.join(c[0] for c in CASES)}")
+    from pydtnn.backends.threads import set_threads
+
+    set_threads(args.threads)  # pydtnn's own threaded loops (pooling, depthwise) use the same count as BLAS
     peak = sgemm_peak(args.threads)
     rows = [bench(*case, args.threads, args.repeats) for case in cases]
     head = (f"| layer (batch, float32, {args.threads} thread{'s' * (args.threads > 1)}) | ours fwd ms | ours bwd ms "

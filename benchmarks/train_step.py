@@ -115,6 +115,12 @@ def pydtnn_worker(args):
     opt = optim.create("sgd", model.parameters(), lr=LR, momentum=MOMENTUM)
     trainer = Trainer(model, losses.SoftmaxCrossEntropy(), opt, progress=False)
     data = synthetic_batches(args.batch, model.input_shape, model.output_shape[0])
+    try:  # pydtnn's own threaded loops; absent from checkouts older than the module
+        from pydtnn.backends.threads import set_threads
+
+        set_threads(args.threads)
+    except ImportError:
+        pass
     with threadpool_limits(args.threads):
         times, foreign = time_steps(lambda i: trainer.train_step(*data[i % 3]), args.warmup, args.steps)
     return record(args, times, foreign, import_mb)

@@ -205,3 +205,74 @@ def test_float32_in_float32_out(make):
     assert y.dtype == np.float32 and dx.dtype == np.float32
     for g in layer.grads.values():
         assert g.dtype == np.float32
+
+
+# -- threaded batch chunks ---------------------------------------------------------------------
+def _kernels_run(x, dy_rng):
+    """Forward and backward of every threaded kernel on x; returns all outputs and gradients."""
+    be = CPUBackend(np.float32)
+    out = []
+    for k, s, p in ((2, 2, 0), (3, 2, 1), (3, 1, 0)):
+        g = ConvGeometry(c=x.shape[1], h=x.shape[2], w=x.shape[3], kh=k, kw=k, sh=s, sw=s, pt=p, pb=p, pl=p, pr=p)
+        dy = dy_rng.standard_normal((x.shape[0], g.c, g.ho, g.wo)).astype(np.float32)
+        y, ctx = be.maxpool2d_forward(x, g)
+        out += [y, be.maxpool2d_backward(dy, ctx, g)]
+        y, ctx = be.avgpool2d_forward(x, g)
+        out += [y, be.avgpool2d_backward(dy, ctx, g)]
+    for mult, s in ((1, 1), (2, 1), (1, 2)):
+        c = x.shape[1]
+        g = ConvGeometry(c=c, h=x.shape[2], w=x.shape[3], kh=3, kw=3, sh=s, sw=s, pt=1, pb=1, pl=1, pr=1, groups=c)
+        w = dy_rng.standard_normal((c * mult, 1, 3, 3)).astype(np.float32)
+        dy = dy_rng.standard_normal((x.shape[0], c * mult, g.ho, g.wo)).astype(np.float32)
+        y, ctx = be.conv2d_forward(x, w, g)
+        out += [y, *be.conv2d_backward(dy, w, ctx, g)]
+    return out
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
+    """Pooling and depthwise convolution split their batch over threads: every thread count gives the
+    same bits as one thread (a batch of 7 leaves uneven chunks; every call splits, whatever its size)."""
+    from pydtnn.backends import threads as th
+
+    monkeypatch.setattr(th, "MIN_BYTES", 0)
+    x = np.random.default_rng(0).standard_normal((7, 4, 9, 9)).astype(np.float32)
+    try:
+        th.set_threads(1)
+        want = _kernels_run(x, np.random.default_rng(1))
+        th.set_threads(threads)
+        calls = []
+        real = th.split
+        monkeypatch.setattr(th, "split", lambda n, fn, nbytes=None: (calls.append(n), real(n, fn, nbytes)))
+        import pydtnn.backends.cpu as cpu
+
+        monkeypatch.setattr(cpu, "split", th.split)
+        got = _kernels_run(x, np.random.default_rng(1))
+    finally:
+        th.set_threads(th.default_threads())
+    assert len(calls) >= 18  # every pooling and depthwise call went through the splitter
+    assert len(want) == len(got)
+    for i, (a, b) in enumerate(zip(want, got)):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
+
+
+def test_split_runs_chunks_in_other_threads_and_raises_their_errors():
+    import threading
+
+    from pydtnn.backends import threads as th
+
+    try:
+        th.set_threads(3)
+        seen = []
+        th.split(10, lambda lo, hi: seen.append((lo, hi, threading.current_thread().name)), nbytes=1 << 30)
+        assert sorted((lo, hi) for lo, hi, _ in seen) == [(0, 3), (3, 6), (6, 10)]
+        names = {name for _, _, name in seen}
+        assert threading.current_thread().name in names and len(names) >= 2  # the first chunk runs here
+        with pytest.raises(ValueError, match="chunk 6"):
+            th.split(10, lambda lo, hi: (_ for _ in ()).throw(ValueError(f"chunk {lo}")) if lo == 6 else None,
+                     nbytes=1 << 30)
+        seen.clear()
+        th.split(10, lambda lo, hi: seen.append((lo, hi)), nbytes=100)  # small: one call, no hand-off
+        assert seen == [(0, 10)]
+    finally:
+        th.set_threads(th.default_threads())

@@ -5,13 +5,18 @@ differently (convolution and pooling through cuDNN there, im2col + GEMM here). E
 a layer is written against `backend.xp`, which is `numpy` here and `cupy` on a GPU.
 
 All tensors are NCHW. Convolution geometry is described by `ConvGeometry`, built once per layer.
-docs/performance.md explains how each kernel is laid out and what it costs.
+docs/performance.md explains how each kernel is laid out and what it costs. Pooling and depthwise
+convolution, which use no BLAS, run over batch chunks in parallel threads (backends/threads.py);
+the other convolutions use BLAS's own threads (splitting their copies measured no gain: BLAS's
+threads keep the cores busy right after each GEMM).
 """
 
 from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
+
+from pydtnn.backends.threads import split
 
 
 @dataclass(frozen=True)
@@ -308,16 +313,21 @@ class CPUBackend:
         wkey, wk = self._wide_weights(w, g)
         yw = np.empty((n, G, m, length), x.dtype)
         step = max(1, (1 << 20) // (co * length * x.itemsize))
-        tmp = np.empty((min(step, n), G, m, length), x.dtype)
-        for n0 in range(0, n, step):
-            ys, t = yw[n0 : n0 + step], tmp[: min(step, n - n0)]
-            for k, off in enumerate(offsets):
-                xv = xf[n0 : n0 + step, :, off : off + span : s][:, :, None, :]
-                if k == 0:
-                    np.multiply(xv, wk[k], out=ys)
-                else:
-                    np.multiply(xv, wk[k], out=t)
-                    ys += t
+
+        def part(lo, hi):
+            tmp = np.empty((min(step, hi - lo), G, m, length), x.dtype)
+            for n0 in range(lo, hi, step):
+                n1 = min(n0 + step, hi)
+                ys, t = yw[n0:n1], tmp[: n1 - n0]
+                for k, off in enumerate(offsets):
+                    xv = xf[n0:n1, :, off : off + span : s][:, :, None, :]
+                    if k == 0:
+                        np.multiply(xv, wk[k], out=ys)
+                    else:
+                        np.multiply(xv, wk[k], out=t)
+                        ys += t
+
+        split(n, part, yw.nbytes)
         self._give(wkey, wk)
         y = np.empty((n, co, g.ho, g.wo), x.dtype)
         y[...] = yw.reshape(n, co, g.ho, wp)[..., : g.wo]
@@ -335,8 +345,13 @@ class CPUBackend:
         dkey, dyw = self._take("dwdy", (n, G, m, length), dy.dtype, g)
         dyw.reshape(n, co, g.ho, wp)[..., : g.wo] = dy
         dwk = np.empty((G, m, g.kh * g.kw), dy.dtype)
-        for k, off in enumerate(offsets):
-            dwk[:, :, k] = np.einsum("ngml,ngl->gm", dyw, xf[:, :, off : off + span : s])
+
+        def weight_grads(lo, hi):  # kernel positions lo..hi-1: each a whole-batch sum of its own
+            for k in range(lo, hi):
+                off = offsets[k]
+                dwk[:, :, k] = np.einsum("ngml,ngl->gm", dyw, xf[:, :, off : off + span : s])
+
+        split(len(offsets), weight_grads, dyw.nbytes * len(offsets))
         ctx.release()
         if not need_dx:
             self._give(dkey, dyw)
@@ -345,13 +360,18 @@ class CPUBackend:
         dxf[...] = 0
         wkey, wk = self._wide_weights(w, g)
         step = max(1, (1 << 20) // (co * length * dy.itemsize))
-        tmp = np.empty((min(step, n), G, m, length), dy.dtype)
-        for n0 in range(0, n, step):
-            ds, t = dyw[n0 : n0 + step], tmp[: min(step, n - n0)]
-            for k, off in enumerate(offsets):
-                np.multiply(ds, wk[k], out=t)
-                dxv = dxf[n0 : n0 + step, :, off : off + span : s]
-                dxv += t[:, :, 0] if m == 1 else t.sum(axis=2)
+
+        def part(lo, hi):
+            tmp = np.empty((min(step, hi - lo), G, m, length), dy.dtype)
+            for n0 in range(lo, hi, step):
+                n1 = min(n0 + step, hi)
+                ds, t = dyw[n0:n1], tmp[: n1 - n0]
+                for k, off in enumerate(offsets):
+                    np.multiply(ds, wk[k], out=t)
+                    dxv = dxf[n0:n1, :, off : off + span : s]
+                    dxv += t[:, :, 0] if m == 1 else t.sum(axis=2)
+
+        split(n, part, dyw.nbytes)
         self._give(wkey, wk)
         dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
         dx[...] = dxf[:, :, : hp * wp].reshape(n, g.c, hp, wp)[:, :, g.pt : g.pt + g.h, g.pl : g.pl + g.w]
@@ -372,19 +392,23 @@ class CPUBackend:
         idx = np.zeros(y.shape, np.uint8 if g.kh * g.kw <= 256 else np.int32) if keep else None
         won = np.empty(y.shape, idx.dtype) if keep else None
         full = pos[0][0] == 0 and pos[0][3] == slice(0, g.ho) and pos[0][4] == slice(0, g.wo)
-        if full:
-            y[...] = x[:, :, pos[0][5], pos[0][6]]
-        else:
-            y[...] = -np.inf
-        for k, _, _, orows, ocols, irows, icols in pos[1:] if full else pos:
-            yv, v = y[:, :, orows, ocols], x[:, :, irows, icols]
-            if keep:
-                # positions come in increasing k, so the running index is the max of k over the wins
-                wv = won[:, :, orows, ocols]
-                np.multiply(np.greater(v, yv), idx.dtype.type(k), out=wv)
-                iv = idx[:, :, orows, ocols]
-                np.maximum(iv, wv, out=iv)
-            np.maximum(yv, v, out=yv)
+
+        def part(lo, hi):
+            if full:
+                y[lo:hi] = x[lo:hi, :, pos[0][5], pos[0][6]]
+            else:
+                y[lo:hi] = -np.inf
+            for k, _, _, orows, ocols, irows, icols in pos[1:] if full else pos:
+                yv, v = y[lo:hi, :, orows, ocols], x[lo:hi, :, irows, icols]
+                if keep:
+                    # positions come in increasing k, so the running index is the max of k over the wins
+                    wv = won[lo:hi, :, orows, ocols]
+                    np.multiply(np.greater(v, yv), idx.dtype.type(k), out=wv)
+                    iv = idx[lo:hi, :, orows, ocols]
+                    np.maximum(iv, wv, out=iv)
+                np.maximum(yv, v, out=yv)
+
+        split(n, part, x.nbytes)
         return y, idx
 
     def maxpool2d_backward(self, dy, ctx, g):
@@ -392,13 +416,18 @@ class CPUBackend:
         n = dy.shape[0]
         disjoint, covering = _window_layout(g)
         dx = (np.empty if covering else np.zeros)((n, g.c, g.h, g.w), dy.dtype)
-        for k, _, _, orows, ocols, irows, icols in _positions(g):
-            won = idx[:, :, orows, ocols] == k
-            dxv = dx[:, :, irows, icols]
-            if disjoint:
-                np.multiply(dy[:, :, orows, ocols], won, out=dxv)
-            else:
-                dxv += dy[:, :, orows, ocols] * won
+        pos = _positions(g)
+
+        def part(lo, hi):
+            for k, _, _, orows, ocols, irows, icols in pos:
+                won = idx[lo:hi, :, orows, ocols] == k
+                dxv = dx[lo:hi, :, irows, icols]
+                if disjoint:
+                    np.multiply(dy[lo:hi, :, orows, ocols], won, out=dxv)
+                else:
+                    dxv += dy[lo:hi, :, orows, ocols] * won
+
+        split(n, part, dx.nbytes)
         return dx
 
     def avgpool2d_forward(self, x, g, keep=True):
@@ -406,24 +435,33 @@ class CPUBackend:
         pos = _positions(g)
         y = np.empty((x.shape[0], g.c, g.ho, g.wo), x.dtype)
         full = pos[0][0] == 0 and pos[0][3] == slice(0, g.ho) and pos[0][4] == slice(0, g.wo)
-        if full:
-            y[...] = x[:, :, pos[0][5], pos[0][6]]
-        else:
-            y[...] = 0
-        for _, _, _, orows, ocols, irows, icols in pos[1:] if full else pos:
-            yv = y[:, :, orows, ocols]
-            yv += x[:, :, irows, icols]
-        y /= g.kh * g.kw
+
+        def part(lo, hi):
+            if full:
+                y[lo:hi] = x[lo:hi, :, pos[0][5], pos[0][6]]
+            else:
+                y[lo:hi] = 0
+            for _, _, _, orows, ocols, irows, icols in pos[1:] if full else pos:
+                yv = y[lo:hi, :, orows, ocols]
+                yv += x[lo:hi, :, irows, icols]
+            y[lo:hi] /= g.kh * g.kw
+
+        split(x.shape[0], part, x.nbytes)
         return y, None
 
     def avgpool2d_backward(self, dy, ctx, g):
         disjoint, covering = _window_layout(g)
         share = dy / (g.kh * g.kw)
         dx = (np.empty if covering else np.zeros)((dy.shape[0], g.c, g.h, g.w), dy.dtype)
-        for _, _, _, orows, ocols, irows, icols in _positions(g):
-            dxv = dx[:, :, irows, icols]
-            if disjoint:
-                dxv[...] = share[:, :, orows, ocols]
-            else:
-                dxv += share[:, :, orows, ocols]
+        pos = _positions(g)
+
+        def part(lo, hi):
+            for _, _, _, orows, ocols, irows, icols in pos:
+                dxv = dx[lo:hi, :, irows, icols]
+                if disjoint:
+                    dxv[...] = share[lo:hi, :, orows, ocols]
+                else:
+                    dxv += share[lo:hi, :, orows, ocols]
+
+        split(dy.shape[0], part, dx.nbytes)
         return dx
