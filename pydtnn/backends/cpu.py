@@ -101,6 +101,19 @@ def _window_layout(g):
 
 
 @cache
+def _in_chunks(n, step, tail, dtype, body, nbytes):
+    """body(n0, n1, tmp) over samples [0, n) in chunks of at most `step`, the chunks shared out among
+    threads; tmp is a scratch array of shape (n1 - n0, *tail), one per thread."""
+
+    def part(lo, hi):
+        tmp = np.empty((min(step, hi - lo), *tail), dtype)
+        for n0 in range(lo, hi, step):
+            n1 = min(n0 + step, hi)
+            body(n0, n1, tmp[: n1 - n0])
+
+    split(n, part, nbytes)
+
+
 def _transposed(g, co):
     """Geometry of dx = conv(dy, flipped and transposed w) for a stride-1 convolution.
 
@@ -314,20 +327,17 @@ class CPUBackend:
         yw = np.empty((n, G, m, length), x.dtype)
         step = max(1, (1 << 20) // (co * length * x.itemsize))
 
-        def part(lo, hi):
-            tmp = np.empty((min(step, hi - lo), G, m, length), x.dtype)
-            for n0 in range(lo, hi, step):
-                n1 = min(n0 + step, hi)
-                ys, t = yw[n0:n1], tmp[: n1 - n0]
-                for k, off in enumerate(offsets):
-                    xv = xf[n0:n1, :, off : off + span : s][:, :, None, :]
-                    if k == 0:
-                        np.multiply(xv, wk[k], out=ys)
-                    else:
-                        np.multiply(xv, wk[k], out=t)
-                        ys += t
+        def chunk(n0, n1, t):
+            ys = yw[n0:n1]
+            for k, off in enumerate(offsets):
+                xv = xf[n0:n1, :, off : off + span : s][:, :, None, :]
+                if k == 0:
+                    np.multiply(xv, wk[k], out=ys)
+                else:
+                    np.multiply(xv, wk[k], out=t)
+                    ys += t
 
-        split(n, part, yw.nbytes)
+        _in_chunks(n, step, (G, m, length), x.dtype, chunk, yw.nbytes)
         self._give(wkey, wk)
         y = np.empty((n, co, g.ho, g.wo), x.dtype)
         y[...] = yw.reshape(n, co, g.ho, wp)[..., : g.wo]
@@ -361,17 +371,13 @@ class CPUBackend:
         wkey, wk = self._wide_weights(w, g)
         step = max(1, (1 << 20) // (co * length * dy.itemsize))
 
-        def part(lo, hi):
-            tmp = np.empty((min(step, hi - lo), G, m, length), dy.dtype)
-            for n0 in range(lo, hi, step):
-                n1 = min(n0 + step, hi)
-                ds, t = dyw[n0:n1], tmp[: n1 - n0]
-                for k, off in enumerate(offsets):
-                    np.multiply(ds, wk[k], out=t)
-                    dxv = dxf[n0:n1, :, off : off + span : s]
-                    dxv += t[:, :, 0] if m == 1 else t.sum(axis=2)
+        def chunk(n0, n1, t):
+            for k, off in enumerate(offsets):
+                np.multiply(dyw[n0:n1], wk[k], out=t)
+                dxv = dxf[n0:n1, :, off : off + span : s]
+                dxv += t[:, :, 0] if m == 1 else t.sum(axis=2)
 
-        split(n, part, dyw.nbytes)
+        _in_chunks(n, step, (G, m, length), dy.dtype, chunk, dyw.nbytes)
         self._give(wkey, wk)
         dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
         dx[...] = dxf[:, :, : hp * wp].reshape(n, g.c, hp, wp)[:, :, g.pt : g.pt + g.h, g.pl : g.pl + g.w]
