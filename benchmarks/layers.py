@@ -3,7 +3,8 @@
     python benchmarks/layers.py [--threads 1] [--repeats 20] [--cases pool,depthwise] [--out FILE]
 
 Same dtype (float32), same thread count (threadpoolctl for NumPy's BLAS, torch.set_num_threads for
-PyTorch), inputs rotated among three sets so caches flatter neither side. Reports the median time,
+PyTorch), inputs rotated among three sets so caches flatter neither side. Forward and backward are
+timed separately (each backward after an untimed forward). Reports the median times,
 the ratio ours / PyTorch, and our achieved GFLOP/s as a fraction of this machine's sgemm peak,
 measured by the script itself.
 """
@@ -41,11 +42,14 @@ CASES = [
 ]
 
 
-def median_time(fn, repeats):
+def median_time(fn, repeats, before=None):
+    """Median seconds of fn(i) over i = 0..repeats-1; before(i), if given, runs first, untimed, and its
+    result is passed to fn."""
     times = []
     for i in range(repeats):
+        arg = before(i) if before is not None else i
         t0 = time.perf_counter()
-        fn(i)
+        fn(arg)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -69,11 +73,11 @@ def bench(name, make, shape, torch_fn, threads, repeats):
         layer.forward(xs[0]), layer.backward(dys[0])  # warm-up
         fwd = median_time(lambda i: layer.forward(xs[i % 3]), repeats)
 
-        def fwd_bwd(i):
+        def forward(i):  # untimed, before each timed backward
             layer.forward(xs[i % 3])
-            layer.backward(dys[i % 3])
+            return dys[i % 3]
 
-        both = median_time(fwd_bwd, repeats)
+        bwd = median_time(layer.backward, repeats, before=forward)
     torch.set_num_threads(threads)
     txs = [torch.tensor(x, requires_grad=True) for x in xs]
     tdys = [torch.tensor(d) for d in dys]
@@ -82,14 +86,18 @@ def bench(name, make, shape, torch_fn, threads, repeats):
         torch_fn(txs[0], params)
     t_fwd = median_time(lambda i: torch_fn(txs[i % 3], params), repeats)
 
-    def t_fwd_bwd(i):
-        torch_fn(txs[i % 3], params).backward(tdys[i % 3])
+    def t_forward(i):
+        return torch_fn(txs[i % 3], params), tdys[i % 3]
 
-    t_fwd_bwd(0)
-    t_both = median_time(t_fwd_bwd, repeats)
+    def t_backward(out_dy):
+        out_dy[0].backward(out_dy[1])
+
+    t_backward(t_forward(0))
+    t_bwd = median_time(t_backward, repeats, before=t_forward)
     flops = layer.flops() * shape[0]
-    return {"name": name, "fwd_ms": fwd * 1e3, "bwd_ms": (both - fwd) * 1e3, "torch_fwd_ms": t_fwd * 1e3,
-            "torch_bwd_ms": (t_both - t_fwd) * 1e3, "ratio": both / t_both,
+    both = fwd + bwd
+    return {"name": name, "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3, "torch_fwd_ms": t_fwd * 1e3,
+            "torch_bwd_ms": t_bwd * 1e3, "ratio": both / (t_fwd + t_bwd),
             # backward of conv/dense costs about twice the forward
             "gflops": 3 * flops / both / 1e9 if isinstance(layer, (Conv2D, Dense)) else None}
 
