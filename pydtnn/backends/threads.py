@@ -2,7 +2,7 @@
 
 Only BLAS uses several cores by itself; NumPy's copies and element-wise loops run on one. NumPy
 releases the GIL inside those loops, so a kernel that splits its batch into one contiguous chunk
-per thread (im2col, the transposes and scatter-adds of a convolution's backward) uses every core.
+per thread (pooling and depthwise convolution, which use no BLAS) uses every core.
 Each chunk writes its own samples only and adds in the same order as the unsplit loop, so results
 are bit-identical whatever the thread count.
 

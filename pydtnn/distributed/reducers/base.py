@@ -95,6 +95,11 @@ class Reducer:
         for view, n in zip(views, names):
             array_module(view).multiply(self.grads[n], self.weight, out=view, casting="same_kind")
 
+    def _scale(self, buf):
+        """Multiply buf, a run of the model's own gradients, by this rank's weight in place."""
+        if self.weight != 1.0:
+            array_module(buf).multiply(buf, self.weight, out=buf)
+
     def _unpack(self, views, names):
         for view, n in zip(views, names):
             if view is not self.grads[n]:

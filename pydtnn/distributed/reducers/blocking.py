@@ -1,6 +1,5 @@
 """After the whole backward pass, one allreduce of all gradients (in pieces when large)."""
 
-from pydtnn.backends import array_module
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
 
 
@@ -19,8 +18,7 @@ class BlockingReducer(Reducer):
     def finish(self):
         self.order_done = True
         if self.views is None:
-            if self.weight != 1.0:
-                array_module(self.buf).multiply(self.buf, self.weight, out=self.buf)
+            self._scale(self.buf)
             self._reduce(self.buf, "all gradients")
             return
         self._pack(self.views, self.names)

@@ -8,7 +8,6 @@ finishes, since MPI makes no progress in the background here. Where the model's 
 one buffer in that same order, a bucket is a slice of it, scaled and reduced in place.
 """
 
-from pydtnn.backends import array_module
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
 
 
@@ -53,8 +52,7 @@ class BucketedReducer(Reducer):
     def _start_bucket(self, i):
         buf, views = self.buffers[i]
         if views is None:
-            if self.weight != 1.0:
-                array_module(buf).multiply(buf, self.weight, out=buf)
+            self._scale(buf)
         else:
             self._pack(views, self.buckets[i])
         self.pending.append((i, self._start(buf, f"bucket {i}")))
