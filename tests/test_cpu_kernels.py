@@ -2,7 +2,9 @@
 
 Pooling picks a path per geometry (windows that tile the input exactly, disjoint windows that
 leave rows out, overlapping windows, padding); convolution picks one per shape (depthwise direct,
-stride-1 dx as a convolution of dy, strided dx by scatter-add, 1x1). Every path is exercised here.
+stride-1 dx as a convolution of dy, strided dx by scatter-add, 1x1, and the compiled direct 3x3
+kernel). Every path is exercised here; the convolution tests run once with the compiled kernels and
+once with the NumPy path alone (PYDTNN_CPU_KERNELS).
 """
 
 import numpy as np
@@ -10,9 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pydtnn.backends import compiled
 from pydtnn.backends.cpu import ConvGeometry, CPUBackend, _window_layout
 from pydtnn.layers import AvgPool2D, Conv2D, MaxPool2D
 from pydtnn.testing import check_against_torch, check_gradients
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def kernels(request, monkeypatch):
+    """Run a test with the compiled kernels, then with the NumPy path alone."""
+    monkeypatch.setenv("PYDTNN_CPU_KERNELS", request.param)
+    return request.param
 
 
 def both_checks(make, x_shape, torch_fn):
@@ -107,6 +117,10 @@ CONV_CASES = [
     ((2, 3, 6, 6), 4, {"kernel_size": 3, "padding": 3}),  # padding beyond k-1: transposed crop
     ((2, 3, 8, 8), 5, {"kernel_size": 3, "dilation": (2, 1), "padding": (1, 2)}),
     ((1, 2, 5, 5), 3, {"kernel_size": 5}),  # kernel as large as the input
+    ((2, 3, 7, 9), 5, {"kernel_size": 3, "padding": 1}),  # direct 3x3 (compiled)
+    ((2, 2, 6, 5), 3, {"kernel_size": 3}),  # direct, no padding: dx padded by 2
+    ((2, 2, 6, 6), 3, {"kernel_size": 3, "padding": (2, 0)}),  # direct, padding up to the kernel's reach
+    ((2, 3, 9, 9), 2, {"kernel_size": 3, "dilation": (2, 1), "padding": (2, 1)}),  # direct, dilated
 ]
 
 
@@ -117,12 +131,12 @@ def torch_conv(kwargs):
 
 
 @pytest.mark.parametrize("x_shape,filters,kwargs", CONV_CASES)
-def test_conv_paths(x_shape, filters, kwargs):
+def test_conv_paths(x_shape, filters, kwargs, kernels):
     both_checks(lambda: Conv2D(filters, **kwargs), x_shape, torch_conv(kwargs))
 
 
 @pytest.mark.parametrize("kwargs", [{"kernel_size": 3, "padding": 1}, {"kernel_size": 3, "groups": 4, "padding": 1}])
-def test_conv_first_layer_skips_dx(kwargs):
+def test_conv_first_layer_skips_dx(kwargs, kernels):
     layer = Conv2D(4, **kwargs)
     layer.build((4, 6, 6), np.float64)
     layer.need_dx = False
@@ -130,9 +144,79 @@ def test_conv_first_layer_skips_dx(kwargs):
     assert layer.backward(np.ones((2, 4, 6, 6))) is None
 
 
+DIRECT_CASES = [
+    # (N, C, Co, H, W, (pt, pb, pl, pr), (dh, dw), groups): widths that leave vector remainders, every padding
+    (3, 5, 7, 11, 13, (1, 1, 1, 1), (1, 1), 1),
+    (2, 16, 16, 8, 8, (1, 1, 1, 1), (1, 1), 1),
+    (2, 3, 4, 9, 6, (0, 0, 0, 0), (1, 1), 1),
+    (2, 4, 3, 7, 7, (2, 0, 1, 2), (1, 1), 1),
+    (2, 4, 6, 12, 10, (2, 2, 1, 1), (2, 1), 1),
+    (1, 2, 2, 3, 3, (1, 1, 1, 1), (1, 1), 1),
+    (3, 6, 6, 9, 11, (1, 1, 1, 1), (1, 1), 6),  # depthwise
+    (2, 5, 5, 10, 7, (0, 2, 2, 1), (1, 2), 5),  # depthwise, uneven padding, dilated
+]
+
+
+@pytest.mark.parametrize("case", DIRECT_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_direct_kernel_matches_the_numpy_path(case, dtype):
+    """The compiled direct 3x3 convolution and im2col + GEMM give the same y, dx and dw (up to rounding:
+    they add in different orders)."""
+    n, c, co, h, w, pads, (dh, dw), groups = case
+    g = ConvGeometry(c, h, w, 3, 3, 1, 1, dh, dw, *pads, groups=groups)
+    fast, ref = CPUBackend(dtype, kernels="numba"), CPUBackend(dtype, kernels="numpy")
+    assert fast._direct(g, co) and not ref._direct(g, co)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, w)).astype(dtype)
+    wt = rng.standard_normal((co, c // groups, 3, 3)).astype(dtype)
+    dy = rng.standard_normal((n, co, g.ho, g.wo)).astype(dtype)
+    got, want = [], []
+    for be, out in ((fast, got), (ref, want)):
+        y, ctx = be.conv2d_forward(x, wt, g)
+        out += [y, *be.conv2d_backward(dy, wt, ctx, g)]
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
+
+
+def test_direct_kernel_is_chosen_only_where_it_applies():
+    fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
+
+    def geom(**kw):
+        base = {"c": 16, "h": 8, "w": 8, "kh": 3, "kw": 3, "pt": 1, "pb": 1, "pl": 1, "pr": 1}
+        return ConvGeometry(**{**base, **kw})
+
+    assert fast._direct(geom(), 16) and fast._direct(geom(pt=0, pb=2), 16)
+    assert fast._direct(geom(groups=16), 16) and fast._direct(geom(c=512, groups=512), 512)  # depthwise
+    assert not ref._direct(geom(), 16) and not ref._direct(geom(groups=16), 16)
+    for g, co in (
+        (geom(sh=2, sw=2), 16),  # strided
+        (geom(kh=5, kw=5), 16),  # not 3x3
+        (geom(groups=2), 16),  # grouped
+        (geom(groups=16), 32),  # depthwise with a channel multiplier
+        (geom(pt=3), 16),  # padding beyond the kernel's reach: dx would need a crop
+        (geom(c=128), 16),  # wide layers: GEMM is faster
+        (geom(), 128),
+    ):
+        assert not fast._direct(g, co), (g, co)
+
+
+def test_kernel_choice_errors(monkeypatch):
+    with pytest.raises(ValueError, match="one of auto, numba, numpy, got 'fortran'"):
+        CPUBackend(kernels="fortran")
+    monkeypatch.setenv("PYDTNN_CPU_KERNELS", "numpy")
+    assert CPUBackend().kernels == "numpy"
+    monkeypatch.setattr(compiled, "numba", None)
+    monkeypatch.setenv("PYDTNN_CPU_KERNELS", "auto")
+    assert CPUBackend().kernels == "numpy"  # no numba: the NumPy path, silently
+    with pytest.raises(ValueError, match="numba cannot be imported"):
+        CPUBackend(kernels="numba")
+
+
 # -- buffer reuse --------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs", [{"kernel_size": 3, "padding": 1}, {"kernel_size": 3, "groups": 4, "padding": 1}])
-def test_conv_outputs_never_alias_reused_buffers(kwargs):
+def test_conv_outputs_never_alias_reused_buffers(kwargs, kernels):
     """Pooled scratch is reused step after step; what a caller keeps must not change under it."""
     rng = np.random.default_rng(0)
     layer = Conv2D(4, **kwargs)
@@ -156,7 +240,7 @@ def test_conv_outputs_never_alias_reused_buffers(kwargs):
         np.testing.assert_array_equal(fresh.grads["weight"], dw)
 
 
-def test_conv_repeated_forwards_then_one_backward():
+def test_conv_repeated_forwards_then_one_backward(kernels):
     # a forward without backward (e.g. a forward-only timing loop) hands its buffer back when dropped
     rng = np.random.default_rng(0)
     layer = Conv2D(3, 3, padding=1)
@@ -175,7 +259,7 @@ def test_conv_repeated_forwards_then_one_backward():
     np.testing.assert_array_equal(fresh.grads["weight"], layer.grads["weight"])
 
 
-def test_conv_second_backward_without_forward_is_an_error():
+def test_conv_second_backward_without_forward_is_an_error(kernels):
     layer = Conv2D(3, 3, padding=1)
     layer.build((2, 5, 5))
     layer.forward(np.ones((1, 2, 5, 5), np.float32))
@@ -226,13 +310,20 @@ def _kernels_run(x, dy_rng):
         dy = dy_rng.standard_normal((x.shape[0], c * mult, g.ho, g.wo)).astype(np.float32)
         y, ctx = be.conv2d_forward(x, w, g)
         out += [y, *be.conv2d_backward(dy, w, ctx, g)]
+    fast = CPUBackend(np.float32, kernels="numba")  # direct 3x3: samples, then output channels, split
+    c = x.shape[1]
+    g = ConvGeometry(c=c, h=x.shape[2], w=x.shape[3], kh=3, kw=3, pt=1, pb=1, pl=1, pr=1)
+    w = dy_rng.standard_normal((5, c, 3, 3)).astype(np.float32)
+    dy = dy_rng.standard_normal((x.shape[0], 5, g.ho, g.wo)).astype(np.float32)
+    y, ctx = fast.conv2d_forward(x, w, g)
+    out += [y, *fast.conv2d_backward(dy, w, ctx, g)]
     return out
 
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
-    """Pooling and depthwise convolution split their batch over threads: every thread count gives the
-    same bits as one thread (a batch of 7 leaves uneven chunks; every call splits, whatever its size)."""
+    """Pooling, depthwise and direct convolution split their work over threads: every thread count gives
+    the same bits as one thread (a batch of 7 leaves uneven chunks; every call splits, whatever its size)."""
     from pydtnn.backends import threads as th
 
     monkeypatch.setattr(th, "MIN_BYTES", 0)
@@ -250,7 +341,7 @@ def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
         got = _kernels_run(x, np.random.default_rng(1))
     finally:
         th.set_threads(th.default_threads())
-    assert len(calls) >= 18  # every pooling and depthwise call went through the splitter
+    assert len(calls) >= 21  # every pooling, depthwise and direct call went through the splitter
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
         np.testing.assert_array_equal(a, b, err_msg=f"output {i}")

@@ -16,7 +16,12 @@ from functools import cache
 
 import numpy as np
 
+from pydtnn.backends import compiled
 from pydtnn.backends.threads import split
+
+# Largest channel count (input or output) computed by the direct 3x3 kernel; above it im2col + GEMM
+# is faster (docs/performance.md).
+DIRECT_MAX_CHANNELS = 16
 
 
 @dataclass(frozen=True)
@@ -164,11 +169,25 @@ class _Loan:
         self.release()
 
 
+class _Kept:
+    """A forward's input kept for its backward (the direct convolution needs nothing else)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+    def release(self):
+        self.array = None
+
+
 class CPUBackend:
     """NumPy backend. One per model, passed down explicitly to every layer.
 
     dtype: default floating dtype of parameters and activations.
     seed: seeds the Generator used for initialization and dropout masks.
+    kernels: 'auto' (default: $PYDTNN_CPU_KERNELS, else Numba's compiled kernels when numba can be
+    imported), 'numba' or 'numpy' (the pure-NumPy path only; backends/compiled.py).
 
     Large scratch arrays (im2col matrices) come from a pool keyed by shape and geometry and go back
     to it once their last user is done, so a training step does not page-fault fresh memory for
@@ -178,16 +197,17 @@ class CPUBackend:
     name = "cpu"
     xp = np
 
-    def __init__(self, dtype=np.float32, seed=0):
+    def __init__(self, dtype=np.float32, seed=0, kernels=None):
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
+        self.kernels = compiled.resolve(kernels)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self._free = {}  # pool key -> list of arrays nobody holds
 
     def __repr__(self):
-        return f"CPUBackend(dtype={self.dtype.name}, seed={self.seed})"
+        return f"CPUBackend(dtype={self.dtype.name}, seed={self.seed}, kernels={self.kernels})"
 
     def reseed(self, key):
         """Restart the Generator from a key (a list of ints): the trainer keys dropout per step."""
@@ -236,11 +256,21 @@ class CPUBackend:
         g, o, _ = wm.shape
         np.matmul(wm[:, None], cols.transpose(0, 2, 1, 3), out=out.reshape(n, g, o, -1).transpose(1, 0, 2, 3))
 
+    def _direct(self, g, co):
+        """Whether the compiled direct convolution computes this layer (backends/compiled.py): every
+        depthwise layer it can, and dense layers up to DIRECT_MAX_CHANNELS channels."""
+        if self.kernels != "numba" or not compiled.direct_ok(g, co):
+            return False
+        return g.groups > 1 or max(g.c, co) <= DIRECT_MAX_CHANNELS
+
     def conv2d_forward(self, x, w, g, keep=True):
         """y = conv(x, w): x (N, C, H, W), w (Co, C/groups, kh, kw) -> y (N, Co, Ho, Wo).
 
-        Returns (y, ctx); ctx holds what backward needs (the im2col matrix) when keep is true.
+        Returns (y, ctx); ctx holds what backward needs (the im2col matrix, or x itself for the
+        direct convolution) when keep is true.
         """
+        if self._direct(g, w.shape[0]):
+            return self._direct_forward(x, w, g, keep)
         if g.c == g.groups and g.sh == g.sw:
             return self._depthwise_forward(x, w, g, keep)
         n, co = x.shape[0], w.shape[0]
@@ -258,6 +288,8 @@ class CPUBackend:
             raise RuntimeError(
                 "conv2d_backward: no saved forward state; run forward(x, training=True) before each backward"
             )
+        if self._direct(g, w.shape[0]):
+            return self._direct_backward(dy, w, ctx, g, need_dx)
         if g.c == g.groups and g.sh == g.sw:
             return self._depthwise_backward(dy, w, ctx, g, need_dx)
         n, co = dy.shape[0], dy.shape[1]
@@ -298,6 +330,46 @@ class CPUBackend:
             dx[:, :, irows, icols] += dcols[:, :, i, j, orows, ocols]
         self._give(key, dcols)
         self._give(ykey, dyk)
+        return dx, dw
+
+    # -- direct 3x3 convolution (compiled, small channel counts) ----------------------------
+    def _direct_forward(self, x, w, g, keep):
+        """Compiled direct convolution (backends/compiled.py), split over samples; keeps x for backward."""
+        x = np.ascontiguousarray(x)
+        n = x.shape[0]
+        y = np.empty((n, w.shape[0], g.ho, g.wo), x.dtype)
+        dwise = g.groups > 1
+
+        def forward(lo, hi):
+            compiled.conv3x3_forward(x, w, y, g.pt, g.pl, g.dh, g.dw, dwise, lo, hi)
+
+        split(n, forward, y.nbytes * 9 * w.shape[1])
+        return y, (_Kept(x) if keep else None)
+
+    def _direct_backward(self, dy, w, ctx, g, need_dx):
+        """dw split over output channels, dx (a convolution of dy with the flipped, transposed kernel)
+        over samples: no thread adds into another's result, so the thread count changes nothing."""
+        x, dy = ctx.array, np.ascontiguousarray(dy)
+        n, co = dy.shape[0], dy.shape[1]
+        dw = np.empty(w.shape, dy.dtype)
+        dwise = g.groups > 1
+        work = x.nbytes * 9 * w.shape[1]
+
+        def weight_grad(lo, hi):
+            compiled.conv3x3_weight_grad(x, dy, dw, g.pt, g.pl, g.dh, g.dw, dwise, lo, hi)
+
+        split(co, weight_grad, work)
+        ctx.release()
+        if not need_dx:
+            return None, dw
+        wt = np.ascontiguousarray((w if dwise else w.transpose(1, 0, 2, 3))[:, :, ::-1, ::-1])
+        dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
+        pt, pl = 2 * g.dh - g.pt, 2 * g.dw - g.pl
+
+        def data_grad(lo, hi):
+            compiled.conv3x3_forward(dy, wt, dx, pt, pl, g.dh, g.dw, dwise, lo, hi)
+
+        split(n, data_grad, dx.nbytes * 9 * w.shape[1])
         return dx, dw
 
     # -- depthwise convolution (one input channel per group) ---------------------------------
