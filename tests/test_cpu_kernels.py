@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pydtnn.backends import compiled
+from pydtnn.backends import cpu
 from pydtnn.backends.cpu import ConvGeometry, CPUBackend, _window_layout
 from pydtnn.layers import AvgPool2D, Conv2D, MaxPool2D
 from pydtnn.testing import check_against_torch, check_gradients
@@ -203,14 +203,15 @@ def test_direct_kernel_is_chosen_only_where_it_applies():
 
 
 def test_kernel_choice_errors(monkeypatch):
+    """A bad choice names itself and the valid ones; 'auto' falls back to NumPy without Numba."""
     with pytest.raises(ValueError, match="one of auto, numba, numpy, got 'fortran'"):
         CPUBackend(kernels="fortran")
     monkeypatch.setenv("PYDTNN_CPU_KERNELS", "numpy")
     assert CPUBackend().kernels == "numpy"
-    monkeypatch.setattr(compiled, "numba", None)
+    monkeypatch.setattr(cpu, "numba_installed", lambda: False)
     monkeypatch.setenv("PYDTNN_CPU_KERNELS", "auto")
     assert CPUBackend().kernels == "numpy"  # no numba: the NumPy path, silently
-    with pytest.raises(ValueError, match="numba cannot be imported"):
+    with pytest.raises(ValueError, match="numba is not installed"):
         CPUBackend(kernels="numba")
 
 
@@ -335,8 +336,6 @@ def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
         calls = []
         real = th.split
         monkeypatch.setattr(th, "split", lambda n, fn, nbytes=None: (calls.append(n), real(n, fn, nbytes)))
-        import pydtnn.backends.cpu as cpu
-
         monkeypatch.setattr(cpu, "split", th.split)
         got = _kernels_run(x, np.random.default_rng(1))
     finally:
@@ -367,3 +366,29 @@ def test_split_runs_chunks_in_other_threads_and_raises_their_errors():
         assert seen == [(0, 10)]
     finally:
         th.set_threads(th.default_threads())
+
+
+def test_numba_is_imported_only_by_models_that_use_a_compiled_kernel():
+    """Numba and LLVM cost about 100 MB of memory: a model without a direct convolution never loads them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from pydtnn.backends.cpu import ConvGeometry, CPUBackend\n"
+        "from pydtnn.layers import Conv2D\n"
+        "be = CPUBackend(kernels='numba')\n"
+        "x = np.ones((2, 32, 6, 6), np.float32)\n"
+        "wide = Conv2D(32, 3, padding=1)\n"
+        "wide.build((32, 6, 6), backend=be)\n"
+        "wide.backward(wide.forward(x))\n"
+        "before = 'numba' in sys.modules\n"
+        "small = Conv2D(8, 3, padding=1)\n"
+        "small.build((8, 6, 6), backend=be)\n"
+        "small.forward(x[:, :8])\n"
+        "print(before, 'numba' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    # the 32-channel layer runs im2col + GEMM without Numba; the 8-channel one loads it
+    assert r.stdout.split() == ["False", "True"], r.stdout

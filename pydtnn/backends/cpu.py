@@ -11,17 +11,51 @@ the other convolutions use BLAS's own threads (splitting their copies measured n
 threads keep the cores busy right after each GEMM).
 """
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 
-from pydtnn.backends import compiled
 from pydtnn.backends.threads import split
+
+KERNELS = ("auto", "numba", "numpy")
 
 # Largest channel count (input or output) computed by the direct 3x3 kernel; above it im2col + GEMM
 # is faster (docs/performance.md).
 DIRECT_MAX_CHANNELS = 16
+
+
+def numba_installed():
+    return importlib.util.find_spec("numba") is not None
+
+
+def resolve_kernels(kernels=None):
+    """'numba' or 'numpy': the kernels asked for (default: $PYDTNN_CPU_KERNELS, else 'auto', which is
+    'numba' when Numba is installed). Finding Numba does not import it: backends/compiled.py does,
+    when a layer first uses a compiled kernel."""
+    choice = kernels if kernels is not None else os.environ.get("PYDTNN_CPU_KERNELS", "auto").strip() or "auto"
+    if choice not in KERNELS:
+        raise ValueError(f"CPU kernels must be one of {', '.join(KERNELS)}, got {choice!r}")
+    if choice == "numba" and not numba_installed():
+        raise ValueError("CPU kernels 'numba' asked for, but numba is not installed; pip install numba, or use 'numpy'")
+    if choice == "auto":
+        return "numba" if numba_installed() else "numpy"
+    return choice
+
+
+def direct_ok(g, co):
+    """Whether the compiled direct kernels compute geometry g with co output channels: 3x3, stride 1,
+    one group or depthwise (one input and one output channel per group), and padding at most the
+    kernel's reach on every side (so that dx, a convolution of dy, is padded too)."""
+    eh, ew = 2 * g.dh, 2 * g.dw
+    return (
+        (g.kh, g.kw, g.sh, g.sw) == (3, 3, 1, 1)
+        and (g.groups == 1 or g.groups == g.c == co)
+        and 0 <= min(g.pt, g.pb) <= max(g.pt, g.pb) <= eh
+        and 0 <= min(g.pl, g.pr) <= max(g.pl, g.pr) <= ew
+    )
 
 
 @dataclass(frozen=True)
@@ -201,7 +235,7 @@ class CPUBackend:
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
-        self.kernels = compiled.resolve(kernels)
+        self.kernels = resolve_kernels(kernels)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self._free = {}  # pool key -> list of arrays nobody holds
@@ -259,7 +293,7 @@ class CPUBackend:
     def _direct(self, g, co):
         """Whether the compiled direct convolution computes this layer (backends/compiled.py): every
         depthwise layer it can, and dense layers up to DIRECT_MAX_CHANNELS channels."""
-        if self.kernels != "numba" or not compiled.direct_ok(g, co):
+        if self.kernels != "numba" or not direct_ok(g, co):
             return False
         return g.groups > 1 or max(g.c, co) <= DIRECT_MAX_CHANNELS
 
@@ -335,6 +369,8 @@ class CPUBackend:
     # -- direct 3x3 convolution (compiled, small channel counts) ----------------------------
     def _direct_forward(self, x, w, g, keep):
         """Compiled direct convolution (backends/compiled.py), split over samples; keeps x for backward."""
+        from pydtnn.backends import compiled  # imports Numba: only models that use the kernel pay for it
+
         x = np.ascontiguousarray(x)
         n = x.shape[0]
         y = np.empty((n, w.shape[0], g.ho, g.wo), x.dtype)
@@ -349,6 +385,8 @@ class CPUBackend:
     def _direct_backward(self, dy, w, ctx, g, need_dx):
         """dw split over output channels, dx (a convolution of dy with the flipped, transposed kernel)
         over samples: no thread adds into another's result, so the thread count changes nothing."""
+        from pydtnn.backends import compiled
+
         x, dy = ctx.array, np.ascontiguousarray(dy)
         n, co = dy.shape[0], dy.shape[1]
         dw = np.empty(w.shape, dy.dtype)
