@@ -1,12 +1,13 @@
 """CPU backend: NumPy arrays, a seeded Generator, and the kernels that differ per device.
 
 Layers hold their logic once and call the backend for the few operations a GPU backend does
-differently (convolution and pooling through cuDNN there, im2col + GEMM here). Everything else in
+differently (convolution and pooling through cuDNN there, im2col + GEMM here, or the compiled
+direct 3x3 convolution of backends/compiled.py for depthwise and small layers). Everything else in
 a layer is written against `backend.xp`, which is `numpy` here and `cupy` on a GPU.
 
 All tensors are NCHW. Convolution geometry is described by `ConvGeometry`, built once per layer.
-docs/performance.md explains how each kernel is laid out and what it costs. Pooling and depthwise
-convolution, which use no BLAS, run over batch chunks in parallel threads (backends/threads.py);
+docs/performance.md explains how each kernel is laid out and what it costs. Pooling, depthwise and
+direct convolution, which use no BLAS, run over chunks in parallel threads (backends/threads.py);
 the other convolutions use BLAS's own threads (splitting their copies measured no gain: BLAS's
 threads keep the cores busy right after each GEMM).
 """
@@ -220,8 +221,8 @@ class CPUBackend:
 
     dtype: default floating dtype of parameters and activations.
     seed: seeds the Generator used for initialization and dropout masks.
-    kernels: 'auto' (default: $PYDTNN_CPU_KERNELS, else Numba's compiled kernels when numba can be
-    imported), 'numba' or 'numpy' (the pure-NumPy path only; backends/compiled.py).
+    kernels: 'auto' (default: $PYDTNN_CPU_KERNELS, else Numba's compiled kernels when numba is
+    installed), 'numba' or 'numpy' (the pure-NumPy path only); see resolve_kernels and compiled.py.
 
     Large scratch arrays (im2col matrices) come from a pool keyed by shape and geometry and go back
     to it once their last user is done, so a training step does not page-fault fresh memory for
