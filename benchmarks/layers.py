@@ -2,8 +2,8 @@
 
     python benchmarks/layers.py [--threads 1] [--repeats 20] [--cases pool,depthwise] [--out FILE]
 
-Same dtype (float32), same thread count (threadpoolctl for NumPy's BLAS, torch.set_num_threads for
-PyTorch), inputs rotated among three sets so caches flatter neither side. Forward and backward are
+Same dtype (float32), same thread count (pydtnn's set_threads, which splits every kernel over its own
+pool with one BLAS thread inside each chunk; torch.set_num_threads for PyTorch), inputs rotated among three sets so caches flatter neither side. Forward and backward are
 timed separately (each backward after an untimed forward). Reports the median times,
 the ratio ours / PyTorch, and our achieved GFLOP/s as a fraction of this machine's sgemm peak,
 measured by the script itself.
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from threadpoolctl import threadpool_limits
 
+from pydtnn.backends.threads import BLAS_THREADS
 from pydtnn.layers import AvgPool2D, BatchNorm, Conv2D, Dense, MaxPool2D, ReLU
 
 # name, layer factory, input shape (N, C, H, W) or (N, F), torch function(x, params)
@@ -69,7 +70,7 @@ def bench(name, make, shape, torch_fn, threads, repeats):
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal(shape, np.float32) for _ in range(3)]
     dys = [rng.standard_normal((shape[0],) + layer.output_shape, np.float32) for _ in range(3)]
-    with threadpool_limits(threads):
+    with threadpool_limits(BLAS_THREADS):
         layer.forward(xs[0]), layer.backward(dys[0])  # warm-up
         fwd = median_time(lambda i: layer.forward(xs[i % 3]), repeats)
 
@@ -117,7 +118,7 @@ def main():
             p.error(f"--cases {args.cases!r} matches none of: {', '.join(c[0] for c in CASES)}")
     from pydtnn.backends.threads import set_threads
 
-    set_threads(args.threads)  # pydtnn's own threaded loops (pooling, depthwise) use the same count as BLAS
+    set_threads(args.threads)  # pydtnn's pool; BLAS runs one thread inside each of its chunks
     peak = sgemm_peak(args.threads)
     rows = [bench(*case, args.threads, args.repeats) for case in cases]
     head = (f"| layer (batch, float32, {args.threads} thread{'s' * (args.threads > 1)}) | ours fwd ms | ours bwd ms "

@@ -18,8 +18,9 @@ and activations. The pydtnn worker never imports torch. Same initial weights: th
 pydtnn model from seed 0, saves its PyTorch twin with torch.save for the torch worker, and passes the
 parameters' SHA-256; the pydtnn worker builds the model from seed 0 again and checks the hash.
 
-Threads: threadpoolctl limits NumPy's BLAS, torch.set_num_threads PyTorch's pool, and the worker starts
-with OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS set to the same count. A cell is the
+Threads: pydtnn's set_threads sizes its pool (which splits every kernel, GEMMs included, and runs BLAS
+with one thread inside each chunk), torch.set_num_threads PyTorch's pool, and the worker starts with
+OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS set to the same count. A cell is the
 median step time after the warm-up steps. Before each worker the driver waits (up to --wait_idle s) for
 other processes to leave the cores; each worker measures how many cores other processes used during its
 timed steps (/proc/stat minus its own CPU time), and the report shows it; a measurement during which they
@@ -115,13 +116,15 @@ def pydtnn_worker(args):
     opt = optim.create("sgd", model.parameters(), lr=LR, momentum=MOMENTUM)
     trainer = Trainer(model, losses.SoftmaxCrossEntropy(), opt, progress=False)
     data = synthetic_batches(args.batch, model.input_shape, model.output_shape[0])
-    try:  # pydtnn's own threaded loops; absent from checkouts older than the module
-        from pydtnn.backends.threads import set_threads
+    blas_threads = args.threads
+    try:  # pydtnn's own thread pool; absent from checkouts older than the module
+        from pydtnn.backends import threads
 
-        set_threads(args.threads)
+        threads.set_threads(args.threads)
+        blas_threads = getattr(threads, "BLAS_THREADS", blas_threads)  # one: the pool splits the GEMMs too
     except ImportError:
         pass
-    with threadpool_limits(args.threads):
+    with threadpool_limits(blas_threads):
         times, foreign = time_steps(lambda i: trainer.train_step(*data[i % 3]), args.warmup, args.steps)
     return record(args, times, foreign, import_mb)
 

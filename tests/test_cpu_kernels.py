@@ -318,13 +318,31 @@ def _kernels_run(x, dy_rng):
     dy = dy_rng.standard_normal((x.shape[0], 5, g.ho, g.wo)).astype(np.float32)
     y, ctx = fast.conv2d_forward(x, w, g)
     out += [y, *fast.conv2d_backward(dy, w, ctx, g)]
+    # im2col + GEMM: y and dx split over samples; dw over its columns, each thread's GEMM rounding in
+    # its own blocking (rounding-level differences, checked apart by the caller)
+    gemm = CPUBackend(np.float32, kernels="numpy")
+    for co, k, s, p, groups in ((6, 3, 1, 1, 1), (6, 3, 2, 1, 1), (6, 1, 2, 0, 1), (4, 1, 1, 0, 1), (6, 3, 1, 1, 2)):
+        g = ConvGeometry(c=c, h=x.shape[2], w=x.shape[3], kh=k, kw=k, sh=s, sw=s, pt=p, pb=p, pl=p, pr=p, groups=groups)
+        w = dy_rng.standard_normal((co, c // groups, k, k)).astype(np.float32)
+        dy = dy_rng.standard_normal((x.shape[0], co, g.ho, g.wo)).astype(np.float32)
+        y, ctx = gemm.conv2d_forward(x, w, g)
+        dx, dw = gemm.conv2d_backward(dy, w, ctx, g)
+        out += [y, dx, BlasRounded(dw)]
     return out
+
+
+class BlasRounded(np.ndarray):
+    """An output that may differ from the one-thread result by BLAS rounding only."""
+
+    def __new__(cls, a):
+        return np.asarray(a).view(cls)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
-    """Pooling, depthwise and direct convolution split their work over threads: every thread count gives
-    the same bits as one thread (a batch of 7 leaves uneven chunks; every call splits, whatever its size)."""
+    """Pooling and every convolution path split their work over threads: every thread count gives the
+    same bits as one thread, but for the GEMM path's dw (a batch of 7 leaves uneven chunks; every call
+    splits, whatever its size)."""
     from pydtnn.backends import threads as th
 
     monkeypatch.setattr(th, "MIN_BYTES", 0)
@@ -340,10 +358,13 @@ def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
         got = _kernels_run(x, np.random.default_rng(1))
     finally:
         th.set_threads(th.default_threads())
-    assert len(calls) >= 21  # every pooling, depthwise and direct call went through the splitter
+    assert len(calls) >= 21 + 5 * 3  # every pooling and convolution call went through the splitter
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
-        np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
+        if isinstance(a, BlasRounded):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=f"output {i}")
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
 
 
 def test_split_runs_chunks_in_other_threads_and_raises_their_errors():

@@ -6,10 +6,10 @@ direct 3x3 convolution of backends/compiled.py for depthwise and small layers). 
 a layer is written against `backend.xp`, which is `numpy` here and `cupy` on a GPU.
 
 All tensors are NCHW. Convolution geometry is described by `ConvGeometry`, built once per layer.
-docs/performance.md explains how each kernel is laid out and what it costs. Pooling, depthwise and
-direct convolution, which use no BLAS, run over chunks in parallel threads (backends/threads.py);
-the other convolutions use BLAS's own threads (splitting their copies measured no gain: BLAS's
-threads keep the cores busy right after each GEMM).
+docs/performance.md explains how each kernel is laid out and what it costs. Every kernel splits
+its work over the backend's threads (backends/threads.py), the GEMMs included: each thread fills
+the im2col columns of its own samples and multiplies them with a one-thread BLAS, so no BLAS
+thread is left spinning on a core that the next copy needs.
 """
 
 import importlib.util
@@ -19,7 +19,7 @@ from functools import cache
 
 import numpy as np
 
-from pydtnn.backends.threads import split
+from pydtnn.backends.threads import split, threads
 
 KERNELS = ("auto", "numba", "numpy")
 
@@ -237,6 +237,7 @@ class CPUBackend:
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
         self.kernels = resolve_kernels(kernels)
+        threads()  # from here on BLAS runs one thread per caller, the same in every layer (threads.py)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self._free = {}  # pool key -> list of arrays nobody holds
@@ -268,18 +269,39 @@ class CPUBackend:
         self._free.setdefault(key, []).append(a)
 
     # -- convolution -----------------------------------------------------------------------
-    def _im2col(self, x, g, tag="cols"):
-        """Pooled cols (G, Cg*kh*kw, N, Ho*Wo) of x (N, C, H, W): cols[:, (c, i, j), n, (ho, wo)] is the
-        input that kernel position (i, j) of channel c sees at output (ho, wo); zero in the padding."""
-        n = x.shape[0]
-        shape = (g.c, g.kh, g.kw, n, g.ho, g.wo)
-        key, buf = self._take(tag, shape, x.dtype, g)
-        buf = buf.reshape(shape)  # the pool gets back the (G, K, N, P) view returned below
-        dst = buf.transpose(3, 0, 1, 2, 4, 5)  # (N, C, kh, kw, Ho, Wo) view
+    def _cols(self, n, g, dtype, tag):
+        """Pooled im2col buffer for n samples: (key, flat buffer); see _fill_cols for its layout."""
+        return self._take(tag, (g.c, g.kh, g.kw, n, g.ho, g.wo), dtype, g)
+
+    @staticmethod
+    def _fill_cols(buf, x, g, lo, hi):
+        """Write samples lo..hi-1 of x (N, C, H, W) into buf (C, kh, kw, N, Ho, Wo): buf[(c, i, j), n,
+        (ho, wo)] is the input that kernel position (i, j) of channel c sees at output (ho, wo); the
+        padding entries are never written (the pool hands out zeroed buffers)."""
+        dst = buf.reshape(g.c, g.kh, g.kw, -1, g.ho, g.wo).transpose(3, 0, 1, 2, 4, 5)[lo:hi]
         for _, i, j, orows, ocols, irows, icols in _positions(g):
-            dst[:, :, i, j, orows, ocols] = x[:, :, irows, icols]
-        k = g.c // g.groups * g.kh * g.kw
-        return key, buf.reshape(g.groups, k, n, g.ho * g.wo)
+            dst[:, :, i, j, orows, ocols] = x[lo:hi, :, irows, icols]
+
+    @staticmethod
+    def _as_gemm(buf, g):
+        """The (G, Cg*kh*kw, N, Ho*Wo) view of an im2col buffer."""
+        return buf.reshape(g.groups, g.c // g.groups * g.kh * g.kw, -1, g.ho * g.wo)
+
+    def _conv_gemm(self, x, wm, g, out, tag):
+        """out (N, G*O, Ho, Wo) = conv(x, wm (G, O, K)) by im2col + GEMM, both split over samples: each
+        thread fills the columns of its samples, then multiplies them. (Filling and multiplying a few
+        samples at a time, to stay in cache, measured slower with two threads: many small NumPy calls
+        make the threads queue for the GIL.) Returns (key, buf), the pooled im2col buffer."""
+        n = x.shape[0]
+        key, buf = self._cols(n, g, x.dtype, tag)
+        cols = self._as_gemm(buf, g)
+
+        def part(lo, hi):
+            self._fill_cols(buf, x, g, lo, hi)
+            self._gemm_nchw(wm, cols[:, :, lo:hi], out[lo:hi])
+
+        split(n, part, buf.nbytes)
+        return key, buf
 
     @staticmethod
     def _gemm_nchw(wm, cols, out):
@@ -309,9 +331,8 @@ class CPUBackend:
         if g.c == g.groups and g.sh == g.sw:
             return self._depthwise_forward(x, w, g, keep)
         n, co = x.shape[0], w.shape[0]
-        key, cols = self._im2col(x, g)
         y = np.empty((n, co, g.ho, g.wo), x.dtype)
-        self._gemm_nchw(w.reshape(g.groups, co // g.groups, -1), cols, y)
+        key, cols = self._conv_gemm(x, w.reshape(g.groups, co // g.groups, -1), g, y, "cols")
         if not keep:
             self._give(key, cols)
             return y, None
@@ -330,10 +351,21 @@ class CPUBackend:
         n, co = dy.shape[0], dy.shape[1]
         G, p = g.groups, g.ho * g.wo
         o, cg = co // G, g.c // G
-        cols = ctx.array
+        cols = self._as_gemm(ctx.array, g).reshape(G, -1, n * p)
         ykey, dyk = self._take("dyk", (G, o, n, p), dy.dtype)  # dy with (n, ho, wo) merged: one GEMM for dw
-        dyk[...] = dy.reshape(n, G, o, p).transpose(1, 2, 0, 3)
-        dw = np.matmul(dyk.reshape(G, o, n * p), cols.reshape(G, -1, n * p).transpose(0, 2, 1)).reshape(w.shape)
+
+        def regroup(lo, hi):
+            dyk[:, :, lo:hi] = dy[lo:hi].reshape(hi - lo, G, o, p).transpose(1, 2, 0, 3)
+
+        split(n, regroup, dy.nbytes)
+        dw = np.empty((G, o, cols.shape[1]), dy.dtype)
+        dyk2 = dyk.reshape(G, o, n * p)
+
+        def weight_grad(lo, hi):  # columns lo..hi-1 of dw (input channel, kernel position): whole-batch sums
+            np.matmul(dyk2, cols[:, lo:hi].transpose(0, 2, 1), out=dw[:, :, lo:hi])
+
+        split(cols.shape[1], weight_grad, dyk.nbytes + cols.nbytes)
+        dw = dw.reshape(w.shape)
         ctx.release()
         if not need_dx:
             self._give(ykey, dyk)
@@ -345,24 +377,29 @@ class CPUBackend:
             gt = _transposed(g, co)
             wt = w.reshape(G, o, cg, g.kh, g.kw).transpose(0, 2, 1, 3, 4)[..., ::-1, ::-1].reshape(G, cg, -1)
             if g.kh == g.kw == 1 and not gt.padded:
-                self._gemm_nchw(wt, dy.reshape(n, G, o, p).transpose(1, 2, 0, 3), dx)
+
+                def data_grad(lo, hi):
+                    self._gemm_nchw(wt, dyk[:, :, lo:hi], dx[lo:hi])
+
+                split(n, data_grad, dx.nbytes + dy.nbytes)
             else:
-                key, dcols = self._im2col(dy, gt, tag="dcols")
-                self._gemm_nchw(wt, dcols, dx)
+                key, dcols = self._conv_gemm(dy, wt, gt, dx, "dcols")
                 self._give(key, dcols)
             self._give(ykey, dyk)
             return dx, dw
         # strided: dcols = W^T dy, then each kernel position adds its share back into dx
         key, dcols = self._take("dcols", (n, g.c, g.kh, g.kw, g.ho, g.wo), dy.dtype)
-        wm = w.reshape(G, o, cg * g.kh * g.kw)
-        np.matmul(
-            wm.transpose(0, 2, 1)[:, None],
-            dyk.transpose(0, 2, 1, 3),
-            out=dcols.reshape(n, G, -1, p).transpose(1, 0, 2, 3),
-        )
-        dx[...] = 0
-        for _, i, j, orows, ocols, irows, icols in _positions(g):
-            dx[:, :, irows, icols] += dcols[:, :, i, j, orows, ocols]
+        wmt = w.reshape(G, o, cg * g.kh * g.kw).transpose(0, 2, 1)[:, None]
+        pos = _positions(g)
+
+        def data_grad_strided(lo, hi):
+            out = dcols[lo:hi].reshape(hi - lo, G, -1, p).transpose(1, 0, 2, 3)
+            np.matmul(wmt, dyk[:, :, lo:hi].transpose(0, 2, 1, 3), out=out)
+            dx[lo:hi] = 0
+            for _, i, j, orows, ocols, irows, icols in pos:
+                dx[lo:hi, :, irows, icols] += dcols[lo:hi, :, i, j, orows, ocols]
+
+        split(n, data_grad_strided, dx.nbytes + dcols.nbytes)
         self._give(key, dcols)
         self._give(ykey, dyk)
         return dx, dw

@@ -1,26 +1,34 @@
-"""Threads for the CPU backend's own loops: a kernel's batch split over the cores it was given.
+"""Threads for the CPU backend: a kernel's work split over the cores it was given.
 
-Only BLAS uses several cores by itself; NumPy's copies and element-wise loops run on one. NumPy
-releases the GIL inside those loops, so a kernel that splits its batch into one contiguous chunk
-per thread (pooling and depthwise convolution, which use no BLAS) uses every core.
-Each chunk writes its own samples only and adds in the same order as the unsplit loop, so results
-are bit-identical whatever the thread count.
+NumPy's copies and element-wise loops run on one core, and release the GIL while they run, so a
+kernel that splits its batch into one contiguous chunk per thread uses every core. The GEMMs are
+split the same way, each chunk calling BLAS with one thread: BLAS is limited to one thread per
+caller as soon as the first CPU backend is made (`threads()`), so that every GEMM of a process,
+Dense layers' too, rounds the same way whatever the thread count. A BLAS with threads of its
+own would keep them spinning after each call, on the cores the next NumPy loop needs (measured:
+with two threads a training step was no faster than with one; docs/performance.md).
+Each chunk writes its own samples (or output channels) only and adds in the same order as the
+unsplit loop, so results are bit-identical whatever the thread count.
 
-The thread count follows the BLAS one: `set_threads(n)` (called by
-`pydtnn.distributed.launch.limit_blas_threads`, one per rank under MPI) or, until then,
-OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, else the number of cores this process may use.
+The thread count: `set_threads(n)` (called by `pydtnn.distributed.launch.limit_blas_threads`, one
+per rank under MPI) or, until then, OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, else the number of
+cores this process may use.
 """
 
 import os
 import threading
-from concurrent.futures import wait
 
 _state = threading.local()  # marks pool threads, which must not split again
 _threads = None
-_pool = None  # (executor, workers)
-_lock = threading.Lock()
+_workers = []  # the pool: threads() - 1 _Worker, started on first use
+_lock = threading.Lock()  # guards _threads and _workers
+_busy = threading.Lock()  # held by the split that uses the pool; a concurrent split runs unsplit
 
-MIN_BYTES = 1 << 18  # below this a kernel runs unsplit: a hand-off costs tens of microseconds
+BLAS_THREADS = 1  # threads BLAS may use inside one chunk: the pool, not BLAS, spreads work over the cores
+
+# Below this many bytes of work a kernel runs unsplit: handing a chunk to another thread and taking
+# it back costs 30-100 microseconds here, which is what NumPy takes for about 1 MB.
+MIN_BYTES = 1 << 21
 
 
 def default_threads():
@@ -38,33 +46,78 @@ def threads():
     """Threads a split kernel uses now (1: no split)."""
     global _threads
     if _threads is None:
+        _one_blas_thread()
         _threads = default_threads()
     return _threads
 
 
 def set_threads(n):
-    """Use n threads (n >= 1) for split kernels from now on."""
-    global _threads, _pool
-    with _lock:
+    """Use n threads (n >= 1) for split kernels from now on, and one BLAS thread inside each."""
+    global _threads
+    _one_blas_thread()
+    with _busy, _lock:
         _threads = max(1, int(n))
-        if _pool is not None and _pool[1] != _threads - 1:
-            _pool[0].shutdown(wait=True)
-            _pool = None
+        _stop_workers()
 
 
-def _executor():
-    global _pool
-    with _lock:
-        if _pool is None:
-            from concurrent.futures import ThreadPoolExecutor
+def _one_blas_thread():
+    from threadpoolctl import threadpool_limits
 
-            workers = threads() - 1
-            _pool = (ThreadPoolExecutor(workers, thread_name_prefix="pydtnn-cpu", initializer=_mark), workers)
-        return _pool[0]
+    threadpool_limits(BLAS_THREADS, user_api="blas")
 
 
-def _mark():
-    _state.worker = True
+class _Worker:
+    """A pool thread that runs one chunk at a time, handed over and back with two locks: a round
+    trip costs a few tens of microseconds, where a ThreadPoolExecutor's futures cost about 150."""
+
+    def __init__(self, i):
+        self.go, self.done = threading.Lock(), threading.Lock()
+        self.go.acquire()
+        self.done.acquire()
+        self.task = self.error = None
+        threading.Thread(target=self._run, name=f"pydtnn-cpu-{i}", daemon=True).start()
+
+    def _run(self):
+        _state.worker = True
+        while True:
+            self.go.acquire()
+            if self.task is None:
+                return
+            fn, lo, hi = self.task
+            try:
+                fn(lo, hi)
+            except BaseException as e:  # handed to the caller of split
+                self.error = e
+            self.done.release()
+
+    def start(self, fn, lo, hi):
+        self.task, self.error = (fn, lo, hi), None
+        self.go.release()
+
+    def join(self):
+        """Wait for the chunk; its error, if it raised one."""
+        self.done.acquire()
+        return self.error
+
+    def stop(self):
+        self.task = None
+        self.go.release()
+
+
+def _stop_workers():
+    for w in _workers:
+        w.stop()
+    _workers.clear()
+
+
+def _forget_workers():  # in a forked child: the pool's threads were not copied
+    global _busy, _lock
+    _workers.clear()
+    _busy, _lock = threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_workers)
 
 
 def split(n, fn, nbytes=None):
@@ -76,12 +129,23 @@ def split(n, fn, nbytes=None):
     if t <= 1 or getattr(_state, "worker", False) or (nbytes is not None and nbytes < MIN_BYTES):
         fn(0, n)
         return
-    bounds = [n * i // t for i in range(t + 1)]
-    pool = _executor()
-    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, t)]
+    if not _busy.acquire(blocking=False):  # another thread of the program is using the pool
+        fn(0, n)
+        return
     try:
-        fn(bounds[0], bounds[1])
+        with _lock:
+            while len(_workers) < threads() - 1:
+                _workers.append(_Worker(len(_workers) + 1))
+        bounds = [n * i // t for i in range(t + 1)]
+        used = _workers[: t - 1]
+        for i, w in enumerate(used, 1):
+            w.start(fn, bounds[i], bounds[i + 1])
+        try:
+            fn(bounds[0], bounds[1])
+        finally:
+            errors = [w.join() for w in used]  # every chunk is over before the caller reads the buffers
+        for e in errors:
+            if e is not None:
+                raise e
     finally:
-        wait(futures)  # every chunk is over before the caller reads or reuses the buffers
-    for f in futures:
-        f.result()  # re-raises a chunk's error
+        _busy.release()

@@ -42,13 +42,11 @@ def init(threads=1, stall_timeout=300.0, debug_collectives=False):
 
 
 def limit_blas_threads(n):
-    """One BLAS thread per rank by default: measured here, 2 ranks x 2 threads lose 10-30%. The CPU
-    backend's own threaded loops (backends/threads.py) follow the same count."""
-    from threadpoolctl import threadpool_limits
-
+    """n threads per rank for the CPU backend, one by default: measured here, 2 ranks x 2 threads
+    lose 10-30%. The backend's own pool splits the work (backends/threads.py); BLAS runs one
+    thread inside each chunk."""
     from pydtnn.backends.threads import set_threads
 
-    threadpool_limits(n)
     set_threads(n)
 
 
