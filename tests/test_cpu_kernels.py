@@ -367,6 +367,33 @@ def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
             np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_matmul_split_over_columns_matches_numpy(threads, monkeypatch):
+    """CPUBackend.matmul (Dense's three GEMMs) splits the product's columns over threads: each chunk's
+    GEMM rounds in its own blocking, so the result matches NumPy's to float32 rounding; out= is filled."""
+    from pydtnn.backends import threads as th
+
+    monkeypatch.setattr(th, "MIN_BYTES", 0)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((7, 40)).astype(np.float32)
+    b = rng.standard_normal((40, 11)).astype(np.float32)
+    try:
+        th.set_threads(threads)
+        calls = []
+        real = th.split
+        monkeypatch.setattr(cpu, "split", lambda n, fn, nbytes=None: (calls.append(n), real(n, fn, nbytes)))
+        got = CPUBackend.matmul(a, b)
+        out = np.full((7, 11), np.nan, np.float32)
+        assert CPUBackend.matmul(a, b, out=out) is out
+    finally:
+        th.set_threads(th.default_threads())
+    assert calls == [11, 11]
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    for r in (got, out):
+        assert r.dtype == np.float32
+        np.testing.assert_allclose(r, want, rtol=1e-5, atol=1e-5)
+
+
 def test_split_runs_chunks_in_other_threads_and_raises_their_errors():
     import threading
 

@@ -257,6 +257,20 @@ class CPUBackend:
     def to_numpy(self, a):
         return np.asarray(a)
 
+    # -- matrix product --------------------------------------------------------------------
+    @staticmethod
+    def matmul(a, b, out=None):
+        """a (M, K) @ b (K, N), into out when given; split over the columns of the product, so each
+        thread reads only its own columns of b (Dense's weight, the large operand each way)."""
+        if out is None:
+            out = np.empty((a.shape[0], b.shape[1]), np.result_type(a, b))
+
+        def columns(lo, hi):
+            np.matmul(a, b[:, lo:hi], out=out[:, lo:hi])
+
+        split(b.shape[1], columns, a.nbytes + b.nbytes + out.nbytes)
+        return out
+
     # -- scratch pool ----------------------------------------------------------------------
     def _take(self, tag, shape, dtype, g=None):
         """(key, array) from the pool. A new array is zeroed; a reused one holds what its last user

@@ -253,6 +253,10 @@ class GPUBackend:
     def to_numpy(self, a):
         return a.get() if isinstance(a, self.cupy.ndarray) else np.asarray(a)
 
+    def matmul(self, a, b, out=None):
+        """a @ b (cuBLAS), into out when given."""
+        return self.cupy.matmul(a, b, out=out)
+
     def synchronize(self):
         self.cupy.cuda.get_current_stream().synchronize()
 

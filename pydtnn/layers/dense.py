@@ -30,16 +30,16 @@ class Dense(Layer):
 
     def forward(self, x, training=True):
         self.x = x if training else None  # kept only when backward will need it
-        y = x @ self.params["weight"].T
+        y = self.backend.matmul(x, self.params["weight"].T)
         if self.use_bias:
             y += self.params["bias"]
         return y
 
     def backward(self, dy):
-        self.xp.matmul(dy.T, self.x, out=self.grads["weight"])
+        self.backend.matmul(dy.T, self.x, out=self.grads["weight"])
         if self.use_bias:
             dy.sum(axis=0, out=self.grads["bias"])
-        return dy @ self.params["weight"] if self.need_dx else None
+        return self.backend.matmul(dy, self.params["weight"]) if self.need_dx else None
 
     def flops(self):
         return 2 * self.input_shape[0] * self.units + (self.units if self.use_bias else 0)
