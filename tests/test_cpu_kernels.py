@@ -117,6 +117,7 @@ CONV_CASES = [
     ((2, 3, 6, 6), 4, {"kernel_size": 3, "padding": 3}),  # padding beyond k-1: transposed crop
     ((2, 3, 8, 8), 5, {"kernel_size": 3, "dilation": (2, 1), "padding": (1, 2)}),
     ((1, 2, 5, 5), 3, {"kernel_size": 5}),  # kernel as large as the input
+    ((3, 3, 5, 4), 4, {"kernel_size": 3, "padding": 1}),  # 20 pixels: 2-sample GEMM blocks at 40 columns
     ((2, 3, 7, 9), 5, {"kernel_size": 3, "padding": 1}),  # direct 3x3 (compiled)
     ((2, 2, 6, 5), 3, {"kernel_size": 3}),  # direct, no padding: dx padded by 2
     ((2, 2, 6, 6), 3, {"kernel_size": 3, "padding": (2, 0)}),  # direct, padding up to the kernel's reach
@@ -130,8 +131,12 @@ def torch_conv(kwargs):
     return lambda x, p: F.conv2d(x, p["weight"], p.get("bias"), stride, padding, dilation, groups)
 
 
+@pytest.mark.parametrize("gemm_columns", [1, 40])
 @pytest.mark.parametrize("x_shape,filters,kwargs", CONV_CASES)
-def test_conv_paths(x_shape, filters, kwargs, kernels):
+def test_conv_paths(x_shape, filters, kwargs, kernels, gemm_columns, monkeypatch):
+    """gemm_columns 1: one GEMM per sample, written into NCHW; 40: samples share a GEMM, blocks of
+    2 to 40 samples (with the batch of 3 below: a full block and a short one), then reordered."""
+    monkeypatch.setattr(cpu, "GEMM_MIN_COLUMNS", gemm_columns)
     both_checks(lambda: Conv2D(filters, **kwargs), x_shape, torch_conv(kwargs))
 
 

@@ -23,6 +23,10 @@ from pydtnn.backends.threads import split, threads
 
 KERNELS = ("auto", "numba", "numpy")
 
+# Columns of the convolution GEMMs of forward and dx: a sample with fewer output pixels shares its
+# GEMM with the next samples (docs/performance.md).
+GEMM_MIN_COLUMNS = 128
+
 # Largest channel count (input or output) computed by the direct 3x3 kernel; above it im2col + GEMM
 # is faster (docs/performance.md).
 DIRECT_MAX_CHANNELS = 16
@@ -305,16 +309,30 @@ class CPUBackend:
         """out (N, G*O, Ho, Wo) = conv(x, wm (G, O, K)) by im2col + GEMM, both split over samples: each
         thread fills the columns of its samples, then multiplies them. (Filling and multiplying a few
         samples at a time, to stay in cache, measured slower with two threads: many small NumPy calls
-        make the threads queue for the GIL.) Returns (key, buf), the pooled im2col buffer."""
+        make the threads queue for the GIL.) Returns (key, buf), the pooled im2col buffer.
+
+        With many output pixels each sample is one GEMM written straight into NCHW. With few, one
+        GEMM per block of samples (at least GEMM_MIN_COLUMNS columns) reads the weight once per block
+        instead of once per sample, and a copy reorders the block into NCHW. Blocks start at fixed
+        samples, so the thread count never changes a result."""
         n = x.shape[0]
         key, buf = self._cols(n, g, x.dtype, tag)
         cols = self._as_gemm(buf, g)
+        G, o, k, p = wm.shape[0], wm.shape[1], cols.shape[1], cols.shape[3]
+        per_block = -(-GEMM_MIN_COLUMNS // p)
 
-        def part(lo, hi):
+        def gemm_blocks(b0, b1):
+            lo, hi = b0 * per_block, min(b1 * per_block, n)
             self._fill_cols(buf, x, g, lo, hi)
-            self._gemm_nchw(wm, cols[:, :, lo:hi], out[lo:hi])
+            if per_block == 1:
+                self._gemm_nchw(wm, cols[:, :, lo:hi], out[lo:hi])
+                return
+            for n0 in range(lo, hi, per_block):
+                m = min(n0 + per_block, hi) - n0
+                prod = np.matmul(wm, cols[:, :, n0 : n0 + m].reshape(G, k, m * p))
+                out[n0 : n0 + m].reshape(m, G, o, p)[...] = prod.reshape(G, o, m, p).transpose(2, 0, 1, 3)
 
-        split(n, part, buf.nbytes)
+        split(-(-n // per_block), gemm_blocks, buf.nbytes)
         return key, buf
 
     @staticmethod
