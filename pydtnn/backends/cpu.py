@@ -287,10 +287,6 @@ class CPUBackend:
         self._free.setdefault(key, []).append(a)
 
     # -- convolution -----------------------------------------------------------------------
-    def _cols(self, n, g, dtype, tag):
-        """Pooled im2col buffer for n samples: (key, flat buffer); see _fill_cols for its layout."""
-        return self._take(tag, (g.c, g.kh, g.kw, n, g.ho, g.wo), dtype, g)
-
     @staticmethod
     def _fill_cols(buf, x, g, lo, hi):
         """Write samples lo..hi-1 of x (N, C, H, W) into buf (C, kh, kw, N, Ho, Wo): buf[(c, i, j), n,
@@ -316,7 +312,7 @@ class CPUBackend:
         instead of once per sample, and a copy reorders the block into NCHW. Blocks start at fixed
         samples, so the thread count never changes a result."""
         n = x.shape[0]
-        key, buf = self._cols(n, g, x.dtype, tag)
+        key, buf = self._take(tag, (g.c, g.kh, g.kw, n, g.ho, g.wo), x.dtype, g)  # layout: _fill_cols
         cols = self._as_gemm(buf, g)
         G, o, k, p = wm.shape[0], wm.shape[1], cols.shape[1], cols.shape[3]
         per_block = -(-GEMM_MIN_COLUMNS // p)

@@ -3,12 +3,13 @@
 NumPy's copies and element-wise loops run on one core, and release the GIL while they run, so a
 kernel that splits its batch into one contiguous chunk per thread uses every core. The GEMMs are
 split the same way, each chunk calling BLAS with one thread: BLAS is limited to one thread per
-caller as soon as the first CPU backend is made (`threads()`), so that every GEMM of a process,
-Dense layers' too, rounds the same way whatever the thread count. A BLAS with threads of its
-own would keep them spinning after each call, on the cores the next NumPy loop needs (measured:
-with two threads a training step was no faster than with one; docs/performance.md).
-Each chunk writes its own samples (or output channels) only and adds in the same order as the
-unsplit loop, so results are bit-identical whatever the thread count.
+caller as soon as the first CPU backend is made (`threads()`). A BLAS with threads of its own
+would keep them spinning after each call, on the cores the next NumPy loop needs (measured: with
+two threads a training step was no faster than with one; docs/performance.md).
+Each chunk writes its own samples only and adds in the same order as the unsplit loop, so those
+results are bit-identical whatever the thread count. The exceptions are GEMMs split over the
+columns of their product (a convolution's dw, Dense): each chunk's GEMM rounds in its own
+blocking, so they differ from the one-thread result in the last bits.
 
 The thread count: `set_threads(n)` (called by `pydtnn.distributed.launch.limit_blas_threads`, one
 per rank under MPI) or, until then, OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, else the number of
