@@ -18,13 +18,6 @@ from pydtnn.layers import AvgPool2D, Conv2D, MaxPool2D
 from pydtnn.testing import check_against_torch, check_gradients
 
 
-@pytest.fixture(params=["numba", "numpy"])
-def kernels(request, monkeypatch):
-    """Run a test with the compiled kernels, then with the NumPy path alone."""
-    monkeypatch.setenv("PYDTNN_CPU_KERNELS", request.param)
-    return request.param
-
-
 def both_checks(make, x_shape, torch_fn):
     check_gradients(make(), x_shape)
     for dtype in (np.float64, np.float32):
@@ -323,6 +316,11 @@ def _kernels_run(x, dy_rng):
     dy = dy_rng.standard_normal((x.shape[0], 5, g.ho, g.wo)).astype(np.float32)
     y, ctx = fast.conv2d_forward(x, w, g)
     out += [y, *fast.conv2d_backward(dy, w, ctx, g)]
+    # compiled BatchNorm: channels split
+    weight, bias = dy_rng.standard_normal((2, c)).astype(np.float32)
+    dy = dy_rng.standard_normal(x.shape).astype(np.float32)
+    y, mean, var = fast.batchnorm_forward(x, weight, bias, 1e-5)
+    out += [y, mean, var, *fast.batchnorm_backward(dy, x, mean, 1 / np.sqrt(var + 1e-5), weight)]
     # im2col + GEMM: y and dx split over samples; dw over its columns, each thread's GEMM rounding in
     # its own blocking (rounding-level differences, checked apart by the caller)
     gemm = CPUBackend(np.float32, kernels="numpy")
@@ -345,12 +343,13 @@ class BlasRounded(np.ndarray):
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
-    """Pooling and every convolution path split their work over threads: every thread count gives the
-    same bits as one thread, but for the GEMM path's dw (a batch of 7 leaves uneven chunks; every call
-    splits, whatever its size)."""
+    """Pooling, BatchNorm and every convolution path split their work over threads: every thread count
+    gives the same bits as one thread, but for the GEMM path's dw (a batch of 7 leaves uneven chunks;
+    every call splits, whatever its size)."""
     from pydtnn.backends import threads as th
 
     monkeypatch.setattr(th, "MIN_BYTES", 0)
+    monkeypatch.setattr(cpu, "BATCHNORM_SPLIT_BYTES", 0)
     x = np.random.default_rng(0).standard_normal((7, 4, 9, 9)).astype(np.float32)
     try:
         th.set_threads(1)
@@ -363,7 +362,7 @@ def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
         got = _kernels_run(x, np.random.default_rng(1))
     finally:
         th.set_threads(th.default_threads())
-    assert len(calls) >= 21 + 5 * 3  # every pooling and convolution call went through the splitter
+    assert len(calls) >= 21 + 2 + 5 * 3  # every pooling, convolution and BatchNorm call went through the splitter
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
         if isinstance(a, BlasRounded):
@@ -445,3 +444,4 @@ def test_numba_is_imported_only_by_models_that_use_a_compiled_kernel():
     assert r.returncode == 0, r.stderr
     # the 32-channel layer runs im2col + GEMM without Numba; the 8-channel one loads it
     assert r.stdout.split() == ["False", "True"], r.stdout
+

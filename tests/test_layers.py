@@ -127,7 +127,7 @@ def test_global_avgpool2d(x_shape):
 
 # -- BatchNorm -----------------------------------------------------------------------------
 @pytest.mark.parametrize("x_shape", [(4, 3, 5, 5), (6, 7), (2, 2, 1, 3)])
-def test_batchnorm_training(x_shape):
+def test_batchnorm_training(x_shape, kernels):
     c = x_shape[1]
 
     def make(dtype=np.float64):
@@ -152,8 +152,10 @@ def test_batchnorm_training(x_shape):
 @pytest.mark.parametrize("x_shape", [(7, 3, 4, 5), (9, 6)])
 @pytest.mark.parametrize("training", [True, False])
 def test_batchnorm_in_chunks(monkeypatch, x_shape, training):
-    """The CPU path reduces and writes dx a few samples at a time: chunks of 2 samples, last one short."""
+    """The NumPy path reduces and writes dx a few samples at a time: chunks of 2 samples, last one short."""
     import pydtnn.layers.norm as norm
+
+    monkeypatch.setenv("PYDTNN_CPU_KERNELS", "numpy")  # the compiled kernels take whole channels
 
     per_sample = int(np.prod(x_shape[1:]))
     c = x_shape[1]
@@ -180,7 +182,7 @@ def test_batchnorm_in_chunks(monkeypatch, x_shape, training):
             check_gradients(make(), x_shape, training=training)
 
 
-def test_batchnorm_float32_far_from_zero_mean():
+def test_batchnorm_float32_far_from_zero_mean(kernels):
     """Statistics and gradients stay accurate in float32 when |mean| is 100 standard deviations."""
     rng = np.random.default_rng(1)
     x = (100 + rng.standard_normal((8, 4, 6, 6)) * np.array([1, 0.5, 2, 1])[:, None, None]).astype(np.float32)
@@ -198,6 +200,32 @@ def test_batchnorm_float32_far_from_zero_mean():
     for k in ("weight", "bias"):
         np.testing.assert_allclose(bn.grads[k], ref.grads[k], rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(bn.buffers["running_var"], ref.buffers["running_var"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("x_shape", [(5, 4, 6, 7), (9, 3)])
+def test_batchnorm_compiled_kernels_match_numpy_path(x_shape):
+    """The CPU backend's compiled BatchNorm (whole channels per call) and the NumPy path (chunked
+    reductions) agree to rounding, in float32 and float64: output, running statistics, gradients."""
+    from pydtnn.backends.cpu import CPUBackend
+
+    rng = np.random.default_rng(3)
+    c = x_shape[1]
+    for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
+        x = (5 + 2 * rng.standard_normal(x_shape)).astype(dtype)
+        dy = rng.standard_normal(x_shape).astype(dtype)
+        runs = []
+        for k in ("numba", "numpy"):
+            bn = BatchNorm()
+            bn.build(x_shape[1:], dtype, CPUBackend(dtype, kernels=k))
+            bn.params["weight"][...] = np.linspace(0.5, 1.5, c)
+            bn.params["bias"][...] = np.linspace(-1, 1, c)
+            assert bn._fused(True) == (k == "numba")
+            y = bn.forward(x)
+            dx = bn.backward(dy)
+            runs.append([y, dx, bn.grads["weight"], bn.grads["bias"], *bn.buffers.values()])
+        for i, (a, b) in enumerate(zip(*runs)):
+            assert a.dtype == b.dtype == dtype
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1, np.abs(b).max()), err_msg=f"output {i}")
 
 
 def test_batchnorm_eval_uses_running_stats():

@@ -32,6 +32,11 @@ GEMM_MIN_COLUMNS = 128
 DIRECT_MAX_CHANNELS = 16
 
 
+# BatchNorm is split over channels only from this tensor size: below it a hand-off to the pool costs
+# more than the second core saves (docs/performance.md).
+BATCHNORM_SPLIT_BYTES = 4 << 20
+
+
 def numba_installed():
     return importlib.util.find_spec("numba") is not None
 
@@ -647,3 +652,47 @@ class CPUBackend:
 
         split(dy.shape[0], part, dx.nbytes)
         return dx
+
+    # -- batch normalization ---------------------------------------------------------------
+    @property
+    def fused_batchnorm(self):
+        """Whether training-mode BatchNorm runs the compiled per-channel kernels (compiled.py)."""
+        return self.kernels == "numba"
+
+    def batchnorm_forward(self, x, weight, bias, eps):
+        """Training-mode batch normalization of x (N, C, ...): returns (y, mean, var), the batch
+        statistics in float64. Split over channels: each channel is one thread's whole work, so the
+        thread count never changes a result."""
+        from pydtnn.backends import compiled
+
+        x3 = _channel_rows(x)
+        y = np.empty(x3.shape, x.dtype)
+        mean, var = np.empty(x3.shape[1]), np.empty(x3.shape[1])
+        w64, b64 = weight.astype(np.float64), bias.astype(np.float64)
+
+        def channels(lo, hi):
+            compiled.batchnorm_forward(x3, w64, b64, float(eps), y, mean, var, lo, hi)
+
+        split(x3.shape[1], channels, x.nbytes if x.nbytes >= BATCHNORM_SPLIT_BYTES else 0)
+        return y.reshape(x.shape), mean, var
+
+    def batchnorm_backward(self, dy, x, mean, inv_std, weight):
+        """Gradients of batchnorm_forward: returns (dx, dbias, dweight), the last two float64 (C,)."""
+        from pydtnn.backends import compiled
+
+        dy3, x3 = _channel_rows(dy), _channel_rows(x)
+        dx = np.empty(x3.shape, dy.dtype)
+        db, dw = np.empty(x3.shape[1]), np.empty(x3.shape[1])
+        w64 = weight.astype(np.float64)
+
+        def channels(lo, hi):
+            compiled.batchnorm_backward(dy3, x3, mean, inv_std, w64, dx, db, dw, lo, hi)
+
+        split(x3.shape[1], channels, x.nbytes if x.nbytes >= BATCHNORM_SPLIT_BYTES else 0)
+        return dx.reshape(dy.shape), db, dw
+
+
+def _channel_rows(a):
+    """The contiguous (N, C, L) view of an (N, C) or (N, C, H, W) array."""
+    a = np.ascontiguousarray(a)
+    return a.reshape(a.shape[0], a.shape[1], -1)
