@@ -7,6 +7,10 @@ kernel). Every path is exercised here; the convolution tests run once with the c
 once with the NumPy path alone (PYDTNN_CPU_KERNELS).
 """
 
+import ctypes
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -445,3 +449,38 @@ def test_numba_is_imported_only_by_models_that_use_a_compiled_kernel():
     # the 32-channel layer runs im2col + GEMM without Numba; the 8-channel one loads it
     assert r.stdout.split() == ["False", "True"], r.stdout
 
+
+_FAULTS = """
+import resource, sys
+import numpy as np
+if sys.argv[1] == "keep":
+    from pydtnn.backends.cpu import keep_freed_memory
+    assert keep_freed_memory()
+first = np.ones(5 << 20, np.float32)  # 20 MB: glibc's dynamic thresholds move up to it
+del first
+faults = []
+for step in range(4):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [np.ones(5 << 19, np.float32) for _ in range(6)]  # 60 MB in 10 MB blocks, then all freed
+    del blocks
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+print(min(faults[1:]))
+"""
+
+
+@pytest.mark.skipif(getattr(ctypes.CDLL(None), "mallopt", None) is None, reason="not glibc: no mallopt to call")
+def test_keep_freed_memory_spares_page_faults_on_reuse(monkeypatch):
+    """With the CPU backend's malloc settings, memory freed at the end of a step serves the next step
+    without touching fresh pages; by default glibc hands it back and faults it in again. The user's
+    own MALLOC_* settings take precedence."""
+    run = [sys.executable, "-c", _FAULTS]
+    default = int(subprocess.run([*run, "default"], capture_output=True, text=True, check=True, timeout=60).stdout)
+    kept = int(subprocess.run([*run, "keep"], capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert default >= 1_000  # glibc trims the freed top of the heap: megabytes of fresh pages each step
+    assert kept <= default // 20
+    cpu.keep_freed_memory.cache_clear()
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    try:
+        assert cpu.keep_freed_memory() is False
+    finally:
+        cpu.keep_freed_memory.cache_clear()
