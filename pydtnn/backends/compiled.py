@@ -16,8 +16,8 @@ pass; the CPU backend splits it over channels.
 The NumPy path (backends/cpu.py, layers/norm.py) stays the reference and the fallback: it is used
 when Numba is not installed, when PYDTNN_CPU_KERNELS=numpy, or when a backend is made with
 kernels="numpy"; tests/test_cpu_kernels.py and tests/test_layers.py check that both give the same
-results. The CPU backend imports this
-module (and with it Numba and LLVM, about 100 MB of memory) only when a layer first uses a kernel.
+results. The CPU backend imports this module (and with it Numba and LLVM, about 100 MB of memory)
+only when a layer first uses a kernel.
 """
 
 import numba
