@@ -6,6 +6,10 @@ import pytest
 @pytest.fixture(params=["numba", "numpy"])
 def kernels(request, monkeypatch):
     """Run a test with the compiled CPU kernels, then with the NumPy path alone (a CPUBackend made
-    without kernels= reads PYDTNN_CPU_KERNELS)."""
+    without kernels= reads PYDTNN_CPU_KERNELS). With the compiled kernels, the direct 3x3 convolution
+    takes layers of any width, so that the tests' small images go through it too."""
+    from pydtnn.backends import cpu
+
     monkeypatch.setenv("PYDTNN_CPU_KERNELS", request.param)
+    monkeypatch.setattr(cpu, "DIRECT_MIN_WIDTH", 1)
     return request.param

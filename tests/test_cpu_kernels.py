@@ -154,6 +154,7 @@ DIRECT_CASES = [
     (2, 4, 3, 7, 7, (2, 0, 1, 2), (1, 1), 1),
     (2, 4, 6, 12, 10, (2, 2, 1, 1), (2, 1), 1),
     (1, 2, 2, 3, 3, (1, 1, 1, 1), (1, 1), 1),
+    (3, 19, 10, 8, 16, (1, 1, 1, 1), (1, 1), 1),  # output channels not a multiple of the block of 4
     (3, 6, 6, 9, 11, (1, 1, 1, 1), (1, 1), 6),  # depthwise
     (2, 5, 5, 10, 7, (0, 2, 2, 1), (1, 2), 5),  # depthwise, uneven padding, dilated
 ]
@@ -161,9 +162,12 @@ DIRECT_CASES = [
 
 @pytest.mark.parametrize("case", DIRECT_CASES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_direct_kernel_matches_the_numpy_path(case, dtype):
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20])
+def test_direct_kernel_matches_the_numpy_path(case, dtype, chunk_bytes, monkeypatch):
     """The compiled direct 3x3 convolution and im2col + GEMM give the same y, dx and dw (up to rounding:
-    they add in different orders)."""
+    they add in different orders). chunk_bytes 1: the weight gradient sums one sample at a time."""
+    monkeypatch.setattr(cpu, "DIRECT_MIN_WIDTH", 1)
+    monkeypatch.setattr(cpu, "DIRECT_CHUNK_BYTES", chunk_bytes)
     n, c, co, h, w, pads, (dh, dw), groups = case
     g = ConvGeometry(c, h, w, 3, 3, 1, 1, dh, dw, *pads, groups=groups)
     fast, ref = CPUBackend(dtype, kernels="numba"), CPUBackend(dtype, kernels="numpy")
@@ -190,7 +194,9 @@ def test_direct_kernel_is_chosen_only_where_it_applies():
         return ConvGeometry(**{**base, **kw})
 
     assert fast._direct(geom(), 16) and fast._direct(geom(pt=0, pb=2), 16)
+    assert fast._direct(geom(c=256), 512) and fast._direct(geom(c=3, h=32, w=32), 16)  # any channel count
     assert fast._direct(geom(groups=16), 16) and fast._direct(geom(c=512, groups=512), 512)  # depthwise
+    assert fast._direct(geom(c=64, h=4, w=4, groups=64), 64)  # depthwise: any width
     assert not ref._direct(geom(), 16) and not ref._direct(geom(groups=16), 16)
     for g, co in (
         (geom(sh=2, sw=2), 16),  # strided
@@ -198,8 +204,8 @@ def test_direct_kernel_is_chosen_only_where_it_applies():
         (geom(groups=2), 16),  # grouped
         (geom(groups=16), 32),  # depthwise with a channel multiplier
         (geom(pt=3), 16),  # padding beyond the kernel's reach: dx would need a crop
-        (geom(c=128), 16),  # wide layers: GEMM is faster
-        (geom(), 128),
+        (geom(h=4, w=4), 16),  # narrow images: GEMM is faster
+        (geom(w=7), 16),
     ):
         assert not fast._direct(g, co), (g, co)
 
@@ -434,19 +440,19 @@ def test_numba_is_imported_only_by_models_that_use_a_compiled_kernel():
         "from pydtnn.backends.cpu import ConvGeometry, CPUBackend\n"
         "from pydtnn.layers import Conv2D\n"
         "be = CPUBackend(kernels='numba')\n"
-        "x = np.ones((2, 32, 6, 6), np.float32)\n"
-        "wide = Conv2D(32, 3, padding=1)\n"
-        "wide.build((32, 6, 6), backend=be)\n"
-        "wide.backward(wide.forward(x))\n"
+        "x = np.ones((2, 8, 6, 6), np.float32)\n"
+        "narrow = Conv2D(8, 3, padding=1)\n"
+        "narrow.build((8, 6, 6), backend=be)\n"
+        "narrow.backward(narrow.forward(x))\n"
         "before = 'numba' in sys.modules\n"
-        "small = Conv2D(8, 3, padding=1)\n"
-        "small.build((8, 6, 6), backend=be)\n"
-        "small.forward(x[:, :8])\n"
+        "wide = Conv2D(8, 3, padding=1)\n"
+        "wide.build((8, 8, 8), backend=be)\n"
+        "wide.forward(np.ones((2, 8, 8, 8), np.float32))\n"
         "print(before, 'numba' in sys.modules)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    # the 32-channel layer runs im2col + GEMM without Numba; the 8-channel one loads it
+    # the 6-pixel-wide layer runs im2col + GEMM without Numba; the 8-pixel-wide one loads it
     assert r.stdout.split() == ["False", "True"], r.stdout
 
 

@@ -1,13 +1,20 @@
-"""Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution used for small channel counts,
-and training-mode batch normalization.
+"""Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution (one group, or depthwise) and
+training-mode batch normalization.
 
 im2col + GEMM copies the input nine times into a matrix that does not fit in cache, and with 16-64
 channels the GEMM has too small a dimension for BLAS to reach its peak. These kernels never build
-that matrix: each sample's input is padded into a small scratch array (in cache), and each output
-row is a 9-tap sum over the "wide" grid q = ho*Wp + wo (wo running over the padded width Wp, the
-columns wo >= Wo computed and dropped), a loop LLVM vectorizes. The forward and dx work on whole
-samples, the weight gradient on output channels, so the CPU backend splits them over its threads
-(backends/threads.py) and the result does not depend on the thread count.
+that matrix: each sample's input is padded into a scratch array, and outputs are computed on the
+"wide" grid q = ho*Wp + wo (wo running over the padded width Wp, the columns wo >= Wo computed and
+dropped), where every tap of the kernel is one fixed offset into the padded input.
+
+- One group: register-blocked kernels written as LLVM IR with explicit vectors (see "dense 3x3"
+  below). The forward keeps every sample's padded input for the weight gradient; dx is the forward
+  kernel applied to dy with the flipped, transposed weights.
+- Depthwise: each output row is a 9-tap sum over one channel, a loop LLVM vectorizes.
+
+The forward and dx work on whole samples, the weight gradient on output channels, so the CPU
+backend splits them over its threads (backends/threads.py) and the result does not depend on the
+thread count.
 
 Batch normalization takes one channel at a time through all its passes (statistics, then the affine
 map; in backward the two sums, then dx), so the channel's values are still in cache for the second
@@ -22,6 +29,9 @@ only when a layer first uses a kernel.
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 _jit = numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True)
 
@@ -42,50 +52,41 @@ def _pad_into(xs, xn, pt, pl, hp, wp, c0, c1):
     h, w = xn.shape[1], xn.shape[2]
     cols = min(w, wp - pl)
     for c in range(c0, c1):
+        xr = xs[c]
         for r in range(min(h, hp - pt)):
             base = (r + pt) * wp + pl
-            xs[c, base : base + cols] = xn[c, r, :cols]
+            for k in range(cols):  # element loops: a slice assignment costs more for 8-32 values
+                xr[base + k] = xn[c, r, k]
 
 
 @numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True, inline="always")
-def _taps(acc, xr, ws, o1, o2, j1, j2, first):
-    """acc[q] (=, or += when not first) sum over the 3x3 taps of ws[i, j] * xr[q + i*o1 + j*j1]."""
+def _taps(acc, xr, ws, o1, o2, j1, j2):
+    """acc[q] = sum over the 3x3 taps of ws[i, j] * xr[q + i*o1 + j*j1]."""
     u = np.uint64
     w00, w01, w02 = ws[0, 0], ws[0, 1], ws[0, 2]
     w10, w11, w12 = ws[1, 0], ws[1, 1], ws[1, 2]
     w20, w21, w22 = ws[2, 0], ws[2, 1], ws[2, 2]
     # unsigned indices: with signed ones the negative-index check stops LLVM from vectorizing
-    if first:
-        for q in range(acc.shape[0]):
-            a = u(q)
-            b = a + o1
-            c = a + o2
-            acc[a] = (
-                w00 * xr[a] + w01 * xr[a + j1] + w02 * xr[a + j2]
-                + w10 * xr[b] + w11 * xr[b + j1] + w12 * xr[b + j2]
-                + w20 * xr[c] + w21 * xr[c + j1] + w22 * xr[c + j2]
-            )  # fmt: skip
-    else:
-        for q in range(acc.shape[0]):
-            a = u(q)
-            b = a + o1
-            c = a + o2
-            acc[a] += (
-                w00 * xr[a] + w01 * xr[a + j1] + w02 * xr[a + j2]
-                + w10 * xr[b] + w11 * xr[b + j1] + w12 * xr[b + j2]
-                + w20 * xr[c] + w21 * xr[c + j1] + w22 * xr[c + j2]
-            )  # fmt: skip
+    for q in range(acc.shape[0]):
+        a = u(q)
+        b = a + o1
+        c = a + o2
+        acc[a] = (
+            w00 * xr[a] + w01 * xr[a + j1] + w02 * xr[a + j2]
+            + w10 * xr[b] + w11 * xr[b + j1] + w12 * xr[b + j2]
+            + w20 * xr[c] + w21 * xr[c + j1] + w22 * xr[c + j2]
+        )  # fmt: skip
 
 
 @_jit
-def conv3x3_forward(x, w, y, pt, pl, dh, dw, depthwise, n0, n1):
-    """y[n] = conv(x[n], w) for samples n0..n1-1; x (N, C, H, W), w (Co, C, 3, 3), y (N, Co, Ho, Wo).
+def depthwise3x3_forward(x, w, y, pt, pl, dh, dw, n0, n1):
+    """y[n] = conv(x[n], w) for samples n0..n1-1 of a depthwise 3x3 stride-1 convolution: x (N, C,
+    H, W), w (C, 1, 3, 3), y (N, C, Ho, Wo); output channel c reads input channel c only.
 
-    Stride 1, dilation (dh, dw), padding pt/pl at the top/left (bottom/right follow from y's size).
-    depthwise: Co == C groups, w (C, 1, 3, 3), output channel c reads input channel c only.
+    Dilation (dh, dw), padding pt/pl at the top/left (bottom/right follow from y's size).
     """
     c_ = x.shape[1]
-    co_, ho, wo = y.shape[1], y.shape[2], y.shape[3]
+    ho, wo = y.shape[2], y.shape[3]
     wp = wo + 2 * dw
     hp = ho + 2 * dh
     length = _rounded(ho * wp)
@@ -94,74 +95,65 @@ def conv3x3_forward(x, w, y, pt, pl, dh, dw, depthwise, n0, n1):
     o1, o2, j1, j2 = np.uint64(dh * wp), np.uint64(2 * dh * wp), np.uint64(dw), np.uint64(2 * dw)
     for n in range(n0, n1):
         _pad_into(xs, x[n], pt, pl, hp, wp, 0, c_)
-        for co in range(co_):
-            cs, ce = (co, co + 1) if depthwise else (0, c_)
-            for c in range(cs, ce):
-                _taps(acc, xs[c], w[co, c - cs], o1, o2, j1, j2, c == cs)
+        for c in range(c_):
+            _taps(acc, xs[c], w[c, 0], o1, o2, j1, j2)
             for r in range(ho):
-                y[n, co, r, :] = acc[r * wp : r * wp + wo]
+                y[n, c, r, :] = acc[r * wp : r * wp + wo]
 
 
 @_jit
-def conv3x3_weight_grad(x, dy, dwt, pt, pl, dh, dw, depthwise, co0, co1):
-    """dwt[co] = sum over samples of the correlation of dy[:, co] with x, for co0 <= co < co1.
+def depthwise3x3_weight_grad(x, dy, dwt, pt, pl, dh, dw, c0, c1):
+    """dwt[c] = sum over samples of the correlation of dy[:, c] with x[:, c], for c0 <= c < c1.
 
-    x (N, C, H, W), dy (N, Co, Ho, Wo), dwt (Co, C, 3, 3), or (C, 1, 3, 3) when depthwise. Each tap
-    is a dot product over the wide grid (dy is zero in the dropped columns); per-sample partial sums
-    are added in float64.
+    x (N, C, H, W), dy (N, C, Ho, Wo), dwt (C, 1, 3, 3). Each tap is a dot product over the wide grid
+    (dy is zero in the dropped columns); per-sample partial sums are added in float64.
     """
-    n_, c_ = x.shape[0], x.shape[1]
+    n_ = x.shape[0]
     ho, wo = dy.shape[2], dy.shape[3]
     wp = wo + 2 * dw
     hp = ho + 2 * dh
     length = _rounded(ho * wp)
-    xs = np.zeros((c_, length + 2 * dh * wp + 2 * dw), x.dtype)
-    ds = np.zeros((co1 - co0, length), x.dtype)
-    tot = np.zeros((co1 - co0, dwt.shape[1], 9), np.float64)
-    p0, p1 = (co0, co1) if depthwise else (0, c_)  # input channels this call reads
+    xs = np.zeros((x.shape[1], length + 2 * dh * wp + 2 * dw), x.dtype)
+    dr = np.zeros(length, x.dtype)
+    tot = np.zeros((c1 - c0, 9), np.float64)
     zero = x.dtype.type(0)
     u = np.uint64
     o1, o2, j1, j2 = u(dh * wp), u(2 * dh * wp), u(dw), u(2 * dw)
     for n in range(n_):
-        _pad_into(xs, x[n], pt, pl, hp, wp, p0, p1)
-        for co in range(co0, co1):
+        _pad_into(xs, x[n], pt, pl, hp, wp, c0, c1)
+        for c in range(c0, c1):
             for r in range(ho):
-                ds[co - co0, r * wp : r * wp + wo] = dy[n, co, r, :]
-        for k in range(co1 - co0):
-            dr = ds[k]
-            cs, ce = (co0 + k, co0 + k + 1) if depthwise else (0, c_)
-            for c in range(cs, ce):
-                xr = xs[c]
-                s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = zero
-                for q in range(length):
-                    a = u(q)
-                    b = a + o1
-                    e = a + o2
-                    d = dr[a]
-                    s0 += d * xr[a]
-                    s1 += d * xr[a + j1]
-                    s2 += d * xr[a + j2]
-                    s3 += d * xr[b]
-                    s4 += d * xr[b + j1]
-                    s5 += d * xr[b + j2]
-                    s6 += d * xr[e]
-                    s7 += d * xr[e + j1]
-                    s8 += d * xr[e + j2]
-                t = tot[k, c - cs]
-                t[0] += s0
-                t[1] += s1
-                t[2] += s2
-                t[3] += s3
-                t[4] += s4
-                t[5] += s5
-                t[6] += s6
-                t[7] += s7
-                t[8] += s8
-    for k in range(co1 - co0):
-        for c in range(dwt.shape[1]):
-            for i in range(3):
-                for j in range(3):
-                    dwt[co0 + k, c, i, j] = tot[k, c, i * 3 + j]
+                dr[r * wp : r * wp + wo] = dy[n, c, r, :]
+            xr = xs[c]
+            s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = zero
+            for q in range(length):
+                a = u(q)
+                b = a + o1
+                e = a + o2
+                d = dr[a]
+                s0 += d * xr[a]
+                s1 += d * xr[a + j1]
+                s2 += d * xr[a + j2]
+                s3 += d * xr[b]
+                s4 += d * xr[b + j1]
+                s5 += d * xr[b + j2]
+                s6 += d * xr[e]
+                s7 += d * xr[e + j1]
+                s8 += d * xr[e + j2]
+            t = tot[c - c0]
+            t[0] += s0
+            t[1] += s1
+            t[2] += s2
+            t[3] += s3
+            t[4] += s4
+            t[5] += s5
+            t[6] += s6
+            t[7] += s7
+            t[8] += s8
+    for c in range(c0, c1):
+        for i in range(3):
+            for j in range(3):
+                dwt[c, 0, i, j] = tot[c - c0, i * 3 + j]
 
 
 # -- batch normalization: every pass over one channel's samples while they are in cache ----------------
@@ -241,3 +233,258 @@ def batchnorm_backward(dy, x, mean, inv_std, weight, dx, db, dw, c0, c1):
             g, r, o = dy[n, c], x[n, c], dx[n, c]
             for i in range(l_):
                 o[i] = k1f * g[i] + k2f * r[i] + k0f
+
+
+# -- dense 3x3 convolution: register-blocked vector kernels --------------------------------------------
+# LLVM does not keep a block of accumulators in registers across a reduction loop written in Python,
+# so the two inner blocks below are emitted as LLVM IR with explicit 256-bit vectors (8 float32 or 4
+# float64 lanes): a forward block of BLOCK_CHANNELS output channels times V vectors of output pixels
+# (the loop over input channels and the 9 taps inside, every accumulator in a register), and a
+# weight-gradient block of BLOCK_CHANNELS output channels times one row of 3 taps (the loop over
+# pixels inside). LLVM splits the vectors where the CPU's are narrower.
+BLOCK_CHANNELS = 4
+
+
+def _vector_of(context, dtype):
+    """(element type, lanes, vector type, fma intrinsic name) of 256-bit vectors of dtype."""
+    elem = context.get_value_type(dtype)
+    lanes = 256 // dtype.bitwidth
+    return elem, lanes, ir.VectorType(elem, lanes), f"llvm.fma.v{lanes}f{dtype.bitwidth}"
+
+
+class _Emitter:
+    """Small helpers over an IRBuilder for one element type."""
+
+    def __init__(self, context, builder, dtype):
+        self.b = builder
+        self.elem, self.lanes, self.vec, name = _vector_of(context, dtype)
+        self.align = dtype.bitwidth // 8
+        mod = builder.module
+        self.fma_fn = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(self.vec, [self.vec] * 3), name=name)
+
+    def at(self, base, index):
+        return self.b.gep(base, [index], source_etype=self.elem)
+
+    def vload(self, base, index):
+        ptr = self.b.bitcast(self.at(base, index), self.vec.as_pointer())
+        return self.b.load(ptr, typ=self.vec, align=self.align)
+
+    def vstore(self, value, base, index):
+        self.b.store(value, self.b.bitcast(self.at(base, index), self.vec.as_pointer()), align=self.align)
+
+    def splat(self, base, index):
+        s = self.b.load(self.at(base, index), typ=self.elem, align=self.align)
+        undef = ir.Constant(self.vec, ir.Undefined)
+        mask = ir.Constant(ir.VectorType(ir.IntType(32), self.lanes), [0] * self.lanes)
+        return self.b.shuffle_vector(self.b.insert_element(undef, s, _I64(0)), undef, mask)
+
+    def fma(self, a, b, c):
+        return self.b.call(self.fma_fn, [a, b, c])
+
+    def row_stride(self, ary):
+        """Elements between the rows of a 2-D array."""
+        return self.b.udiv(self.b.extract_value(ary.strides, 0), _I64(self.align))
+
+    def counted_loop(self, start, stop, step, carried, body):
+        """for i in range(start, stop, step) with start < stop: carried values (LLVM values) pass from
+        one iteration to the next; body(i, values) returns the next ones. Returns the final ones."""
+        b = self.b
+        pre = b.block
+        loop = b.append_basic_block("loop")
+        done = b.append_basic_block("done")
+        b.branch(loop)
+        b.position_at_end(loop)
+        i = b.phi(_I64)
+        i.add_incoming(start, pre)
+        phis = []
+        for v in carried:
+            p = b.phi(v.type)
+            p.add_incoming(v, pre)
+            phis.append(p)
+        nxt = body(i, phis)
+        i1 = b.add(i, step)
+        end = b.block
+        i.add_incoming(i1, end)
+        for p, v in zip(phis, nxt):
+            p.add_incoming(v, end)
+        b.cbranch(b.icmp_signed("<", i1, stop), loop, done)
+        b.position_at_end(done)
+        return nxt
+
+
+_I64 = ir.IntType(64)
+
+
+def _forward_block(vectors):
+    """The forward block with `vectors` vectors of output pixels (see conv3x3_dense_forward)."""
+    m_ = BLOCK_CHANNELS
+
+    @intrinsic
+    def block(typingctx, xs, wb, out, offs, cb, q0, o0):
+        """out[cb*M + m, o0 + p] = sum over c, k of wb[cb, c, k, m] * xs[c, q0 + offs[k] + p] for the
+        M output channels m and the `vectors` vectors of pixels p: xs (C, *), wb (nb, C, 9, M)
+        contiguous, out (nb*M, *), offs (9,) int64."""
+        sig = types.void(xs, wb, out, offs, cb, q0, o0)
+
+        def codegen(context, builder, signature, args):
+            e = _Emitter(context, builder, signature.args[0].dtype)
+            b = builder
+            xa, wa, oa, fa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:4], args[:4]))
+            cb_, q0_, o0_ = args[4:]
+            c_ = b.extract_value(xa.shape, 0)
+            lx, lo = e.row_stride(xa), e.row_stride(oa)
+            offs = [b.load(b.gep(fa.data, [_I64(k)], source_etype=_I64), typ=_I64) for k in range(9)]
+            xbase = e.at(xa.data, q0_)
+            wbase = e.at(wa.data, b.mul(cb_, b.mul(c_, _I64(9 * m_))))
+            zero = ir.Constant(e.vec, [0.0] * e.lanes)
+
+            def body(c, acc):
+                acc = list(acc)
+                xrow = e.at(xbase, b.mul(c, lx))
+                wrow = e.at(wbase, b.mul(c, _I64(9 * m_)))
+                for k in range(9):
+                    xk = e.at(xrow, offs[k])
+                    xv = [e.vload(xk, _I64(e.lanes * v)) for v in range(vectors)]
+                    for m in range(m_):
+                        wv = e.splat(wrow, _I64(k * m_ + m))
+                        for v in range(vectors):
+                            acc[m * vectors + v] = e.fma(wv, xv[v], acc[m * vectors + v])
+                return acc
+
+            acc = e.counted_loop(_I64(0), c_, _I64(1), [zero] * (m_ * vectors), body)
+            obase = e.at(oa.data, b.add(b.mul(b.mul(cb_, _I64(m_)), lo), o0_))
+            for m in range(m_):
+                orow = e.at(obase, b.mul(_I64(m), lo))
+                for v in range(vectors):
+                    e.vstore(acc[m * vectors + v], orow, _I64(e.lanes * v))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return block
+
+
+_forward_block2, _forward_block3 = _forward_block(2), _forward_block(3)
+
+
+@intrinsic
+def _grad_block(typingctx, xs, dyw, acc, offs, cb, ci, i, t0, t1, arow):
+    """acc[arow, (m*3 + j)*lanes + l] += sum over t = t0 + l, t0 + lanes + l, ... < t1 of
+    dyw[cb*M + m, t] * xs[ci, t + offs[3*i + j]]: the M x 3 block of the weight gradient's row i, as
+    lanes partial sums. xs (C, *), dyw (nb*M, *), acc (*, 3*M*lanes) contiguous rows; t1 - t0 a
+    positive multiple of lanes."""
+    sig = types.void(xs, dyw, acc, offs, cb, ci, i, t0, t1, arow)
+    m_ = BLOCK_CHANNELS
+
+    def codegen(context, builder, signature, args):
+        e = _Emitter(context, builder, signature.args[0].dtype)
+        b = builder
+        xa, da, aa, fa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:4], args[:4]))
+        cb_, ci_, i_, t0_, t1_, arow_ = args[4:]
+        row = b.mul(i_, _I64(3))
+        offs = [b.load(b.gep(fa.data, [b.add(row, _I64(j))], source_etype=_I64), typ=_I64) for j in range(3)]
+        xrow = e.at(xa.data, b.mul(ci_, e.row_stride(xa)))
+        ld = e.row_stride(da)
+        drows = [e.at(da.data, b.mul(b.add(b.mul(cb_, _I64(m_)), _I64(m)), ld)) for m in range(m_)]
+        abase = e.at(aa.data, b.mul(arow_, e.row_stride(aa)))
+        start = [e.vload(abase, _I64(e.lanes * k)) for k in range(3 * m_)]
+
+        def body(t, acc):
+            acc = list(acc)
+            xv = [e.vload(e.at(xrow, offs[j]), t) for j in range(3)]
+            for m in range(m_):
+                dv = e.vload(drows[m], t)
+                for j in range(3):
+                    acc[m * 3 + j] = e.fma(dv, xv[j], acc[m * 3 + j])
+            return acc
+
+        acc = e.counted_loop(t0_, t1_, _I64(e.lanes), start, body)
+        for k in range(3 * m_):
+            e.vstore(acc[k], abase, _I64(e.lanes * k))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit
+def _tap_offsets(wp, dh, dw):
+    offs = np.empty(9, np.int64)
+    for i in range(3):
+        for j in range(3):
+            offs[i * 3 + j] = i * dh * wp + j * dw
+    return offs
+
+
+@_jit
+def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors, n0, n1):
+    """y[n] = conv(x[n], w) for samples n0..n1-1 of a one-group 3x3 stride-1 convolution.
+
+    x (N, C, H, W); wb (nb, C, 9, M) the weight w (Co, C, 3, 3) in blocks of M = BLOCK_CHANNELS output
+    channels (zero rows past Co); y (N, Co, Ho, Wo). Each sample is padded into xs (C, *), zero
+    outside the image, at column n*lx when per_sample (xs then holds the whole batch, kept for the
+    weight gradient) or at 0; lx covers the computed columns plus the taps' reach. Each block computes
+    `vectors` (2 or 3) vectors of the wide grid q = ho*Wp + wo, columns wo >= Wo dropped.
+    """
+    c_ = x.shape[1]
+    co_, ho, wo = y.shape[1], y.shape[2], y.shape[3]
+    wp = wo + 2 * dw
+    hp = ho + 2 * dh
+    p = vectors * (32 // x.itemsize)
+    length = (ho * wp + p - 1) // p * p
+    offs = _tap_offsets(wp, dh, dw)
+    out = np.empty((wb.shape[0] * BLOCK_CHANNELS, length), x.dtype)
+    for n in range(n0, n1):
+        base = n * lx if per_sample else 0
+        _pad_into(xs[:, base : base + lx], x[n], pt, pl, hp, wp, 0, c_)
+        for cb in range(wb.shape[0]):
+            for q in range(0, length, p):
+                if vectors == 3:
+                    _forward_block3(xs, wb, out, offs, cb, base + q, q)
+                else:
+                    _forward_block2(xs, wb, out, offs, cb, base + q, q)
+        for co in range(co_):
+            for r in range(ho):
+                for k in range(wo):
+                    y[n, co, r, k] = out[co, r * wp + k]
+
+
+@_jit
+def conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
+    """dwt[co] for the output channels of blocks cb0..cb1-1 (co = cb*M + m < Co): the correlation of dy
+    with the padded inputs xs that conv3x3_dense_forward kept (per_sample, row stride lx per sample).
+
+    dy (N, Co, Ho, Wo) is first laid on the same wide grid in dyw (nb*M, N*lx, zeros elsewhere; this
+    call writes only its own rows). The sums run over chunks of `chunk` samples (whose inputs stay in
+    cache) in lanes of partial sums of the dtype, added in float64 at the end.
+    """
+    n_, co_, ho, wo = dy.shape
+    c_ = xs.shape[0]
+    wp = wo + 2 * dw
+    lanes = 32 // xs.itemsize
+    m_ = BLOCK_CHANNELS
+    offs = _tap_offsets(wp, dh, dw)
+    for co in range(cb0 * m_, min(cb1 * m_, co_)):
+        for n in range(n_):
+            for r in range(ho):
+                for k in range(wo):
+                    dyw[co, n * lx + r * wp + k] = dy[n, co, r, k]
+    acc = np.zeros(((cb1 - cb0) * c_ * 3, 3 * m_ * lanes), xs.dtype)
+    for n0 in range(0, n_, chunk):
+        n1 = min(n0 + chunk, n_)
+        for cb in range(cb0, cb1):
+            for ci in range(c_):
+                for i in range(3):
+                    _grad_block(xs, dyw, acc, offs, cb, ci, i, n0 * lx, n1 * lx, ((cb - cb0) * c_ + ci) * 3 + i)
+    for cb in range(cb0, cb1):
+        for m in range(m_):
+            co = cb * m_ + m
+            if co >= co_:
+                continue
+            for ci in range(c_):
+                for i in range(3):
+                    a = acc[((cb - cb0) * c_ + ci) * 3 + i]
+                    for j in range(3):
+                        s = 0.0
+                        for k in range((m * 3 + j) * lanes, (m * 3 + j + 1) * lanes):
+                            s += a[k]
+                        dwt[co, ci, i, j] = s

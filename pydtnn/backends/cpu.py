@@ -28,9 +28,13 @@ KERNELS = ("auto", "numba", "numpy")
 # GEMM with the next samples (docs/performance.md).
 GEMM_MIN_COLUMNS = 128
 
-# Largest channel count (input or output) computed by the direct 3x3 kernel; above it im2col + GEMM
-# is faster (docs/performance.md).
-DIRECT_MAX_CHANNELS = 16
+# Narrowest output computed by the compiled one-group 3x3 kernels: they compute Wo + 2 columns per
+# output row, and on narrower images im2col + GEMM is faster (docs/performance.md).
+DIRECT_MIN_WIDTH = 8
+
+# The weight gradient of the compiled one-group 3x3 kernels sums over this many bytes of padded
+# input at a time (a chunk of samples), so that they stay in cache.
+DIRECT_CHUNK_BYTES = 1 << 20
 
 
 # BatchNorm is split over channels only from this tensor size: below it a hand-off to the pool costs
@@ -129,6 +133,30 @@ class ConvGeometry:
     @property
     def padded(self):
         return self.pt or self.pb or self.pl or self.pr
+
+
+def _dense_layout(ho, wo, dh, dw, itemsize):
+    """(vectors, lx, tail) of the compiled one-group 3x3 kernels for an output of ho x wo: the vectors
+    per block (2 or 3, whichever computes fewer columns past the wide grid's Ho*Wp; 3 on a tie), each
+    sample's columns lx in the padded input (the computed columns plus the taps' reach, in whole
+    vectors), and the columns after the last sample that the weight gradient reads."""
+    lanes = 32 // itemsize
+    wp = wo + 2 * dw
+    cols = ho * wp
+    vectors = 3 if -(-cols // (3 * lanes)) * 3 <= -(-cols // (2 * lanes)) * 2 else 2
+    block = vectors * lanes
+    reach = 2 * dh * wp + 2 * dw
+    lx = -(-(-(-cols // block) * block + reach) // lanes) * lanes
+    return vectors, lx, -(-reach // lanes) * lanes
+
+
+def _channel_blocks(w, m):
+    """w (Co, C, 3, 3) as (ceil(Co/m), C, 9, m): blocks of m output channels, the last one zero-filled."""
+    co, c = w.shape[:2]
+    blocks = -(-co // m)
+    wz = np.zeros((blocks * m, c, 9), w.dtype)
+    wz[:co] = w.reshape(co, c, 9)
+    return np.ascontiguousarray(wz.reshape(blocks, m, c, 9).transpose(0, 2, 3, 1))
 
 
 def _span(n_out, n_in, offset, pad, stride):
@@ -376,10 +404,10 @@ class CPUBackend:
 
     def _direct(self, g, co):
         """Whether the compiled direct convolution computes this layer (backends/compiled.py): every
-        depthwise layer it can, and dense layers up to DIRECT_MAX_CHANNELS channels."""
+        depthwise layer it can, and one-group layers at least DIRECT_MIN_WIDTH outputs wide."""
         if self.kernels != "numba" or not direct_ok(g, co):
             return False
-        return g.groups > 1 or max(g.c, co) <= DIRECT_MAX_CHANNELS
+        return g.groups > 1 or g.wo >= DIRECT_MIN_WIDTH
 
     def conv2d_forward(self, x, w, g, keep=True):
         """y = conv(x, w): x (N, C, H, W), w (Co, C/groups, kh, kw) -> y (N, Co, Ho, Wo).
@@ -467,46 +495,78 @@ class CPUBackend:
 
     # -- direct 3x3 convolution (compiled, small channel counts) ----------------------------
     def _direct_forward(self, x, w, g, keep):
-        """Compiled direct convolution (backends/compiled.py), split over samples; keeps x for backward."""
+        """Compiled direct convolution (backends/compiled.py), split over samples. A depthwise layer
+        keeps x for backward, a one-group layer its padded input."""
         from pydtnn.backends import compiled  # imports Numba: only models that use the kernel pay for it
 
         x = np.ascontiguousarray(x)
         n = x.shape[0]
         y = np.empty((n, w.shape[0], g.ho, g.wo), x.dtype)
-        dwise = g.groups > 1
+        if g.groups > 1:
 
-        def forward(lo, hi):
-            compiled.conv3x3_forward(x, w, y, g.pt, g.pl, g.dh, g.dw, dwise, lo, hi)
+            def depthwise(lo, hi):
+                compiled.depthwise3x3_forward(x, w, y, g.pt, g.pl, g.dh, g.dw, lo, hi)
 
-        split(n, forward, y.nbytes * 9 * w.shape[1])
-        return y, (_Kept(x) if keep else None)
+            split(n, depthwise, y.nbytes * 9)
+            return y, (_Kept(x) if keep else None)
+        vectors, lx, tail = _dense_layout(g.ho, g.wo, g.dh, g.dw, x.itemsize)
+        wb = _channel_blocks(w, compiled.BLOCK_CHANNELS)
+        xs = np.zeros((g.c, n * lx + tail), x.dtype) if keep else None
+
+        def dense(lo, hi):
+            buf = xs if keep else np.zeros((g.c, lx), x.dtype)
+            compiled.conv3x3_dense_forward(x, wb, y, buf, lx, keep, g.pt, g.pl, g.dh, g.dw, vectors, lo, hi)
+
+        split(n, dense, y.nbytes * 9 * g.c)
+        return y, (_Kept((xs, lx)) if keep else None)
 
     def _direct_backward(self, dy, w, ctx, g, need_dx):
-        """dw split over output channels, dx (a convolution of dy with the flipped, transposed kernel)
-        over samples: no thread adds into another's result, so the thread count changes nothing."""
+        """dw split over output channels (one-group layers: blocks of them), dx (a convolution of dy
+        with the flipped, transposed kernel) over samples: no thread adds into another's result, so
+        the thread count changes nothing."""
         from pydtnn.backends import compiled
 
-        x, dy = ctx.array, np.ascontiguousarray(dy)
+        dy = np.ascontiguousarray(dy)
         n, co = dy.shape[0], dy.shape[1]
         dw = np.empty(w.shape, dy.dtype)
-        dwise = g.groups > 1
-        work = x.nbytes * 9 * w.shape[1]
+        dense = g.groups == 1
+        if dense:
+            (xs, lx), m = ctx.array, compiled.BLOCK_CHANNELS
+            blocks = -(-co // m)
+            dyw = np.zeros((blocks * m, n * lx), dy.dtype)
+            chunk = max(1, DIRECT_CHUNK_BYTES // (g.c * lx * dy.itemsize))
 
-        def weight_grad(lo, hi):
-            compiled.conv3x3_weight_grad(x, dy, dw, g.pt, g.pl, g.dh, g.dw, dwise, lo, hi)
+            def weight_grad(lo, hi):
+                compiled.conv3x3_dense_weight_grad(xs, lx, dy, dyw, dw, g.dh, g.dw, chunk, lo, hi)
 
-        split(co, weight_grad, work)
+            split(blocks, weight_grad, xs.nbytes * 9 * co)
+        else:
+            x = ctx.array
+
+            def weight_grad(lo, hi):
+                compiled.depthwise3x3_weight_grad(x, dy, dw, g.pt, g.pl, g.dh, g.dw, lo, hi)
+
+            split(co, weight_grad, x.nbytes * 9)
         ctx.release()
         if not need_dx:
             return None, dw
-        wt = np.ascontiguousarray((w if dwise else w.transpose(1, 0, 2, 3))[:, :, ::-1, ::-1])
         dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
         pt, pl = 2 * g.dh - g.pt, 2 * g.dw - g.pl
+        if dense:
+            wt = _channel_blocks(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1], m)
+            vectors, lxt, _ = _dense_layout(g.h, g.w, g.dh, g.dw, dy.itemsize)
 
-        def data_grad(lo, hi):
-            compiled.conv3x3_forward(dy, wt, dx, pt, pl, g.dh, g.dw, dwise, lo, hi)
+            def data_grad(lo, hi):
+                buf = np.zeros((co, lxt), dy.dtype)
+                compiled.conv3x3_dense_forward(dy, wt, dx, buf, lxt, False, pt, pl, g.dh, g.dw, vectors, lo, hi)
 
-        split(n, data_grad, dx.nbytes * 9 * w.shape[1])
+        else:
+            wt = np.ascontiguousarray(w[:, :, ::-1, ::-1])
+
+            def data_grad(lo, hi):
+                compiled.depthwise3x3_forward(dy, wt, dx, pt, pl, g.dh, g.dw, lo, hi)
+
+        split(n, data_grad, dx.nbytes * 9 * (co if dense else 1))
         return dx, dw
 
     # -- depthwise convolution (one input channel per group) ---------------------------------
