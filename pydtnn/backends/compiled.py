@@ -45,18 +45,17 @@ def _rounded(length):
 
 
 @_jit
-def _pad_into(xs, xn, pt, pl, hp, wp, c0, c1):
-    """Copy channels c0..c1-1 of one sample xn (C, H, W) into the flat padded scratch xs (C, Hp*Wp +
-    tail) at (pt, pl); the border of xs is never written, so it stays zero. Rows/columns beyond the
-    grid are left out."""
+def _pad_into(xs, start, xn, pt, pl, hp, wp, c0, c1):
+    """Copy channels c0..c1-1 of one sample xn (C, H, W) into the flat padded grid that starts at
+    column `start` of xs (C, *), at (pt, pl); the border is never written, so it stays zero. Rows
+    and columns beyond the grid are left out."""
     h, w = xn.shape[1], xn.shape[2]
     cols = min(w, wp - pl)
     for c in range(c0, c1):
-        xr = xs[c]
         for r in range(min(h, hp - pt)):
-            base = (r + pt) * wp + pl
+            base = start + (r + pt) * wp + pl
             for k in range(cols):  # element loops: a slice assignment costs more for 8-32 values
-                xr[base + k] = xn[c, r, k]
+                xs[c, base + k] = xn[c, r, k]
 
 
 @numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True, inline="always")
@@ -94,7 +93,7 @@ def depthwise3x3_forward(x, w, y, pt, pl, dh, dw, n0, n1):
     acc = np.empty(length, x.dtype)
     o1, o2, j1, j2 = np.uint64(dh * wp), np.uint64(2 * dh * wp), np.uint64(dw), np.uint64(2 * dw)
     for n in range(n0, n1):
-        _pad_into(xs, x[n], pt, pl, hp, wp, 0, c_)
+        _pad_into(xs, 0, x[n], pt, pl, hp, wp, 0, c_)
         for c in range(c_):
             _taps(acc, xs[c], w[c, 0], o1, o2, j1, j2)
             for r in range(ho):
@@ -120,7 +119,7 @@ def depthwise3x3_weight_grad(x, dy, dwt, pt, pl, dh, dw, c0, c1):
     u = np.uint64
     o1, o2, j1, j2 = u(dh * wp), u(2 * dh * wp), u(dw), u(2 * dw)
     for n in range(n_):
-        _pad_into(xs, x[n], pt, pl, hp, wp, c0, c1)
+        _pad_into(xs, 0, x[n], pt, pl, hp, wp, c0, c1)
         for c in range(c0, c1):
             for r in range(ho):
                 dr[r * wp : r * wp + wo] = dy[n, c, r, :]
@@ -435,7 +434,7 @@ def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors,
     out = np.empty((wb.shape[0] * BLOCK_CHANNELS, length), x.dtype)
     for n in range(n0, n1):
         base = n * lx if per_sample else 0
-        _pad_into(xs[:, base : base + lx], x[n], pt, pl, hp, wp, 0, c_)
+        _pad_into(xs, base, x[n], pt, pl, hp, wp, 0, c_)
         for cb in range(wb.shape[0]):
             for q in range(0, length, p):
                 if vectors == 3:

@@ -269,7 +269,7 @@ class _Loan:
 
 
 class _Kept:
-    """A forward's input kept for its backward (the direct convolution needs nothing else)."""
+    """A forward's input kept for its backward (the depthwise direct convolution needs nothing else)."""
 
     __slots__ = ("array",)
 
@@ -511,14 +511,15 @@ class CPUBackend:
             return y, (_Kept(x) if keep else None)
         vectors, lx, tail = _dense_layout(g.ho, g.wo, g.dh, g.dw, x.itemsize)
         wb = _channel_blocks(w, compiled.BLOCK_CHANNELS)
-        xs = np.zeros((g.c, n * lx + tail), x.dtype) if keep else None
+        # pooled: the padding entries, never written, stay zero from one step to the next
+        key, xs = self._take("xs", (g.c, n * lx + tail), x.dtype, g) if keep else (None, None)
 
         def dense(lo, hi):
             buf = xs if keep else np.zeros((g.c, lx), x.dtype)
             compiled.conv3x3_dense_forward(x, wb, y, buf, lx, keep, g.pt, g.pl, g.dh, g.dw, vectors, lo, hi)
 
         split(n, dense, y.nbytes * 9 * g.c)
-        return y, (_Kept((xs, lx)) if keep else None)
+        return y, (_Loan(self._free, key, xs) if keep else None)
 
     def _direct_backward(self, dy, w, ctx, g, need_dx):
         """dw split over output channels (one-group layers: blocks of them), dx (a convolution of dy
@@ -531,15 +532,17 @@ class CPUBackend:
         dw = np.empty(w.shape, dy.dtype)
         dense = g.groups == 1
         if dense:
-            (xs, lx), m = ctx.array, compiled.BLOCK_CHANNELS
+            xs, m = ctx.array, compiled.BLOCK_CHANNELS
+            lx = _dense_layout(g.ho, g.wo, g.dh, g.dw, dy.itemsize)[1]
             blocks = -(-co // m)
-            dyw = np.zeros((blocks * m, n * lx), dy.dtype)
+            ykey, dyw = self._take("dyw", (blocks * m, n * lx), dy.dtype, g)  # zero where dy is not written
             chunk = max(1, DIRECT_CHUNK_BYTES // (g.c * lx * dy.itemsize))
 
             def weight_grad(lo, hi):
                 compiled.conv3x3_dense_weight_grad(xs, lx, dy, dyw, dw, g.dh, g.dw, chunk, lo, hi)
 
             split(blocks, weight_grad, xs.nbytes * 9 * co)
+            self._give(ykey, dyw)
         else:
             x = ctx.array
 
