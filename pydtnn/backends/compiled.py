@@ -367,37 +367,42 @@ _forward_block2, _forward_block3 = _forward_block(2), _forward_block(3)
 
 
 @intrinsic
-def _grad_block(typingctx, xs, dyw, acc, offs, cb, ci, i, t0, t1, arow):
-    """acc[arow, (m*3 + j)*lanes + l] += sum over t = t0 + l, t0 + lanes + l, ... < t1 of
-    dyw[cb*M + m, t] * xs[ci, t + offs[3*i + j]]: the M x 3 block of the weight gradient's row i, as
-    lanes partial sums. xs (C, *), dyw (nb*M, *), acc (*, 3*M*lanes) contiguous rows; t1 - t0 a
-    positive multiple of lanes."""
-    sig = types.void(xs, dyw, acc, offs, cb, ci, i, t0, t1, arow)
+def _grad_block(typingctx, xs, dyw, acc, offs, cb, ci, i, n0, n1, lx, span, arow):
+    """acc[arow, (m*3 + j)*lanes + l] += sum over the samples n0 <= n < n1 and t = n*lx + l, n*lx +
+    lanes + l, ... < n*lx + span of dyw[cb*M + m, t] * xs[ci, t + offs[3*i + j]]: the M x 3 block of
+    the weight gradient's row i, as lanes partial sums. xs (C, *), dyw (nb*M, *), acc (*, 3*M*lanes)
+    contiguous rows; n0 < n1 and span a positive multiple of lanes."""
+    sig = types.void(xs, dyw, acc, offs, cb, ci, i, n0, n1, lx, span, arow)
     m_ = BLOCK_CHANNELS
 
     def codegen(context, builder, signature, args):
         e = _Emitter(context, builder, signature.args[0].dtype)
         b = builder
         xa, da, aa, fa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:4], args[:4]))
-        cb_, ci_, i_, t0_, t1_, arow_ = args[4:]
+        cb_, ci_, i_, n0_, n1_, lx_, span_, arow_ = args[4:]
         row = b.mul(i_, _I64(3))
         offs = [b.load(b.gep(fa.data, [b.add(row, _I64(j))], source_etype=_I64), typ=_I64) for j in range(3)]
         xrow = e.at(xa.data, b.mul(ci_, e.row_stride(xa)))
+        xtaps = [e.at(xrow, offs[j]) for j in range(3)]
         ld = e.row_stride(da)
         drows = [e.at(da.data, b.mul(b.add(b.mul(cb_, _I64(m_)), _I64(m)), ld)) for m in range(m_)]
         abase = e.at(aa.data, b.mul(arow_, e.row_stride(aa)))
         start = [e.vload(abase, _I64(e.lanes * k)) for k in range(3 * m_)]
 
-        def body(t, acc):
+        def pixels(t, acc):
             acc = list(acc)
-            xv = [e.vload(e.at(xrow, offs[j]), t) for j in range(3)]
+            xv = [e.vload(xtaps[j], t) for j in range(3)]
             for m in range(m_):
                 dv = e.vload(drows[m], t)
                 for j in range(3):
                     acc[m * 3 + j] = e.fma(dv, xv[j], acc[m * 3 + j])
             return acc
 
-        acc = e.counted_loop(t0_, t1_, _I64(e.lanes), start, body)
+        def sample(n, acc):
+            t0 = b.mul(n, lx_)
+            return e.counted_loop(t0, b.add(t0, span_), _I64(e.lanes), acc, pixels)
+
+        acc = e.counted_loop(n0_, n1_, _I64(1), start, sample)
         for k in range(3 * m_):
             e.vstore(acc[k], abase, _I64(e.lanes * k))
         return context.get_dummy_value()
@@ -461,6 +466,7 @@ def conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
     wp = wo + 2 * dw
     lanes = 32 // xs.itemsize
     m_ = BLOCK_CHANNELS
+    span = (ho * wp + lanes - 1) // lanes * lanes  # a sample's columns that can hold dy
     offs = _tap_offsets(wp, dh, dw)
     for co in range(cb0 * m_, min(cb1 * m_, co_)):
         for n in range(n_):
@@ -473,7 +479,7 @@ def conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
         for cb in range(cb0, cb1):
             for ci in range(c_):
                 for i in range(3):
-                    _grad_block(xs, dyw, acc, offs, cb, ci, i, n0 * lx, n1 * lx, ((cb - cb0) * c_ + ci) * 3 + i)
+                    _grad_block(xs, dyw, acc, offs, cb, ci, i, n0, n1, lx, span, ((cb - cb0) * c_ + ci) * 3 + i)
     for cb in range(cb0, cb1):
         for m in range(m_):
             co = cb * m_ + m
