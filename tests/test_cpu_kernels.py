@@ -128,12 +128,14 @@ def torch_conv(kwargs):
     return lambda x, p: F.conv2d(x, p["weight"], p.get("bias"), stride, padding, dilation, groups)
 
 
-@pytest.mark.parametrize("gemm_columns", [1, 40])
+@pytest.mark.parametrize("gemm_columns", [1, 40, 10000])
 @pytest.mark.parametrize("x_shape,filters,kwargs", CONV_CASES)
 def test_conv_paths(x_shape, filters, kwargs, kernels, gemm_columns, monkeypatch):
     """gemm_columns 1: one GEMM per sample, written into NCHW; 40: samples share a GEMM, blocks of
-    2 to 40 samples (with the batch of 3 below: a full block and a short one), then reordered."""
+    2 to 40 samples (with the batch of 3 below: a full block and a short one), then reordered, and
+    where one block holds the whole batch, the GEMM in two halves of its rows; 10000: always so."""
     monkeypatch.setattr(cpu, "GEMM_MIN_COLUMNS", gemm_columns)
+    monkeypatch.setattr(cpu, "_ROW_STEP", 1)  # the small layers here have 2 to 6 output rows to halve
     both_checks(lambda: Conv2D(filters, **kwargs), x_shape, torch_conv(kwargs))
 
 
@@ -351,14 +353,18 @@ class BlasRounded(np.ndarray):
         return np.asarray(a).view(cls)
 
 
+@pytest.mark.parametrize("gemm_columns", [128, 10000])
 @pytest.mark.parametrize("threads", [2, 3])
-def test_threaded_kernels_give_bit_identical_results(threads, monkeypatch):
+def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monkeypatch):
     """Pooling, BatchNorm and every convolution path split their work over threads: every thread count
     gives the same bits as one thread, but for the GEMM path's dw (a batch of 7 leaves uneven chunks;
-    every call splits, whatever its size)."""
+    every call splits, whatever its size). gemm_columns 10000: each GEMM-path convolution is one
+    GEMM cut into two halves of its rows."""
     from pydtnn.backends import threads as th
 
     monkeypatch.setattr(th, "MIN_BYTES", 0)
+    monkeypatch.setattr(cpu, "GEMM_MIN_COLUMNS", gemm_columns)
+    monkeypatch.setattr(cpu, "_ROW_STEP", 1)
     monkeypatch.setattr(cpu, "BATCHNORM_SPLIT_BYTES", 0)
     x = np.random.default_rng(0).standard_normal((7, 4, 9, 9)).astype(np.float32)
     try:

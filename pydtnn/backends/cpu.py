@@ -27,6 +27,7 @@ KERNELS = ("auto", "numba", "numpy")
 # Columns of the convolution GEMMs of forward and dx: a sample with fewer output pixels shares its
 # GEMM with the next samples (docs/performance.md).
 GEMM_MIN_COLUMNS = 128
+_ROW_STEP = 8  # a GEMM split over its rows cuts them at multiples of this (whole register blocks)
 
 # Narrowest output computed by the compiled one-group 3x3 kernels: they compute Wo + 2 columns per
 # output row, and on narrower images im2col + GEMM is faster (docs/performance.md).
@@ -389,7 +390,23 @@ class CPUBackend:
                 prod = np.matmul(wm, cols[:, :, n0 : n0 + m].reshape(G, k, m * p))
                 out[n0 : n0 + m].reshape(m, G, o, p)[...] = prod.reshape(G, o, m, p).transpose(2, 0, 1, 3)
 
-        split(-(-n // per_block), gemm_blocks, buf.nbytes)
+        if n > per_block or o < 2 * _ROW_STEP:
+            split(-(-n // per_block), gemm_blocks, buf.nbytes)
+            return key, buf
+        # One block holds the whole batch (few pixels, small batch): the columns are filled split over
+        # samples, then the GEMM in two fixed halves of its rows, so that two threads share it and the
+        # thread count still changes no bit.
+        split(n, lambda lo, hi: self._fill_cols(buf, x, g, lo, hi), buf.nbytes)
+        half = -(-o // (2 * _ROW_STEP)) * _ROW_STEP
+        flat = cols.reshape(G, k, n * p)
+
+        def rows(h0, h1):
+            for h in range(h0, h1):  # one GEMM per half, however many this thread has
+                r0, r1 = h * half, min(h * half + half, o)
+                prod = np.matmul(wm[:, r0:r1], flat)
+                out.reshape(n, G, o, p)[:, :, r0:r1] = prod.reshape(G, r1 - r0, n, p).transpose(2, 0, 1, 3)
+
+        split(2, rows, buf.nbytes)
         return key, buf
 
     @staticmethod
