@@ -333,6 +333,9 @@ def _kernels_run(x, dy_rng):
     dy = dy_rng.standard_normal(x.shape).astype(np.float32)
     y, mean, var = fast.batchnorm_forward(x, weight, bias, 1e-5)
     out += [y, mean, var, *fast.batchnorm_backward(dy, x, mean, 1 / np.sqrt(var + 1e-5), weight)]
+    # compiled ReLU: runs of elements split
+    y = fast.relu_forward(x)
+    out += [y, fast.relu_backward(dy, y)]
     # im2col + GEMM: y and dx split over samples; dw over its columns, each thread's GEMM rounding in
     # its own blocking (rounding-level differences, checked apart by the caller)
     gemm = CPUBackend(np.float32, kernels="numpy")
@@ -371,14 +374,23 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
         th.set_threads(1)
         want = _kernels_run(x, np.random.default_rng(1))
         th.set_threads(threads)
-        calls = []
-        real = th.split
-        monkeypatch.setattr(th, "split", lambda n, fn, nbytes=None: (calls.append(n), real(n, fn, nbytes)))
-        monkeypatch.setattr(cpu, "split", th.split)
+        calls, compiled_calls = [], []
+        real, real_compiled = th.split, th.split_compiled
+        monkeypatch.setattr(cpu, "split", lambda n, fn, nbytes=None: (calls.append(n), real(n, fn, nbytes)))
+
+        def counted(kernel, chunks, n, args, nbytes=None):
+            compiled_calls.append(kernel)
+            real_compiled(kernel, chunks, n, args, nbytes)
+
+        monkeypatch.setattr(cpu, "split_compiled", counted)
         got = _kernels_run(x, np.random.default_rng(1))
     finally:
         th.set_threads(th.default_threads())
-    assert len(calls) >= 21 + 2 + 5 * 3  # every pooling, convolution and BatchNorm call went through the splitter
+    # every pooling, convolution, BatchNorm and ReLU call went through a splitter: the pool's, or
+    # Numba's threads for the compiled kernels (forward, dw and dx of the stride-1 depthwise and the
+    # dense 3x3 layer, BatchNorm, ReLU)
+    assert len(calls) >= 12 + 2 * 5
+    assert len(compiled_calls) == 3 + 3 + 2 + 2
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
         if isinstance(a, BlasRounded):

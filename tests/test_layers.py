@@ -253,11 +253,11 @@ ACTIVATIONS = [
 
 @pytest.mark.parametrize("make,fn", ACTIVATIONS)
 @pytest.mark.parametrize("x_shape", [(4, 6), (2, 3, 4, 5)])
-def test_activation(make, fn, x_shape):
+def test_activation(make, fn, x_shape, kernels):
     both_checks(make, x_shape, lambda x, _: fn(x))
 
 
-def test_relu_batch_size_changes_and_nan():
+def test_relu_batch_size_changes_and_nan(kernels):
     """ReLU keeps one sample of zeros: a new batch size reuses it; NaN goes through as in PyTorch."""
     relu = ReLU()
     relu.build((2, 3), np.float32)

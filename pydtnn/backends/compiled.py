@@ -1,5 +1,5 @@
-"""Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution (one group, or depthwise) and
-training-mode batch normalization.
+"""Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution (one group, or depthwise),
+training-mode batch normalization and ReLU.
 
 im2col + GEMM copies the input nine times into a matrix that does not fit in cache, and with 16-64
 channels the GEMM has too small a dimension for BLAS to reach its peak. These kernels never build
@@ -13,8 +13,8 @@ dropped), where every tap of the kernel is one fixed offset into the padded inpu
 - Depthwise: each output row is a 9-tap sum over one channel, a loop LLVM vectorizes.
 
 The forward and dx work on whole samples, the weight gradient on output channels, so the CPU
-backend splits them over its threads (backends/threads.py) and the result does not depend on the
-thread count.
+backend splits them over its threads and the result does not depend on the thread count: each
+kernel's `*_chunks` twin runs its chunks on Numba's threads (threads.split_compiled).
 
 Batch normalization takes one channel at a time through all its passes (statistics, then the affine
 map; in backward the two sums, then dx), so the channel's values are still in cache for the second
@@ -34,6 +34,19 @@ from numba import types
 from numba.extending import intrinsic
 
 _jit = numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True)
+
+
+# Each kernel below computes a range [lo, hi) of samples or channels (its last two arguments); its
+# `*_chunks(n, t, ...)` twin runs [0, n) in the t chunks of threads.split on Numba's threads. (One
+# generic runner taking the kernel as an argument would not be cached: it compiled again, 1-2 s per
+# kernel, in every process.)
+_pjit = numba.njit(parallel=True, nogil=True, cache=True)
+
+
+def launch(chunks, n, t, args):
+    """chunks(n, t, *args) on at most t of Numba's threads."""
+    numba.set_num_threads(min(t, numba.config.NUMBA_NUM_THREADS))
+    chunks(n, t, *args)
 
 
 @_jit
@@ -100,6 +113,12 @@ def depthwise3x3_forward(x, w, y, pt, pl, dh, dw, n0, n1):
                 y[n, c, r, :] = acc[r * wp : r * wp + wo]
 
 
+@_pjit
+def depthwise3x3_forward_chunks(n, t, x, w, y, pt, pl, dh, dw):
+    for i in numba.prange(t):
+        depthwise3x3_forward(x, w, y, pt, pl, dh, dw, n * i // t, n * (i + 1) // t)
+
+
 @_jit
 def depthwise3x3_weight_grad(x, dy, dwt, pt, pl, dh, dw, c0, c1):
     """dwt[c] = sum over samples of the correlation of dy[:, c] with x[:, c], for c0 <= c < c1.
@@ -155,6 +174,12 @@ def depthwise3x3_weight_grad(x, dy, dwt, pt, pl, dh, dw, c0, c1):
                 dwt[c, 0, i, j] = tot[c - c0, i * 3 + j]
 
 
+@_pjit
+def depthwise3x3_weight_grad_chunks(n, t, x, dy, dwt, pt, pl, dh, dw):
+    for i in numba.prange(t):
+        depthwise3x3_weight_grad(x, dy, dwt, pt, pl, dh, dw, n * i // t, n * (i + 1) // t)
+
+
 # -- batch normalization: every pass over one channel's samples while they are in cache ----------------
 @_jit
 def _row_sum(r):
@@ -202,6 +227,12 @@ def batchnorm_forward(x, weight, bias, eps, y, mean, var, c0, c1):
                 o[i] = af * r[i] + bf
 
 
+@_pjit
+def batchnorm_forward_chunks(n, t, x, weight, bias, eps, y, mean, var):
+    for i in numba.prange(t):
+        batchnorm_forward(x, weight, bias, eps, y, mean, var, n * i // t, n * (i + 1) // t)
+
+
 @_jit
 def batchnorm_backward(dy, x, mean, inv_std, weight, dx, db, dw, c0, c1):
     """Gradients of batchnorm_forward for channels c0..c1-1: db = sum(dy), dw = sum(dy * xhat)
@@ -232,6 +263,44 @@ def batchnorm_backward(dy, x, mean, inv_std, weight, dx, db, dw, c0, c1):
             g, r, o = dy[n, c], x[n, c], dx[n, c]
             for i in range(l_):
                 o[i] = k1f * g[i] + k2f * r[i] + k0f
+
+
+@_pjit
+def batchnorm_backward_chunks(n, t, dy, x, mean, inv_std, weight, dx, db, dw):
+    for i in numba.prange(t):
+        batchnorm_backward(dy, x, mean, inv_std, weight, dx, db, dw, n * i // t, n * (i + 1) // t)
+
+
+# -- ReLU: one pass each way, no boolean temporaries ------------------------------------------------------
+@_jit
+def relu_forward(x, y, lo, hi):
+    """y = max(x, 0) over the flat elements lo..hi-1; NaN goes through, as in np.maximum."""
+    z = x.dtype.type(0)
+    xr, yr = x[lo:hi], y[lo:hi]
+    for i in range(xr.shape[0]):  # from 0: no negative-index wraparound to stop the vectorizer
+        v = xr[i]
+        yr[i] = z if v < z else v
+
+
+@_pjit
+def relu_forward_chunks(n, t, x, y):
+    for i in numba.prange(t):
+        relu_forward(x, y, n * i // t, n * (i + 1) // t)
+
+
+@_jit
+def relu_backward(dy, y, dx, lo, hi):
+    """dx = dy where y > 0, else 0 (PyTorch's threshold_backward), over the flat elements lo..hi-1."""
+    z = dy.dtype.type(0)
+    gr, yr, dr = dy[lo:hi], y[lo:hi], dx[lo:hi]
+    for i in range(gr.shape[0]):
+        dr[i] = gr[i] if yr[i] > z else z
+
+
+@_pjit
+def relu_backward_chunks(n, t, dy, y, dx):
+    for i in numba.prange(t):
+        relu_backward(dy, y, dx, n * i // t, n * (i + 1) // t)
 
 
 # -- dense 3x3 convolution: register-blocked vector kernels --------------------------------------------
@@ -426,8 +495,9 @@ def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors,
     x (N, C, H, W); wb (nb, C, 9, M) the weight w (Co, C, 3, 3) in blocks of M = BLOCK_CHANNELS output
     channels (zero rows past Co); y (N, Co, Ho, Wo). Each sample is padded into xs (C, *), zero
     outside the image, at column n*lx when per_sample (xs then holds the whole batch, kept for the
-    weight gradient) or at 0; lx covers the computed columns plus the taps' reach. Each block computes
-    `vectors` (2 or 3) vectors of the wide grid q = ho*Wp + wo, columns wo >= Wo dropped.
+    weight gradient; otherwise xs is unused and each call pads into a scratch (C, lx)); lx covers the
+    computed columns plus the taps' reach. Each block computes `vectors` (2 or 3) vectors of the
+    wide grid q = ho*Wp + wo, columns wo >= Wo dropped.
     """
     c_ = x.shape[1]
     co_, ho, wo = y.shape[1], y.shape[2], y.shape[3]
@@ -437,19 +507,26 @@ def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors,
     length = (ho * wp + p - 1) // p * p
     offs = _tap_offsets(wp, dh, dw)
     out = np.empty((wb.shape[0] * BLOCK_CHANNELS, length), x.dtype)
+    buf = xs if per_sample else np.zeros((c_, lx), x.dtype)
     for n in range(n0, n1):
         base = n * lx if per_sample else 0
-        _pad_into(xs, base, x[n], pt, pl, hp, wp, 0, c_)
+        _pad_into(buf, base, x[n], pt, pl, hp, wp, 0, c_)
         for cb in range(wb.shape[0]):
             for q in range(0, length, p):
                 if vectors == 3:
-                    _forward_block3(xs, wb, out, offs, cb, base + q, q)
+                    _forward_block3(buf, wb, out, offs, cb, base + q, q)
                 else:
-                    _forward_block2(xs, wb, out, offs, cb, base + q, q)
+                    _forward_block2(buf, wb, out, offs, cb, base + q, q)
         for co in range(co_):
             for r in range(ho):
                 for k in range(wo):
                     y[n, co, r, k] = out[co, r * wp + k]
+
+
+@_pjit
+def conv3x3_dense_forward_chunks(n, t, x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors):
+    for i in numba.prange(t):
+        conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors, n * i // t, n * (i + 1) // t)
 
 
 @_jit
@@ -493,3 +570,9 @@ def conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
                         for k in range((m * 3 + j) * lanes, (m * 3 + j + 1) * lanes):
                             s += a[k]
                         dwt[co, ci, i, j] = s
+
+
+@_pjit
+def conv3x3_dense_weight_grad_chunks(n, t, xs, lx, dy, dyw, dwt, dh, dw, chunk):
+    for i in numba.prange(t):
+        conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, n * i // t, n * (i + 1) // t)

@@ -20,7 +20,7 @@ from functools import cache
 
 import numpy as np
 
-from pydtnn.backends.threads import split, threads
+from pydtnn.backends.threads import split, split_compiled, threads
 
 KERNELS = ("auto", "numba", "numpy")
 
@@ -38,9 +38,9 @@ DIRECT_MIN_WIDTH = 8
 DIRECT_CHUNK_BYTES = 1 << 20
 
 
-# BatchNorm is split over channels only from this tensor size: below it a hand-off to the pool costs
-# more than the second core saves (docs/performance.md).
-BATCHNORM_SPLIT_BYTES = 4 << 20
+# BatchNorm is split over channels only from this tensor size: below it a hand-off to the threads
+# costs more than the second core saves (docs/performance.md).
+BATCHNORM_SPLIT_BYTES = 1 << 20
 
 # glibc malloc: blocks up to this size come from the heap (not a fresh mmap each time), and freed
 # heap memory is kept up to KEEP_FREED_BYTES instead of being handed back to the system.
@@ -520,22 +520,18 @@ class CPUBackend:
         n = x.shape[0]
         y = np.empty((n, w.shape[0], g.ho, g.wo), x.dtype)
         if g.groups > 1:
-
-            def depthwise(lo, hi):
-                compiled.depthwise3x3_forward(x, w, y, g.pt, g.pl, g.dh, g.dw, lo, hi)
-
-            split(n, depthwise, y.nbytes * 9)
+            args = (x, w, y, g.pt, g.pl, g.dh, g.dw)
+            split_compiled(compiled.depthwise3x3_forward, compiled.depthwise3x3_forward_chunks, n, args, y.nbytes * 9)
             return y, (_Kept(x) if keep else None)
         vectors, lx, tail = _dense_layout(g.ho, g.wo, g.dh, g.dw, x.itemsize)
         wb = _channel_blocks(w, compiled.BLOCK_CHANNELS)
         # pooled: the padding entries, never written, stay zero from one step to the next
         key, xs = self._take("xs", (g.c, n * lx + tail), x.dtype, g) if keep else (None, None)
 
-        def dense(lo, hi):
-            buf = xs if keep else np.zeros((g.c, lx), x.dtype)
-            compiled.conv3x3_dense_forward(x, wb, y, buf, lx, keep, g.pt, g.pl, g.dh, g.dw, vectors, lo, hi)
-
-        split(n, dense, y.nbytes * 9 * g.c)
+        scratch = np.zeros((0, 0), x.dtype)  # without keep, each chunk pads into its own
+        args = (x, wb, y, xs if keep else scratch, lx, keep, g.pt, g.pl, g.dh, g.dw, vectors)
+        kernels = compiled.conv3x3_dense_forward, compiled.conv3x3_dense_forward_chunks
+        split_compiled(*kernels, n, args, y.nbytes * 9 * g.c)
         return y, (_Loan(self._free, key, xs) if keep else None)
 
     def _direct_backward(self, dy, w, ctx, g, need_dx):
@@ -555,18 +551,16 @@ class CPUBackend:
             ykey, dyw = self._take("dyw", (blocks * m, n * lx), dy.dtype, g)  # zero where dy is not written
             chunk = max(1, DIRECT_CHUNK_BYTES // (g.c * lx * dy.itemsize))
 
-            def weight_grad(lo, hi):
-                compiled.conv3x3_dense_weight_grad(xs, lx, dy, dyw, dw, g.dh, g.dw, chunk, lo, hi)
-
-            split(blocks, weight_grad, xs.nbytes * 9 * co)
+            args = (xs, lx, dy, dyw, dw, g.dh, g.dw, chunk)
+            kernels = compiled.conv3x3_dense_weight_grad, compiled.conv3x3_dense_weight_grad_chunks
+            split_compiled(*kernels, blocks, args, xs.nbytes * 9 * co)
             self._give(ykey, dyw)
         else:
             x = ctx.array
 
-            def weight_grad(lo, hi):
-                compiled.depthwise3x3_weight_grad(x, dy, dw, g.pt, g.pl, g.dh, g.dw, lo, hi)
-
-            split(co, weight_grad, x.nbytes * 9)
+            args = (x, dy, dw, g.pt, g.pl, g.dh, g.dw)
+            kernels = compiled.depthwise3x3_weight_grad, compiled.depthwise3x3_weight_grad_chunks
+            split_compiled(*kernels, co, args, x.nbytes * 9)
         ctx.release()
         if not need_dx:
             return None, dw
@@ -576,17 +570,12 @@ class CPUBackend:
             wt = _channel_blocks(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1], m)
             vectors, lxt, _ = _dense_layout(g.h, g.w, g.dh, g.dw, dy.itemsize)
 
-            def data_grad(lo, hi):
-                buf = np.zeros((co, lxt), dy.dtype)
-                compiled.conv3x3_dense_forward(dy, wt, dx, buf, lxt, False, pt, pl, g.dh, g.dw, vectors, lo, hi)
-
+            kernel, chunks = compiled.conv3x3_dense_forward, compiled.conv3x3_dense_forward_chunks
+            args = (dy, wt, dx, np.zeros((0, 0), dy.dtype), lxt, False, pt, pl, g.dh, g.dw, vectors)
         else:
-            wt = np.ascontiguousarray(w[:, :, ::-1, ::-1])
-
-            def data_grad(lo, hi):
-                compiled.depthwise3x3_forward(dy, wt, dx, pt, pl, g.dh, g.dw, lo, hi)
-
-        split(n, data_grad, dx.nbytes * 9 * (co if dense else 1))
+            kernel, chunks = compiled.depthwise3x3_forward, compiled.depthwise3x3_forward_chunks
+            args = (dy, np.ascontiguousarray(w[:, :, ::-1, ::-1]), dx, pt, pl, g.dh, g.dw)
+        split_compiled(kernel, chunks, n, args, dx.nbytes * 9 * (co if dense else 1))
         return dx, dw
 
     # -- depthwise convolution (one input channel per group) ---------------------------------
@@ -761,6 +750,32 @@ class CPUBackend:
         split(dy.shape[0], part, dx.nbytes)
         return dx
 
+    # -- ReLU ------------------------------------------------------------------------------
+    @property
+    def fused_relu(self):
+        """Whether ReLU runs the compiled kernels (compiled.py): one pass each way, split over the
+        threads in contiguous runs of elements."""
+        return self.kernels == "numba"
+
+    def relu_forward(self, x):
+        from pydtnn.backends import compiled
+
+        x = np.ascontiguousarray(x)
+        y = np.empty_like(x)
+        args = (x.reshape(-1), y.reshape(-1))
+        split_compiled(compiled.relu_forward, compiled.relu_forward_chunks, x.size, args, 2 * x.nbytes)
+        return y
+
+    def relu_backward(self, dy, y):
+        """dy where y > 0, else 0."""
+        from pydtnn.backends import compiled
+
+        dy, y = np.ascontiguousarray(dy), np.ascontiguousarray(y)
+        dx = np.empty_like(dy)
+        args = (dy.reshape(-1), y.reshape(-1), dx.reshape(-1))
+        split_compiled(compiled.relu_backward, compiled.relu_backward_chunks, dy.size, args, 3 * dy.nbytes)
+        return dx
+
     # -- batch normalization ---------------------------------------------------------------
     @property
     def fused_batchnorm(self):
@@ -778,10 +793,9 @@ class CPUBackend:
         mean, var = np.empty(x3.shape[1]), np.empty(x3.shape[1])
         w64, b64 = weight.astype(np.float64), bias.astype(np.float64)
 
-        def channels(lo, hi):
-            compiled.batchnorm_forward(x3, w64, b64, float(eps), y, mean, var, lo, hi)
-
-        split(x3.shape[1], channels, x.nbytes if x.nbytes >= BATCHNORM_SPLIT_BYTES else 0)
+        args = (x3, w64, b64, float(eps), y, mean, var)
+        nbytes = x.nbytes if x.nbytes >= BATCHNORM_SPLIT_BYTES else 0
+        split_compiled(compiled.batchnorm_forward, compiled.batchnorm_forward_chunks, x3.shape[1], args, nbytes)
         return y.reshape(x.shape), mean, var
 
     def batchnorm_backward(self, dy, x, mean, inv_std, weight):
@@ -793,10 +807,9 @@ class CPUBackend:
         db, dw = np.empty(x3.shape[1]), np.empty(x3.shape[1])
         w64 = weight.astype(np.float64)
 
-        def channels(lo, hi):
-            compiled.batchnorm_backward(dy3, x3, mean, inv_std, w64, dx, db, dw, lo, hi)
-
-        split(x3.shape[1], channels, x.nbytes if x.nbytes >= BATCHNORM_SPLIT_BYTES else 0)
+        args = (dy3, x3, mean, inv_std, w64, dx, db, dw)
+        nbytes = x.nbytes if x.nbytes >= BATCHNORM_SPLIT_BYTES else 0
+        split_compiled(compiled.batchnorm_backward, compiled.batchnorm_backward_chunks, x3.shape[1], args, nbytes)
         return dx.reshape(dy.shape), db, dw
 
 

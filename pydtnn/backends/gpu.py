@@ -181,6 +181,7 @@ class GPUBackend:
 
     name = "gpu"
     fused_batchnorm = False  # BatchNorm runs its generic path (CuPy reductions and element-wise kernels)
+    fused_relu = False  # and ReLU its CuPy element-wise path
 
     def __init__(self, dtype=np.float32, seed=0, device=None, tf32=True):
         self.dtype = np.dtype(dtype)

@@ -6,6 +6,11 @@ split the same way, each chunk calling BLAS with one thread: BLAS is limited to 
 caller as soon as the first CPU backend is made (`threads()`). A BLAS with threads of its own
 would keep them spinning after each call, on the cores the next NumPy loop needs (measured: with
 two threads a training step was no faster than with one; docs/performance.md).
+The compiled (Numba) kernels split the same way through `split_compiled`, but their chunks run on
+Numba's own threads (its OpenMP layer where the system has libgomp): those wait spinning for a few
+milliseconds after each kernel, so the next kernel starts on both cores within microseconds, where
+a hand-off to this module's pool costs about a hundred on this VM (its thread must wake, then take
+the GIL).
 Each chunk writes its own samples only and adds in the same order as the unsplit loop, so those
 results are bit-identical whatever the thread count. The exceptions are GEMMs split over the
 columns of their product (a convolution's dw, Dense): each chunk's GEMM rounds in its own
@@ -148,5 +153,25 @@ def split(n, fn, nbytes=None):
         for e in errors:
             if e is not None:
                 raise e
+    finally:
+        _busy.release()
+
+
+def split_compiled(kernel, chunks, n, args, nbytes=None):
+    """kernel(*args, lo, hi) over [0, n) in the chunks of split, for a compiled (Numba) kernel and its
+    twin chunks(n, t, *args) (backends/compiled.py): the chunks run on Numba's threads, which take
+    a chunk in microseconds where this module's pool, whose threads must wake and take the GIL,
+    needs about a hundred."""
+    t = min(threads(), n)
+    if t <= 1 or getattr(_state, "worker", False) or (nbytes is not None and nbytes < MIN_BYTES):
+        kernel(*args, 0, n)
+        return
+    if not _busy.acquire(blocking=False):
+        kernel(*args, 0, n)
+        return
+    try:
+        from pydtnn.backends import compiled
+
+        compiled.launch(chunks, n, t, args)
     finally:
         _busy.release()
