@@ -271,6 +271,36 @@ def batchnorm_backward_chunks(n, t, dy, x, mean, inv_std, weight, dx, db, dw):
         batchnorm_backward(dy, x, mean, inv_std, weight, dx, db, dw, n * i // t, n * (i + 1) // t)
 
 
+# -- col2im: a strided convolution's dx from its per-position shares -----------------------------------
+@_jit
+def col2im(dcols, dx, sh, sw, pt, pl, dh, dw, n0, n1):
+    """dx[n] for samples n0..n1-1 (dx (N, C, H, W) overwritten): each kernel position (i, j)'s share
+    dcols[n, c, i, j] (Ho, Wo) added back at the input pixels it read, (ho*sh - pt + i*dh, wo*sw -
+    pl + j*dw), positions in increasing (i, j) order. One channel's plane stays in cache for all
+    its positions."""
+    c_, kh, kw, ho_, wo_ = dcols.shape[1], dcols.shape[2], dcols.shape[3], dcols.shape[4], dcols.shape[5]
+    h, w = dx.shape[2], dx.shape[3]
+    z = dx.dtype.type(0)
+    for n in range(n0, n1):
+        for c in range(c_):
+            plane = dx[n, c]
+            for a in range(h):
+                for b in range(w):
+                    plane[a, b] = z
+            for i in range(kh):
+                for j in range(kw):
+                    off = j * dw - pl
+                    k0 = max(0, (-off + sw - 1) // sw)  # first output column inside the image
+                    k1 = min(wo_, (w - 1 - off) // sw + 1)
+                    for r in range(ho_):
+                        a = r * sh - pt + i * dh
+                        if a < 0 or a >= h:
+                            continue
+                        row, src = plane[a], dcols[n, c, i, j, r]
+                        for k in range(k0, k1):
+                            row[k * sw + off] += src[k]
+
+
 # -- ReLU: one pass each way, no boolean temporaries ------------------------------------------------------
 @_jit
 def relu_forward(x, y, lo, hi):

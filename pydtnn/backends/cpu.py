@@ -498,9 +498,18 @@ class CPUBackend:
         wmt = w.reshape(G, o, cg * g.kh * g.kw).transpose(0, 2, 1)[:, None]
         pos = _positions(g)
 
+        col2im = None
+        if self.kernels == "numba":
+            from pydtnn.backends import compiled
+
+            col2im = compiled.col2im
+
         def data_grad_strided(lo, hi):
             out = dcols[lo:hi].reshape(hi - lo, G, -1, p).transpose(1, 0, 2, 3)
             np.matmul(wmt, dyk[:, :, lo:hi].transpose(0, 2, 1, 3), out=out)
+            if col2im is not None:  # one pass per channel plane, in cache
+                col2im(dcols, dx, g.sh, g.sw, g.pt, g.pl, g.dh, g.dw, lo, hi)
+                return
             dx[lo:hi] = 0
             for _, i, j, orows, ocols, irows, icols in pos:
                 dx[lo:hi, :, irows, icols] += dcols[lo:hi, :, i, j, orows, ocols]
