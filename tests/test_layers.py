@@ -269,6 +269,12 @@ def test_relu_batch_size_changes_and_nan(kernels):
         np.testing.assert_array_equal(y, F.relu(torch.from_numpy(x)).numpy())
     y = relu.forward(np.array([[[np.nan, -1, 2], [0, -np.inf, 1]]], np.float32))
     np.testing.assert_array_equal(y, [[[np.nan, 0, 2], [0, 0, 1]]])
+    x = rng.standard_normal((170, 2, 3)).astype(np.float32)  # long enough for the vector loops
+    x.flat[::7], x.flat[3::11] = np.nan, -np.inf
+    y = relu.forward(x)
+    np.testing.assert_array_equal(y, np.maximum(x, 0))  # NaN where x is NaN
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    np.testing.assert_array_equal(relu.backward(dy), np.where(y > 0, dy, 0))
 
 
 def test_relu6_clips_both_sides():

@@ -34,6 +34,8 @@ from numba import types
 from numba.extending import intrinsic
 
 _jit = numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True)
+# without fastmath's no-NaN and no-infinity assumptions, for kernels whose results depend on them
+_exact = numba.njit(nogil=True, error_model="numpy", cache=True)
 
 
 # Each kernel below computes a range [lo, hi) of samples or channels (its last two arguments); its
@@ -302,7 +304,7 @@ def col2im(dcols, dx, sh, sw, pt, pl, dh, dw, n0, n1):
 
 
 # -- ReLU: one pass each way, no boolean temporaries ------------------------------------------------------
-@_jit
+@_exact
 def relu_forward(x, y, lo, hi):
     """y = max(x, 0) over the flat elements lo..hi-1; NaN goes through, as in np.maximum."""
     z = x.dtype.type(0)
@@ -318,7 +320,7 @@ def relu_forward_chunks(n, t, x, y):
         relu_forward(x, y, n * i // t, n * (i + 1) // t)
 
 
-@_jit
+@_exact
 def relu_backward(dy, y, dx, lo, hi):
     """dx = dy where y > 0, else 0 (PyTorch's threshold_backward), over the flat elements lo..hi-1."""
     z = dy.dtype.type(0)
