@@ -109,6 +109,7 @@ CONV_CASES = [
     ((2, 6, 7, 7), 4, {"kernel_size": 3, "groups": 2, "padding": 1}),  # grouped, stride 1
     ((2, 6, 9, 9), 4, {"kernel_size": 3, "groups": 2, "stride": 2, "padding": 1}),  # grouped, strided
     ((2, 4, 6, 6), 6, {"kernel_size": 1}),  # 1x1: dx is one GEMM
+    ((7, 4, 3, 3), 6, {"kernel_size": 1}),  # 1x1 on 9 pixels: dx in blocks of samples (5 + 2 at 40 columns)
     ((2, 4, 7, 7), 6, {"kernel_size": 1, "stride": 2}),  # 1x1 strided: scatter path
     ((2, 3, 6, 6), 4, {"kernel_size": 1, "padding": 1}),  # 1x1 padded: transposed padding is a crop
     ((2, 3, 6, 6), 4, {"kernel_size": 3, "padding": 3}),  # padding beyond k-1: transposed crop

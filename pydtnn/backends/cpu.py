@@ -363,25 +363,30 @@ class CPUBackend:
         """The (G, Cg*kh*kw, N, Ho*Wo) view of an im2col buffer."""
         return buf.reshape(g.groups, g.c // g.groups * g.kh * g.kw, -1, g.ho * g.wo)
 
-    def _conv_gemm(self, x, wm, g, out, tag):
+    def _conv_gemm(self, x, wm, g, out, tag, cols=None):
         """out (N, G*O, Ho, Wo) = conv(x, wm (G, O, K)) by im2col + GEMM, both split over samples: each
         thread fills the columns of its samples, then multiplies them. (Filling and multiplying a few
         samples at a time, to stay in cache, measured slower with two threads: many small NumPy calls
-        make the threads queue for the GIL.) Returns (key, buf), the pooled im2col buffer.
+        make the threads queue for the GIL.) Returns (key, buf), the pooled im2col buffer; with cols
+        (G, K, N, P) given, already filled (a 1x1 layer's dx reads dy regrouped), (None, None).
 
         With many output pixels each sample is one GEMM written straight into NCHW. With few, one
         GEMM per block of samples (at least GEMM_MIN_COLUMNS columns) reads the weight once per block
         instead of once per sample, and a copy reorders the block into NCHW. Blocks start at fixed
         samples, so the thread count never changes a result."""
         n = x.shape[0]
-        key, buf = self._take(tag, (g.c, g.kh, g.kw, n, g.ho, g.wo), x.dtype, g)  # layout: _fill_cols
-        cols = self._as_gemm(buf, g)
+        fill = cols is None
+        key = buf = None
+        if fill:
+            key, buf = self._take(tag, (g.c, g.kh, g.kw, n, g.ho, g.wo), x.dtype, g)  # layout: _fill_cols
+            cols = self._as_gemm(buf, g)
         G, o, k, p = wm.shape[0], wm.shape[1], cols.shape[1], cols.shape[3]
         per_block = -(-GEMM_MIN_COLUMNS // p)
 
         def gemm_blocks(b0, b1):
             lo, hi = b0 * per_block, min(b1 * per_block, n)
-            self._fill_cols(buf, x, g, lo, hi)
+            if fill:
+                self._fill_cols(buf, x, g, lo, hi)
             if per_block == 1:
                 self._gemm_nchw(wm, cols[:, :, lo:hi], out[lo:hi])
                 return
@@ -391,12 +396,13 @@ class CPUBackend:
                 out[n0 : n0 + m].reshape(m, G, o, p)[...] = prod.reshape(G, o, m, p).transpose(2, 0, 1, 3)
 
         if n > per_block or o < 2 * _ROW_STEP:
-            split(-(-n // per_block), gemm_blocks, buf.nbytes)
+            split(-(-n // per_block), gemm_blocks, cols.nbytes)
             return key, buf
         # One block holds the whole batch (few pixels, small batch): the columns are filled split over
         # samples, then the GEMM in two fixed halves of its rows, so that two threads share it and the
         # thread count still changes no bit.
-        split(n, lambda lo, hi: self._fill_cols(buf, x, g, lo, hi), buf.nbytes)
+        if fill:
+            split(n, lambda lo, hi: self._fill_cols(buf, x, g, lo, hi), buf.nbytes)
         half = -(-o // (2 * _ROW_STEP)) * _ROW_STEP
         flat = cols.reshape(G, k, n * p)
 
@@ -406,7 +412,7 @@ class CPUBackend:
                 prod = np.matmul(wm[:, r0:r1], flat)
                 out.reshape(n, G, o, p)[:, :, r0:r1] = prod.reshape(G, r1 - r0, n, p).transpose(2, 0, 1, 3)
 
-        split(2, rows, buf.nbytes)
+        split(2, rows, cols.nbytes)
         return key, buf
 
     @staticmethod
@@ -482,12 +488,15 @@ class CPUBackend:
             # K = Co/G*kh*kw instead of a GEMM with K = Co/G followed by kh*kw scatter-adds.
             gt = _transposed(g, co)
             wt = w.reshape(G, o, cg, g.kh, g.kw).transpose(0, 2, 1, 3, 4)[..., ::-1, ::-1].reshape(G, cg, -1)
-            if g.kh == g.kw == 1 and not gt.padded:
+            if g.kh == g.kw == 1 and not gt.padded and 2 * g.ho * g.wo >= GEMM_MIN_COLUMNS:
+                # one GEMM per sample, straight into NCHW (blocks of two samples measured slower)
 
                 def data_grad(lo, hi):
                     self._gemm_nchw(wt, dyk[:, :, lo:hi], dx[lo:hi])
 
                 split(n, data_grad, dx.nbytes + dy.nbytes)
+            elif g.kh == g.kw == 1 and not gt.padded:  # blocks of samples; dy regrouped is their columns
+                self._conv_gemm(dy, wt, gt, dx, None, cols=dyk)
             else:
                 key, dcols = self._conv_gemm(dy, wt, gt, dx, "dcols")
                 self._give(key, dcols)
