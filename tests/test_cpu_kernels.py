@@ -106,6 +106,8 @@ CONV_CASES = [
         {"kernel_size": 3, "groups": 3, "stride": (2, 1), "padding": 1},
     ),  # depthwise, uneven stride: GEMM
     ((2, 4, 8, 8), 3, {"kernel_size": 4, "groups": 1, "padding": "same"}),  # asymmetric padding
+    ((2, 3, 9, 9), 5, {"kernel_size": 3, "stride": 2, "padding": 1}),  # one group, stride 2: col2im
+    ((2, 2, 8, 7), 3, {"kernel_size": 3, "stride": 2}),  # stride 2, no padding
     ((2, 6, 7, 7), 4, {"kernel_size": 3, "groups": 2, "padding": 1}),  # grouped, stride 1
     ((2, 6, 9, 9), 4, {"kernel_size": 3, "groups": 2, "stride": 2, "padding": 1}),  # grouped, strided
     ((2, 4, 6, 6), 6, {"kernel_size": 1}),  # 1x1: dx is one GEMM
@@ -202,7 +204,7 @@ def test_direct_kernel_is_chosen_only_where_it_applies():
     assert fast._direct(geom(c=64, h=4, w=4, groups=64), 64)  # depthwise: any width
     assert not ref._direct(geom(), 16) and not ref._direct(geom(groups=16), 16)
     for g, co in (
-        (geom(sh=2, sw=2), 16),  # strided
+        (geom(sh=2, sw=2, h=16, w=16), 16),  # strided (8 outputs wide)
         (geom(kh=5, kw=5), 16),  # not 3x3
         (geom(groups=2), 16),  # grouped
         (geom(groups=16), 32),  # depthwise with a channel multiplier

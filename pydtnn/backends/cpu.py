@@ -482,8 +482,8 @@ class CPUBackend:
         if not need_dx:
             self._give(ykey, dyk)
             return None, dw
-        dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
         if g.sh == 1 and g.sw == 1:
+            dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
             # dx is the stride-1 convolution of dy with the flipped, transposed kernel: one GEMM with
             # K = Co/G*kh*kw instead of a GEMM with K = Co/G followed by kh*kw scatter-adds.
             gt = _transposed(g, co)
@@ -502,8 +502,17 @@ class CPUBackend:
                 self._give(key, dcols)
             self._give(ykey, dyk)
             return dx, dw
-        # strided: dcols = W^T dy, then each kernel position adds its share back into dx
-        key, dcols = self._take("dcols", (n, g.c, g.kh, g.kw, g.ho, g.wo), dy.dtype)
+        dx = self._strided_data_grad(dyk, w, g)
+        self._give(ykey, dyk)
+        return dx, dw
+
+    def _strided_data_grad(self, dyk, w, g):
+        """dx of a strided convolution from dy regrouped as dyk (G, O, N, P): dcols = W^T dy, then each
+        kernel position's share added back into dx (compiled col2im, or NumPy scatter-adds)."""
+        G, o, n, p = dyk.shape
+        cg = g.c // G
+        dx = np.empty((n, g.c, g.h, g.w), dyk.dtype)
+        key, dcols = self._take("dcols", (n, g.c, g.kh, g.kw, g.ho, g.wo), dyk.dtype)
         wmt = w.reshape(G, o, cg * g.kh * g.kw).transpose(0, 2, 1)[:, None]
         pos = _positions(g)
 
@@ -525,8 +534,7 @@ class CPUBackend:
 
         split(n, data_grad_strided, dx.nbytes + dcols.nbytes)
         self._give(key, dcols)
-        self._give(ykey, dyk)
-        return dx, dw
+        return dx
 
     # -- direct 3x3 convolution (compiled, small channel counts) ----------------------------
     def _direct_forward(self, x, w, g, keep):
