@@ -1,5 +1,5 @@
 """Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution (one group, or depthwise),
-training-mode batch normalization and ReLU.
+training-mode batch normalization, ReLU, and the col2im that gives a strided convolution its dx.
 
 im2col + GEMM copies the input nine times into a matrix that does not fit in cache, and with 16-64
 channels the GEMM has too small a dimension for BLAS to reach its peak. These kernels never build
