@@ -456,7 +456,8 @@ def test_split_runs_chunks_in_other_threads_and_raises_their_errors():
 
 
 def test_numba_is_imported_only_by_models_that_use_a_compiled_kernel():
-    """Numba and LLVM cost about 100 MB of memory: a model without a direct convolution never loads them."""
+    """Numba and LLVM cost about 100 MB of memory: a model that runs no compiled kernel (direct
+    convolution, BatchNorm, ReLU, col2im) never loads them."""
     import subprocess
     import sys
 
@@ -479,6 +480,32 @@ def test_numba_is_imported_only_by_models_that_use_a_compiled_kernel():
     assert r.returncode == 0, r.stderr
     # the 6-pixel-wide layer runs im2col + GEMM without Numba; the 8-pixel-wide one loads it
     assert r.stdout.split() == ["False", "True"], r.stdout
+
+
+@pytest.mark.parametrize(
+    "env,want", [({}, "30000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "passive"}, None)]
+)
+def test_numba_threads_spin_briefly_unless_the_user_chose(env, want):
+    """The first compiled kernel split over two threads sets libgomp's spin count before Numba loads
+    it (compiled.GOMP_SPINCOUNT), unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is already set."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, numpy as np\n"
+        "from pydtnn.backends import threads\n"
+        "from pydtnn.backends.cpu import CPUBackend\n"
+        "threads.set_threads(2)\n"
+        "threads.MIN_BYTES = 0\n"
+        "CPUBackend(kernels='numba').relu_forward(np.ones(64, np.float32))\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    r = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, check=False, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(want)], r.stdout
 
 
 _FAULTS = """

@@ -27,6 +27,8 @@ results. The CPU backend imports this module (and with it Numba and LLVM, about 
 only when a layer first uses a kernel.
 """
 
+import os
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -45,8 +47,18 @@ _exact = numba.njit(nogil=True, error_model="numpy", cache=True)
 _pjit = numba.njit(parallel=True, nogil=True, cache=True)
 
 
+# After each parallel region libgomp's threads spin this many iterations before they sleep (its
+# default, 300,000, is about 8 ms here): long enough to catch the next compiled kernel (waking a
+# sleeping thread costs 1-1.5 ms on this VM), short enough to leave the core to the pool's thread
+# for the NumPy and BLAS work in between (docs/performance.md). Set before Numba loads libgomp,
+# unless the user chose GOMP_SPINCOUNT or OMP_WAIT_POLICY.
+GOMP_SPINCOUNT = "30000"
+
+
 def launch(chunks, n, t, args):
     """chunks(n, t, *args) on at most t of Numba's threads."""
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
     numba.set_num_threads(min(t, numba.config.NUMBA_NUM_THREADS))
     chunks(n, t, *args)
 
