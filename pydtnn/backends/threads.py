@@ -7,10 +7,10 @@ caller as soon as the first CPU backend is made (`threads()`). A BLAS with threa
 would keep them spinning after each call, on the cores the next NumPy loop needs (measured: with
 two threads a training step was no faster than with one; docs/performance.md).
 The compiled (Numba) kernels split the same way through `split_compiled`, but their chunks run on
-Numba's own threads (its OpenMP layer where the system has libgomp): those wait spinning for a few
-milliseconds after each kernel, so the next kernel starts on both cores within microseconds, where
-a hand-off to this module's pool costs about a hundred on this VM (its thread must wake, then take
-the GIL).
+Numba's own threads (its OpenMP layer where the system has libgomp): those wait spinning for about
+a millisecond after each kernel (compiled.GOMP_SPINCOUNT), so the next kernel starts on both cores
+within microseconds, where a hand-off to this module's pool costs about a hundred on this VM (its
+thread must wake, then take the GIL).
 Each chunk writes its own samples only and adds in the same order as the unsplit loop, so those
 results are bit-identical whatever the thread count. The exceptions are GEMMs split over the
 columns of their product (a convolution's dw, Dense): each chunk's GEMM rounds in its own
