@@ -96,6 +96,8 @@ CONV_CASES = [
     # (x_shape, filters, kwargs): which path each takes is in the comment
     ((2, 4, 8, 8), 4, {"kernel_size": 3, "groups": 4, "padding": 1}),  # depthwise, stride 1
     ((2, 4, 9, 9), 4, {"kernel_size": 3, "groups": 4, "stride": 2, "padding": 1}),  # depthwise, stride 2
+    ((2, 3, 8, 9), 3, {"kernel_size": 3, "groups": 3, "stride": 2}),  # depthwise, stride 2, no padding
+    ((2, 4, 10, 7), 4, {"kernel_size": 3, "groups": 4, "stride": 2, "padding": (1, 0)}),  # uneven padding
     ((2, 3, 9, 8), 3, {"kernel_size": 3, "groups": 3, "stride": 3}),  # depthwise, stride 3, no padding
     ((2, 4, 9, 9), 4, {"kernel_size": 3, "groups": 4, "dilation": 2, "padding": 2}),  # depthwise, dilated
     ((2, 3, 7, 7), 6, {"kernel_size": 3, "groups": 3, "padding": 1}),  # depthwise, channel multiplier 2
@@ -202,6 +204,12 @@ def test_direct_kernel_is_chosen_only_where_it_applies():
     assert fast._direct(geom(c=256), 512) and fast._direct(geom(c=3, h=32, w=32), 16)  # any channel count
     assert fast._direct(geom(groups=16), 16) and fast._direct(geom(c=512, groups=512), 512)  # depthwise
     assert fast._direct(geom(c=64, h=4, w=4, groups=64), 64)  # depthwise: any width
+    # stride-2 depthwise: the stride-1 kernels, every other output kept
+    assert fast._stride1_depthwise(geom(sh=2, sw=2, groups=16), 16) == geom(groups=16)
+    assert fast._stride1_depthwise(geom(sh=2, sw=2, groups=16), 32) is None  # channel multiplier
+    assert fast._stride1_depthwise(geom(sh=2, sw=1, groups=16), 16) is None  # uneven stride
+    assert fast._stride1_depthwise(geom(sh=2, sw=2), 16) is None  # one group
+    assert ref._stride1_depthwise(geom(sh=2, sw=2, groups=16), 16) is None
     assert not ref._direct(geom(), 16) and not ref._direct(geom(groups=16), 16)
     for g, co in (
         (geom(sh=2, sw=2, h=16, w=16), 16),  # strided (8 outputs wide)
@@ -394,10 +402,10 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
     finally:
         th.set_threads(th.default_threads())
     # every pooling, convolution, BatchNorm and ReLU call went through a splitter: the pool's, or
-    # Numba's threads for the compiled kernels (forward, dw and dx of the stride-1 depthwise and the
-    # dense 3x3 layer, BatchNorm, ReLU)
+    # Numba's threads for the compiled kernels (forward, dw and dx of the stride-1 and stride-2
+    # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU)
     assert len(calls) >= 12 + 2 * 5
-    assert len(compiled_calls) == 3 + 3 + 2 + 2
+    assert len(compiled_calls) == 3 + 3 + 3 + 2 + 2
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
         if isinstance(a, BlasRounded):

@@ -15,7 +15,7 @@ thread is left spinning on a core that the next copy needs.
 import ctypes
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
@@ -432,12 +432,25 @@ class CPUBackend:
             return False
         return g.groups > 1 or g.wo >= DIRECT_MIN_WIDTH
 
+    def _stride1_depthwise(self, g, co):
+        """For a stride-2 depthwise 3x3 layer the compiled kernels can take at stride 1: that stride-1
+        geometry (its output at even rows and columns is the layer's; its dx from dy spread onto
+        those rows and columns, zeros between, is the layer's dx). Else None."""
+        if self.kernels != "numba" or (g.sh, g.sw) != (2, 2) or not (g.groups == g.c == co):
+            return None
+        g1 = replace(g, sh=1, sw=1)
+        return g1 if direct_ok(g1, co) else None
+
     def conv2d_forward(self, x, w, g, keep=True):
         """y = conv(x, w): x (N, C, H, W), w (Co, C/groups, kh, kw) -> y (N, Co, Ho, Wo).
 
         Returns (y, ctx); ctx holds what backward needs (the im2col matrix, or x itself for the
         direct convolution) when keep is true.
         """
+        g1 = self._stride1_depthwise(g, w.shape[0])
+        if g1 is not None:  # 4x the multiply-adds of the strided layer, but compiled and on all threads
+            y1, ctx = self._direct_forward(x, w, g1, keep)
+            return np.ascontiguousarray(y1[:, :, : 2 * g.ho : 2, : 2 * g.wo : 2]), ctx
         if self._direct(g, w.shape[0]):
             return self._direct_forward(x, w, g, keep)
         if g.c == g.groups and g.sh == g.sw:
@@ -456,6 +469,13 @@ class CPUBackend:
             raise RuntimeError(
                 "conv2d_backward: no saved forward state; run forward(x, training=True) before each backward"
             )
+        g1 = self._stride1_depthwise(g, w.shape[0])
+        if g1 is not None:
+            key, up = self._take("dyup", (dy.shape[0], dy.shape[1], g1.ho, g1.wo), dy.dtype, g)  # zero between
+            up[:, :, : 2 * g.ho : 2, : 2 * g.wo : 2] = dy
+            grads = self._direct_backward(up, w, ctx, g1, need_dx)
+            self._give(key, up)
+            return grads
         if self._direct(g, w.shape[0]):
             return self._direct_backward(dy, w, ctx, g, need_dx)
         if g.c == g.groups and g.sh == g.sw:
