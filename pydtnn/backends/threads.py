@@ -126,16 +126,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_workers)
 
 
+def _chunks(n, nbytes):
+    """How many chunks a call over n items touching nbytes splits into (1: run it unsplit)."""
+    if getattr(_state, "worker", False) or (nbytes is not None and nbytes < MIN_BYTES):
+        return 1
+    return max(1, min(threads(), n))
+
+
 def split(n, fn, nbytes=None):
     """fn(lo, hi) over [0, n) in contiguous chunks, one per thread, the first in the calling thread.
 
     nbytes: how much memory the whole call touches; small calls run unsplit in the calling thread.
     """
-    t = min(threads(), n)
-    if t <= 1 or getattr(_state, "worker", False) or (nbytes is not None and nbytes < MIN_BYTES):
-        fn(0, n)
-        return
-    if not _busy.acquire(blocking=False):  # another thread of the program is using the pool
+    t = _chunks(n, nbytes)
+    if t == 1 or not _busy.acquire(blocking=False):  # busy: another thread of the program splits now
         fn(0, n)
         return
     try:
@@ -162,11 +166,8 @@ def split_compiled(kernel, chunks, n, args, nbytes=None):
     twin chunks(n, t, *args) (backends/compiled.py): the chunks run on Numba's threads, which take
     a chunk in microseconds where this module's pool, whose threads must wake and take the GIL,
     needs about a hundred."""
-    t = min(threads(), n)
-    if t <= 1 or getattr(_state, "worker", False) or (nbytes is not None and nbytes < MIN_BYTES):
-        kernel(*args, 0, n)
-        return
-    if not _busy.acquire(blocking=False):
+    t = _chunks(n, nbytes)
+    if t == 1 or not _busy.acquire(blocking=False):
         kernel(*args, 0, n)
         return
     try:
