@@ -31,7 +31,8 @@ def both_checks(make, x_shape, torch_fn):
 # -- pooling -------------------------------------------------------------------------------
 POOL_CASES = [
     # (x_shape, pool, stride, padding, layout (disjoint, covering))
-    ((2, 3, 8, 8), 2, 2, 0, (True, True)),
+    ((2, 3, 8, 8), 2, 2, 0, (True, True)),  # 2x2 stride 2: the compiled kernels
+    ((2, 3, 9, 7), 2, 2, 0, (True, False)),  # the same, odd height and width: a row and column left over
     ((2, 3, 9, 7), 3, 3, 0, (True, False)),  # rows and columns left over
     ((2, 2, 9, 9), 2, 3, 0, (True, False)),  # stride > window: gaps
     ((2, 2, 6, 8), (2, 4), (2, 4), 0, (True, True)),
@@ -42,7 +43,7 @@ POOL_CASES = [
 
 
 @pytest.mark.parametrize("x_shape,k,s,p,layout", POOL_CASES)
-def test_maxpool_paths(x_shape, k, s, p, layout):
+def test_maxpool_paths(x_shape, k, s, p, layout, kernels):
     layer = MaxPool2D(k, stride=s, padding=p)
     layer.build(x_shape[1:])
     assert _window_layout(layer.geometry) == layout
@@ -80,6 +81,54 @@ def test_maxpool_ties_route_to_first_maximum_like_torch(k, s, dtype):
     ty.backward(torch.tensor(dy))
     np.testing.assert_array_equal(y, ty.detach().numpy())
     np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 3, 9, 7), (5, 1, 33, 17), (1, 2, 2, 3)])
+def test_maxpool2x2_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, dtype):
+    """The compiled 2x2 kernels against the NumPy passes: ties (a ReLU's zeros, 0.0 against -0.0),
+    NaN and infinities in x, NaN and infinities in dy; y, the argmax and dx compared as bits."""
+    fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
+    n, c, h, w = shape
+    g = ConvGeometry(c, h, w, 2, 2, 2, 2)
+    assert fast._maxpool2x2(g) and not ref._maxpool2x2(g)
+    rng = np.random.default_rng(0)
+    x = np.maximum(rng.integers(-3, 3, size=shape), 0).astype(dtype)
+    x.flat[::13], x.flat[5::17], x.flat[7::19], x.flat[2::23] = np.nan, -np.inf, np.inf, -0.0
+    bits = np.dtype(f"i{x.itemsize}")
+    y, idx = fast.maxpool2d_forward(x, g)
+    y_ref, idx_ref = ref.maxpool2d_forward(x, g)
+    np.testing.assert_array_equal(y.view(bits), y_ref.view(bits))
+    np.testing.assert_array_equal(idx, idx_ref)
+    np.testing.assert_array_equal(fast.maxpool2d_forward(x, g, keep=False)[0].view(bits), y.view(bits))
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    dy.flat[::5], dy.flat[1::7] = np.nan, -np.inf
+    dx = fast.maxpool2d_backward(dy, idx, g)
+    np.testing.assert_array_equal(dx.view(bits), ref.maxpool2d_backward(dy, idx_ref, g).view(bits))
+    # PyTorch's scatter: each dy at its window's first maximum, exactly +0.0 everywhere else
+    want = np.zeros_like(x)
+    for i in range(y.shape[2]):
+        for j in range(y.shape[3]):
+            k = idx[:, :, i, j]
+            want[:, :, 2 * i, 2 * j][k == 0] = dy[:, :, i, j][k == 0]
+            want[:, :, 2 * i, 2 * j + 1][k == 1] = dy[:, :, i, j][k == 1]
+            want[:, :, 2 * i + 1, 2 * j][k == 2] = dy[:, :, i, j][k == 2]
+            want[:, :, 2 * i + 1, 2 * j + 1][k == 3] = dy[:, :, i, j][k == 3]
+    np.testing.assert_array_equal(dx.view(bits), want.view(bits))
+
+
+def test_maxpool_with_nan_dy_routes_it_like_torch(kernels):
+    """A NaN or infinite gradient reaches the window's maximum only; the other inputs get 0."""
+    x = np.random.default_rng(2).standard_normal((2, 3, 6, 6))
+    for k, s in ((2, 2), (3, 2), (3, 1)):
+        layer = MaxPool2D(k, stride=s)
+        layer.build(x.shape[1:], np.float64)
+        y = layer.forward(x)
+        dy = np.ones_like(y)
+        dy.flat[::3], dy.flat[1::4] = np.nan, np.inf
+        tx = torch.tensor(x, requires_grad=True)
+        F.max_pool2d(tx, k, s).backward(torch.tensor(dy))
+        np.testing.assert_array_equal(layer.backward(dy), tx.grad.numpy())
 
 
 def test_maxpool_forward_without_keep_gives_the_same_output():
@@ -403,9 +452,9 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
         th.set_threads(th.default_threads())
     # every pooling, convolution, BatchNorm and ReLU call went through a splitter: the pool's, or
     # Numba's threads for the compiled kernels (forward, dw and dx of the stride-1 and stride-2
-    # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU)
-    assert len(calls) >= 12 + 2 * 5
-    assert len(compiled_calls) == 3 + 3 + 3 + 2 + 2
+    # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU, 2x2 max pooling)
+    assert len(calls) >= 10 + 2 * 5
+    assert len(compiled_calls) == 3 + 3 + 3 + 2 + 2 + 2
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
         if isinstance(a, BlasRounded):

@@ -1,5 +1,6 @@
 """Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution (one group, or depthwise),
-training-mode batch normalization, ReLU, and the col2im that gives a strided convolution its dx.
+training-mode batch normalization, ReLU, 2x2 max pooling, and the col2im that gives a strided
+convolution its dx.
 
 im2col + GEMM copies the input nine times into a matrix that does not fit in cache, and with 16-64
 channels the GEMM has too small a dimension for BLAS to reach its peak. These kernels never build
@@ -345,6 +346,94 @@ def relu_backward(dy, y, dx, lo, hi):
 def relu_backward_chunks(n, t, dy, y, dx):
     for i in numba.prange(t):
         relu_backward(dy, y, dx, n * i // t, n * (i + 1) // t)
+
+
+# -- max pooling 2x2, stride 2: one pass each way, no branches on the data -----------------------------
+@numba.njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _max(a, b):
+    """np.maximum(a, b) bit for bit: NaN in either goes through; of two equal values (0.0 and -0.0)
+    b, as x86's maxps gives."""
+    return a if (a > b or a != a) else b
+
+
+@_exact
+def maxpool2x2_forward(x, y, idx, lo, hi):
+    """y = max over each 2x2 window of x (N, C, H, W), idx (uint8) = i*2 + j of its first maximum,
+    for samples lo..hi-1. The same steps as the NumPy path: positions in order, a position wins
+    when it is greater than the running maximum, which np.maximum's rule updates (NaN sticks)."""
+    ho, wo = y.shape[2], y.shape[3]
+    for n in range(lo, hi):
+        for c in range(x.shape[1]):
+            xp, yp, ip = x[n, c], y[n, c], idx[n, c]
+            for i in range(ho):
+                r0, r1, yr, ir = xp[2 * i], xp[2 * i + 1], yp[i], ip[i]
+                for j in range(wo):
+                    a, b, d, e = r0[2 * j], r0[2 * j + 1], r1[2 * j], r1[2 * j + 1]
+                    k = np.uint8(1) if b > a else np.uint8(0)
+                    m = _max(a, b)
+                    k = np.uint8(2) if d > m else k
+                    m = _max(m, d)
+                    ir[j] = np.uint8(3) if e > m else k
+                    yr[j] = _max(m, e)
+
+
+@_pjit
+def maxpool2x2_forward_chunks(n, t, x, y, idx):
+    for i in numba.prange(t):
+        maxpool2x2_forward(x, y, idx, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def maxpool2x2_values(x, y, lo, hi):
+    """maxpool2x2_forward's y alone (inference: no backward to route)."""
+    ho, wo = y.shape[2], y.shape[3]
+    for n in range(lo, hi):
+        for c in range(x.shape[1]):
+            xp, yp = x[n, c], y[n, c]
+            for i in range(ho):
+                r0, r1, yr = xp[2 * i], xp[2 * i + 1], yp[i]
+                for j in range(wo):
+                    yr[j] = _max(_max(_max(r0[2 * j], r0[2 * j + 1]), r1[2 * j]), r1[2 * j + 1])
+
+
+@_pjit
+def maxpool2x2_values_chunks(n, t, x, y):
+    for i in numba.prange(t):
+        maxpool2x2_values(x, y, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def maxpool2x2_backward(dy, idx, dx, lo, hi):
+    """dx = dy at the window position idx names, +0.0 elsewhere (rows and columns no window covers
+    included), for samples lo..hi-1. dy and dx are the float arrays' bits as integers of the same
+    width: dy's bits and'ed with an all-ones or all-zeros mask, no float compare or branch."""
+    ho, wo = dy.shape[2], dy.shape[3]
+    h, w = dx.shape[2], dx.shape[3]
+    t = dx.dtype.type
+    zero = t(0)
+    for n in range(lo, hi):
+        for c in range(dy.shape[1]):
+            gp, ip, xp = dy[n, c], idx[n, c], dx[n, c]
+            for i in range(ho):
+                gr, ir, r0, r1 = gp[i], ip[i], xp[2 * i], xp[2 * i + 1]
+                for j in range(wo):
+                    v, k = gr[j], ir[j]
+                    r0[2 * j] = v & (zero - t(k == 0))
+                    r0[2 * j + 1] = v & (zero - t(k == 1))
+                    r1[2 * j] = v & (zero - t(k == 2))
+                    r1[2 * j + 1] = v & (zero - t(k == 3))
+                for j in range(2 * wo, w):  # an odd width: the last column is in no window
+                    r0[j] = zero
+                    r1[j] = zero
+            for i in range(2 * ho, h):  # an odd height: the last row
+                for j in range(w):
+                    xp[i, j] = zero
+
+
+@_pjit
+def maxpool2x2_backward_chunks(n, t, dy, idx, dx):
+    for i in numba.prange(t):
+        maxpool2x2_backward(dy, idx, dx, n * i // t, n * (i + 1) // t)
 
 
 # -- dense 3x3 convolution: register-blocked vector kernels --------------------------------------------

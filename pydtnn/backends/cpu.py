@@ -713,12 +713,25 @@ class CPUBackend:
     def maxpool2d_forward(self, x, g, keep=True):
         """Max over windows; padding counts as -inf (PyTorch semantics). Returns (y, argmax ctx).
 
-        One pass per kernel position over strided views of the unpadded input. ctx is the index
-        k = i*kw + j of the first maximum in each window (ties go to the first, as in PyTorch).
+        One pass per kernel position over strided views of the unpadded input; 2x2 windows at
+        stride 2 (VGG's, without padding) take one compiled pass instead (backends/compiled.py),
+        with the same results bit for bit. ctx is the index k = i*kw + j of the first maximum in
+        each window (ties go to the first, as in PyTorch).
         """
         n = x.shape[0]
-        pos = _positions(g)
         y = np.empty((n, g.c, g.ho, g.wo), x.dtype)
+        if self._maxpool2x2(g):
+            from pydtnn.backends import compiled
+
+            x = np.ascontiguousarray(x)
+            if not keep:
+                split_compiled(compiled.maxpool2x2_values, compiled.maxpool2x2_values_chunks, n, (x, y), x.nbytes)
+                return y, None
+            idx = np.empty(y.shape, np.uint8)
+            args = (x, y, idx)
+            split_compiled(compiled.maxpool2x2_forward, compiled.maxpool2x2_forward_chunks, n, args, x.nbytes)
+            return y, idx
+        pos = _positions(g)
         idx = np.zeros(y.shape, np.uint8 if g.kh * g.kw <= 256 else np.int32) if keep else None
         won = np.empty(y.shape, idx.dtype) if keep else None
         full = pos[0][0] == 0 and pos[0][3] == slice(0, g.ho) and pos[0][4] == slice(0, g.wo)
@@ -742,23 +755,37 @@ class CPUBackend:
         return y, idx
 
     def maxpool2d_backward(self, dy, ctx, g):
+        """dx: each window's dy added at its first maximum, exactly +0.0 where no window's maximum
+        lies (PyTorch's scatter: a NaN or infinite dy reaches the maximum's input only)."""
         idx = ctx
         n = dy.shape[0]
-        disjoint, covering = _window_layout(g)
-        dx = (np.empty if covering else np.zeros)((n, g.c, g.h, g.w), dy.dtype)
+        if self._maxpool2x2(g):
+            from pydtnn.backends import compiled
+
+            dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
+            bits = np.dtype(f"i{dy.itemsize}")  # the kernel moves float bits through an integer mask
+            args = (np.ascontiguousarray(dy).view(bits), idx, dx.view(bits))
+            split_compiled(compiled.maxpool2x2_backward, compiled.maxpool2x2_backward_chunks, n, args, 2 * dx.nbytes)
+            return dx
+        disjoint, _ = _window_layout(g)
+        dx = np.zeros((n, g.c, g.h, g.w), dy.dtype)
         pos = _positions(g)
 
         def part(lo, hi):
             for k, _, _, orows, ocols, irows, icols in pos:
                 won = idx[lo:hi, :, orows, ocols] == k
-                dxv = dx[lo:hi, :, irows, icols]
+                dxv, dyv = dx[lo:hi, :, irows, icols], dy[lo:hi, :, orows, ocols]
                 if disjoint:
-                    np.multiply(dy[lo:hi, :, orows, ocols], won, out=dxv)
+                    np.copyto(dxv, dyv, where=won)
                 else:
-                    dxv += dy[lo:hi, :, orows, ocols] * won
+                    np.add(dxv, dyv, out=dxv, where=won)
 
         split(n, part, dx.nbytes)
         return dx
+
+    def _maxpool2x2(self, g):
+        """Whether max pooling runs the compiled 2x2 stride-2 kernels (no padding, floor mode)."""
+        return self.kernels == "numba" and (g.kh, g.kw, g.sh, g.sw) == (2, 2, 2, 2) and not g.padded
 
     def avgpool2d_forward(self, x, g, keep=True):
         """Mean over windows; zero padding is counted in the divisor (PyTorch's default)."""
