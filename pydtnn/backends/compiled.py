@@ -356,50 +356,56 @@ def _max(a, b):
     return a if (a > b or a != a) else b
 
 
-@_exact
-def maxpool2x2_forward(x, y, idx, lo, hi):
-    """y = max over each 2x2 window of x (N, C, H, W), idx (uint8) = i*2 + j of its first maximum,
-    for samples lo..hi-1. The same steps as the NumPy path: positions in order, a position wins
-    when it is greater than the running maximum, which np.maximum's rule updates (NaN sticks)."""
-    ho, wo = y.shape[2], y.shape[3]
-    for n in range(lo, hi):
-        for c in range(x.shape[1]):
-            xp, yp, ip = x[n, c], y[n, c], idx[n, c]
-            for i in range(ho):
-                r0, r1, yr, ir = xp[2 * i], xp[2 * i + 1], yp[i], ip[i]
-                for j in range(wo):
-                    a, b, d, e = r0[2 * j], r0[2 * j + 1], r1[2 * j], r1[2 * j + 1]
-                    k = np.uint8(1) if b > a else np.uint8(0)
-                    m = _max(a, b)
-                    k = np.uint8(2) if d > m else k
-                    m = _max(m, d)
-                    ir[j] = np.uint8(3) if e > m else k
-                    yr[j] = _max(m, e)
+@numba.njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _window_max(xf, a0, a1):
+    """(max, i*2 + j of the first maximum) of the 2x2 window at flat indices a0, a0+1 (row 0) and
+    a1, a1+1 (row 1); the NumPy path's steps: positions in order, a position wins when it is greater
+    than the running maximum, which np.maximum's rule updates (NaN sticks)."""
+    u = np.uint64
+    a, b, d, e = xf[a0], xf[a0 + u(1)], xf[a1], xf[a1 + u(1)]
+    k = np.uint8(1) if b > a else np.uint8(0)
+    m = _max(a, b)
+    k = np.uint8(2) if d > m else k
+    m = _max(m, d)
+    return _max(m, e), (np.uint8(3) if e > m else k)
 
 
-@_pjit
-def maxpool2x2_forward_chunks(n, t, x, y, idx):
-    for i in numba.prange(t):
-        maxpool2x2_forward(x, y, idx, n * i // t, n * (i + 1) // t)
+@numba.njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _windows(p, h, w, ho, wo):
+    """(first input index, first output index, outputs) of channel plane p, and the jump from the
+    end of an output row's windows to the next row's start."""
+    u = np.uint64
+    return u(p * h * w), u(p * ho * wo), u(ho * wo), u(2 * w - 2 * wo)
 
 
 @_exact
-def maxpool2x2_values(x, y, lo, hi):
-    """maxpool2x2_forward's y alone (inference: no backward to route)."""
+def maxpool2x2_forward(x, y, idx, keep, lo, hi):
+    """y = max over each 2x2 window of x (N, C, H, W) and, with keep, idx (uint8) = i*2 + j of its
+    first maximum, for samples lo..hi-1. One running index per plane (no views, no row loops:
+    VGG's last planes are 2x2, where those cost more than the work)."""
+    c_, h, w = x.shape[1], x.shape[2], x.shape[3]
     ho, wo = y.shape[2], y.shape[3]
-    for n in range(lo, hi):
-        for c in range(x.shape[1]):
-            xp, yp = x[n, c], y[n, c]
-            for i in range(ho):
-                r0, r1, yr = xp[2 * i], xp[2 * i + 1], yp[i]
-                for j in range(wo):
-                    yr[j] = _max(_max(_max(r0[2 * j], r0[2 * j + 1]), r1[2 * j]), r1[2 * j + 1])
+    xf, yf, kf = x.reshape(-1), y.reshape(-1), idx.reshape(-1)
+    u = np.uint64
+    for p in range(lo * c_, hi * c_):
+        a0, o0, size, jump = _windows(p, h, w, ho, wo)
+        j = 0
+        for o in range(o0, o0 + size):
+            m, k = _window_max(xf, a0, a0 + u(w))
+            yf[o] = m
+            if keep:
+                kf[o] = k
+            a0 += u(2)
+            j += 1
+            if j == wo:
+                j = 0
+                a0 += jump
 
 
 @_pjit
-def maxpool2x2_values_chunks(n, t, x, y):
+def maxpool2x2_forward_chunks(n, t, x, y, idx, keep):
     for i in numba.prange(t):
-        maxpool2x2_values(x, y, n * i // t, n * (i + 1) // t)
+        maxpool2x2_forward(x, y, idx, keep, n * i // t, n * (i + 1) // t)
 
 
 @_exact
@@ -407,27 +413,29 @@ def maxpool2x2_backward(dy, idx, dx, lo, hi):
     """dx = dy at the window position idx names, +0.0 elsewhere (rows and columns no window covers
     included), for samples lo..hi-1. dy and dx are the float arrays' bits as integers of the same
     width: dy's bits and'ed with an all-ones or all-zeros mask, no float compare or branch."""
-    ho, wo = dy.shape[2], dy.shape[3]
+    c_, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
     h, w = dx.shape[2], dx.shape[3]
+    gf, kf, xf = dy.reshape(-1), idx.reshape(-1), dx.reshape(-1)
     t = dx.dtype.type
     zero = t(0)
-    for n in range(lo, hi):
-        for c in range(dy.shape[1]):
-            gp, ip, xp = dy[n, c], idx[n, c], dx[n, c]
-            for i in range(ho):
-                gr, ir, r0, r1 = gp[i], ip[i], xp[2 * i], xp[2 * i + 1]
-                for j in range(wo):
-                    v, k = gr[j], ir[j]
-                    r0[2 * j] = v & (zero - t(k == 0))
-                    r0[2 * j + 1] = v & (zero - t(k == 1))
-                    r1[2 * j] = v & (zero - t(k == 2))
-                    r1[2 * j + 1] = v & (zero - t(k == 3))
-                for j in range(2 * wo, w):  # an odd width: the last column is in no window
-                    r0[j] = zero
-                    r1[j] = zero
-            for i in range(2 * ho, h):  # an odd height: the last row
-                for j in range(w):
-                    xp[i, j] = zero
+    u = np.uint64
+    for p in range(lo * c_, hi * c_):
+        if 2 * ho < h or 2 * wo < w:  # odd height or width: the last row or column is in no window
+            xf[p * h * w : (p + 1) * h * w] = zero
+        a0, o0, size, jump = _windows(p, h, w, ho, wo)
+        j = 0
+        for o in range(o0, o0 + size):
+            v, k = gf[o], kf[o]
+            a1 = a0 + u(w)
+            xf[a0] = v & (zero - t(k == 0))
+            xf[a0 + u(1)] = v & (zero - t(k == 1))
+            xf[a1] = v & (zero - t(k == 2))
+            xf[a1 + u(1)] = v & (zero - t(k == 3))
+            a0 += u(2)
+            j += 1
+            if j == wo:
+                j = 0
+                a0 += jump
 
 
 @_pjit

@@ -723,14 +723,10 @@ class CPUBackend:
         if self._maxpool2x2(g):
             from pydtnn.backends import compiled
 
-            x = np.ascontiguousarray(x)
-            if not keep:
-                split_compiled(compiled.maxpool2x2_values, compiled.maxpool2x2_values_chunks, n, (x, y), x.nbytes)
-                return y, None
-            idx = np.empty(y.shape, np.uint8)
-            args = (x, y, idx)
+            idx = np.empty(y.shape if keep else (0, 0, 0, 0), np.uint8)
+            args = (np.ascontiguousarray(x), y, idx, keep)
             split_compiled(compiled.maxpool2x2_forward, compiled.maxpool2x2_forward_chunks, n, args, x.nbytes)
-            return y, idx
+            return y, (idx if keep else None)
         pos = _positions(g)
         idx = np.zeros(y.shape, np.uint8 if g.kh * g.kw <= 256 else np.int32) if keep else None
         won = np.empty(y.shape, idx.dtype) if keep else None
