@@ -250,7 +250,8 @@ def test_direct_kernel_is_chosen_only_where_it_applies():
         return ConvGeometry(**{**base, **kw})
 
     assert fast._direct(geom(), 16) and fast._direct(geom(pt=0, pb=2), 16)
-    assert fast._direct(geom(c=256), 512) and fast._direct(geom(c=3, h=32, w=32), 16)  # any channel count
+    assert fast._direct(geom(c=128), 256) and fast._direct(geom(c=3, h=32, w=32), 16)
+    assert fast._direct(geom(c=512, h=16, w=16), 512)  # many channels: from 16 wide
     assert fast._direct(geom(groups=16), 16) and fast._direct(geom(c=512, groups=512), 512)  # depthwise
     assert fast._direct(geom(c=64, h=4, w=4, groups=64), 64)  # depthwise: any width
     # stride-2 depthwise: the stride-1 kernels, every other output kept
@@ -268,6 +269,7 @@ def test_direct_kernel_is_chosen_only_where_it_applies():
         (geom(pt=3), 16),  # padding beyond the kernel's reach: dx would need a crop
         (geom(h=4, w=4), 16),  # narrow images: GEMM is faster
         (geom(w=7), 16),
+        (geom(c=256), 256),  # many channels, under 16 wide: GEMM's weight gradient is faster
     ):
         assert not fast._direct(g, co), (g, co)
 

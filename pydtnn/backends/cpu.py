@@ -32,6 +32,10 @@ _ROW_STEP = 8  # a GEMM split over its rows cuts them at multiples of this (whol
 # Narrowest output computed by the compiled one-group 3x3 kernels: they compute Wo + 2 columns per
 # output row, and on narrower images im2col + GEMM is faster (docs/performance.md).
 DIRECT_MIN_WIDTH = 8
+# Below twice that width, layers with this many input channels or more take im2col + GEMM too: the
+# compiled weight gradient loses to the GEMM's there (256 -> 256 channels at 8x8, batch 64: backward
+# 164 against 147 ms on one thread, 113 against 83 on two).
+DIRECT_NARROW_MAX_CHANNELS = 256
 
 # The weight gradient of the compiled one-group 3x3 kernels sums over this many bytes of padded
 # input at a time (a chunk of samples), so that they stay in cache.
@@ -427,10 +431,13 @@ class CPUBackend:
 
     def _direct(self, g, co):
         """Whether the compiled direct convolution computes this layer (backends/compiled.py): every
-        depthwise layer it can, and one-group layers at least DIRECT_MIN_WIDTH outputs wide."""
+        depthwise layer it can, and one-group layers at least DIRECT_MIN_WIDTH outputs wide (twice
+        that from DIRECT_NARROW_MAX_CHANNELS input channels on)."""
         if self.kernels != "numba" or not direct_ok(g, co):
             return False
-        return g.groups > 1 or g.wo >= DIRECT_MIN_WIDTH
+        if g.groups > 1:
+            return True
+        return g.wo >= DIRECT_MIN_WIDTH and (g.wo >= 2 * DIRECT_MIN_WIDTH or g.c < DIRECT_NARROW_MAX_CHANNELS)
 
     def _stride1_depthwise(self, g, co):
         """For a stride-2 depthwise 3x3 layer the compiled kernels can take at stride 1: that stride-1
