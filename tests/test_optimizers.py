@@ -10,6 +10,7 @@ import torch
 
 from pydtnn import optim
 from pydtnn.errors import ConfigError
+from pydtnn.optim import fused
 
 SHAPES = [(3, 4), (7,), (2, 3, 2, 2)]
 STEPS = 10
@@ -81,7 +82,9 @@ def set_lr(opt, t):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name,hyper", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
-def test_matches_torch_every_step(name, hyper, dtype):
+def test_matches_torch_every_step(name, hyper, dtype, kernels, monkeypatch):
+    """With kernels "numba", SGD takes its compiled update for every parameter, however small."""
+    monkeypatch.setattr(fused, "COMPILED_MIN_BYTES", 0)
     rng = np.random.default_rng(len(CASES) + CASES.index((name, hyper)))
     params = make_params(dtype, rng)
     tensors = [torch.tensor(p.copy(), requires_grad=True) for _, p, _ in params]
@@ -102,6 +105,39 @@ def test_matches_torch_every_step(name, hyper, dtype):
             np.testing.assert_allclose(
                 p, x.detach().numpy(), rtol=RTOL[dtype], atol=RTOL[dtype], err_msg=f"{pname} after step {t + 1}"
             )
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sgd_compiled_update_gives_the_numpy_bits(dtype, threads, monkeypatch):
+    """The compiled SGD update against the NumPy passes, every option, several steps (the first sets
+    the momentum buffer), a learning-rate change, split over threads: the same bits."""
+    from pydtnn.backends import threads as th
+
+    monkeypatch.setattr(th, "MIN_BYTES", 0)
+    shapes = [(300, 7), (1000,), (3, 5, 3, 3)]
+    try:
+        th.set_threads(threads)
+        for i, (name, hyper) in enumerate(c for c in CASES if c[0] == "sgd"):
+            results = []
+            for min_bytes in (1 << 62, 0):  # the NumPy passes, then the compiled update
+                monkeypatch.setattr(fused, "COMPILED_MIN_BYTES", min_bytes)
+                rng = np.random.default_rng(i)
+                params = make_params(dtype, rng, shapes)
+                assert fused.compiled_cpu(params[0][1]) == (min_bytes == 0)
+                opt = optim.create(name, params, **hyper)
+                for t in range(4):
+                    set_lr(opt, t + 3)
+                    for _, _, g in params:
+                        g[...] = rng.standard_normal(g.shape)
+                    opt.step()
+                slots = opt.state_dict()["arrays"].values()
+                results.append([p.copy() for _, p, _ in params] + [a.copy() for a in slots])
+            bits = np.dtype(f"i{np.dtype(dtype).itemsize}")
+            for a, b in zip(*results):
+                np.testing.assert_array_equal(a.view(bits), b.view(bits), err_msg=f"{name} {hyper}")
+    finally:
+        th.set_threads(th.default_threads())
 
 
 def test_updates_in_place_and_leaves_grads_alone():

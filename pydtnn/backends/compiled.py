@@ -1,6 +1,6 @@
 """Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution (one group, or depthwise),
-training-mode batch normalization, ReLU, 2x2 max pooling, and the col2im that gives a strided
-convolution its dx.
+training-mode batch normalization, ReLU, 2x2 max pooling, the col2im that gives a strided
+convolution its dx, and the SGD update.
 
 im2col + GEMM copies the input nine times into a matrix that does not fit in cache, and with 16-64
 channels the GEMM has too small a dimension for BLAS to reach its peak. These kernels never build
@@ -442,6 +442,35 @@ def maxpool2x2_backward(dy, idx, dx, lo, hi):
 def maxpool2x2_backward_chunks(n, t, dy, idx, dx):
     for i in numba.prange(t):
         maxpool2x2_backward(dy, idx, dx, n * i // t, n * (i + 1) // t)
+
+
+# -- SGD: one pass over a parameter, its gradient and its momentum buffer -----------------------------
+@_exact
+def sgd_update(p, g, buf, lr, wd, momentum, keep, nesterov, first, lo, hi):
+    """One SGD step (optim/sgd.py) over the flat elements lo..hi-1 of p, g and buf: the NumPy path's
+    operations in its order, each rounded to the dtype (no fastmath: no fused multiply-adds), so
+    the bits are the same. momentum 0: buf is not touched; keep = 1 - dampening."""
+    pr, gr, br = p[lo:hi], g[lo:hi], buf[lo:hi]
+    for i in range(pr.shape[0]):  # from 0: no negative-index wraparound to stop the vectorizer
+        d = gr[i]
+        if wd != 0:
+            d = pr[i] * wd + d
+        if momentum != 0:
+            if first:
+                b = d
+            elif keep == 1:
+                b = br[i] * momentum + d
+            else:
+                b = br[i] * momentum + d * keep
+            br[i] = b
+            d = b * momentum + d if nesterov else b
+        pr[i] = pr[i] - d * lr
+
+
+@_pjit
+def sgd_update_chunks(n, t, p, g, buf, lr, wd, momentum, keep, nesterov, first):
+    for i in numba.prange(t):
+        sgd_update(p, g, buf, lr, wd, momentum, keep, nesterov, first, n * i // t, n * (i + 1) // t)
 
 
 # -- dense 3x3 convolution: register-blocked vector kernels --------------------------------------------

@@ -1,11 +1,21 @@
-"""One-pass optimizer updates for GPU arrays (CuPy elementwise kernels).
+"""One-pass optimizer updates: CuPy elementwise kernels for GPU arrays, and a compiled (Numba) SGD
+update for large NumPy parameters.
 
 Each kernel reads the parameter, its gradient and its slots once and writes them once, where the
 array-module code of sgd.py and adam.py makes one pass per term. The formulas are those of the
-classes' docstrings; the CPU path keeps the array-module code.
+classes' docstrings. On the CPU the compiled update does the NumPy code's operations in its order,
+so both give the same bits; it takes parameters from COMPILED_MIN_BYTES on (VGG-11's 28 M
+parameters: 45 -> 25 ms a step on one thread), smaller ones stay in cache through the NumPy passes
+and a model of only small parameters never loads Numba.
 """
 
 import functools
+
+import numpy as np
+
+from pydtnn.backends.threads import split_compiled
+
+COMPILED_MIN_BYTES = 1 << 20
 
 
 @functools.cache
@@ -57,3 +67,24 @@ def adam(opt, p, g, state):
 
 def on_gpu(p):
     return type(p).__module__.split(".")[0] == "cupy"
+
+
+def compiled_cpu(p):
+    """Whether the NumPy parameter p takes the compiled update (the CPU kernels are Numba's)."""
+    if type(p) is not np.ndarray or p.nbytes < COMPILED_MIN_BYTES or not p.flags.c_contiguous:
+        return False
+    from pydtnn.backends.cpu import resolve_kernels
+
+    return resolve_kernels() == "numba"
+
+
+def sgd_cpu(opt, p, g, state):
+    """SGD (optim/sgd.py) in one compiled pass, split over the CPU backend's threads."""
+    from pydtnn.backends import compiled
+
+    t = p.dtype.type
+    pf = p.reshape(-1)
+    buf = state["momentum_buffer"].reshape(-1) if opt.momentum else pf  # untouched without momentum
+    args = (pf, np.ascontiguousarray(g).reshape(-1), buf, t(opt.lr), t(opt.weight_decay), t(opt.momentum),
+            t(1 - opt.dampening), opt.nesterov, opt.t == 1)
+    split_compiled(compiled.sgd_update, compiled.sgd_update_chunks, p.size, args, p.nbytes * (5 if opt.momentum else 3))

@@ -52,6 +52,8 @@ class SGD(Optimizer):
     def update(self, p, g, state, tmp):
         if fused.on_gpu(p):
             return fused.sgd(self, p, g, state)
+        if fused.compiled_cpu(p):
+            return fused.sgd_cpu(self, p, g, state)
         xp = array_module(p)
         d = g
         if self.weight_decay:
