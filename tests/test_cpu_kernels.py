@@ -242,6 +242,26 @@ def test_direct_kernel_matches_the_numpy_path(case, dtype, chunk_bytes, monkeypa
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
 
 
+@pytest.mark.parametrize("o,c,groups,k", [(40, 24, 1, 3), (12, 8, 2, 3), (8, 6, 2, 5), (4, 3, 1, 1), (6, 40, 1, 3)])
+def test_flipped_weights_compiled_match_numpy(o, c, groups, k, monkeypatch):
+    """The compiled copy of dx's weights (per group transposed, both kernel axes reversed) gives
+    NumPy's, split over threads or not."""
+    from pydtnn.backends import threads as th
+
+    monkeypatch.setattr(cpu, "FLIP_COMPILED_MIN_BYTES", 0)
+    monkeypatch.setattr(th, "MIN_BYTES", 0)
+    w = np.random.default_rng(0).standard_normal((o, c // groups, k, k)).astype(np.float32)
+    g = ConvGeometry(c, 8, 8, k, k, groups=groups)
+    want = CPUBackend(kernels="numpy")._flipped(w, groups, g)
+    assert want.shape == (groups, c // groups, o // groups * k * k)
+    try:
+        for threads in (1, 3):
+            th.set_threads(threads)
+            np.testing.assert_array_equal(CPUBackend(kernels="numba")._flipped(w, groups, g), want)
+    finally:
+        th.set_threads(th.default_threads())
+
+
 def test_direct_kernel_is_chosen_only_where_it_applies():
     fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
 

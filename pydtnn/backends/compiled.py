@@ -316,6 +316,32 @@ def col2im(dcols, dx, sh, sw, pt, pl, dh, dw, n0, n1):
                             row[k * sw + off] += src[k]
 
 
+# -- the flipped, transposed kernel of a stride-1 convolution's dx -------------------------------------
+@_jit
+def flip_transpose(w, out, lo, hi):
+    """out[g, c, o, k] = w[g, o, c, K-1-k] for input channels c in lo..hi-1: w (G, O, C, K = kh*kw)
+    -> out (G, C, O, K), the weights of dx as a convolution of dy. NumPy's copy of the transposed,
+    reversed view moves 2.6 GB/s (3.6 ms for 512 x 512 x 3 x 3)."""
+    groups, co, ci, K = w.shape
+    wf, of = w.reshape(-1), out.reshape(-1)
+    u = np.uint64
+    for g in range(groups):
+        for c0 in range(lo, hi, 16):  # 16 channels at a time: each o reads one contiguous run of w
+            c1 = min(c0 + 16, hi)
+            for o in range(co):
+                for c in range(c0, c1):
+                    src = u(((g * co + o) * ci + c) * K + K - 1)
+                    dst = u(((g * ci + c) * co + o) * K)
+                    for k in range(K):
+                        of[dst + u(k)] = wf[src - u(k)]
+
+
+@_pjit
+def flip_transpose_chunks(n, t, w, out):
+    for i in numba.prange(t):
+        flip_transpose(w, out, n * i // t, n * (i + 1) // t)
+
+
 # -- ReLU: one pass each way, no boolean temporaries ------------------------------------------------------
 @_exact
 def relu_forward(x, y, lo, hi):

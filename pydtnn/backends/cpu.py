@@ -37,6 +37,10 @@ DIRECT_MIN_WIDTH = 8
 # 164 against 147 ms on one thread, 113 against 83 on two).
 DIRECT_NARROW_MAX_CHANNELS = 256
 
+# From this size on, the flipped, transposed weights of a GEMM-path dx are copied by a compiled
+# kernel (NumPy's copy of the reversed view: 2-4 ms for 512 x 512 x 3 x 3, the kernel 1.2-1.7).
+FLIP_COMPILED_MIN_BYTES = 1 << 20
+
 # The weight gradient of the compiled one-group 3x3 kernels sums over this many bytes of padded
 # input at a time (a chunk of samples), so that they stay in cache.
 DIRECT_CHUNK_BYTES = 1 << 20
@@ -489,7 +493,7 @@ class CPUBackend:
             return self._depthwise_backward(dy, w, ctx, g, need_dx)
         n, co = dy.shape[0], dy.shape[1]
         G, p = g.groups, g.ho * g.wo
-        o, cg = co // G, g.c // G
+        o = co // G
         cols = self._as_gemm(ctx.array, g).reshape(G, -1, n * p)
         ykey, dyk = self._take("dyk", (G, o, n, p), dy.dtype)  # dy with (n, ho, wo) merged: one GEMM for dw
 
@@ -514,7 +518,7 @@ class CPUBackend:
             # dx is the stride-1 convolution of dy with the flipped, transposed kernel: one GEMM with
             # K = Co/G*kh*kw instead of a GEMM with K = Co/G followed by kh*kw scatter-adds.
             gt = _transposed(g, co)
-            wt = w.reshape(G, o, cg, g.kh, g.kw).transpose(0, 2, 1, 3, 4)[..., ::-1, ::-1].reshape(G, cg, -1)
+            wt = self._flipped(w, G, g)
             if g.kh == g.kw == 1 and not gt.padded and 2 * g.ho * g.wo >= GEMM_MIN_COLUMNS:
                 # one GEMM per sample, straight into NCHW (blocks of two samples measured slower)
 
@@ -532,6 +536,19 @@ class CPUBackend:
         dx = self._strided_data_grad(dyk, w, g)
         self._give(ykey, dyk)
         return dx, dw
+
+    def _flipped(self, w, G, g):
+        """(G, C/G, O/G * kh*kw): w (O, C/G, kh, kw) transposed per group and flipped in both kernel
+        axes, the weights of dx as a stride-1 convolution of dy."""
+        o, cg, kk = w.shape[0] // G, w.shape[1], g.kh * g.kw
+        if self.kernels != "numba" or w.nbytes < FLIP_COMPILED_MIN_BYTES:
+            return w.reshape(G, o, cg, g.kh, g.kw).transpose(0, 2, 1, 3, 4)[..., ::-1, ::-1].reshape(G, cg, -1)
+        from pydtnn.backends import compiled
+
+        wt = np.empty((G, cg, o, kk), w.dtype)
+        args = (np.ascontiguousarray(w).reshape(G, o, cg, kk), wt)
+        split_compiled(compiled.flip_transpose, compiled.flip_transpose_chunks, cg, args, 2 * w.nbytes)
+        return wt.reshape(G, cg, -1)
 
     def _strided_data_grad(self, dyk, w, g):
         """dx of a strided convolution from dy regrouped as dyk (G, O, N, P): dcols = W^T dy, then each
