@@ -7,9 +7,11 @@ import pytest
 def kernels(request, monkeypatch):
     """Run a test with the compiled CPU kernels, then with the NumPy path alone (a CPUBackend made
     without kernels= reads PYDTNN_CPU_KERNELS). With the compiled kernels, the direct 3x3 convolution
-    takes layers of any width, so that the tests' small images go through it too."""
+    takes layers of any width, and the compiled bias kernels arrays of any size, so that the tests'
+    small images go through them too."""
     from pydtnn.backends import cpu
 
     monkeypatch.setenv("PYDTNN_CPU_KERNELS", request.param)
     monkeypatch.setattr(cpu, "DIRECT_MIN_WIDTH", 1)
+    monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", 0)
     return request.param

@@ -89,7 +89,7 @@ def test_maxpool2x2_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, dty
     """The compiled 2x2 kernels against the NumPy passes: ties (a ReLU's zeros, 0.0 against -0.0),
     NaN and infinities in x, NaN and infinities in dy; y, the argmax and dx compared as bits."""
     fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
-    n, c, h, w = shape
+    _, c, h, w = shape
     g = ConvGeometry(c, h, w, 2, 2, 2, 2)
     assert fast._maxpool2x2(g) and not ref._maxpool2x2(g)
     rng = np.random.default_rng(0)
@@ -262,6 +262,33 @@ def test_flipped_weights_compiled_match_numpy(o, c, groups, k, monkeypatch):
         th.set_threads(th.default_threads())
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv_bias_compiled_kernels_match_numpy(dtype, monkeypatch):
+    """The compiled bias add gives NumPy's bits; the compiled sum (float64 partial sums) matches the
+    exact sum as closely as NumPy's own; small arrays keep NumPy's path."""
+    rng = np.random.default_rng(3)
+    dy = (rng.standard_normal((9, 5, 7, 6)) + 3).astype(dtype)
+    b = rng.standard_normal(5).astype(dtype)
+    fast, ref = CPUBackend(dtype, kernels="numba"), CPUBackend(dtype, kernels="numpy")
+    monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", 0)
+    y, y_ref = dy.copy(), dy.copy()
+    fast.bias_forward(y, b)
+    ref.bias_forward(y_ref, b)
+    np.testing.assert_array_equal(y, y_ref)
+    db, db_ref = np.empty_like(b), np.empty_like(b)
+    fast.bias_backward(dy, db)
+    ref.bias_backward(dy, db_ref)
+    exact = dy.astype(np.float64).sum(axis=(0, 2, 3))
+    np.testing.assert_allclose(db, exact, rtol=4 * np.finfo(dtype).eps)
+    np.testing.assert_allclose(db_ref, exact, rtol=10 * np.finfo(dtype).eps)
+    calls = []
+    monkeypatch.setattr(cpu, "split_compiled", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", dy.nbytes + 1)
+    fast.bias_forward(y, b)
+    fast.bias_backward(dy, db)
+    assert calls == []
+
+
 def test_direct_kernel_is_chosen_only_where_it_applies():
     fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
 
@@ -418,6 +445,12 @@ def _kernels_run(x, dy_rng):
     # compiled ReLU: runs of elements split
     y = fast.relu_forward(x)
     out += [y, fast.relu_backward(dy, y)]
+    # compiled convolution bias: added over samples, summed over channels
+    y = x.copy()
+    fast.bias_forward(y, bias)
+    db = np.empty_like(bias)
+    fast.bias_backward(dy, db)
+    out += [y, db]
     # im2col + GEMM: y and dx split over samples; dw over its columns, each thread's GEMM rounding in
     # its own blocking (rounding-level differences, checked apart by the caller)
     gemm = CPUBackend(np.float32, kernels="numpy")
@@ -455,6 +488,7 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
     monkeypatch.setattr(cpu, "GEMM_MIN_COLUMNS", gemm_columns)
     monkeypatch.setattr(cpu, "_ROW_STEP", 1)
     monkeypatch.setattr(cpu, "BATCHNORM_SPLIT_BYTES", 0)
+    monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", 0)
     x = np.random.default_rng(0).standard_normal((7, 4, 9, 9)).astype(np.float32)
     try:
         th.set_threads(1)
@@ -474,9 +508,9 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
         th.set_threads(th.default_threads())
     # every pooling, convolution, BatchNorm and ReLU call went through a splitter: the pool's, or
     # Numba's threads for the compiled kernels (forward, dw and dx of the stride-1 and stride-2
-    # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU, 2x2 max pooling)
+    # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU, 2x2 max pooling, bias)
     assert len(calls) >= 10 + 2 * 5
-    assert len(compiled_calls) == 3 + 3 + 3 + 2 + 2 + 2
+    assert len(compiled_calls) == 3 + 3 + 3 + 2 + 2 + 2 + 2
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
         if isinstance(a, BlasRounded):

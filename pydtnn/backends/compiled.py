@@ -316,6 +316,43 @@ def col2im(dcols, dx, sh, sw, pt, pl, dh, dw, n0, n1):
                             row[k * sw + off] += src[k]
 
 
+# -- convolution bias: added to y, summed from dy ----------------------------------------------------
+@_exact
+def bias_add(y, b, lo, hi):
+    """y[n, c] += b[c] for samples lo..hi-1 of y (N, C, P)."""
+    for n in range(lo, hi):
+        for c in range(y.shape[1]):
+            row, v = y[n, c], b[c]
+            for k in range(row.shape[0]):
+                row[k] += v
+
+
+@_pjit
+def bias_add_chunks(n, t, y, b):
+    for i in numba.prange(t):
+        bias_add(y, b, n * i // t, n * (i + 1) // t)
+
+
+@_jit
+def bias_grad(dy, out, lo, hi):
+    """out[c] = sum of dy[:, c] (N, C, P) for channels lo..hi-1, in float64 (vectorized: fastmath
+    lets LLVM keep several partial sums). The order of the additions depends on N and P only, so
+    the bits do not depend on which thread sums a channel."""
+    for c in range(lo, hi):
+        acc = 0.0
+        for n in range(dy.shape[0]):
+            row = dy[n, c]
+            for k in range(row.shape[0]):
+                acc += row[k]
+        out[c] = acc
+
+
+@_pjit
+def bias_grad_chunks(n, t, dy, out):
+    for i in numba.prange(t):
+        bias_grad(dy, out, n * i // t, n * (i + 1) // t)
+
+
 # -- the flipped, transposed kernel of a stride-1 convolution's dx -------------------------------------
 @_jit
 def flip_transpose(w, out, lo, hi):
@@ -379,7 +416,7 @@ def relu_backward_chunks(n, t, dy, y, dx):
 def _max(a, b):
     """np.maximum(a, b) bit for bit: NaN in either goes through; of two equal values (0.0 and -0.0)
     b, as x86's maxps gives."""
-    return a if (a > b or a != a) else b
+    return a if (a > b or np.isnan(a)) else b
 
 
 @numba.njit(nogil=True, error_model="numpy", cache=True, inline="always")

@@ -300,6 +300,16 @@ class GPUBackend:
         return dx, dw
 
     # -- pooling ---------------------------------------------------------------------------
+    @staticmethod
+    def bias_forward(y, b):
+        """y (N, C, H, W) += b (C,) per channel, in place."""
+        y += b.reshape(1, -1, 1, 1)
+
+    @staticmethod
+    def bias_backward(dy, out):
+        """out (C,) = dy (N, C, H, W) summed over samples and pixels."""
+        dy.sum(axis=(0, 2, 3), out=out)
+
     def _launch(self, name, total, *args):
         threads = 256
         blocks = (total + threads - 1) // threads

@@ -100,14 +100,14 @@ class Conv2D(Layer):
     def forward(self, x, training=True):
         y, self.ctx = self.backend.conv2d_forward(x, self.params["weight"], self.geometry, keep=training)
         if self.use_bias:
-            y += self.params["bias"].reshape(1, -1, 1, 1)
+            self.backend.bias_forward(y, self.params["bias"])
         return y
 
     def backward(self, dy):
         dx, dw = self.backend.conv2d_backward(dy, self.params["weight"], self.ctx, self.geometry, self.need_dx)
         self.grads["weight"][...] = dw
         if self.use_bias:
-            dy.sum(axis=(0, 2, 3), out=self.grads["bias"])
+            self.backend.bias_backward(dy, self.grads["bias"])
         return dx
 
     def flops(self):
