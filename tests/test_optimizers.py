@@ -109,16 +109,17 @@ def test_matches_torch_every_step(name, hyper, dtype, kernels, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_sgd_compiled_update_gives_the_numpy_bits(dtype, threads, monkeypatch):
-    """The compiled SGD update against the NumPy passes, every option, several steps (the first sets
-    the momentum buffer), a learning-rate change, split over threads: the same bits."""
+def test_compiled_updates_give_the_numpy_bits(dtype, threads, monkeypatch):
+    """The compiled SGD, Adam and AdamW updates against the NumPy passes, every option, several
+    steps (the first sets SGD's momentum buffer), a learning-rate change, split over threads: the
+    same bits."""
     from pydtnn.backends import threads as th
 
     monkeypatch.setattr(th, "MIN_BYTES", 0)
     shapes = [(300, 7), (1000,), (3, 5, 3, 3)]
     try:
         th.set_threads(threads)
-        for i, (name, hyper) in enumerate(c for c in CASES if c[0] == "sgd"):
+        for i, (name, hyper) in enumerate(c for c in CASES if c[0] in ("sgd", "adam", "adamw")):
             results = []
             for min_bytes in (1 << 62, 0):  # the NumPy passes, then the compiled update
                 monkeypatch.setattr(fused, "COMPILED_MIN_BYTES", min_bytes)

@@ -1,6 +1,6 @@
 """Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution (one group, or depthwise),
 training-mode batch normalization, ReLU, 2x2 max pooling, the col2im that gives a strided
-convolution its dx, and the SGD update.
+convolution its dx, and the SGD and Adam updates.
 
 im2col + GEMM copies the input nine times into a matrix that does not fit in cache, and with 16-64
 channels the GEMM has too small a dimension for BLAS to reach its peak. These kernels never build
@@ -534,6 +534,33 @@ def sgd_update(p, g, buf, lr, wd, momentum, keep, nesterov, first, lo, hi):
 def sgd_update_chunks(n, t, p, g, buf, lr, wd, momentum, keep, nesterov, first):
     for i in numba.prange(t):
         sgd_update(p, g, buf, lr, wd, momentum, keep, nesterov, first, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def adam_update(p, g, m, v, lr_t, keep1, beta2, keep2, bc2_sqrt, eps, wd, decay, decoupled, lo, hi):
+    """One Adam / AdamW step (optim/adam.py) over the flat elements lo..hi-1, the NumPy path's
+    operations in its order, each rounded to the dtype: the same bits. keep1 = 1 - beta1, keep2 =
+    1 - beta2, lr_t = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t), decay = 1 - lr * wd."""
+    pr, gr, mr, vr = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
+    for i in range(pr.shape[0]):
+        q = pr[i]
+        d = gr[i]
+        if wd != 0 and decoupled:
+            q = q * decay
+        elif wd != 0:
+            d = q * wd + d
+        a = mr[i] + (d - mr[i]) * keep1
+        b = vr[i] * beta2 + (d * d) * keep2
+        mr[i] = a
+        vr[i] = b
+        pr[i] = q - a / (np.sqrt(b) / bc2_sqrt + eps) * lr_t
+
+
+@_pjit
+def adam_update_chunks(n, t, p, g, m, v, lr_t, keep1, beta2, keep2, bc2_sqrt, eps, wd, decay, decoupled):
+    for i in numba.prange(t):
+        adam_update(p, g, m, v, lr_t, keep1, beta2, keep2, bc2_sqrt, eps, wd, decay, decoupled,
+                    n * i // t, n * (i + 1) // t)
 
 
 # -- dense 3x3 convolution: register-blocked vector kernels --------------------------------------------

@@ -59,6 +59,8 @@ class Adam(Optimizer):
     def update(self, p, g, state, tmp):
         if fused.on_gpu(p):
             return fused.adam(self, p, g, state)
+        if fused.compiled_cpu(p):
+            return fused.adam_cpu(self, p, g, state)
         xp = array_module(p)
         self.decay_and_moments(p, g, state, tmp)
         s = xp.sqrt(state["exp_avg_sq"], out=tmp[1])

@@ -1,5 +1,5 @@
-"""One-pass optimizer updates: CuPy elementwise kernels for GPU arrays, and a compiled (Numba) SGD
-update for large NumPy parameters.
+"""One-pass optimizer updates: CuPy elementwise kernels for GPU arrays, and compiled (Numba) SGD and
+Adam / AdamW updates for large NumPy parameters.
 
 Each kernel reads the parameter, its gradient and its slots once and writes them once, where the
 array-module code of sgd.py and adam.py makes one pass per term. The formulas are those of the
@@ -88,3 +88,15 @@ def sgd_cpu(opt, p, g, state):
     args = (pf, np.ascontiguousarray(g).reshape(-1), buf, t(opt.lr), t(opt.weight_decay), t(opt.momentum),
             t(1 - opt.dampening), opt.nesterov, opt.t == 1)
     split_compiled(compiled.sgd_update, compiled.sgd_update_chunks, p.size, args, p.nbytes * (5 if opt.momentum else 3))
+
+
+def adam_cpu(opt, p, g, state):
+    """Adam and AdamW (optim/adam.py) in one compiled pass, split over the CPU backend's threads."""
+    from pydtnn.backends import compiled
+
+    t = p.dtype.type
+    args = (p.reshape(-1), np.ascontiguousarray(g).reshape(-1), state["exp_avg"].reshape(-1),
+            state["exp_avg_sq"].reshape(-1), t(opt.lr / (1 - opt.beta1**opt.t)), t(1 - opt.beta1), t(opt.beta2),
+            t(1 - opt.beta2), t((1 - opt.beta2**opt.t) ** 0.5), t(opt.eps), t(opt.weight_decay),
+            t(1 - opt.lr * opt.weight_decay), opt.decoupled)
+    split_compiled(compiled.adam_update, compiled.adam_update_chunks, p.size, args, p.nbytes * 7)
