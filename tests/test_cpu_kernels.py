@@ -51,7 +51,7 @@ def test_maxpool_paths(x_shape, k, s, p, layout, kernels):
 
 
 @pytest.mark.parametrize("x_shape,k,s,p,layout", POOL_CASES)
-def test_avgpool_paths(x_shape, k, s, p, layout):
+def test_avgpool_paths(x_shape, k, s, p, layout, kernels):
     both_checks(lambda: AvgPool2D(k, stride=s, padding=p), x_shape, lambda x, _: F.avg_pool2d(x, k, s, p))
 
 
@@ -91,7 +91,7 @@ def test_maxpool2x2_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, dty
     fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
     _, c, h, w = shape
     g = ConvGeometry(c, h, w, 2, 2, 2, 2)
-    assert fast._maxpool2x2(g) and not ref._maxpool2x2(g)
+    assert fast._pool2x2(g) and not ref._pool2x2(g)
     rng = np.random.default_rng(0)
     x = np.maximum(rng.integers(-3, 3, size=shape), 0).astype(dtype)
     x.flat[::13], x.flat[5::17], x.flat[7::19], x.flat[2::23] = np.nan, -np.inf, np.inf, -0.0
@@ -115,6 +115,23 @@ def test_maxpool2x2_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, dty
             want[:, :, 2 * i + 1, 2 * j][k == 2] = dy[:, :, i, j][k == 2]
             want[:, :, 2 * i + 1, 2 * j + 1][k == 3] = dy[:, :, i, j][k == 3]
     np.testing.assert_array_equal(dx.view(bits), want.view(bits))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 3, 9, 7), (1, 2, 2, 3)])
+def test_avgpool2x2_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, dtype):
+    fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
+    _, c, h, w = shape
+    g = ConvGeometry(c, h, w, 2, 2, 2, 2)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(dtype)
+    x.flat[::11], x.flat[3::13] = np.nan, np.inf
+    bits = np.dtype(f"i{x.itemsize}")
+    y = fast.avgpool2d_forward(x, g)[0]
+    np.testing.assert_array_equal(y.view(bits), ref.avgpool2d_forward(x, g)[0].view(bits))
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    dx = fast.avgpool2d_backward(dy, None, g)
+    np.testing.assert_array_equal(dx.view(bits), ref.avgpool2d_backward(dy, None, g).view(bits))
 
 
 def test_maxpool_with_nan_dy_routes_it_like_torch(kernels):
@@ -508,9 +525,9 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
         th.set_threads(th.default_threads())
     # every pooling, convolution, BatchNorm and ReLU call went through a splitter: the pool's, or
     # Numba's threads for the compiled kernels (forward, dw and dx of the stride-1 and stride-2
-    # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU, 2x2 max pooling, bias)
+    # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU, 2x2 max and average pooling, bias)
     assert len(calls) >= 10 + 2 * 5
-    assert len(compiled_calls) == 3 + 3 + 3 + 2 + 2 + 2 + 2
+    assert len(compiled_calls) == 3 + 3 + 3 + 2 + 2 + 4 + 2
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
         if isinstance(a, BlasRounded):

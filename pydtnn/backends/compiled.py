@@ -1,5 +1,5 @@
 """Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution (one group, or depthwise),
-training-mode batch normalization, ReLU, 2x2 max pooling, the col2im that gives a strided
+training-mode batch normalization, ReLU, 2x2 max and average pooling, the col2im that gives a strided
 convolution its dx, and the SGD and Adam updates.
 
 im2col + GEMM copies the input nine times into a matrix that does not fit in cache, and with 16-64
@@ -411,7 +411,7 @@ def relu_backward_chunks(n, t, dy, y, dx):
         relu_backward(dy, y, dx, n * i // t, n * (i + 1) // t)
 
 
-# -- max pooling 2x2, stride 2: one pass each way, no branches on the data -----------------------------
+# -- max and average pooling 2x2, stride 2: one pass each way, no branches on the data--------------------------
 @numba.njit(nogil=True, error_model="numpy", cache=True, inline="always")
 def _max(a, b):
     """np.maximum(a, b) bit for bit: NaN in either goes through; of two equal values (0.0 and -0.0)
@@ -505,6 +505,67 @@ def maxpool2x2_backward(dy, idx, dx, lo, hi):
 def maxpool2x2_backward_chunks(n, t, dy, idx, dx):
     for i in numba.prange(t):
         maxpool2x2_backward(dy, idx, dx, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def avgpool2x2_forward(x, y, lo, hi):
+    """y = mean of each 2x2 window of x (N, C, H, W) for samples lo..hi-1: the NumPy path's sum in
+    its order (row 0, then row 1), then the division by 4, so the same bits."""
+    c_, h, w = x.shape[1], x.shape[2], x.shape[3]
+    ho, wo = y.shape[2], y.shape[3]
+    xf, yf = x.reshape(-1), y.reshape(-1)
+    four = x.dtype.type(4)
+    u = np.uint64
+    for p in range(lo * c_, hi * c_):
+        a0, o0, size, jump = _windows(p, h, w, ho, wo)
+        j = 0
+        for o in range(o0, o0 + size):
+            a1 = a0 + u(w)
+            yf[o] = (xf[a0] + xf[a0 + u(1)] + xf[a1] + xf[a1 + u(1)]) / four
+            a0 += u(2)
+            j += 1
+            if j == wo:
+                j = 0
+                a0 += jump
+
+
+@_pjit
+def avgpool2x2_forward_chunks(n, t, x, y):
+    for i in numba.prange(t):
+        avgpool2x2_forward(x, y, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def avgpool2x2_backward(dy, dx, lo, hi):
+    """dx = dy / 4 at each position of its window, 0 where no window covers, for samples lo..hi-1."""
+    c_, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
+    h, w = dx.shape[2], dx.shape[3]
+    gf, xf = dy.reshape(-1), dx.reshape(-1)
+    four = dx.dtype.type(4)
+    u = np.uint64
+    for p in range(lo * c_, hi * c_):
+        if 2 * ho < h or 2 * wo < w:  # odd height or width: the last row or column is in no window
+            xf[p * h * w : (p + 1) * h * w] = 0
+        a0, o0, size, jump = _windows(p, h, w, ho, wo)
+        j = 0
+        for o in range(o0, o0 + size):
+            v = gf[o] / four
+            a1 = a0 + u(w)
+            xf[a0] = v
+            xf[a0 + u(1)] = v
+            xf[a1] = v
+            xf[a1 + u(1)] = v
+            a0 += u(2)
+            j += 1
+            if j == wo:
+                j = 0
+                a0 += jump
+
+
+@_pjit
+def avgpool2x2_backward_chunks(n, t, dy, dx):
+    for i in numba.prange(t):
+        avgpool2x2_backward(dy, dx, n * i // t, n * (i + 1) // t)
 
 
 # -- SGD: one pass over a parameter, its gradient and its momentum buffer -----------------------------

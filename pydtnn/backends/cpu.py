@@ -748,7 +748,7 @@ class CPUBackend:
         """
         n = x.shape[0]
         y = np.empty((n, g.c, g.ho, g.wo), x.dtype)
-        if self._maxpool2x2(g):
+        if self._pool2x2(g):
             from pydtnn.backends import compiled
 
             idx = np.empty(y.shape if keep else (0, 0, 0, 0), np.uint8)
@@ -783,7 +783,7 @@ class CPUBackend:
         lies (PyTorch's scatter: a NaN or infinite dy reaches the maximum's input only)."""
         idx = ctx
         n = dy.shape[0]
-        if self._maxpool2x2(g):
+        if self._pool2x2(g):
             from pydtnn.backends import compiled
 
             dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
@@ -807,14 +807,21 @@ class CPUBackend:
         split(n, part, dx.nbytes)
         return dx
 
-    def _maxpool2x2(self, g):
-        """Whether max pooling runs the compiled 2x2 stride-2 kernels (no padding, floor mode)."""
+    def _pool2x2(self, g):
+        """Whether pooling runs the compiled 2x2 stride-2 kernels (no padding, floor mode)."""
         return self.kernels == "numba" and (g.kh, g.kw, g.sh, g.sw) == (2, 2, 2, 2) and not g.padded
 
     def avgpool2d_forward(self, x, g, keep=True):
-        """Mean over windows; zero padding is counted in the divisor (PyTorch's default)."""
+        """Mean over windows; zero padding is counted in the divisor (PyTorch's default). 2x2
+        windows at stride 2 take one compiled pass (the same bits as the NumPy passes)."""
         pos = _positions(g)
         y = np.empty((x.shape[0], g.c, g.ho, g.wo), x.dtype)
+        if self._pool2x2(g):
+            from pydtnn.backends import compiled
+
+            args = (np.ascontiguousarray(x), y)
+            split_compiled(compiled.avgpool2x2_forward, compiled.avgpool2x2_forward_chunks, x.shape[0], args, x.nbytes)
+            return y, None
         full = pos[0][0] == 0 and pos[0][3] == slice(0, g.ho) and pos[0][4] == slice(0, g.wo)
 
         def part(lo, hi):
@@ -831,6 +838,14 @@ class CPUBackend:
         return y, None
 
     def avgpool2d_backward(self, dy, ctx, g):
+        if self._pool2x2(g):
+            from pydtnn.backends import compiled
+
+            dx = np.empty((dy.shape[0], g.c, g.h, g.w), dy.dtype)
+            args = (np.ascontiguousarray(dy), dx)
+            kernels = compiled.avgpool2x2_backward, compiled.avgpool2x2_backward_chunks
+            split_compiled(*kernels, dy.shape[0], args, dx.nbytes)
+            return dx
         disjoint, covering = _window_layout(g)
         share = dy / (g.kh * g.kw)
         dx = (np.empty if covering else np.zeros)((dy.shape[0], g.c, g.h, g.w), dy.dtype)
