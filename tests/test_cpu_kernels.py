@@ -274,7 +274,9 @@ def test_flipped_weights_compiled_match_numpy(o, c, groups, k, monkeypatch):
     try:
         for threads in (1, 3):
             th.set_threads(threads)
-            np.testing.assert_array_equal(CPUBackend(kernels="numba")._flipped(w, groups, g), want)
+            got = CPUBackend(kernels="numba")._flipped(w, groups, g)
+            np.testing.assert_array_equal(got, want)
+            assert np.shares_memory(got, w) == (k == 1)  # 1x1: a transposed view, never a copy
     finally:
         th.set_threads(th.default_threads())
 

@@ -543,9 +543,10 @@ class CPUBackend:
 
     def _flipped(self, w, G, g):
         """(G, C/G, O/G * kh*kw): w (O, C/G, kh, kw) transposed per group and flipped in both kernel
-        axes, the weights of dx as a stride-1 convolution of dy."""
+        axes, the weights of dx as a stride-1 convolution of dy. For a 1x1 kernel a view (BLAS reads
+        the transposed matrix as it is); else a copy, compiled from FLIP_COMPILED_MIN_BYTES on."""
         o, cg, kk = w.shape[0] // G, w.shape[1], g.kh * g.kw
-        if self.kernels != "numba" or w.nbytes < FLIP_COMPILED_MIN_BYTES:
+        if self.kernels != "numba" or w.nbytes < FLIP_COMPILED_MIN_BYTES or kk == 1:
             return w.reshape(G, o, cg, g.kh, g.kw).transpose(0, 2, 1, 3, 4)[..., ::-1, ::-1].reshape(G, cg, -1)
         from pydtnn.backends import compiled
 
