@@ -37,6 +37,17 @@ DIRECT_MIN_WIDTH = 8
 # 164 against 147 ms on one thread, 113 against 83 on two).
 DIRECT_NARROW_MAX_CHANNELS = 256
 
+# A GEMM's work, for threads.split's rule on what is too small to split, in bytes: its FLOPs over
+# this (BLAS does about 80 GFLOP/s per core here, NumPy copies about 10 GB/s). By their operands
+# alone, MobileNetV1's 512- and 1024-channel 1x1 layers at 4x4 and 2x2 (4-5 ms of GEMM) ran on one
+# thread.
+GEMM_FLOPS_PER_BYTE = 8
+
+
+def _gemm_bytes(flops, *arrays):
+    return flops // GEMM_FLOPS_PER_BYTE + sum(a.nbytes for a in arrays)
+
+
 # From this size on, the flipped, transposed weights of a GEMM-path dx are copied by a compiled
 # kernel (NumPy's copy of the reversed view: 2-4 ms for 512 x 512 x 3 x 3, the kernel 1.2-1.7).
 FLIP_COMPILED_MIN_BYTES = 1 << 20
@@ -346,7 +357,7 @@ class CPUBackend:
         def columns(lo, hi):
             np.matmul(a, b[:, lo:hi], out=out[:, lo:hi])
 
-        split(b.shape[1], columns, a.nbytes + b.nbytes + out.nbytes)
+        split(b.shape[1], columns, _gemm_bytes(2 * a.shape[0] * a.shape[1] * b.shape[1], a, b, out))
         return out
 
     # -- scratch pool ----------------------------------------------------------------------
@@ -408,7 +419,7 @@ class CPUBackend:
                 out[n0 : n0 + m].reshape(m, G, o, p)[...] = prod.reshape(G, o, m, p).transpose(2, 0, 1, 3)
 
         if n > per_block or o < 2 * _ROW_STEP:
-            split(-(-n // per_block), gemm_blocks, cols.nbytes)
+            split(-(-n // per_block), gemm_blocks, _gemm_bytes(2 * G * o * k * n * p, cols))
             return key, buf
         # One block holds the whole batch (few pixels, small batch): the columns are filled split over
         # samples, then the GEMM in two fixed halves of its rows, so that two threads share it and the
@@ -424,7 +435,7 @@ class CPUBackend:
                 prod = np.matmul(wm[:, r0:r1], flat)
                 out.reshape(n, G, o, p)[:, :, r0:r1] = prod.reshape(G, r1 - r0, n, p).transpose(2, 0, 1, 3)
 
-        split(2, rows, cols.nbytes)
+        split(2, rows, _gemm_bytes(2 * G * o * k * n * p, cols))
         return key, buf
 
     @staticmethod
@@ -511,7 +522,7 @@ class CPUBackend:
         def weight_grad(lo, hi):  # columns lo..hi-1 of dw (input channel, kernel position): whole-batch sums
             np.matmul(dyk2, cols[:, lo:hi].transpose(0, 2, 1), out=dw[:, :, lo:hi])
 
-        split(cols.shape[1], weight_grad, dyk.nbytes + cols.nbytes)
+        split(cols.shape[1], weight_grad, _gemm_bytes(2 * dyk.size * cols.shape[1], dyk, cols))
         dw = dw.reshape(w.shape)
         ctx.release()
         if not need_dx:
@@ -529,7 +540,7 @@ class CPUBackend:
                 def data_grad(lo, hi):
                     self._gemm_nchw(wt, dyk[:, :, lo:hi], dx[lo:hi])
 
-                split(n, data_grad, dx.nbytes + dy.nbytes)
+                split(n, data_grad, _gemm_bytes(2 * dyk.size * wt.shape[1], dx, dy))
             elif g.kh == g.kw == 1 and not gt.padded:  # blocks of samples; dy regrouped is their columns
                 self._conv_gemm(dy, wt, gt, dx, None, cols=dyk)
             else:
@@ -581,7 +592,7 @@ class CPUBackend:
             for _, i, j, orows, ocols, irows, icols in pos:
                 dx[lo:hi, :, irows, icols] += dcols[lo:hi, :, i, j, orows, ocols]
 
-        split(n, data_grad_strided, dx.nbytes + dcols.nbytes)
+        split(n, data_grad_strided, _gemm_bytes(2 * dyk.size * wmt.shape[2], dx, dcols))
         self._give(key, dcols)
         return dx
 
