@@ -441,6 +441,15 @@ def _windows(p, h, w, ho, wo):
     return u(p * h * w), u(p * ho * wo), u(ho * wo), u(2 * w - 2 * wo)
 
 
+@numba.njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _next_window(a0, j, wo, jump):
+    """(first input index, output column) of the window after (a0, j): two columns on, and past the
+    second input row at the end of an output row."""
+    if j + 1 == wo:
+        return a0 + np.uint64(2) + jump, 0
+    return a0 + np.uint64(2), j + 1
+
+
 @_exact
 def maxpool2x2_forward(x, y, idx, keep, lo, hi):
     """y = max over each 2x2 window of x (N, C, H, W) and, with keep, idx (uint8) = i*2 + j of its
@@ -458,11 +467,7 @@ def maxpool2x2_forward(x, y, idx, keep, lo, hi):
             yf[o] = m
             if keep:
                 kf[o] = k
-            a0 += u(2)
-            j += 1
-            if j == wo:
-                j = 0
-                a0 += jump
+            a0, j = _next_window(a0, j, wo, jump)
 
 
 @_pjit
@@ -494,11 +499,7 @@ def maxpool2x2_backward(dy, idx, dx, lo, hi):
             xf[a0 + u(1)] = v & (zero - t(k == 1))
             xf[a1] = v & (zero - t(k == 2))
             xf[a1 + u(1)] = v & (zero - t(k == 3))
-            a0 += u(2)
-            j += 1
-            if j == wo:
-                j = 0
-                a0 += jump
+            a0, j = _next_window(a0, j, wo, jump)
 
 
 @_pjit
@@ -522,11 +523,7 @@ def avgpool2x2_forward(x, y, lo, hi):
         for o in range(o0, o0 + size):
             a1 = a0 + u(w)
             yf[o] = (xf[a0] + xf[a0 + u(1)] + xf[a1] + xf[a1 + u(1)]) / four
-            a0 += u(2)
-            j += 1
-            if j == wo:
-                j = 0
-                a0 += jump
+            a0, j = _next_window(a0, j, wo, jump)
 
 
 @_pjit
@@ -555,11 +552,7 @@ def avgpool2x2_backward(dy, dx, lo, hi):
             xf[a0 + u(1)] = v
             xf[a1] = v
             xf[a1 + u(1)] = v
-            a0 += u(2)
-            j += 1
-            if j == wo:
-                j = 0
-                a0 += jump
+            a0, j = _next_window(a0, j, wo, jump)
 
 
 @_pjit
