@@ -281,27 +281,34 @@ def test_flipped_weights_compiled_match_numpy(o, c, groups, k, monkeypatch):
         th.set_threads(th.default_threads())
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_conv_bias_compiled_kernels_match_numpy(dtype, monkeypatch):
-    """The compiled bias add gives NumPy's bits; the compiled sum (float64 partial sums) matches the
-    exact sum as closely as NumPy's own; small arrays keep NumPy's path."""
+def test_conv_bias_compiled_kernels_match_numpy(monkeypatch):
+    """The compiled bias add gives NumPy's bits; the compiled float32 sum (float64 partial sums) is
+    within 1 ulp of the exact sum on zero-mean gradients, where NumPy's float32 sum is not better.
+    float64 sums, non-contiguous outputs, small arrays keep NumPy's path; an empty batch works."""
     rng = np.random.default_rng(3)
-    dy = (rng.standard_normal((9, 5, 7, 6)) + 3).astype(dtype)
-    b = rng.standard_normal(5).astype(dtype)
-    fast, ref = CPUBackend(dtype, kernels="numba"), CPUBackend(dtype, kernels="numpy")
+    dy = rng.standard_normal((9, 5, 7, 6)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
     monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", 0)
     y, y_ref = dy.copy(), dy.copy()
     fast.bias_forward(y, b)
     ref.bias_forward(y_ref, b)
     np.testing.assert_array_equal(y, y_ref)
-    db, db_ref = np.empty_like(b), np.empty_like(b)
+    db = np.empty_like(b)
     fast.bias_backward(dy, db)
-    ref.bias_backward(dy, db_ref)
     exact = dy.astype(np.float64).sum(axis=(0, 2, 3))
-    np.testing.assert_allclose(db, exact, rtol=4 * np.finfo(dtype).eps)
-    np.testing.assert_allclose(db_ref, exact, rtol=10 * np.finfo(dtype).eps)
+    np.testing.assert_array_less(np.abs(db - exact), np.spacing(np.abs(exact).astype(np.float32)) * 1.0001)
+    # an empty batch, and a transposed (non-contiguous) y: the add lands in y itself
+    fast.bias_forward(np.empty((0, 5, 7, 6), np.float32), b)
+    fast.bias_backward(np.empty((0, 5, 7, 6), np.float32), db)
+    np.testing.assert_array_equal(db, 0)
+    yt = np.zeros((6, 7, 5, 9), np.float32).transpose(3, 2, 1, 0)
+    fast.bias_forward(yt, b)
+    np.testing.assert_array_equal(yt[0, :, 0, 0], b)
     calls = []
     monkeypatch.setattr(cpu, "split_compiled", lambda *a, **k: calls.append(a))
+    dy64 = dy.astype(np.float64)
+    fast.bias_backward(dy64, np.empty(5))  # float64: NumPy's pairwise sum
     monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", dy.nbytes + 1)
     fast.bias_forward(y, b)
     fast.bias_backward(dy, db)

@@ -83,7 +83,8 @@ def set_lr(opt, t):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name,hyper", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
 def test_matches_torch_every_step(name, hyper, dtype, kernels, monkeypatch):
-    """With kernels "numba", SGD takes its compiled update for every parameter, however small."""
+    """With kernels "numba", SGD, Adam and AdamW take their compiled update for every parameter,
+    however small."""
     monkeypatch.setattr(fused, "COMPILED_MIN_BYTES", 0)
     rng = np.random.default_rng(len(CASES) + CASES.index((name, hyper)))
     params = make_params(dtype, rng)
@@ -139,6 +140,20 @@ def test_compiled_updates_give_the_numpy_bits(dtype, threads, monkeypatch):
                 np.testing.assert_array_equal(a.view(bits), b.view(bits), err_msg=f"{name} {hyper}")
     finally:
         th.set_threads(th.default_threads())
+
+
+def test_compiled_updates_leave_float16_to_numpy(monkeypatch):
+    """float16 parameters (no compiled kernel for them) keep the NumPy passes."""
+    monkeypatch.setattr(fused, "COMPILED_MIN_BYTES", 0)
+    params = make_params(np.float16, np.random.default_rng(0))
+    assert not fused.compiled_cpu(params[0][1])
+    for name in ("sgd", "adam"):
+        opt = optim.create(name, params, lr=0.1, **({"momentum": 0.9} if name == "sgd" else {}))
+        for _, _, g in params:
+            g[...] = 1
+        before = params[0][1].copy()
+        opt.step()
+        assert params[0][1].dtype == np.float16 and not np.array_equal(params[0][1], before)
 
 
 def test_updates_in_place_and_leaves_grads_alone():

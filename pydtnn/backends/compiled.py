@@ -1,6 +1,7 @@
 """Compiled CPU kernels (Numba): the direct 3x3 stride-1 convolution (one group, or depthwise),
 training-mode batch normalization, ReLU, 2x2 max and average pooling, the col2im that gives a strided
-convolution its dx, and the SGD and Adam updates.
+convolution its dx, dx's flipped and transposed weights, the convolution bias, and the SGD and Adam
+updates.
 
 im2col + GEMM copies the input nine times into a matrix that does not fit in cache, and with 16-64
 channels the GEMM has too small a dimension for BLAS to reach its peak. These kernels never build
@@ -335,9 +336,9 @@ def bias_add_chunks(n, t, y, b):
 
 @_jit
 def bias_grad(dy, out, lo, hi):
-    """out[c] = sum of dy[:, c] (N, C, P) for channels lo..hi-1, in float64 (vectorized: fastmath
-    lets LLVM keep several partial sums). The order of the additions depends on N and P only, so
-    the bits do not depend on which thread sums a channel."""
+    """out[c] = sum of dy[:, c] (N, C, P) for channels lo..hi-1 of float32 dy, in float64 (vectorized:
+    fastmath lets LLVM keep several partial sums). The order of the additions depends on N and P
+    only, so the bits do not depend on which thread sums a channel."""
     for c in range(lo, hi):
         acc = 0.0
         for n in range(dy.shape[0]):

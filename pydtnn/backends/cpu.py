@@ -877,24 +877,27 @@ class CPUBackend:
     # -- convolution bias ------------------------------------------------------------------
     def bias_forward(self, y, b):
         """y (N, C, H, W) += b (C,) per channel, in place: from BIAS_COMPILED_MIN_BYTES on by a
-        compiled kernel split over the threads, else NumPy's broadcast add."""
-        if self.kernels != "numba" or y.nbytes < BIAS_COMPILED_MIN_BYTES:
+        compiled kernel split over the threads (a C-contiguous y), else NumPy's broadcast add."""
+        if self.kernels != "numba" or y.nbytes < BIAS_COMPILED_MIN_BYTES or not y.flags.c_contiguous:
             y += b.reshape(1, -1, 1, 1)
             return
         from pydtnn.backends import compiled
 
-        args = (y.reshape(y.shape[0], y.shape[1], -1), b)
+        n, c, h, w = y.shape
+        args = (y.reshape(n, c, h * w), b)
         split_compiled(compiled.bias_add, compiled.bias_add_chunks, y.shape[0], args, y.nbytes)
 
     def bias_backward(self, dy, out):
-        """out (C,) = dy (N, C, H, W) summed over samples and pixels: from BIAS_COMPILED_MIN_BYTES on
-        by a compiled kernel split over channels (accumulated in float64), else NumPy's sum."""
-        if self.kernels != "numba" or dy.nbytes < BIAS_COMPILED_MIN_BYTES:
+        """out (C,) = dy (N, C, H, W) summed over samples and pixels: float32 from
+        BIAS_COMPILED_MIN_BYTES on by a compiled kernel split over channels, accumulated in float64;
+        else (and float64, which NumPy's pairwise sum adds more accurately) NumPy's sum."""
+        if self.kernels != "numba" or dy.nbytes < BIAS_COMPILED_MIN_BYTES or dy.dtype != np.float32:
             dy.sum(axis=(0, 2, 3), out=out)
             return
         from pydtnn.backends import compiled
 
-        args = (np.ascontiguousarray(dy).reshape(dy.shape[0], dy.shape[1], -1), out)
+        n, c, h, w = dy.shape
+        args = (np.ascontiguousarray(dy).reshape(n, c, h * w), out)
         split_compiled(compiled.bias_grad, compiled.bias_grad_chunks, dy.shape[1], args, dy.nbytes)
 
     # -- ReLU ------------------------------------------------------------------------------
