@@ -412,7 +412,7 @@ def relu_backward_chunks(n, t, dy, y, dx):
         relu_backward(dy, y, dx, n * i // t, n * (i + 1) // t)
 
 
-# -- max and average pooling 2x2, stride 2: one pass each way, no branches on the data--------------------------
+# -- max and average pooling 2x2, stride 2: one pass each way -------------------------------------------
 @numba.njit(nogil=True, error_model="numpy", cache=True, inline="always")
 def _max(a, b):
     """np.maximum(a, b) bit for bit: NaN in either goes through; of two equal values (0.0 and -0.0)

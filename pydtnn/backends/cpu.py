@@ -826,7 +826,6 @@ class CPUBackend:
     def avgpool2d_forward(self, x, g, keep=True):
         """Mean over windows; zero padding is counted in the divisor (PyTorch's default). 2x2
         windows at stride 2 take one compiled pass (the same bits as the NumPy passes)."""
-        pos = _positions(g)
         y = np.empty((x.shape[0], g.c, g.ho, g.wo), x.dtype)
         if self._pool2x2(g):
             from pydtnn.backends import compiled
@@ -834,6 +833,7 @@ class CPUBackend:
             args = (np.ascontiguousarray(x), y)
             split_compiled(compiled.avgpool2x2_forward, compiled.avgpool2x2_forward_chunks, x.shape[0], args, x.nbytes)
             return y, None
+        pos = _positions(g)
         full = pos[0][0] == 0 and pos[0][3] == slice(0, g.ho) and pos[0][4] == slice(0, g.wo)
 
         def part(lo, hi):

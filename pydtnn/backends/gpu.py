@@ -299,7 +299,7 @@ class GPUBackend:
             dx = cp.ascontiguousarray(dx[:, :, g0.pt : g0.pt + g0.h, g0.pl : g0.pl + g0.w])
         return dx, dw
 
-    # -- pooling ---------------------------------------------------------------------------
+    # -- convolution bias ------------------------------------------------------------------
     @staticmethod
     def bias_forward(y, b):
         """y (N, C, H, W) += b (C,) per channel, in place."""
@@ -310,6 +310,7 @@ class GPUBackend:
         """out (C,) = dy (N, C, H, W) summed over samples and pixels."""
         dy.sum(axis=(0, 2, 3), out=out)
 
+    # -- pooling ---------------------------------------------------------------------------
     def _launch(self, name, total, *args):
         threads = 256
         blocks = (total + threads - 1) // threads
