@@ -281,6 +281,41 @@ def test_flipped_weights_compiled_match_numpy(o, c, groups, k, monkeypatch):
         th.set_threads(th.default_threads())
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "x_shape,k,s,p,d",
+    [
+        ((2, 3, 32, 32), 3, 2, 1, 1),  # ResNet's stride-2 3x3: whole vectors both ways
+        ((2, 2, 33, 37), 3, 2, 1, 1),  # odd width: the last column from one phase alone
+        ((2, 2, 17, 40), 1, 2, 0, 1),  # 1x1 stride 2: odd columns never written but zeroed
+        ((2, 2, 25, 50), 3, (2, 3), 1, 1),  # stride 3 across: three phases
+        ((2, 2, 40, 41), 3, 2, 2, 2),  # dilated, padding beyond one phase's shift
+        ((1, 2, 20, 36), 5, 2, 2, 1),
+        ((1, 2, 11, 11), 2, 2, 0, 1),  # rows shorter than a vector
+    ],
+)
+def test_col2im_compiled_matches_the_numpy_path_bit_for_bit(x_shape, k, s, p, d, dtype, monkeypatch):
+    """A strided convolution's dx: the compiled col2im (phase-split rows, vector adds, interleaved
+    at the end) adds each position's share in the NumPy path's order, so the bits are its bits,
+    signed zeros included."""
+    from pydtnn.backends import threads as th
+
+    monkeypatch.setattr(th, "MIN_BYTES", 1 << 40)  # one chunk: the two paths take the same GEMM
+    n, c, h, w = x_shape
+    sh, sw = s if isinstance(s, tuple) else (s, s)
+    g = ConvGeometry(c, h, w, k, k, sh=sh, sw=sw, pt=p, pb=p, pl=p, pr=p, dh=d, dw=d)
+    rng = np.random.default_rng(5)
+    co = 3
+    wts = rng.standard_normal((co, c, k, k)).astype(dtype)
+    dyk = rng.standard_normal((1, co, n, g.ho * g.wo)).astype(dtype)
+    dyk[0, :, 0, :3] = -0.0  # a sample whose first pixels get only negative zeros
+    wts[:, 0] = np.where(wts[:, 0] > 0, 0.0, -0.0)
+    got = CPUBackend(dtype, kernels="numba")._strided_data_grad(dyk, wts, g)
+    want = CPUBackend(dtype, kernels="numpy")._strided_data_grad(dyk, wts, g)
+    assert got.shape == (n, c, h, w)
+    np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
+
+
 def test_conv_bias_compiled_kernels_match_numpy(monkeypatch):
     """The compiled bias add gives NumPy's bits; the compiled float32 sum (float64 partial sums) is
     within 1 ulp of the exact sum on zero-mean gradients, where NumPy's float32 sum is not better.

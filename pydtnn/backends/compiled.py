@@ -287,36 +287,6 @@ def batchnorm_backward_chunks(n, t, dy, x, mean, inv_std, weight, dx, db, dw):
         batchnorm_backward(dy, x, mean, inv_std, weight, dx, db, dw, n * i // t, n * (i + 1) // t)
 
 
-# -- col2im: a strided convolution's dx from its per-position shares -----------------------------------
-@_jit
-def col2im(dcols, dx, sh, sw, pt, pl, dh, dw, n0, n1):
-    """dx[n] for samples n0..n1-1 (dx (N, C, H, W) overwritten): each kernel position (i, j)'s share
-    dcols[n, c, i, j] (Ho, Wo) added back at the input pixels it read, (ho*sh - pt + i*dh, wo*sw -
-    pl + j*dw), positions in increasing (i, j) order. One channel's plane stays in cache for all
-    its positions."""
-    c_, kh, kw, ho_, wo_ = dcols.shape[1], dcols.shape[2], dcols.shape[3], dcols.shape[4], dcols.shape[5]
-    h, w = dx.shape[2], dx.shape[3]
-    z = dx.dtype.type(0)
-    for n in range(n0, n1):
-        for c in range(c_):
-            plane = dx[n, c]
-            for a in range(h):
-                for b in range(w):
-                    plane[a, b] = z
-            for i in range(kh):
-                for j in range(kw):
-                    off = j * dw - pl
-                    k0 = max(0, (-off + sw - 1) // sw)  # first output column inside the image
-                    k1 = min(wo_, (w - 1 - off) // sw + 1)
-                    for r in range(ho_):
-                        a = r * sh - pt + i * dh
-                        if a < 0 or a >= h:
-                            continue
-                        row, src = plane[a], dcols[n, c, i, j, r]
-                        for k in range(k0, k1):
-                            row[k * sw + off] += src[k]
-
-
 # -- convolution bias: added to y, summed from dy ----------------------------------------------------
 @_exact
 def bias_add(y, b, lo, hi):
@@ -891,3 +861,113 @@ def conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
 def conv3x3_dense_weight_grad_chunks(n, t, xs, lx, dy, dyw, dwt, dh, dw, chunk):
     for i in numba.prange(t):
         conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, n * i // t, n * (i + 1) // t)
+
+
+# -- col2im: a strided convolution's dx from its per-position shares -----------------------------------
+@intrinsic
+def _vadd(typingctx, dst, di, src, si):
+    """dst[di : di + lanes] += src[si : si + lanes], one 256-bit vector (1-D contiguous arrays)."""
+    sig = types.void(dst, di, src, si)
+
+    def codegen(context, builder, signature, args):
+        e = _Emitter(context, builder, signature.args[0].dtype)
+        da, sa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2))
+        e.vstore(builder.fadd(e.vload(da.data, args[1]), e.vload(sa.data, args[3])), da.data, args[1])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _vzip(typingctx, out, oi, p0, p1, pi):
+    """out[oi : oi + 2*lanes] = p0[pi], p1[pi], p0[pi + 1], p1[pi + 1], ... (1-D contiguous arrays)."""
+    sig = types.void(out, oi, p0, p1, pi)
+
+    def codegen(context, builder, signature, args):
+        e = _Emitter(context, builder, signature.args[0].dtype)
+        oa, a0, a1 = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2, 3))
+        v0, v1 = e.vload(a0.data, args[4]), e.vload(a1.data, args[4])
+        n = e.lanes
+        for h in range(2):
+            mask = [x for k in range(h * n // 2, (h + 1) * n // 2) for x in (k, k + n)]
+            zipped = builder.shuffle_vector(v0, v1, ir.Constant(ir.VectorType(ir.IntType(32), n), mask))
+            e.vstore(zipped, oa.data, builder.add(args[1], _I64(h * n)))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit
+def col2im(dcols, dx, sh, sw, pt, pl, dh, dw, n0, n1):
+    """dx[n] for samples n0..n1-1 (dx (N, C, H, W) overwritten): each kernel position (i, j)'s share
+    dcols[n, c, i, j] (Ho, Wo) added back at the input pixels it read, (ho*sh - pt + i*dh, wo*sw -
+    pl + j*dw), positions in increasing (i, j) order.
+
+    One channel plane at a time, in cache, summed with its columns split by phase (column b of row
+    a at parts[a, b % sw, b // sw]): a position's share of one row then lands on consecutive
+    entries, added a vector at a time, and the phases are interleaved into dx once at the end. A
+    kernel one column wide puts one share on a column: those are added straight into dx."""
+    c_, kh, kw, ho_, wo_ = dcols.shape[1], dcols.shape[2], dcols.shape[3], dcols.shape[4], dcols.shape[5]
+    h, w = dx.shape[2], dx.shape[3]
+    lanes = 32 // dx.itemsize
+    wq = (w + sw - 1) // sw
+    parts = np.empty((h, sw, wq), dx.dtype)
+    z = dx.dtype.type(0)
+    for n in range(n0, n1):
+        for c in range(c_):
+            plane = dx[n, c]
+            if kw == 1:  # one share per column: added straight into dx, no phases to interleave
+                plane[:, :] = z
+                k0 = max(0, (pl + sw - 1) // sw)
+                k1 = min(wo_, (w - 1 + pl) // sw + 1)
+                for i in range(kh):
+                    for r in range(ho_):
+                        a = r * sh - pt + i * dh
+                        if a < 0 or a >= h:
+                            continue
+                        row, src = plane[a], dcols[n, c, i, 0, r]
+                        for k in range(k0, k1):
+                            row[k * sw - pl] += src[k]
+                continue
+            for a in range(h):
+                for q in range(sw):
+                    for k in range(wq):
+                        parts[a, q, k] = z
+            for i in range(kh):
+                for j in range(kw):
+                    off = j * dw - pl  # output column k reads input column k*sw + off = (k + s)*sw + q
+                    q = off % sw
+                    s = (off - q) // sw
+                    k0 = max(0, -s)  # the output columns whose input column lies inside the image
+                    k1 = min(wo_, (w - q + sw - 1) // sw - s)
+                    for r in range(ho_):
+                        a = r * sh - pt + i * dh
+                        if a < 0 or a >= h:
+                            continue
+                        row, src = parts[a, q], dcols[n, c, i, j, r]
+                        k = k0
+                        while k + lanes <= k1:
+                            _vadd(row, k + s, src, k)
+                            k += lanes
+                        while k < k1:
+                            row[k + s] += src[k]
+                            k += 1
+            if sw == 2:
+                half = w // 2
+                for a in range(h):
+                    p0, p1, out = parts[a, 0], parts[a, 1], plane[a]
+                    k = 0
+                    while k + lanes <= half:
+                        _vzip(out, 2 * k, p0, p1, k)
+                        k += lanes
+                    while k < half:
+                        out[2 * k] = p0[k]
+                        out[2 * k + 1] = p1[k]
+                        k += 1
+                    if w % 2:
+                        out[w - 1] = p0[half]
+            else:
+                for a in range(h):
+                    for q in range(sw):
+                        for k in range((w - q + sw - 1) // sw):
+                            plane[a, k * sw + q] = parts[a, q, k]
