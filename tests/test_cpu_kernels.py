@@ -580,6 +580,47 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
             np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
 
 
+def test_pointwise_convolution_works_on_x_and_dy_as_they_lie(monkeypatch):
+    """A one-group 1x1 stride-1 layer with enough pixels takes one GEMM per sample and keeps x itself
+    (no im2col matrix); its results match the im2col path's, and every thread count gives the same
+    bits (dw: whole blocks of samples per thread, their partial sums added in block order). Large
+    weights on few pixels keep im2col."""
+    from pydtnn.backends import threads as th
+
+    assert cpu._pointwise(ConvGeometry(256, 16, 16, 1, 1), 64)
+    assert not cpu._pointwise(ConvGeometry(512, 16, 16, 1, 1), 512)  # weight as large as x and dy
+    assert not cpu._pointwise(ConvGeometry(16, 8, 8, 1, 1), 16)  # 64 pixels: blocks of samples
+    assert not cpu._pointwise(ConvGeometry(16, 16, 16, 1, 1, sh=2, sw=2), 16)
+    assert not cpu._pointwise(ConvGeometry(16, 16, 16, 1, 1, groups=2), 16)
+    assert not cpu._pointwise(ConvGeometry(16, 16, 16, 1, 1, pt=1, pb=1, pl=1, pr=1), 16)
+    rng = np.random.default_rng(4)
+    g = ConvGeometry(12, 12, 11, 1, 1)
+    x = rng.standard_normal((19, 12, 12, 11)).astype(np.float32)  # 19 samples: blocks of 8, 8, 3
+    w = rng.standard_normal((10, 12, 1, 1)).astype(np.float32)
+    dy = rng.standard_normal((19, 10, 12, 11)).astype(np.float32)
+    be = CPUBackend(np.float32)
+    monkeypatch.setattr(th, "MIN_BYTES", 0)
+    runs = []
+    try:
+        for threads in (1, 3):
+            th.set_threads(threads)
+            y, ctx = be.conv2d_forward(x, w, g)
+            assert ctx.array is x
+            runs.append((y, *be.conv2d_backward(dy, w, ctx, g)))
+    finally:
+        th.set_threads(th.default_threads())
+    (y1, dx1, dw1), (y3, dx3, dw3) = runs
+    np.testing.assert_array_equal(y1, y3)
+    np.testing.assert_array_equal(dx1, dx3)
+    np.testing.assert_array_equal(dw1, dw3)
+    monkeypatch.setattr(cpu, "_pointwise", lambda g, co: False)
+    y, ctx = be.conv2d_forward(x, w, g)
+    assert ctx.array is not x  # the im2col matrix
+    dx, dw = be.conv2d_backward(dy, w, ctx, g)
+    for got, want in ((y1, y), (dx1, dx), (dw1, dw)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_matmul_split_over_columns_matches_numpy(threads, monkeypatch):
     """CPUBackend.matmul (Dense's three GEMMs) splits the product's columns over threads: each chunk's
