@@ -3,10 +3,13 @@
     python benchmarks/layers.py [--threads 1] [--repeats 20] [--cases pool,depthwise] [--out FILE]
 
 Same dtype (float32), same thread count (pydtnn's set_threads, which splits every kernel over its own
-pool with one BLAS thread inside each chunk; torch.set_num_threads for PyTorch), inputs rotated among three sets so caches flatter neither side. Forward and backward are
-timed separately (each backward after an untimed forward). Reports the median times,
-the ratio ours / PyTorch, and our achieved GFLOP/s as a fraction of this machine's sgemm peak,
-measured by the script itself.
+pool with one BLAS thread inside each chunk; torch.set_num_threads for PyTorch), inputs rotated among
+three sets so caches flatter neither side. Forward and backward are timed separately (each backward
+after an untimed forward). Reports the median times, the ratio ours / PyTorch, and our achieved
+GFLOP/s as a fraction of this machine's sgemm peak, measured by the script itself. For convolution
+(one group) and Dense layers it also times the three GEMMs of their GEMM formulation alone (forward,
+weight gradient, input gradient, on ready contiguous operands): BLAS's own speed at those shapes,
+and ours as a fraction of it.
 """
 
 import argparse
@@ -64,6 +67,28 @@ def sgemm_peak(threads, n=2048, repeats=5):
     return 2 * n**3 / t / 1e9
 
 
+def gemms_alone(layer, shape, threads, repeats):
+    """Seconds of the three GEMMs a GEMM formulation of this layer takes (forward, weight gradient,
+    input gradient), through NumPy's BLAS on ready-made contiguous operands: the ceiling BLAS sets
+    for its shapes, with no im2col, layout or bias work. None for layers that are not one GEMM."""
+    rng = np.random.default_rng(1)
+    if isinstance(layer, Dense):
+        m, k, n = shape[0], shape[1], layer.units  # y (m, n) = x (m, k) @ W.T
+    elif isinstance(layer, Conv2D) and layer.groups == 1:
+        kh, kw = layer.kernel_size
+        m, k, n = layer.filters, shape[1] * kh * kw, shape[0] * layer.output_shape[1] * layer.output_shape[2]
+    else:
+        return None
+    a, b, d = (rng.standard_normal(s, np.float32) for s in ((m, k), (k, n), (m, n)))
+    outs = [np.empty(s, np.float32) for s in ((m, n), (m, k), (k, n))]
+    calls = [lambda: np.matmul(a, b, out=outs[0]), lambda: np.matmul(d, b.T, out=outs[1]),
+             lambda: np.matmul(a.T, d, out=outs[2])]
+    with threadpool_limits(threads):
+        for c in calls:
+            c()
+        return sum(median_time(lambda i, c=c: c(), repeats) for c in calls)
+
+
 def bench(name, make, shape, torch_fn, threads, repeats):
     layer = make()
     layer.build(shape[1:], np.float32)
@@ -97,10 +122,12 @@ def bench(name, make, shape, torch_fn, threads, repeats):
     t_bwd = median_time(t_backward, repeats, before=t_forward)
     flops = layer.flops() * shape[0]
     both = fwd + bwd
+    gemms = gemms_alone(layer, shape, threads, repeats)
     return {"name": name, "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3, "torch_fwd_ms": t_fwd * 1e3,
             "torch_bwd_ms": t_bwd * 1e3, "ratio": both / (t_fwd + t_bwd),
             # backward of conv/dense costs about twice the forward
-            "gflops": 3 * flops / both / 1e9 if isinstance(layer, (Conv2D, Dense)) else None}
+            "gflops": 3 * flops / both / 1e9 if isinstance(layer, (Conv2D, Dense)) else None,
+            "gemm_gflops": 3 * flops / gemms / 1e9 if gemms else None}
 
 
 def main():
@@ -122,12 +149,14 @@ def main():
     peak = sgemm_peak(args.threads)
     rows = [bench(*case, args.threads, args.repeats) for case in cases]
     head = (f"| layer (batch, float32, {args.threads} thread{'s' * (args.threads > 1)}) | ours fwd ms | ours bwd ms "
-            f"| torch fwd ms | torch bwd ms | ours/torch (fwd+bwd) | ours GFLOP/s (% of sgemm peak) |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            f"| torch fwd ms | torch bwd ms | ours/torch (fwd+bwd) | ours GFLOP/s (% of sgemm peak) "
+            f"| its GEMMs alone GFLOP/s (ours as %) |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         g = f"{r['gflops']:.1f} ({100 * r['gflops'] / peak:.0f}%)" if r["gflops"] else ""
+        ga = f"{r['gemm_gflops']:.1f} ({100 * r['gflops'] / r['gemm_gflops']:.0f}%)" if r["gemm_gflops"] else ""
         lines.append(f"| {r['name']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['torch_fwd_ms']:.2f} | "
-                     f"{r['torch_bwd_ms']:.2f} | {r['ratio']:.2f} | {g} |")
+                     f"{r['torch_bwd_ms']:.2f} | {r['ratio']:.2f} | {g} | {ga} |")
     machine = (f"{platform.processor() or platform.machine()}, NumPy {np.__version__}, PyTorch {torch.__version__}, "
                f"sgemm peak measured {peak:.0f} GFLOP/s on {args.threads} thread(s)")
     text = f"{machine}\n\n" + "\n".join(lines) + "\n"
