@@ -61,3 +61,39 @@ def test_torch_twin_takes_the_same_sgd_step(name, options):
         tg = tp.grad.numpy()
         err, step = np.abs(p - tp.detach().numpy()).max(), 0.05 * np.abs(tg).max()
         assert err <= 1e-6 * step + 1e-14, f"{pname}: parameters differ by {err:.3g} after a step of {step:.3g}"
+
+
+def test_layers_benchmark_times_the_gemms_of_gemm_shaped_layers_alone():
+    """benchmarks/layers.py's GEMM ceiling: the three GEMMs of a Dense or one-group convolution layer
+    (their FLOPs are the layer's three times), none for layers that are not GEMMs."""
+    import layers as bench
+
+    from pydtnn.layers import Conv2D, Dense, ReLU
+
+    calls = []
+    real = np.matmul
+
+    def counting(a, b, out=None):
+        calls.append((a.shape, b.shape))
+        return real(a, b, out=out)
+
+    dense = Dense(24)
+    dense.build((40,), np.float32)
+    conv = Conv2D(6, 3, padding=1)
+    conv.build((4, 5, 7), np.float32)
+    depthwise = Conv2D(4, 3, padding=1, groups=4)
+    depthwise.build((4, 5, 7), np.float32)
+    relu = ReLU()
+    relu.build((4, 5, 7), np.float32)
+    bench.np.matmul, saved = counting, bench.np.matmul
+    try:
+        assert bench.gemms_alone(dense, (8, 40), 1, 1) > 0
+        assert calls[:3] == [((8, 40), (40, 24)), ((8, 24), (24, 40)), ((40, 8), (8, 24))]
+        calls.clear()
+        assert bench.gemms_alone(conv, (3, 4, 5, 7), 1, 1) > 0
+        k, n = 4 * 9, 3 * 5 * 7
+        assert calls[:3] == [((6, k), (k, n)), ((6, n), (n, k)), ((k, 6), (6, n))]
+        assert bench.gemms_alone(depthwise, (3, 4, 5, 7), 1, 1) is None
+        assert bench.gemms_alone(relu, (3, 4, 5, 7), 1, 1) is None
+    finally:
+        bench.np.matmul = saved
