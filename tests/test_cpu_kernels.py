@@ -350,6 +350,28 @@ def test_conv_bias_compiled_kernels_match_numpy(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("itemsize", [4, 8])
+def test_dense_layout_covers_the_wide_grid_in_blocks_of_three_vectors_then_two(itemsize):
+    """Every output size: the computed columns cover Ho*Wp with less than one vector to spare (at
+    least two vectors), as blocks of three vectors and then at most two blocks of two, and lx holds
+    them plus the taps' reach."""
+    lanes = 32 // itemsize
+    rests = set()
+    for ho in range(1, 20):
+        for wo in range(1, 40):
+            for dh, dw in ((1, 1), (2, 1)):
+                wp, cols = wo + 2 * dw, ho * (wo + 2 * dw)
+                threes, length, lx, tail = cpu._dense_layout(ho, wo, dh, dw, itemsize)
+                rest = length - threes * 3 * lanes
+                assert threes >= 0 and rest in (0, 2 * lanes, 4 * lanes), (ho, wo, threes, length)
+                assert length >= cols and (length - cols < lanes or length == 2 * lanes), (ho, wo, length)
+                reach = 2 * dh * wp + 2 * dw
+                assert lx % lanes == 0 and length + reach <= lx < length + reach + lanes
+                assert tail % lanes == 0 and reach <= tail < reach + lanes
+                rests.add(rest // lanes)
+    assert rests == {0, 2, 4}
+
+
 def test_direct_kernel_is_chosen_only_where_it_applies():
     fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
 

@@ -591,8 +591,8 @@ def adam_update_chunks(n, t, p, g, m, v, lr_t, keep1, beta2, keep2, bc2_sqrt, ep
 # -- dense 3x3 convolution: register-blocked vector kernels --------------------------------------------
 # LLVM does not keep a block of accumulators in registers across a reduction loop written in Python,
 # so the two inner blocks below are emitted as LLVM IR with explicit 256-bit vectors (8 float32 or 4
-# float64 lanes): a forward block of BLOCK_CHANNELS output channels times V vectors of output pixels
-# (the loop over input channels and the 9 taps inside, every accumulator in a register), and a
+# float64 lanes): a forward block of BLOCK_CHANNELS output channels times 2 or 3 vectors of output
+# pixels (the loop over input channels and the 9 taps inside, every accumulator in a register), and a
 # weight-gradient block of BLOCK_CHANNELS output channels times one row of 3 taps (the loop over
 # pixels inside). LLVM splits the vectors where the CPU's are narrower.
 BLOCK_CHANNELS = 4
@@ -774,22 +774,22 @@ def _tap_offsets(wp, dh, dw):
 
 
 @_jit
-def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors, n0, n1):
+def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, threes, length, n0, n1):
     """y[n] = conv(x[n], w) for samples n0..n1-1 of a one-group 3x3 stride-1 convolution.
 
     x (N, C, H, W); wb (nb, C, 9, M) the weight w (Co, C, 3, 3) in blocks of M = BLOCK_CHANNELS output
     channels (zero rows past Co); y (N, Co, Ho, Wo). Each sample is padded into xs (C, *), zero
     outside the image, at column n*lx when per_sample (xs then holds the whole batch, kept for the
     weight gradient; otherwise xs is unused and each call pads into a scratch (C, lx)); lx covers the
-    computed columns plus the taps' reach. Each block computes `vectors` (2 or 3) vectors of the
-    wide grid q = ho*Wp + wo, columns wo >= Wo dropped.
+    computed columns plus the taps' reach. The first `length` columns of the wide grid q = ho*Wp + wo
+    are computed, columns wo >= Wo dropped: `threes` blocks of three vectors, then blocks of two.
     """
     c_ = x.shape[1]
     co_, ho, wo = y.shape[1], y.shape[2], y.shape[3]
     wp = wo + 2 * dw
     hp = ho + 2 * dh
-    p = vectors * (32 // x.itemsize)
-    length = (ho * wp + p - 1) // p * p
+    lanes = 32 // x.itemsize
+    split = threes * 3 * lanes
     offs = _tap_offsets(wp, dh, dw)
     out = np.empty((wb.shape[0] * BLOCK_CHANNELS, length), x.dtype)
     buf = xs if per_sample else np.zeros((c_, lx), x.dtype)
@@ -797,11 +797,10 @@ def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors,
         base = n * lx if per_sample else 0
         _pad_into(buf, base, x[n], pt, pl, hp, wp, 0, c_)
         for cb in range(wb.shape[0]):
-            for q in range(0, length, p):
-                if vectors == 3:
-                    _forward_block3(buf, wb, out, offs, cb, base + q, q)
-                else:
-                    _forward_block2(buf, wb, out, offs, cb, base + q, q)
+            for q in range(0, split, 3 * lanes):
+                _forward_block3(buf, wb, out, offs, cb, base + q, q)
+            for q in range(split, length, 2 * lanes):
+                _forward_block2(buf, wb, out, offs, cb, base + q, q)
         for co in range(co_):
             for r in range(ho):
                 for k in range(wo):
@@ -809,9 +808,10 @@ def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors,
 
 
 @_pjit
-def conv3x3_dense_forward_chunks(n, t, x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors):
+def conv3x3_dense_forward_chunks(n, t, x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, threes, length):
     for i in numba.prange(t):
-        conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, vectors, n * i // t, n * (i + 1) // t)
+        lo, hi = n * i // t, n * (i + 1) // t
+        conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, threes, length, lo, hi)
 
 
 @_jit
