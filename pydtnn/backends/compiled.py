@@ -77,14 +77,30 @@ def _rounded(length):
 def _pad_into(xs, start, xn, pt, pl, hp, wp, c0, c1):
     """Copy channels c0..c1-1 of one sample xn (C, H, W) into the flat padded grid that starts at
     column `start` of xs (C, *), at (pt, pl); the border is never written, so it stays zero. Rows
-    and columns beyond the grid are left out."""
+    and columns beyond the grid are left out. Both C-contiguous."""
     h, w = xn.shape[1], xn.shape[2]
     cols = min(w, wp - pl)
+    ld = xs.shape[1]
+    xsf, xf = xs.reshape(xs.size), xn.reshape(xn.size)
     for c in range(c0, c1):
         for r in range(min(h, hp - pt)):
-            base = start + (r + pt) * wp + pl
-            for k in range(cols):  # element loops: a slice assignment costs more for 8-32 values
-                xs[c, base + k] = xn[c, r, k]
+            _copy(xsf, c * ld + start + (r + pt) * wp + pl, xf, (c * h + r) * w, cols)
+
+
+@_jit
+def _copy(dst, di, src, si, count):
+    """dst[di : di + count] = src[si : si + count] (1-D contiguous arrays, not overlapping): whole
+    vectors, the last one overlapping the one before where count is not a multiple of the lanes."""
+    lanes = 32 // dst.itemsize
+    if count < lanes:
+        for k in range(count):
+            dst[di + k] = src[si + k]
+        return
+    k = 0
+    while k + lanes < count:
+        _vcopy(dst, di + k, src, si + k)
+        k += lanes
+    _vcopy(dst, di + count - lanes, src, si + count - lanes)
 
 
 @numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True, inline="always")
@@ -793,6 +809,7 @@ def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, threes, 
     offs = _tap_offsets(wp, dh, dw)
     out = np.empty((wb.shape[0] * BLOCK_CHANNELS, length), x.dtype)
     buf = xs if per_sample else np.zeros((c_, lx), x.dtype)
+    yf, of = y.reshape(y.size), out.reshape(out.size)
     for n in range(n0, n1):
         base = n * lx if per_sample else 0
         _pad_into(buf, base, x[n], pt, pl, hp, wp, 0, c_)
@@ -803,8 +820,7 @@ def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, threes, 
                 _forward_block2(buf, wb, out, offs, cb, base + q, q)
         for co in range(co_):
             for r in range(ho):
-                for k in range(wo):
-                    y[n, co, r, k] = out[co, r * wp + k]
+                _copy(yf, ((n * co_ + co) * ho + r) * wo, of, co * length + r * wp, wo)
 
 
 @_pjit
@@ -873,6 +889,20 @@ def _vadd(typingctx, dst, di, src, si):
         e = _Emitter(context, builder, signature.args[0].dtype)
         da, sa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2))
         e.vstore(builder.fadd(e.vload(da.data, args[1]), e.vload(sa.data, args[3])), da.data, args[1])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _vcopy(typingctx, dst, di, src, si):
+    """dst[di : di + lanes] = src[si : si + lanes], one 256-bit vector (1-D contiguous arrays)."""
+    sig = types.void(dst, di, src, si)
+
+    def codegen(context, builder, signature, args):
+        e = _Emitter(context, builder, signature.args[0].dtype)
+        da, sa = (context.make_array(signature.args[k])(context, builder, args[k]) for k in (0, 2))
+        e.vstore(e.vload(sa.data, args[3]), da.data, args[1])
         return context.get_dummy_value()
 
     return sig, codegen
