@@ -835,9 +835,9 @@ def conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
     """dwt[co] for the output channels of blocks cb0..cb1-1 (co = cb*M + m < Co): the correlation of dy
     with the padded inputs xs that conv3x3_dense_forward kept (per_sample, row stride lx per sample).
 
-    dy (N, Co, Ho, Wo) is first laid on the same wide grid in dyw (nb*M, N*lx, zeros elsewhere; this
-    call writes only its own rows). The sums run over chunks of `chunk` samples (whose inputs stay in
-    cache) in lanes of partial sums of the dtype, added in float64 at the end.
+    dy (N, Co, Ho, Wo), C-contiguous, is first laid on the same wide grid in dyw (nb*M, N*lx, zeros
+    elsewhere; this call writes only its own rows). The sums run over chunks of `chunk` samples (whose
+    inputs stay in cache) in lanes of partial sums of the dtype, added in float64 at the end.
     """
     n_, co_, ho, wo = dy.shape
     c_ = xs.shape[0]
@@ -846,11 +846,12 @@ def conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
     m_ = BLOCK_CHANNELS
     span = (ho * wp + lanes - 1) // lanes * lanes  # a sample's columns that can hold dy
     offs = _tap_offsets(wp, dh, dw)
+    ld = dyw.shape[1]
+    dywf, dyf = dyw.reshape(dyw.size), dy.reshape(dy.size)
     for co in range(cb0 * m_, min(cb1 * m_, co_)):
         for n in range(n_):
             for r in range(ho):
-                for k in range(wo):
-                    dyw[co, n * lx + r * wp + k] = dy[n, co, r, k]
+                _copy(dywf, co * ld + n * lx + r * wp, dyf, ((n * co_ + co) * ho + r) * wo, wo)
     acc = np.zeros(((cb1 - cb0) * c_ * 3, 3 * m_ * lanes), xs.dtype)
     for n0 in range(0, n_, chunk):
         n1 = min(n0 + chunk, n_)
@@ -865,11 +866,11 @@ def conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
                 continue
             for ci in range(c_):
                 for i in range(3):
-                    a = acc[((cb - cb0) * c_ + ci) * 3 + i]
+                    row = ((cb - cb0) * c_ + ci) * 3 + i
                     for j in range(3):
                         s = 0.0
                         for k in range((m * 3 + j) * lanes, (m * 3 + j + 1) * lanes):
-                            s += a[k]
+                            s += acc[row, k]
                         dwt[co, ci, i, j] = s
 
 
