@@ -6,7 +6,8 @@ Same dtype (float32), same thread count (pydtnn's set_threads, which splits ever
 pool with one BLAS thread inside each chunk; torch.set_num_threads for PyTorch), inputs rotated among
 three sets so caches flatter neither side. Forward and backward are timed separately (each backward
 after an untimed forward). Reports the median times, the ratio ours / PyTorch, and our achieved
-GFLOP/s as a fraction of this machine's sgemm peak, measured by the script itself. For convolution
+GFLOP/s as a fraction of this machine's sgemm peak, measured by the script itself before the first
+layer and after each (each layer against the mean of the two around it). For convolution
 (one group) and Dense layers it also times the three GEMMs of their GEMM formulation alone (forward,
 weight gradient, input gradient, on ready contiguous operands): BLAS's own speed at those shapes,
 and ours as a fraction of it.
@@ -65,6 +66,13 @@ def sgemm_peak(threads, n=2048, repeats=5):
         a @ b
         t = median_time(lambda i: a @ b, repeats)
     return 2 * n**3 / t / 1e9
+
+
+def peaks_around(peaks):
+    """Each case's sgemm peak from the peaks measured before the first case and after each one: the
+    mean of the two around it. On a shared machine the peak moves by 10-20% within minutes, so one
+    measurement at the start would misstate the later cases."""
+    return [(a + b) / 2 for a, b in zip(peaks, peaks[1:])]
 
 
 def gemms_alone(layer, shape, threads, repeats):
@@ -146,19 +154,22 @@ def main():
     from pydtnn.backends.threads import set_threads
 
     set_threads(args.threads)  # pydtnn's pool; BLAS runs one thread inside each of its chunks
-    peak = sgemm_peak(args.threads)
-    rows = [bench(*case, args.threads, args.repeats) for case in cases]
+    peaks, rows = [sgemm_peak(args.threads)], []
+    for case in cases:
+        rows.append(bench(*case, args.threads, args.repeats))
+        peaks.append(sgemm_peak(args.threads))
     head = (f"| layer (batch, float32, {args.threads} thread{'s' * (args.threads > 1)}) | ours fwd ms | ours bwd ms "
             f"| torch fwd ms | torch bwd ms | ours/torch (fwd+bwd) | ours GFLOP/s (% of sgemm peak) "
             f"| its GEMMs alone GFLOP/s (ours as %) |")
     lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
+    for r, peak in zip(rows, peaks_around(peaks)):
         g = f"{r['gflops']:.1f} ({100 * r['gflops'] / peak:.0f}%)" if r["gflops"] else ""
         ga = f"{r['gemm_gflops']:.1f} ({100 * r['gflops'] / r['gemm_gflops']:.0f}%)" if r["gemm_gflops"] else ""
         lines.append(f"| {r['name']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['torch_fwd_ms']:.2f} | "
                      f"{r['torch_bwd_ms']:.2f} | {r['ratio']:.2f} | {g} | {ga} |")
     machine = (f"{platform.processor() or platform.machine()}, NumPy {np.__version__}, PyTorch {torch.__version__}, "
-               f"sgemm peak measured {peak:.0f} GFLOP/s on {args.threads} thread(s)")
+               f"sgemm peak measured {min(peaks):.0f}-{max(peaks):.0f} GFLOP/s on {args.threads} thread(s), before "
+               f"the first layer and after each; a row's % is against the mean of the two around it")
     text = f"{machine}\n\n" + "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -97,3 +97,10 @@ def test_layers_benchmark_times_the_gemms_of_gemm_shaped_layers_alone():
         assert bench.gemms_alone(relu, (3, 4, 5, 7), 1, 1) is None
     finally:
         bench.np.matmul = saved
+
+
+def test_layers_benchmark_rates_each_layer_against_the_peaks_measured_around_it():
+    import layers as bench
+
+    assert bench.peaks_around([80.0, 90.0, 70.0, 70.0]) == [85.0, 80.0, 70.0]
+    assert bench.peaks_around([88.0]) == []
