@@ -2,7 +2,7 @@
 
     python benchmarks/train_step.py [--models simplecnn,vgg11_cifar10,resnet20_cifar10,mobilenetv1_cifar10]
                                     [--batches 32,64] [--threads 1,2] [--warmup 3] [--steps N] [--wait_idle 15] [--retries 1]
-                                    [--json FILE] [--out FILE] [--plot FILE.png]
+                                    [--rounds 1] [--json FILE] [--out FILE] [--plot FILE.png]
     python benchmarks/train_step.py --quick                   # smoke run: batch 32, 1 thread, 1 + 2 steps
     python benchmarks/train_step.py --from_json FILE [FILE ...] [--out FILE] [--plot FILE.png]
 
@@ -25,6 +25,9 @@ median step time after the warm-up steps. Before each worker the driver waits (u
 other processes to leave the cores; each worker measures how many cores other processes used during its
 timed steps (/proc/stat minus its own CPU time), and the report shows it; a measurement during which they
 used more than 0.25 cores is taken again (--retries times at most) and the least disturbed one kept.
+With --rounds R, each configuration is measured R times, pydtnn and PyTorch alternating (each time in a
+fresh process), so that both sides see the machine's slow and fast minutes alike: the table gives each
+side's median round, and a column the ratio of each round's pair.
 """
 
 import argparse
@@ -214,6 +217,16 @@ def run_worker(lib, name, batch, threads, steps, args, prepared, tmp):
     return rec
 
 
+def median_round(recs):
+    """One configuration's record from its rounds (in the order measured): the round with the median step
+    time (the lower of the two middle ones for an even count), with every round's step time and
+    other-process load added."""
+    rec = dict(sorted(recs, key=lambda r: r["step_ms"])[(len(recs) - 1) // 2])
+    rec["rounds_ms"] = [r["step_ms"] for r in recs]
+    rec["rounds_foreign_cores"] = [r["foreign_cores"] for r in recs]
+    return rec
+
+
 def prepare(name, tmp):
     """Build the pydtnn model from seed 0 and save its PyTorch twin; what the workers need to start equal."""
     import torch
@@ -242,8 +255,11 @@ def drive(args):
             steps = args.steps or STEPS.get(name, 10)
             for batch in batches:
                 for t in threads:
-                    for lib in LIBS:
-                        records.append(run_worker(lib, name, batch, t, steps, args, prepared, tmp))
+                    rounds = {lib: [] for lib in LIBS}
+                    for _ in range(args.rounds):
+                        for lib in LIBS:
+                            rounds[lib].append(run_worker(lib, name, batch, t, steps, args, prepared, tmp))
+                    records += [median_round(rounds[lib]) for lib in LIBS]
     run = {"machine": machine_info(), "pydtnn": pydtnn_source(), "args": vars(args), "params": params,
            "wall_s": time.perf_counter() - t0, "records": records}
     output(run, args)
@@ -337,6 +353,7 @@ def report(run):
     if src["dirty"]:
         commit += " plus uncommitted changes in pydtnn/"
     steps = ", ".join(f"{n} {a['steps'] or STEPS.get(n, 10)}" for n in a["models"].split(","))
+    rounds = any(len(r.get("rounds_ms", ())) > 1 for r in run["records"])
     lines = [(f"{m['cpu']}, {m['cpus']} cores; Python {m['python']}, NumPy {m['numpy']} with {m['blas']}, "
              f"PyTorch {m['torch']}"), "",
              (f"pydtnn at {commit} ({src['path']}). float32, SGD(lr={LR}, momentum={MOMENTUM}), softmax "
@@ -344,14 +361,14 @@ def report(run):
              f"script wall time {run['wall_s']:.0f} s."), "",
              ("| model | batch | threads | ours ms/step | torch ms/step | ours/torch | ours peak RSS MB "
              "| torch peak RSS MB | RSS ratio | above imports MB (ours / torch) "
-             "| other processes, cores (ours / torch) |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| other processes, cores (ours / torch) |" + (" ours/torch per round |" if rounds else "")),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if rounds else "")]
     for model, batch, threads, r, t in rows(run):
         lines.append(f"| {model} | {batch} | {threads} | {r['step_ms']:.1f} | {t['step_ms']:.1f} | "
                      f"{r['step_ms'] / t['step_ms']:.2f} | {r['peak_rss_mb']:.0f} | {t['peak_rss_mb']:.0f} | "
                      f"{r['peak_rss_mb'] / t['peak_rss_mb']:.2f} | {r['peak_rss_mb'] - r['import_rss_mb']:.0f} / "
                      f"{t['peak_rss_mb'] - t['import_rss_mb']:.0f} | {_cores(r['foreign_cores'])} / "
-                     f"{_cores(t['foreign_cores'])} |")
+                     f"{_cores(t['foreign_cores'])} |" + (f" {_pairs(r, t)} |" if rounds else ""))
     for again in run.get("remeasured", []):
         b = again["args"]
         names = ", ".join(dict.fromkeys(c[0] for c in again["configs"]))
@@ -359,6 +376,10 @@ def report(run):
                        f"--batches {b['batches']} --threads {b['threads']}`, {b['warmup']} warm-up step(s), "
                        f"{b['steps'] or 'default'} timed steps, pydtnn at {again['pydtnn']['commit']}"
                        f"{' plus uncommitted changes' if again['pydtnn']['dirty'] else ''}).")]
+    if rounds:
+        lines += ["", ("Measured in rounds, pydtnn and PyTorch alternating, each round in fresh processes: a "
+                       "side's ms/step, memory and load are its median round's; the last column is each round's "
+                       "ours / torch, in the order measured.")]
     foreign = [r["foreign_cores"] for r in run["records"] if r["foreign_cores"] is not None]
     imports = {lib: [r["import_rss_mb"] for r in run["records"] if r["lib"] == lib] for lib in LIBS}
     spread = [1 - min(r["times_ms"]) / r["step_ms"] for r in run["records"] if r["times_ms"]]
@@ -366,13 +387,19 @@ def report(run):
         lines += ["", (f"Step-to-step spread: the fastest timed step of a configuration was {np.median(spread):.0%} "
                        f"below its median (median over configurations; at most {max(spread):.0%}).")]
     lines += ["", (f"Other processes on the machine used {min(foreign):.2f} to {max(foreign):.2f} cores "
-                   f"(median {np.median(foreign):.2f}) during the timed steps of the runs (last column)."
+                   f"(median {np.median(foreign):.2f}) during the timed steps of the runs (column 'other processes')."
                    if foreign else "CPU use of other processes not measured (no /proc/stat)."),
               "", ("Peak RSS is the whole worker process. After its imports, before building the model, the "
                    "pydtnn worker held " + _range(imports["pydtnn"]) + " MB and the PyTorch worker "
                    + _range(imports["torch"]) + " MB; 'above imports' is the peak minus that: model, optimizer "
                    "state, activations and workspace.")]
     return "\n".join(lines) + "\n"
+
+
+def _pairs(ours, torch):
+    """Each round's ratio ours / torch, in the order measured ('' when either side has no rounds)."""
+    a, b = ours.get("rounds_ms", []), torch.get("rounds_ms", [])
+    return ", ".join(f"{x / y:.2f}" for x, y in zip(a, b)) if len(a) == len(b) > 1 else ""
 
 
 def _range(values):
@@ -452,6 +479,9 @@ def main():
     p.add_argument("--retries", type=int, default=1,
                    help=f"measure a configuration again (up to this many times) when other processes used more than "
                         f"{BUSY} cores meanwhile; the least disturbed measurement is kept")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each configuration this many times, pydtnn and PyTorch alternating; report each "
+                        "side's median round and every round's ratio")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 32, 1 thread, 1 warm-up + 2 timed steps")
     p.add_argument("--out", help="also write the report (markdown) here")
     p.add_argument("--json", help="also write every record here")
@@ -477,6 +507,8 @@ def main():
             with open(path, encoding="utf-8") as f:
                 runs.append(json.load(f))
         return output(merge(runs), args)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.quick:
         args.batches, args.threads, args.warmup, args.steps, args.wait_idle, args.retries = "32", "1", 1, 2, 0, 0
     return drive(args)

@@ -104,3 +104,25 @@ def test_layers_benchmark_rates_each_layer_against_the_peaks_measured_around_it(
 
     assert bench.peaks_around([80.0, 90.0, 70.0, 70.0]) == [85.0, 80.0, 70.0]
     assert bench.peaks_around([88.0]) == []
+
+
+def test_train_step_rounds_keep_each_sides_median_round_and_report_every_pair():
+    import train_step as bench
+
+    def rec(lib, ms, rss=100.0, foreign=0.01):
+        return {"lib": lib, "model": "simplecnn", "batch": 32, "threads": 2, "step_ms": ms, "peak_rss_mb": rss,
+                "import_rss_mb": 40.0, "foreign_cores": foreign, "times_ms": [ms, ms + 1]}
+
+    ours = bench.median_round([rec("pydtnn", 30.0, 110), rec("pydtnn", 10.0, 120), rec("pydtnn", 20.0, 130)])
+    assert ours["step_ms"] == 20.0 and ours["peak_rss_mb"] == 130 and ours["rounds_ms"] == [30.0, 10.0, 20.0]
+    torch = bench.median_round([rec("torch", 40.0), rec("torch", 25.0), rec("torch", 50.0)])
+    assert torch["step_ms"] == 40.0 and bench.median_round([rec("torch", 9.0), rec("torch", 7.0)])["step_ms"] == 7.0
+    run = {"machine": {"cpu": "cpu", "cpus": 2, "python": "3", "numpy": "2", "blas": "blas", "torch": "2"},
+           "pydtnn": {"commit": "abc1234", "dirty": False, "path": "/x"}, "wall_s": 1.0,
+           "args": {"models": "simplecnn", "warmup": 1, "steps": 2}, "records": [ours, torch]}
+    text = bench.report(run)
+    row = next(line for line in text.splitlines() if line.startswith("| simplecnn"))
+    assert "| 20.0 | 40.0 | 0.50 |" in row and row.endswith("| 0.75, 0.40, 0.40 |"), row
+    assert "ours/torch per round" in text and "alternating" in text
+    single = dict(run, records=[bench.median_round([rec("pydtnn", 10.0)]), bench.median_round([rec("torch", 20.0)])])
+    assert "per round" not in bench.report(single)
