@@ -372,6 +372,46 @@ def test_dense_layout_covers_the_wide_grid_in_blocks_of_three_vectors_then_two(i
     assert rests == {0, 2, 4}
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"kernel_size": 3, "padding": 1},  # register-blocked direct (compiled) or im2col
+        {"kernel_size": 3, "padding": 1, "groups": 8},  # depthwise
+        {"kernel_size": 3, "stride": 2, "padding": 1},  # im2col, col2im
+        {"kernel_size": 1},  # 1x1 on x as it lies
+    ],
+)
+def test_convolution_takes_float64_arrays_in_its_own_dtype(kwargs, kernels):
+    """A float32 layer given float64 x and dy returns what it returns for them rounded to float32, in
+    float32: the compiled kernels read every array as the weight's dtype."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 8, 12, 12))
+    layer = Conv2D(8, use_bias=False, **kwargs)
+    layer.build(x.shape[1:], np.float32)
+    dy = rng.standard_normal((3, *layer.output_shape))
+    y64, dx64 = layer.forward(x), layer.backward(dy)
+    dw64 = layer.grads["weight"].copy()
+    y32, dx32 = layer.forward(x.astype(np.float32)), layer.backward(dy.astype(np.float32))
+    assert y64.dtype == dx64.dtype == np.float32
+    np.testing.assert_array_equal(y64, y32)
+    np.testing.assert_array_equal(dx64, dx32)
+    np.testing.assert_array_equal(dw64, layer.grads["weight"])
+
+
+def test_vector_intrinsics_refuse_arrays_of_two_dtypes():
+    """They load and store through vectors of the first array's element type: float64 memory read as
+    float32 would be garbage, so a mixed call must fail to compile."""
+    import numba
+
+    from pydtnn.backends import compiled
+
+    with pytest.raises(numba.core.errors.TypingError):
+        compiled._copy(np.zeros(16, np.float32), 0, np.zeros(16), 0, 16)
+    dst = np.zeros(16, np.float32)
+    compiled._copy(dst, 0, np.arange(16, dtype=np.float32), 0, 16)
+    np.testing.assert_array_equal(dst, np.arange(16))
+
+
 def test_direct_kernel_is_chosen_only_where_it_applies():
     fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
 

@@ -621,6 +621,13 @@ def _vector_of(context, dtype):
     return elem, lanes, ir.VectorType(elem, lanes), f"llvm.fma.v{lanes}f{dtype.bitwidth}"
 
 
+def _same_dtype(*arrays):
+    """Whether these intrinsic arguments are arrays of one dtype: the intrinsics read and write every array
+    through vectors of the first one's element type, so a mixed call must not type (it would read
+    float32 memory as float64 or the reverse)."""
+    return all(isinstance(a, types.Array) for a in arrays) and len({a.dtype for a in arrays}) == 1
+
+
 class _Emitter:
     """Small helpers over an IRBuilder for one element type."""
 
@@ -693,6 +700,8 @@ def _forward_block(vectors):
         """out[cb*M + m, o0 + p] = sum over c, k of wb[cb, c, k, m] * xs[c, q0 + offs[k] + p] for the
         M output channels m and the `vectors` vectors of pixels p: xs (C, *), wb (nb, C, 9, M)
         contiguous, out (nb*M, *), offs (9,) int64."""
+        if not _same_dtype(xs, wb, out):
+            return None
         sig = types.void(xs, wb, out, offs, cb, q0, o0)
 
         def codegen(context, builder, signature, args):
@@ -742,6 +751,8 @@ def _grad_block(typingctx, xs, dyw, acc, offs, cb, ci, i, n0, n1, lx, span, arow
     lanes + l, ... < n*lx + span of dyw[cb*M + m, t] * xs[ci, t + offs[3*i + j]]: the M x 3 block of
     the weight gradient's row i, as lanes partial sums. xs (C, *), dyw (nb*M, *), acc (*, 3*M*lanes)
     contiguous rows; n0 < n1 and span a positive multiple of lanes."""
+    if not _same_dtype(xs, dyw, acc):
+        return None
     sig = types.void(xs, dyw, acc, offs, cb, ci, i, n0, n1, lx, span, arow)
     m_ = BLOCK_CHANNELS
 
@@ -884,6 +895,8 @@ def conv3x3_dense_weight_grad_chunks(n, t, xs, lx, dy, dyw, dwt, dh, dw, chunk):
 @intrinsic
 def _vadd(typingctx, dst, di, src, si):
     """dst[di : di + lanes] += src[si : si + lanes], one 256-bit vector (1-D contiguous arrays)."""
+    if not _same_dtype(dst, src):
+        return None
     sig = types.void(dst, di, src, si)
 
     def codegen(context, builder, signature, args):
@@ -898,6 +911,8 @@ def _vadd(typingctx, dst, di, src, si):
 @intrinsic
 def _vcopy(typingctx, dst, di, src, si):
     """dst[di : di + lanes] = src[si : si + lanes], one 256-bit vector (1-D contiguous arrays)."""
+    if not _same_dtype(dst, src):
+        return None
     sig = types.void(dst, di, src, si)
 
     def codegen(context, builder, signature, args):
@@ -912,6 +927,8 @@ def _vcopy(typingctx, dst, di, src, si):
 @intrinsic
 def _vzip(typingctx, out, oi, p0, p1, pi):
     """out[oi : oi + 2*lanes] = p0[pi], p1[pi], p0[pi + 1], p1[pi + 1], ... (1-D contiguous arrays)."""
+    if not _same_dtype(out, p0, p1):
+        return None
     sig = types.void(out, oi, p0, p1, pi)
 
     def codegen(context, builder, signature, args):

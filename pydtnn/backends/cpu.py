@@ -495,6 +495,7 @@ class CPUBackend:
         Returns (y, ctx); ctx holds what backward needs (the im2col matrix, or x itself for the
         direct convolution) when keep is true.
         """
+        x = np.asarray(x, dtype=w.dtype)  # the layer's dtype: no silent upcast, and the kernels assume one dtype
         g1 = self._stride1_depthwise(g, w.shape[0])
         if g1 is not None:  # 4x the multiply-adds of the strided layer, but compiled and on all threads
             y1, ctx = self._direct_forward(x, w, g1, keep)
@@ -519,6 +520,7 @@ class CPUBackend:
             raise RuntimeError(
                 "conv2d_backward: no saved forward state; run forward(x, training=True) before each backward"
             )
+        dy = np.asarray(dy, dtype=w.dtype)
         g1 = self._stride1_depthwise(g, w.shape[0])
         if g1 is not None:
             key, up = self._take("dyup", (dy.shape[0], dy.shape[1], g1.ho, g1.wo), dy.dtype, g)  # zero between
