@@ -70,14 +70,17 @@ class Model:
 
     # -- running -------------------------------------------------------------------------
     def forward(self, x, training=None):
-        """Output for a batch x of shape (N, *input_shape); training defaults to the model's mode."""
+        """Output for a batch x of shape (N, *input_shape); training defaults to the model's mode. x is
+        taken in the model's dtype (float64 data does not turn a float32 model's work into float64)."""
+        x = x.astype(self.backend.dtype, copy=False)
         return self.root.forward(x, self.training if training is None else training)
 
     __call__ = forward
 
     def backward(self, dy):
-        """Backpropagate dL/doutput; every layer's grads are overwritten. Hooks fire as grads appear."""
-        self.root.backward(dy)
+        """Backpropagate dL/doutput (taken in the model's dtype); every layer's grads are overwritten. Hooks
+        fire as grads appear."""
+        self.root.backward(dy.astype(self.backend.dtype, copy=False))
 
     def train(self):
         self.training = True

@@ -169,6 +169,23 @@ def test_first_layer_computes_no_input_gradient():
     m.backward(np.ones((2, 10), np.float32))  # no error, no dx work for the first conv
 
 
+def test_model_takes_float64_data_in_its_own_dtype():
+    """A float32 model given float64 x and dy computes in float32, as if given them rounded to float32
+    (a Dense-first model would otherwise run all its layers in float64)."""
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((3, 1, 6, 6)), rng.standard_normal((3, 4))
+    m = Model(simplemlp((1, 6, 6), 4), (1, 6, 6), backend=CPUBackend(np.float32))
+    got = m.forward(x, training=True)
+    m.backward(dy)
+    grads = {k: g.copy() for k, _, g in m.parameters()}
+    want = m.forward(x.astype(np.float32), training=True)
+    m.backward(dy.astype(np.float32))
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    for k, _, g in m.parameters():
+        assert g.dtype == np.float32 and np.array_equal(grads[k], g), k
+
+
 def test_models_registry():
     assert {"simplecnn", "simplemlp"} <= set(models.names())
     assert models.create("simplecnn", input_shape=(3, 16, 16), num_classes=7).output_shape == (7,)
