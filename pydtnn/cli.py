@@ -264,7 +264,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """Entry point; returns the exit code (the console script exits with it)."""
+    """Entry point; returns the exit code (the console script exits with it).
+
+    Under a multi-process launcher every way out but success ends the whole job (MPI_Abort): a user
+    error (2), an interrupt (130) or an internal error (1) on any rank, whichever rank finds it.
+    """
+    from pydtnn.distributed import launch
+
+    launch.start()  # MPI up before anything can fail, so that a failure can end every rank
     try:
         args = parse_args(argv)
         from pydtnn.run import run
@@ -273,18 +280,23 @@ def main(argv=None):
             return _profiled(run, args)
         run(args)
     except PydtnnError as e:
-        from pydtnn.distributed.launch import abort_others
-
-        rank = abort_others()  # in a multi-process run: None for one process, else this rank
-        where = "" if rank is None else f"rank {rank}: "
-        print(f"pydtnn: error: {where}{' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        if rank is not None:
-            abort_others(now=True)
-        return 2
+        return _fail(f"{' '.join(str(e).split())}", 2)
     except KeyboardInterrupt:
-        print("pydtnn: interrupted", file=sys.stderr)
-        return 130
+        return _fail("interrupted", 130)
     return 0
+
+
+def _fail(message, code):
+    """Print `pydtnn: error: [rank R: ]message`; in a multi-process run end every rank with `code`."""
+    from pydtnn.distributed.launch import abort_others
+
+    rank = abort_others()  # None for one process, else this rank
+    where = "" if rank is None else f"rank {rank}: "
+    print(f"pydtnn: error: {where}{message}" + ("; ending the job" if rank is not None and code == 130 else ""),
+          file=sys.stderr, flush=True)
+    if rank is not None:
+        abort_others(now=True, code=code)
+    return code
 
 
 def _profiled(fn, args):

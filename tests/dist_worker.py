@@ -1,7 +1,7 @@
 """Worker launched by tests/test_distributed.py under mpiexec (or plain python for one process).
 
     python tests/dist_worker.py OUT_DIR [--raise_at STEP --raise_rank R] [--stall_at STEP --stall_timeout S]
-                                        [--mismatch_at STEP --debug_collectives]
+                                        [--mismatch_at STEP --debug_collectives] [--exit_at STEP]
 
 Trains simplecnn on 250 embedded digits (global batch 24: the last batch of each epoch has 10
 samples, uneven over 3 ranks) for 2 epochs with every reduction strategy and both dtypes, and rank 0
@@ -10,6 +10,7 @@ saves the parameters of each run to OUT_DIR/<strategy>-<dtype>.safetensors.
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -29,7 +30,8 @@ GLOBAL_BATCH, SAMPLES, EPOCHS = 24, 250, 2
 
 
 class Misbehave:
-    """On rank `rank` at step `step`: raise, stop calling collectives, or issue a different one."""
+    """On rank `rank` at step `step`: raise, stop calling collectives, issue a different one, or end the
+    process cleanly (exit code 0) without aborting the job."""
 
     def __init__(self, step, rank, how):
         self.step, self.rank, self.how = step, rank, how
@@ -43,6 +45,8 @@ class Misbehave:
             time.sleep(120)
         if self.how == "mismatch":
             trainer.comm.allreduce(np.zeros(3), "deliberate extra")
+        if self.how == "exit":
+            sys.exit(0)
 
 
 def main():
@@ -53,6 +57,7 @@ def main():
     p.add_argument("--stall_at", type=int, default=0)
     p.add_argument("--stall_timeout", type=float, default=300.0)
     p.add_argument("--mismatch_at", type=int, default=0)
+    p.add_argument("--exit_at", type=int, default=0)
     p.add_argument("--debug_collectives", action="store_true")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--sync_bn", action="store_true", help="a model with BatchNorm, statistics synchronized")
@@ -83,7 +88,8 @@ def main():
                 options.update(bucket_mb=0.05, first_bucket_mb=0.01)
             reducer = reducers.create(strategy, comm, **options) if comm.size > 1 else None
             callbacks = [Misbehave(step, args.raise_rank, how) for how, step in
-                         (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at)) if step]
+                         (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at),
+                          ("exit", args.exit_at)) if step]
             t = Trainer(model, SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer,
                         callbacks=callbacks, seed=3)
             t.accumulation_steps = args.accumulate

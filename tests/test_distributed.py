@@ -257,3 +257,68 @@ def test_resume_at_another_world_size_and_trace_per_rank(tmp_path):
         events = json.loads((tmp_path / f"pydtnn-trace.rank{rank}.json").read_text())["traceEvents"]
         cats = {e.get("cat") for e in events}
         assert {"allreduce", "wait", "forward", "backward"} <= cats, cats
+
+
+@pytest.mark.parametrize("bad", [["--batch_size", "0"], ["--resume", "/nonexistent/ckpt"],
+                                 ["--config", "/nonexistent/run.yaml"]])
+def test_a_user_error_before_mpi_is_up_ends_every_rank(tmp_path, bad):
+    """Flags are parsed (and files named by them read) before the run starts; a rank that fails there
+    used to exit alone while the others spun in MPI_Init forever."""
+    common = [sys.executable, "-m", "pydtnn", "--num_epochs", "2", "--progress", "false"]
+    t0 = time.time()
+    r = subprocess.run([MPIEXEC, "-n", "1", *common, ":", "-n", "1", *common, *bad],
+                       capture_output=True, text=True, timeout=60, env=ENV)
+    assert time.time() - t0 < 20
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "pydtnn: error: rank 1: " in r.stderr and bad[1] in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("leaver", [1, 0])
+def test_a_rank_that_leaves_cleanly_is_named_and_ends_the_job(tmp_path, leaver):
+    """A process that ends with exit code 0 in the middle of training: the others learn it at once
+    (not after --stall_timeout) and the report names the rank that left."""
+    t0 = time.time()
+    r = launch(3, tmp_path, "--exit_at", "4", "--raise_rank", str(leaver), "--strategies", "bucketed",
+               "--stall_timeout", "200", timeout=90)
+    assert time.time() - t0 < 30
+    assert r.returncode != 0
+    assert f"rank {leaver} (after collective #" in r.stderr and "left the job" in r.stderr, r.stderr[-2000:]
+
+
+def _rank_pid(rank, parent):
+    """PID of the pydtnn process of MPI rank `rank` (from its environment), or None."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if int(pid) != parent and b"pydtnn" in cmd and f"PMI_RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process in /proc")
+def test_sigint_to_one_rank_ends_the_job_at_once(tmp_path):
+    import signal
+
+    p = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--num_epochs", "50",
+                          "--progress", "false", "--metrics_file", str(tmp_path / "m.jsonl")],
+                         stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        for line in p.stderr:  # rank 0 prints the configuration once every rank has built its model
+            if line.startswith("pydtnn: configuration"):
+                break
+        time.sleep(1.0)
+        pid = _rank_pid(1, p.pid)
+        assert pid is not None
+        t0 = time.time()
+        os.kill(pid, signal.SIGINT)
+        err = p.communicate(timeout=60)[1]
+        assert time.time() - t0 < 10
+    finally:
+        p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "pydtnn: error: rank 1: interrupted; ending the job" in err, err[-2000:]

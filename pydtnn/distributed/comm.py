@@ -7,6 +7,9 @@ MPIComm numbers every collective. Two safety nets use the numbers:
 - stall_timeout: waits poll instead of blocking; a wait longer than the timeout reports the
   collective and, on rank 0, which ranks have not arrived at it (every rank tells rank 0 the number
   of each collective it enters, with an 8-byte non-blocking send), then aborts the job.
+  A process that ends without aborting tells rank 0 (rank 0 tells every rank) the last collective
+  it entered; a rank waiting in a later one knows at once that it will never complete, says which
+  rank left, and aborts the job instead of waiting for the timeout.
 - debug: before every collective the ranks compare (operation, dtype, element count, number) and
   the first mismatch is raised as an error naming each rank's call, instead of hanging or corrupting.
 """
@@ -62,7 +65,7 @@ class _Done:
         pass
 
 
-_ARRIVE = 7707  # tag of arrival notes
+_ARRIVE, _LEFT = 7707, 7708  # tags of arrival notes and of rank 0's departure note
 
 
 class MPIComm:
@@ -82,11 +85,15 @@ class MPIComm:
         if stall_timeout:
             self.side = self.comm.Dup()  # arrival notes travel apart from the collectives
             self._sends = []
+            self.left = {}  # rank -> last collective it entered, for processes that have ended
             if self.rank == 0:
                 self.board = np.zeros(self.size, np.int64)  # last collective each rank entered
                 self._bufs = [np.zeros(1, np.int64) for _ in range(self.size)]
                 self._recvs = [self.side.Irecv(self._bufs[r], source=r, tag=_ARRIVE) if r else None
                                for r in range(self.size)]
+            else:
+                self._root_note = np.zeros(1, np.int64)
+                self._root_left = self.side.Irecv(self._root_note, source=0, tag=_LEFT)
             atexit.register(self._close_side)
 
     # -- collectives ---------------------------------------------------------------------
@@ -171,10 +178,19 @@ class MPIComm:
                 self._drain()
 
     def _drain(self):
+        """Take the notes that arrived; rank 0 learns who entered what, other ranks whether rank 0 left."""
+        if self.rank:
+            if self.left.get(0) is None and self._root_left.Test():
+                self.left[0] = int(self._root_note[0])
+            return
         for r in range(1, self.size):
-            while self._recvs[r].Test():
-                self.board[r] = self._bufs[r][0]
-                self._recvs[r] = self.side.Irecv(self._bufs[r], source=r, tag=_ARRIVE)
+            while r not in self.left and self._recvs[r].Test():
+                note = int(self._bufs[r][0])
+                if note < 0:  # a departure: -(last collective entered) - 1
+                    self.board[r] = self.left[r] = -note - 1
+                else:
+                    self.board[r] = note
+                    self._recvs[r] = self.side.Irecv(self._bufs[r], source=r, tag=_ARRIVE)
 
     @staticmethod
     def describe(what):
@@ -193,8 +209,10 @@ class MPIComm:
         # rank 0 knows who has arrived, so it reports first; the others only if rank 0 does not
         limit = self.stall_timeout if self.rank == 0 else 1.5 * self.stall_timeout + 1
         while not req.Test():
-            if self.rank == 0:
-                self._drain()
+            self._drain()
+            gone = {r: last for r, last in self.left.items() if last < seq}
+            if gone:  # it left before entering this collective: nothing will complete it
+                self._report_departure(what, gone)
             waited = time.monotonic() - start
             if waited > limit:
                 self._report_stall(what, seq, waited)
@@ -213,12 +231,33 @@ class MPIComm:
         print(msg + "; aborting (see --stall_timeout)", file=sys.stderr, flush=True)
         self.abort(1)
 
+    def _report_departure(self, what, gone):
+        ranks = ", ".join(f"rank {r} (after collective #{last})" for r, last in sorted(gone.items()))
+        print(f"pydtnn: error: rank {self.rank}: {ranks} left the job without finishing it while rank "
+              f"{self.rank} waits in {self.describe(what)}; aborting", file=sys.stderr, flush=True)
+        self.abort(1)
+
     def _close_side(self):
+        """At exit: tell the others the last collective this process entered, then cancel the notes."""
         try:
             if self.rank == 0:
+                for r in range(1, self.size):
+                    note = np.array([self.seq], np.int64)
+                    self._sends.append((self.side.Isend(note, dest=r, tag=_LEFT), note))
+            else:
+                note = np.array([-self.seq - 1], np.int64)
+                self._sends.append((self.side.Isend(note, dest=0, tag=_ARRIVE), note))
+            deadline = time.monotonic() + 0.2  # 8-byte notes leave at once; do not hold the exit for long
+            while not all(r.Test() for r, _ in self._sends) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if self.rank == 0:
                 for r in self._recvs[1:]:
-                    r.Cancel()
-                    r.Wait()
+                    if not r.Test():
+                        r.Cancel()
+                        r.Wait()
+            elif not self._root_left.Test():
+                self._root_left.Cancel()
+                self._root_left.Wait()
             for r, _ in self._sends:
                 if not r.Test():
                     r.Cancel()

@@ -50,8 +50,26 @@ def limit_blas_threads(n):
     set_threads(n)
 
 
-def abort_others(now=False):
-    """In a multi-process MPI run: the rank (now=False), or end every process with exit code 2 (now=True).
+def start():
+    """Under a launcher of several processes: bring MPI up and make any uncaught exception end the job.
+
+    The command line calls this first, before a flag is parsed or a file is read: a rank that fails
+    before MPI is up cannot abort the others, which would then wait in MPI_Init forever. Without a
+    multi-process launcher (or without mpi4py, which init() then reports) it does nothing.
+    """
+    if launched_size() <= 1:
+        return
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return
+    world = MPI.COMM_WORLD
+    if world.Get_size() > 1:
+        _abort_on_exception(world.Get_rank(), lambda code: _abort(world, code))
+
+
+def abort_others(now=False, code=2):
+    """In a multi-process MPI run: the rank (now=False), or end every process with `code` (now=True).
 
     A user error found by one rank alone (a bad path only rank 0 writes to, a diverging loss) would
     otherwise leave the other ranks waiting in their next collective. Returns None without MPI.
@@ -60,10 +78,14 @@ def abort_others(now=False):
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() == 1:
         return None
     if now:
-        sys.stderr.flush()
-        time.sleep(0.5)  # let the launcher forward the message first
-        mpi.COMM_WORLD.Abort(2)
+        _abort(mpi.COMM_WORLD, code)
     return mpi.COMM_WORLD.Get_rank()
+
+
+def _abort(world, code):
+    sys.stderr.flush()
+    time.sleep(0.5)  # let the launcher forward the message first
+    world.Abort(code)
 
 
 def install_abort_handler(comm):
@@ -71,15 +93,19 @@ def install_abort_handler(comm):
 
     Without it, the other ranks would wait forever in their next collective.
     """
-    if comm.size <= 1:
-        return
+    if comm.size > 1:
+        _abort_on_exception(comm.rank, comm.abort)
 
+
+def _abort_on_exception(rank, abort):
     def hook(kind, value, tb):
         if issubclass(kind, PydtnnError):
-            msg = f"pydtnn: error: rank {comm.rank}: {' '.join(str(value).split())}"
+            msg = f"pydtnn: error: rank {rank}: {' '.join(str(value).split())}"
+        elif issubclass(kind, KeyboardInterrupt):
+            msg = f"pydtnn: error: rank {rank}: interrupted; ending the job"
         else:
-            msg = f"rank {comm.rank}: " + "".join(traceback.format_exception(kind, value, tb)).rstrip()
+            msg = f"rank {rank}: " + "".join(traceback.format_exception(kind, value, tb)).rstrip()
         print(msg, file=sys.stderr, flush=True)
-        comm.abort(2 if issubclass(kind, PydtnnError) else 1)
+        abort(2 if issubclass(kind, PydtnnError) else 130 if issubclass(kind, KeyboardInterrupt) else 1)
 
     sys.excepthook = hook

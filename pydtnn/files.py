@@ -1,0 +1,68 @@
+"""Reading a user's files safely: regular files only, of bounded size.
+
+A FIFO, a device or /dev/zero (directly or through a symlink) where a file is expected would block
+forever in open() or read until memory runs out. Every reader of a file named by the user goes
+through open_regular() or read_bytes(): the file is opened without blocking and checked to be a
+regular file before a byte is read.
+"""
+
+import os
+import stat
+
+from pydtnn.errors import ConfigError
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def kind_of(mode):
+    """'a FIFO (named pipe)', 'a directory', ... for a non-regular st_mode; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path, what, error=ConfigError):
+    """A binary file object for `path`, which must be a regular file (symlinks followed).
+
+    what: how the error names the file ('config file', 'weights file'). A missing file raises
+    FileNotFoundError unchanged, so callers can phrase it; anything that is not a regular file
+    raises `error` naming what it is; other OS errors raise `error` with the system's reason.
+    """
+    path = os.fspath(path)
+    try:  # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting forever
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise error(f"{what} {path} is a directory; expected a regular file") from None
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        kind = kind_of(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise error(f"{what} {path} is {kind}; expected a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bytes(path, what, limit=None, error=ConfigError):
+    """The whole content of regular file `path`, at most `limit` bytes (None: any size).
+
+    Raises FileNotFoundError for a missing file (see open_regular) and `error` for anything else.
+    """
+    with open_regular(path, what, error) as f:
+        size = os.fstat(f.fileno()).st_size
+        if limit is not None and size > limit:
+            raise error(f"{what} {os.fspath(path)} is {size:,} bytes; expected at most {limit:,}")
+        try:
+            data = f.read() if limit is None else f.read(limit + 1)
+        except OSError as e:
+            raise error(f"cannot read {what} {os.fspath(path)}: {e.strerror or e}") from None
+    if limit is not None and len(data) > limit:  # grew while being read
+        raise error(f"{what} {os.fspath(path)} is over {limit:,} bytes; expected at most {limit:,}")
+    return data
