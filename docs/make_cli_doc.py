@@ -28,9 +28,43 @@ PYDTNN = {
     "use_synthetic_data": "PyDTNN produced zeros; here random, learnable images",
     "tracer_output": "PyDTNN: Extrae or a CSV; here a Chrome-trace JSON",
     "dtype": "PyDTNN accepted any NumPy dtype name",
-    "metrics_file": "new", "checkpoint_dir": "new", "resume": "new", "config": "new", "seed": "new (PyDTNN fixed 0)",
+    "metrics_file": "new", "checkpoint_dir": "new", "resume": "new", "overwrite": "new", "config": "new", "seed": "new (PyDTNN fixed 0)",
     "list_models": "new", "summary": "new", "progress": "new", "cosine_min_factor": "new",
 }
+
+
+GUARANTEES = [
+    "## What a run guarantees",
+    "",
+    "**Checked before anything is written.** Flag values and their combinations, every file the run reads",
+    "(configuration, checkpoint, weights, datasets: regular files only, so a FIFO or `/dev/zero` is refused at",
+    "once instead of blocking; a configuration file of at most 1 MB whose values are single values), the",
+    "datasets themselves (not empty, train and test of one shape, pixels as the format promises), the metrics",
+    "that schedules and callbacks monitor, and every output path (`--metrics_file`, `--history_file`,",
+    "`--tracer_output`, `--checkpoint_dir`) are checked before training starts. A failure is one line",
+    "`pydtnn: error: ...` and exit code 2, and the run leaves no file behind.",
+    "",
+    "**When and where checkpoints are written.** With `--checkpoint_dir DIR`, rank 0 writes a checkpoint at the",
+    "end of every `--model_checkpoint_save_freq`-th epoch and of the last one, each file to a temporary name",
+    "first, so a crash or `kill -9` at any moment leaves the previous checkpoint or the new one whole.",
+    "`config.json` comes with the first checkpoint. `--resume DIR` continues the run in `DIR`, wherever the",
+    "checkpoint was first written and wherever it has been moved since: new checkpoints go to `DIR`, and a",
+    "metrics or history file that was inside the checkpoint directory moves with it; paths outside it are",
+    "saved absolute. `--checkpoint_dir OTHER` with `--resume` forks the run into `OTHER`.",
+    "",
+    "**Never overwritten.** A new run refuses a `--checkpoint_dir` that already holds a checkpoint unless",
+    "`--overwrite` is given (or it is the `--resume` directory). A checkpoint is never read into a model of",
+    "another architecture, name or dtype kind, nor with NaN or non-float tensors.",
+    "",
+    "**What ends a job, and how fast** (several processes; see docs/distributed.md). A user error, an",
+    "internal error or Ctrl-C/SIGINT on any rank, before or after MPI is up, ends every rank within about a",
+    "second: the rank that knows why prints one line and calls MPI_Abort (exit code 2, 1 or 130). A rank",
+    "killed by a signal ends the job through the launcher. A rank that exits in mid-run without an error",
+    "is named by the ranks still waiting for it, which abort at once. Ranks started with different flags,",
+    "data, model or checkpoint epoch stop before training with one line naming the first difference and",
+    "each rank's value. Anything else that stops progress is reported after `--stall_timeout` seconds.",
+    "",
+]
 
 
 def main(path=os.path.join(os.path.dirname(__file__), "cli.md")):
@@ -45,7 +79,8 @@ def main(path=os.path.join(os.path.dirname(__file__), "cli.md")):
         "",
         "Values come from, in increasing priority: the defaults, `--config FILE` (YAML or JSON whose keys are flag",
         "names), the configuration saved in a checkpoint (`--resume DIR`), and the command line. The effective",
-        "configuration is printed at start and saved as `config.json` in `--checkpoint_dir`.",
+        "configuration is printed at start and saved, with the first checkpoint, as `config.json` in",
+        "`--checkpoint_dir`; paths in it are absolute.",
         "",
         "Exit codes: 0 success; 2 user error, printed as one line `pydtnn: error: ...`; 1 internal error.",
         "",
@@ -71,7 +106,7 @@ def main(path=os.path.join(os.path.dirname(__file__), "cli.md")):
         "`model_checkpoint` are callbacks at epoch ends. Metrics to monitor are the keys of the metrics file:",
         "`loss`, `accuracy`, `val_loss`, `val_accuracy`, ...; higher is better for accuracies, lower otherwise.",
         "",
-    ]
+    ] + GUARANTEES
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     return path

@@ -116,7 +116,7 @@ def build_parser(suppress_defaults=False):
     f(g, "optimizer", default="sgd", choices=optim.NAMES, help="default sgd")
     f(g, "learning_rate", type=non_negative_float, default=None,
       help="default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_LR.items()))
-    f(g, "momentum", type=non_negative_float, default=None, help="SGD/RMSProp momentum (default: sgd 0.9, rmsprop 0)")
+    f(g, "momentum", type=fraction, default=None, help="SGD/RMSProp momentum (default: sgd 0.9, rmsprop 0)")
     f(g, "nesterov", type=parse_bool, default=False, help="Nesterov momentum for SGD")
     f(g, "decay", type=non_negative_float, default=None,
       help="weight decay: L2 added to the gradient, decoupled for adamw (default 0, adamw 0.01)")
@@ -182,11 +182,14 @@ def build_parser(suppress_defaults=False):
     f(g, "profile", type=parse_bool, default=False, help="run under cProfile and print the top functions")
 
     g = p.add_argument_group("output")
-    f(g, "seed", type=int, default=0, help="seed of initialization, dropout, augmentation and data order (default 0)")
+    f(g, "seed", type=non_negative_int, default=0, help="seed of initialization, dropout, augmentation and data order (default 0)")
     f(g, "metrics_file", default=None, help="JSON Lines file of per-epoch and final metrics")
     f(g, "history_file", default=None, help="CSV file of per-epoch metrics")
     f(g, "checkpoint_dir", default=None, help="save a resumable checkpoint here after every epoch (see model_checkpoint)")
-    f(g, "resume", default=None, help="continue the run saved in this checkpoint directory")
+    f(g, "resume", default=None,
+      help="continue the run saved in this checkpoint directory, writing on into it (unless --checkpoint_dir)")
+    f(g, "overwrite", type=parse_bool, default=False,
+      help="let a new run replace the checkpoint already in --checkpoint_dir (refused otherwise)")
     f(g, "config", default=None, help="YAML or JSON file of flag values; command-line flags override it")
     f(g, "progress", type=parse_bool, default=True, help="show progress bars (default true)")
     return p
@@ -202,20 +205,32 @@ def _add_dataset_flags(p, g):
 
 
 # -- configuration ------------------------------------------------------------------------------
+CONFIG_LIMIT = 1 << 20  # bytes: a file of flag values is a few kilobytes
+
+
 def load_config_file(path, parser):
-    """{flag: value} from a YAML or JSON file, each value checked as if given on the command line."""
+    """{flag: value} from a YAML or JSON file, each value checked as if given on the command line.
+
+    The file must be a regular file of at most CONFIG_LIMIT bytes, and every value a scalar.
+    """
     import yaml
 
+    from pydtnn.files import read_bytes
+
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        raw = read_bytes(path, "config file", CONFIG_LIMIT)
+        text = raw.decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; expected a YAML or JSON file of flag values") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); expected YAML or JSON") from None
+    kind = "JSON" if path.endswith(".json") else "YAML"
     try:
-        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        values = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as e:
-        raise ConfigError(f"config file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
-                          f"{' '.join(str(e).split())}") from None
+        raise ConfigError(f"config file {path} is not valid {kind}: {' '.join(str(e).split())[:300]}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is nested too deeply; expected a flat map of flag names to values") from None
     if values is None:
         return {}
     if not isinstance(values, dict):
@@ -228,10 +243,16 @@ def check_values(values, parser, origin):
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help",)}
     out = {}
     for key, value in values.items():
-        name = str(key).lstrip("-").replace("-", "_")
+        if not isinstance(key, str):
+            raise ConfigError(f"{origin}: flag names must be strings, got a {type(key).__name__}")
+        name = key.lstrip("-").replace("-", "_")
         if name not in actions or name in ("config", "resume"):
-            raise ConfigError(f"{origin}: unknown flag {key!r}")
+            raise ConfigError(f"{origin}: unknown flag {key[:100]!r}")
         action = actions[name]
+        # the type first: str() of a structure (a YAML alias bomb expands to billions of items) never ends
+        if not (value is None or isinstance(value, (str, int, float, bool))):
+            raise ConfigError(f"{origin}: {name}: expected a single value (text, number or boolean), "
+                              f"got a {type(value).__name__}")
         if value is not None:
             try:
                 value = action.type(str(value)) if action.type else str(value)
@@ -253,9 +274,9 @@ def parse_args(argv=None):
     if args.config:
         layered.update(load_config_file(args.config, parser))
     if args.resume:
-        from pydtnn.run import saved_config
+        from pydtnn.run import resumed_config
 
-        layered.update(check_values(saved_config(args.resume), parser, f"checkpoint {args.resume}"))
+        layered.update(check_values(resumed_config(args.resume, given), parser, f"checkpoint {args.resume}"))
     for k, v in layered.items():
         if k not in given:
             setattr(args, k, v)

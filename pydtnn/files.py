@@ -66,3 +66,31 @@ def read_bytes(path, what, limit=None, error=ConfigError):
     if limit is not None and len(data) > limit:  # grew while being read
         raise error(f"{what} {os.fspath(path)} is over {limit:,} bytes; expected at most {limit:,}")
     return data
+
+
+def check_writable(path, what, made=None):
+    """`path` if a file can be written there: its folder exists and is writable, and nothing but a
+    regular file stands at `path` (a directory, or a FIFO that would block the writer). Checked
+    before a run starts, so that a bad output path costs nothing and leaves nothing half-written.
+
+    made: a folder the run itself creates (the checkpoint directory); a file inside it is fine
+    before it exists, when the folder holding it can be made.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if made is not None and not os.path.lexists(folder):
+        made = os.path.abspath(made)
+        if os.path.commonpath([folder, made]) == made:
+            while not os.path.lexists(folder):
+                folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"cannot write {what} {path}: {folder} is not a writable directory")
+    try:
+        kind = kind_of(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise ConfigError(f"cannot write {what} {path}: {e.strerror or e}") from None
+    if kind is not None:
+        raise ConfigError(f"cannot write {what} {path}: it is {kind}; expected a file name")
+    return path

@@ -17,17 +17,50 @@ from pydtnn.backends import get_backend
 from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
 from pydtnn.distributed import launch, reducers
 from pydtnn.distributed.consistency import broadcast_state
-from pydtnn.errors import ConfigError
+from pydtnn.errors import ConfigError, DataError
 from pydtnn.optim import schedules as sch
 from pydtnn.trainer import MetricsFile, Trainer, format_record
 
 # flags that describe how to run rather than what to compute: not saved as the run's configuration
-_NOT_SAVED = ("config", "resume", "list_models", "progress", "profile", "explicit")
+_NOT_SAVED = ("config", "resume", "list_models", "progress", "profile", "explicit", "overwrite")
+# flags naming files and folders: saved as absolute paths, so a resumed run finds them from any directory
+PATH_FLAGS = ("dataset_train_path", "dataset_test_path", "weights_and_bias_filename", "checkpoint_dir",
+              "metrics_file", "history_file", "tracer_output")
+# outputs that a resumed run writes again: inside the checkpoint directory, they follow it when it moves
+_OUTPUTS = ("metrics_file", "history_file", "tracer_output")
+# what may differ between the ranks of one job: paths (each node has its own disks) and what rank 0 alone does
+_PER_RANK = PATH_FLAGS + ("summary", "tracing", "threads_per_process")
 
 
 def saved_config(directory):
     """The configuration stored in a checkpoint directory by an earlier run."""
-    return checkpoint.read_meta(directory).get("config", {})
+    config = checkpoint.read_meta(directory).get("config", {})
+    if not isinstance(config, dict):
+        raise DataError(f"{os.path.join(directory, checkpoint.META_FILE)} is corrupt: its 'config' is a "
+                        f"{type(config).__name__}; expected an object of flag values")
+    return config
+
+
+def resumed_config(directory, given=()):
+    """The saved configuration of the checkpoint in `directory`, continued in `directory` itself.
+
+    The run goes on writing checkpoints into `directory` (wherever the checkpoint was first written,
+    and wherever it has been moved since), and output files that were inside the old checkpoint
+    directory move with it; `given` (flags set now) are left out, as the caller sets them.
+    """
+    config = saved_config(directory)
+    old = config.get("checkpoint_dir")
+    here = os.path.abspath(directory)
+    if "checkpoint_dir" not in given:
+        config["checkpoint_dir"] = here
+    for key in _OUTPUTS:
+        path = config.get(key)
+        if key in given or not isinstance(path, str) or not isinstance(old, str):
+            continue
+        path, old_abs = os.path.abspath(path), os.path.abspath(old)
+        if os.path.commonpath([path, old_abs]) == old_abs:
+            config[key] = os.path.join(here, os.path.relpath(path, old_abs))
+    return config
 
 
 def log(msg):
@@ -35,12 +68,15 @@ def log(msg):
 
 
 def run(args):
-    """Train (or evaluate) as `args` says; returns the final metrics record (None for --list_models)."""
+    """Train (or evaluate) as `args` says; returns the final metrics record (None for --list_models).
+
+    Every check that needs no data runs before the communicator is made, and every check at all before
+    a byte is written: outputs are created by the first epoch's end, not before.
+    """
     if args.list_models:
         print("\n".join(models.names()))
         return None
-    if args.enable_nccl and not args.enable_gpu:
-        raise ConfigError("--enable_nccl reduces GPU gradients; expected it together with --enable_gpu")
+    check_combinations(args)
     comm = launch.init(args.threads_per_process, args.stall_timeout, args.debug_collectives)
     launch.install_abort_handler(comm)
     world = comm.size
@@ -53,8 +89,15 @@ def run(args):
         if args.global_batch_size % world:
             raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by {world} processes")
         args.batch_size = args.global_batch_size // world
+    if comm.rank == 0:  # only rank 0 writes
+        check_outputs(args)
 
     backend = get_backend("gpu" if args.enable_gpu else "cpu", args.dtype, args.seed)
+    train, val, test = load_datasets(args)
+    check_monitored(args, val)
+    model = models.create(args.model, input_shape=train.input_shape, num_classes=train.num_classes, backend=backend)
+    if args.weights_and_bias_filename and not args.resume:  # a resumed run takes every weight from its checkpoint
+        checkpoint.load_weights(args.weights_and_bias_filename, model)
     grad_comm = comm
     if args.enable_gpu:  # collectives that take device arrays; gradients over NCCL when asked
         from pydtnn.distributed.gpu_comm import DeviceComm, NcclComm
@@ -63,10 +106,6 @@ def run(args):
         if args.enable_nccl:
             grad_comm = NcclComm(comm)
         say(f"pydtnn: {backend}, {grad_comm.name} gradient reduction" if world > 1 else f"pydtnn: {backend}")
-    train, val, test = load_datasets(args)
-    model = models.create(args.model, input_shape=train.input_shape, num_classes=train.num_classes, backend=backend)
-    if args.weights_and_bias_filename:
-        checkpoint.load_weights(args.weights_and_bias_filename, model)
     options = optimizer_options(args)
     if world > 1 and args.learning_rate_scaling and args.global_batch_size is None:
         options["lr"] *= world  # the global batch grew P times (Goyal et al. 2017)
@@ -85,13 +124,15 @@ def run(args):
     trainer.accumulation_steps = args.accumulation_steps
     if args.sync_batchnorm:
         trainer.sync_batchnorm()
-    config = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
+    config = {k: (os.path.abspath(v) if k in PATH_FLAGS and isinstance(v, str) else v)
+              for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
     trainer.callbacks = build_callbacks(args, trainer, config)
 
     start_epoch = 0
     if args.resume:
         start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,
                              scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
+    check_agreement(comm, args, model, (train, val, test), start_epoch)
     broadcast_state(comm, model, optimizer)
     say(f"pydtnn: {world} processes, {reducer.name if reducer else 'no'} gradient reduction, "
         f"batch {args.batch_size} per process" if world > 1 else "pydtnn: one process")
@@ -103,7 +144,6 @@ def run(args):
     if args.tracing:
         from pydtnn.profiling import Tracer
 
-        check_writable(args.tracer_output, "trace file")
         trainer.tracer = Tracer(pid=comm.rank, name=f"pydtnn {args.model} rank {comm.rank}")
         model.set_tracer(trainer.tracer)
         if reducer is not None:
@@ -124,6 +164,93 @@ def run(args):
         trainer.tracer.write(out)
         say(f"pydtnn: trace written to {out}\n{trainer.tracer.summary_table()}")
     return trainer.final
+
+
+def check_combinations(args):
+    """Flags that contradict each other: found before anything is loaded, on every rank alike."""
+    if args.enable_nccl and not args.enable_gpu:
+        raise ConfigError("--enable_nccl reduces GPU gradients; expected it together with --enable_gpu")
+    if args.evaluate_only and args.checkpoint_dir and not (args.resume and _same_dir(args.checkpoint_dir, args.resume)):
+        raise ConfigError(f"--evaluate_only trains nothing and writes no checkpoint, but --checkpoint_dir "
+                          f"{args.checkpoint_dir} was given; drop it (to evaluate a checkpoint: --resume DIR "
+                          f"--evaluate_only, or --weights_and_bias_filename DIR)")
+    if "model_checkpoint" in _chosen(args) and not args.checkpoint_dir:
+        raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
+
+
+def check_outputs(args):
+    """Every file and folder the run will write can be written, and no other run's checkpoint is in
+    the way: checked on the rank that writes, before training starts."""
+    from pydtnn.files import check_writable
+
+    for key, what in (("metrics_file", "metrics file"), ("history_file", "history file"),
+                      ("tracer_output", "trace file")):
+        if getattr(args, key) and (key != "tracer_output" or args.tracing):
+            check_writable(getattr(args, key), what, made=None if args.evaluate_only else args.checkpoint_dir)
+    if args.checkpoint_dir and not args.evaluate_only:
+        check_checkpoint_dir(args.checkpoint_dir, args.resume, args.overwrite)
+
+
+def check_checkpoint_dir(directory, resume=None, overwrite=False):
+    """A fresh run never replaces another run's checkpoint unless asked (--overwrite); resuming
+    writes on into the directory it resumed from."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"cannot write checkpoint directory {directory}: it exists and is not a directory")
+    parent = os.path.dirname(os.path.abspath(directory))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent if not os.path.isdir(directory) else directory, os.W_OK):
+        raise ConfigError(f"cannot write checkpoint directory {directory}: {parent} is not writable")
+    held = [n for n in (checkpoint.META_FILE, checkpoint.META_FILE + checkpoint.TMP, *checkpoint.TENSOR_FILES)
+            if os.path.lexists(os.path.join(directory, n))]
+    if not held or overwrite or (resume and _same_dir(directory, resume)):
+        return
+    try:
+        meta = checkpoint.read_manifest(directory)
+        what = f"a checkpoint of {meta['model'].get('name')!r} after epoch {meta['meta'].get('epoch')}"
+    except Exception:  # any content at all is protected; the description is a courtesy
+        what = f"checkpoint files ({', '.join(held)})"
+    raise ConfigError(f"checkpoint directory {directory} already holds {what}; pass --resume {directory} to "
+                      f"continue it, --overwrite to replace it, or choose another --checkpoint_dir")
+
+
+def _same_dir(a, b):
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_monitored(args, val):
+    """The metrics that schedules and callbacks watch are ones the run reports (before an epoch is spent)."""
+    from pydtnn.metrics import canonical
+
+    names = {canonical(m) for m in metric_names(args)} | {"accuracy"}
+    keys = {"loss", "lr", "time_s", "samples_per_second", *names}
+    if val is not None:
+        keys |= {f"val_{k}" for k in ("loss", *names)}
+    record = dict.fromkeys(keys, 0.0)
+    chosen = _chosen(args)
+    for who, metric in (("reduce_lr_on_plateau", args.reduce_lr_on_plateau_metric),
+                        ("early_stopping", args.early_stopping_metric), ("stop_at_loss", args.stop_at_loss_metric)):
+        if who in chosen:
+            sch.monitored(record, metric, who)
+
+
+def check_agreement(comm, args, model, datasets, start_epoch):
+    """Every rank runs the same computation: the flags that shape it, the data (sizes, shapes, a hash
+    of a few samples), the model and the epoch to start from agree; else one line names the first
+    difference and the ranks, before a collective can hang on it."""
+    if comm.size == 1:
+        return
+    from pydtnn.distributed.consistency import check_agreement as agree, sample_digest
+
+    facts = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED + _PER_RANK}
+    for name, ds in zip(("train", "validation", "test"), datasets):
+        facts[f"{name} set"] = None if ds is None else sample_digest(ds)
+    facts["model"] = f"{model.name}, {model.count_params():,} parameters, state {checkpoint.fingerprint(model)}"
+    facts["epoch to start from"] = start_epoch
+    agree(comm, facts)
 
 
 def load_datasets(args):
@@ -192,14 +319,11 @@ def build_callbacks(args, trainer, config):
     if "stop_at_loss" in chosen:
         out.append(StopAtThreshold(args.stop_at_loss_metric, args.stop_at_loss_threshold))
     if args.history_file and trainer.is_root:
-        out.append(HistoryCSV(args.history_file))
-    if "model_checkpoint" in chosen or args.checkpoint_dir:
-        if not args.checkpoint_dir:
-            raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
-        if trainer.is_root:  # rank 0 writes; parameters are identical on every rank
-            out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config),
-                                       args.model_checkpoint_save_freq))
-            checkpoint.write_json_atomic(os.path.join(args.checkpoint_dir, "config.json"), config)
+        out.append(HistoryCSV(args.history_file, made=args.checkpoint_dir))
+    if ("model_checkpoint" in chosen or args.checkpoint_dir) and trainer.is_root:
+        # rank 0 writes; parameters are identical on every rank
+        out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config),
+                                   args.model_checkpoint_save_freq))
     return out
 
 
@@ -217,6 +341,8 @@ def save_checkpoint(directory, trainer, epoch, config):
         "history": trainer.history,
     }
     checkpoint.save(directory, trainer.model, trainer.optimizer, meta)
+    # a readable copy of the configuration, written with the checkpoint (never before a run has one)
+    checkpoint.write_json_atomic(os.path.join(directory, "config.json"), config)
 
 
 def resume(directory, trainer, lr=None, scaled=False):
@@ -225,7 +351,11 @@ def resume(directory, trainer, lr=None, scaled=False):
     lr: a learning rate given on the command line now, which wins over the saved one. scaled: the
     rate follows the process count (linear scaling), so a resume at another count rescales it.
     """
-    meta = checkpoint.load(directory, trainer.model, trainer.optimizer)
+    restorable = {"schedules": [s.state_dict() for s in trainer.schedules],
+                  "callbacks": [c.state_dict() if hasattr(c, "load_state_dict") else None for c in trainer.callbacks]}
+    # checked before anything is restored: a refused checkpoint leaves the trainer as it was
+    meta = checkpoint.load(directory, trainer.model, trainer.optimizer, check_meta=lambda meta, where: (
+        checkpoint.check_training_meta(meta, where, trainer.model.backend.rng, restorable)))
     checkpoint.set_rng_state(trainer.model.backend.rng, meta["rng"])
     base = meta["base_lr"] * (trainer.world_size / meta.get("world_size", 1) if scaled else 1)
     trainer.base_lr = trainer.optimizer.lr = lr if lr is not None else base
@@ -258,19 +388,13 @@ def evaluate_only(trainer, test, args):
     return final
 
 
-def check_writable(path, what):
-    """path, if its folder exists and is writable (checked before training, not after)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ConfigError(f"cannot write {what} {path}: {folder} is not a writable directory")
-    return path
-
-
 class HistoryCSV:
     """--history_file: the per-epoch records as CSV, rewritten atomically after every epoch."""
 
-    def __init__(self, path):
-        self.path = check_writable(path, "history file")
+    def __init__(self, path, made=None):
+        from pydtnn.files import check_writable
+
+        self.path = check_writable(path, "history file", made)
 
     def on_epoch_end(self, trainer, epoch, logs):
         text = io.StringIO(newline="")

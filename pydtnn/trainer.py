@@ -21,26 +21,27 @@ from tqdm import tqdm
 
 from pydtnn import metrics as metric_fns
 from pydtnn.data.dataset import batch_slices, epoch_order
-from pydtnn.errors import ConfigError, TrainingDiverged
+from pydtnn.errors import ConfigError, DataError, TrainingDiverged
 from pydtnn.optim.schedules import learning_rate
 
 
 class MetricsFile:
     """JSON Lines writer: one object per line, flushed at once so a crash never leaves half a record.
 
-    The path is checked at once, but the file is created with the first record: a run that fails
-    before finishing an epoch leaves no file behind.
+    The path is checked at once, but the file (and any folder missing on its way) is created with
+    the first record: a run that fails before finishing an epoch leaves no file behind.
     """
 
     def __init__(self, path):
-        self.path, self.f = path, None
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ConfigError(f"cannot write metrics file {path}: {folder} is not a writable directory")
+        from pydtnn.files import check_writable
+
+        # folders missing on the way are made with the file (the CLI checks paths more strictly)
+        self.path, self.f = check_writable(path, "metrics file", made=os.path.dirname(os.path.abspath(path))), None
 
     def write(self, record):
         if self.f is None:
             try:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
                 self.f = open(self.path, "w", encoding="utf-8")
             except OSError as e:
                 raise ConfigError(f"cannot write metrics file {self.path}: {e.strerror}") from None
@@ -201,6 +202,7 @@ class Trainer:
         """
         if batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size}")
+        self._check_data(train, val, test, batch_size, drop_last)
         self.epochs, self.stop_training = epochs, False
         self._callback("on_train_begin")
         writer = MetricsFile(self.metrics_file) if self.metrics_file else None
@@ -240,6 +242,21 @@ class Trainer:
         finally:
             if writer:
                 writer.close()
+
+    def _check_data(self, train, val, test, batch_size, drop_last):
+        """Refuse, before an epoch is spent, data that would train on nothing or fail at the end."""
+        if len(train) == 0:
+            raise DataError(f"the training set {getattr(train, 'name', '')} is empty; expected at least one sample")
+        if not batch_slices(len(train), batch_size * self.world_size, drop_last):
+            raise ConfigError(f"drop_last with a global batch of {batch_size * self.world_size} samples "
+                              f"({batch_size} per process x {self.world_size}) leaves no batch of the {len(train)} "
+                              f"training samples; use a smaller batch or drop_last false")
+        want = tuple(self.model.input_shape)
+        for what, data in (("training", train), ("validation", val), ("test", test)):
+            shape = getattr(data, "input_shape", None)
+            if shape is not None and tuple(shape) != want:
+                raise DataError(f"the {what} set {getattr(data, 'name', '')} has samples of shape "
+                                f"{tuple(shape)}; the model takes {want}")
 
     def _train_epoch(self, train, epoch, epochs, batch_size, steps_per_epoch, drop_last=False):
         """One pass over the epoch's global batches; returns ({"epoch", "loss", metrics...}, samples seen).

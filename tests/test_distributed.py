@@ -322,3 +322,40 @@ def test_sigint_to_one_rank_ends_the_job_at_once(tmp_path):
         p.kill()
     assert p.returncode == 130, err[-2000:]
     assert "pydtnn: error: rank 1: interrupted; ending the job" in err, err[-2000:]
+
+
+def _idx_dir(path, seed):
+    """An MNIST-layout directory of 40 train and 20 test random digits."""
+    from pydtnn.data import write_idx
+
+    rng = np.random.default_rng(seed)
+    path.mkdir()
+    for stem, n in (("train", 40), ("t10k", 20)):
+        write_idx(path / f"{stem}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        write_idx(path / f"{stem}-labels-idx1-ubyte", rng.integers(0, 10, n, dtype=np.uint8))
+    return path
+
+
+@pytest.mark.parametrize("case", ["batch_size", "model", "data", "epochs"])
+def test_ranks_that_disagree_are_stopped_before_training(tmp_path, case):
+    """Differing flags or data used to hang until the stall timeout, end in an mpi4py traceback, or
+    (batch 16 against 32) run to exit 0 on overlapping samples."""
+    common = ["--progress", "false", "--num_epochs", "2", "--steps_per_epoch", "3", "--model", "simplemlp"]
+    a, b = list(common), list(common)
+    want = {"batch_size": ("batch_size", ["--batch_size", "16"], ["--batch_size", "32"]),
+            "model": ("model", ["--model", "simplemlp"], ["--model", "simplecnn"]),
+            "epochs": ("num_epochs", ["--num_epochs", "2"], ["--num_epochs", "3"]),
+            "data": ("train set", ["--dataset", "mnist", "--dataset_train_path", str(_idx_dir(tmp_path / "a", 1))],
+                     ["--dataset", "mnist", "--dataset_train_path", str(_idx_dir(tmp_path / "b", 2))])}[case]
+    a += want[1]
+    b += want[2]
+    t0 = time.time()
+    r = subprocess.run([MPIEXEC, "-n", "1", sys.executable, "-m", "pydtnn", *a, ":",
+                        "-n", "1", sys.executable, "-m", "pydtnn", *b, "--metrics_file", str(tmp_path / "m.jsonl")],
+                       capture_output=True, text=True, timeout=90, env=ENV)
+    assert time.time() - t0 < 30
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [s for s in r.stderr.splitlines() if s.startswith("pydtnn: error:")]
+    assert len(lines) == 1, r.stderr[-2000:]
+    assert f"the processes disagree on {want[0]}" in lines[0] and "rank 0: " in lines[0] and "rank 1: " in lines[0]
+    assert not (tmp_path / "m.jsonl").exists()

@@ -46,6 +46,9 @@ class SingleProcess:
     def bcast_obj(self, obj, root=0):
         return obj
 
+    def allgather_obj(self, obj):
+        return [obj]
+
     def allreduce_sum(self, values):
         """Sum of a small float vector over ranks (a new array)."""
         return np.array(values, dtype=np.float64)
@@ -144,6 +147,23 @@ class MPIComm:
             data = np.empty(int(size[0]), np.uint8)
         self.bcast(data, root)
         return json.loads(data.tobytes().decode())
+
+    def allgather_obj(self, obj):
+        """[rank 0's obj, rank 1's, ...] of a small JSON-serialisable object (sent as JSON text)."""
+        self._enter("allgather_obj", None)
+        data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+        sizes = np.zeros(self.size, np.int64)
+        self._run(self.comm.Iallgather, self.comm.Allgather, np.array([data.size], np.int64), sizes)
+        out = np.empty(int(sizes.sum()), np.uint8)
+        self._run(self.comm.Iallgatherv, self.comm.Allgatherv, data, [out, sizes])
+        return [json.loads(part.tobytes().decode()) for part in np.split(out, np.cumsum(sizes)[:-1])]
+
+    def _run(self, nonblocking, blocking, *args):
+        """A collective, watched for stalls when stall_timeout is set."""
+        if self.stall_timeout:
+            self._wait(nonblocking(*args), self.current)
+        else:
+            blocking(*args)
 
     def allreduce_sum(self, values):
         buf = np.array(values, dtype=np.float64)
