@@ -1,6 +1,9 @@
 """IDX files (as MNIST ships them), the embedded dataset, batching and epoch order."""
 
 import gzip
+import time
+import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
@@ -88,7 +91,7 @@ def test_array_dataset_validates_labels_and_values():
     with pytest.raises(DataError, match="label -1"):
         ArrayDataset(x, np.array([0, -1, 1]), 10)
     x[1, 0, 0, 1] = np.nan
-    with pytest.raises(DataError, match="NaN or Inf at sample 1"):
+    with pytest.raises(DataError, match="sample 1 contains NaN or Inf"):
         ArrayDataset(x, np.array([0, 1, 1]), 10)
     with pytest.raises(DataError, match="labels of shape"):
         ArrayDataset(x, np.array([0, 1]), 10)
@@ -108,3 +111,65 @@ def test_epoch_order_and_batches():
     assert batch_slices(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert batch_slices(10, 4, drop_last=True) == [(0, 4), (4, 8)]
     assert batch_slices(8, 4) == [(0, 4), (4, 8)] and batch_slices(3, 8) == [(0, 3)]
+
+
+def idx_header(code, *dims):
+    return bytes([0, 0, code, len(dims)]) + b"".join(d.to_bytes(4, "big") for d in dims)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_header_whose_size_overflows_int64_is_a_data_error(tmp_path, gz):
+    """65536^4 bytes is 2^64: an int64 product wraps to 0 and would match a header-only file."""
+    raw = idx_header(0x08, 65536, 65536, 65536, 65536)
+    (tmp_path / "huge").write_bytes(gzip.compress(raw) if gz else raw)
+    with pytest.raises(DataError, match=r"\(65536, 65536, 65536, 65536\)"):
+        read_idx(tmp_path / "huge")
+
+
+def gzip_of_zeros(header, megabytes):
+    """gzip bytes of `header` then `megabytes` MiB of zeros, compressed without holding them."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    out = [z.compress(header)] + [z.compress(bytes(1 << 20)) for _ in range(megabytes)]
+    return b"".join(out + [z.flush()])
+
+
+def test_idx_gzip_bomb_is_refused_without_decompressing_it(tmp_path):
+    """A 256 KB file that inflates to 256 MiB behind a header of 2 x 28 x 28: at most the array
+    the header declares (plus one byte) is ever decompressed."""
+    (tmp_path / "bomb.gz").write_bytes(gzip_of_zeros(idx_header(0x08, 2, 28, 28), 256))
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match="bomb.gz: wrong length"):
+            read_idx(tmp_path / "bomb.gz")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak:,} bytes allocated"
+
+
+def test_idx_gzip_claiming_more_than_it_can_hold_fails_at_once(tmp_path):
+    """A 1 KB gzip file cannot inflate to more than ~1 MB (deflate's ratio is at most 1032:1)."""
+    (tmp_path / "claims.gz").write_bytes(gzip.compress(idx_header(0x08, 100000, 1000, 1000) + bytes(1000)))
+    start = time.perf_counter()
+    with pytest.raises(DataError, match=r"claims.gz: .*\(100000, 1000, 1000\).*100,000,000,000 bytes"):
+        read_idx(tmp_path / "claims.gz")
+    assert time.perf_counter() - start < 1.0
+    (tmp_path / "claims").write_bytes(idx_header(0x0E, 2**32 - 1, 2**32 - 1) + bytes(8))
+    with pytest.raises(DataError, match="wrong length 20 bytes"):
+        read_idx(tmp_path / "claims")
+
+
+def test_idx_gzip_members_padding_and_trailing_data(tmp_path):
+    a = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    raw = idx_header(0x08, 2, 3, 4) + a.tobytes()
+    (tmp_path / "two.gz").write_bytes(gzip.compress(raw[:10]) + gzip.compress(raw[10:]) + bytes(7))
+    np.testing.assert_array_equal(read_idx(tmp_path / "two.gz"), a)  # members and zero padding, as gzip reads them
+    (tmp_path / "junk.gz").write_bytes(gzip.compress(raw) + b"junk")
+    with pytest.raises(DataError, match="junk.gz: corrupt gzip"):
+        read_idx(tmp_path / "junk.gz")
+    (tmp_path / "long.gz").write_bytes(gzip.compress(raw + b"x"))
+    with pytest.raises(DataError, match="long.gz: wrong length: more than 40 bytes"):
+        read_idx(tmp_path / "long.gz")
+    (tmp_path / "crc.gz").write_bytes(gzip.compress(raw)[:-8] + bytes(8))
+    with pytest.raises(DataError, match="crc.gz: corrupt gzip"):
+        read_idx(tmp_path / "crc.gz")

@@ -5,6 +5,9 @@ JPEG folder trees, .npy shards), so no test needs the network or the full datase
 Fashion-MNIST training test, which reads the Debian package `dataset-fashion-mnist`.
 """
 
+import builtins
+import contextlib
+import errno
 import functools
 import gzip
 import hashlib
@@ -12,6 +15,7 @@ import http.server
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -506,6 +510,213 @@ def test_resolve_validation_rules():
     assert (len(tr), len(va)) == (15, 5)
     one_line_error(ConfigError, lambda: resolve_validation(train, test, 0.2, True), "exclusive")
     one_line_error(ConfigError, lambda: resolve_validation(train, None, test_as_validation=True), "needs a test set")
+
+
+# -- refused at load time ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def deadline(seconds=5):
+    """TimeoutError inside the block once it has run `seconds` (e.g. blocked opening a FIFO)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def not_a_file(path, kind):
+    """Put a FIFO, a directory or a symlink to /dev/zero at `path`; returns what the error must call it."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+        return "a FIFO"
+    if kind == "directory":
+        path.mkdir()
+        return "a directory"
+    os.symlink("/dev/zero", path)
+    return "a character device"
+
+
+def deny_reading(monkeypatch, path):
+    """Opening `path` fails with EACCES, as after chmod 000 for anyone but root (the tests run as root)."""
+    path, real_os_open, real_open = os.fspath(path), os.open, builtins.open
+
+    def check(p):
+        if not isinstance(p, int) and os.fspath(p) == path:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: check(p) or real_os_open(p, *a, **k))
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: check(p) or real_open(p, *a, **k))
+
+
+@pytest.mark.parametrize("case", ["idx train", "idx test", "cifar file", "npy shard", "image folder", "val folder"])
+def test_an_empty_training_or_test_set_is_refused_at_load(tmp_path, case):
+    if case.startswith("idx"):
+        write_mnist(tmp_path)
+        split = "train" if case == "idx train" else "t10k"
+        bad = tmp_path / f"{split}-images-idx3-ubyte.gz"
+        data.write_idx(bad, np.zeros((0, 28, 28), np.uint8))
+        data.write_idx(tmp_path / f"{split}-labels-idx1-ubyte", np.zeros(0, np.uint8))
+        args = ("mnist", str(tmp_path))
+    elif case == "cifar file":
+        folder, *_ = write_cifar10(tmp_path)
+        bad = folder / "data_batch_3.bin"
+        bad.write_bytes(b"")
+        args = ("cifar10", str(folder))
+    elif case == "npy shard":
+        write_shards(tmp_path, "train", [3, 2])
+        write_shards(tmp_path, "val", [2])
+        bad = tmp_path / "train_images_001.npy"
+        np.save(bad, np.zeros((0, 3, 6, 5), np.uint8))
+        np.save(tmp_path / "train_labels_001.npy", np.zeros(0, np.int64))
+        args = ("imagenet", str(tmp_path))
+    else:
+        write_imagenet(tmp_path)
+        bad = tmp_path / ("train" if case == "image folder" else "val")
+        for f in bad.glob("*/*"):
+            f.unlink()
+        args = ("imagenet", str(tmp_path))
+    one_line_error(DataError, lambda: data.load(*args), str(bad), "0 samples")
+
+
+def test_train_and_test_of_different_shapes_or_classes_are_refused_at_load(tmp_path, monkeypatch):
+    train_dir, test_dir = tmp_path / "train", tmp_path / "test"
+    train_dir.mkdir(), test_dir.mkdir()
+    write_mnist(train_dir)
+    data.write_idx(test_dir / "t10k-images-idx3-ubyte", np.zeros((3, 32, 32), np.uint8))
+    data.write_idx(test_dir / "t10k-labels-idx1-ubyte", np.arange(3, dtype=np.uint8))
+    one_line_error(DataError, lambda: data.load("mnist", str(train_dir), str(test_dir)),
+                   "(1, 28, 28)", "(1, 32, 32)", str(train_dir), str(test_dir))
+    write_shards(train_dir, "train", [3])
+    write_shards(test_dir, "val", [2], hw=(8, 8))
+    one_line_error(DataError, lambda: data.load("imagenet", str(train_dir), str(test_dir)),
+                   "(3, 6, 5)", "(3, 8, 8)", str(train_dir), str(test_dir))
+    x = np.zeros((4, 1, 2, 2), np.uint8)
+    pair = (ArrayDataset(x, np.arange(4), 10), ArrayDataset(x, np.arange(4), 5))
+    monkeypatch.setitem(registry.LOADERS, "mnist", lambda train_path=None, test_path=None: pair)
+    one_line_error(DataError, lambda: data.load("mnist", "/data/tr", "/data/te"), "10 classes", "5 classes",
+                   "/data/tr", "/data/te")
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32])
+def test_idx_images_of_other_integer_types_are_refused(tmp_path, dtype):
+    write_mnist(tmp_path)
+    bad = tmp_path / "train-images-idx3-ubyte.gz"
+    data.write_idx(bad, np.full((6, 28, 28), 100, dtype))
+    one_line_error(DataError, lambda: data.load("mnist", str(tmp_path)), str(bad), np.dtype(dtype).name, "uint8")
+
+
+def test_idx_float_images_are_used_as_they_are_and_must_lie_in_0_1(tmp_path):
+    write_mnist(tmp_path)
+    bad = tmp_path / "train-images-idx3-ubyte.gz"
+    x = np.random.default_rng(0).random((6, 28, 28)).astype(np.float32)
+    x[0, 0, 0], x[5, 1, 1] = -1e-4, 1 + 1e-4  # rounding in someone's preprocessing: tolerated
+    data.write_idx(bad, x)
+    train, _ = data.load("mnist", str(tmp_path))
+    np.testing.assert_allclose(train.get_batch(np.arange(6))[0][:, 0], x, rtol=1e-6)  # not divided by 255
+    x[3] *= 255
+    data.write_idx(bad, x)
+    one_line_error(DataError, lambda: data.load("mnist", str(tmp_path)), str(bad), "sample 3",
+                   f"{x[3].min():g}", f"{x[3].max():g}", "[0, 1]")
+
+
+def test_npy_shards_of_other_dtypes_or_out_of_range_floats_are_refused(tmp_path):
+    write_shards(tmp_path, "train", [3, 4])
+    write_shards(tmp_path, "val", [2])
+    bad = tmp_path / "train_images_001.npy"
+    np.save(bad, np.full((4, 3, 6, 5), 1000, np.uint16))
+    one_line_error(DataError, lambda: data.load("imagenet", str(tmp_path)), str(bad), "uint16", "uint8")
+    write_shards(tmp_path, "train", [3, 4], dtype=np.float32)
+    x = np.load(bad)
+    x[2] *= 255
+    np.save(bad, x)
+    train, _ = data.load("imagenet", str(tmp_path))  # memory-mapped: checked as its batches are read
+    assert train.get_batch(np.arange(5))[0].shape == (5, 3, 6, 5)
+    one_line_error(DataError, lambda: train.get_batch(np.array([0, 5])), str(bad), "sample 2",
+                   f"{x[2].max():g}", "[0, 1]")
+    header = b"{'descr': '|u1', 'fortran_order': False, 'shape': (99999999999999999999999, 3, 6, 5), }"
+    header += b" " * (117 - len(header)) + b"\n"
+    bad.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(100))
+    one_line_error(DataError, lambda: data.load("imagenet", str(tmp_path)), str(bad), "not a readable .npy array")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "/dev/zero"])
+def test_idx_file_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, kind):
+    write_mnist(tmp_path)
+    path = tmp_path / "train-labels-idx1-ubyte"
+    word = not_a_file(path, kind)
+    with deadline():
+        one_line_error(DataError, lambda: data.load("mnist", str(tmp_path)), str(path), word)
+        one_line_error(DataError, lambda: data.read_idx(path), str(path), word)
+
+
+@pytest.mark.parametrize("name,kind", [("data_batch_1.bin", "directory"), ("data_batch_2.bin", "/dev/zero"),
+                                       ("test_batch.bin", "fifo"), ("data_batch_4.bin", "permission")])
+def test_unreadable_cifar_file_is_one_line_and_never_blocks(tmp_path, monkeypatch, name, kind):
+    folder, *_ = write_cifar10(tmp_path)
+    path = folder / name
+    if kind == "permission":
+        deny_reading(monkeypatch, path)
+        words = ["cannot read CIFAR file", "Permission denied"]
+    else:
+        words = [not_a_file(path, kind)]
+    with deadline():
+        one_line_error(DataError, lambda: data.load("cifar10", str(tmp_path)), str(path), *words)
+
+
+@pytest.mark.parametrize("name,kind", [("train_images_001.npy", "fifo"), ("train_labels_000.npy", "directory"),
+                                       ("val_images_000.npy", "/dev/zero")])
+def test_npy_shard_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, name, kind):
+    write_shards(tmp_path, "train", [3, 4])
+    write_shards(tmp_path, "val", [2])
+    path = tmp_path / name
+    word = not_a_file(path, kind)
+    with deadline():
+        one_line_error(DataError, lambda: data.load("imagenet", str(tmp_path)), str(path), word)
+
+
+@pytest.mark.parametrize("kind", ["not utf-8", "fifo", "/dev/zero", "huge", "no classes"])
+def test_bad_classes_txt_is_refused_without_blocking(tmp_path, kind):
+    write_shards(tmp_path, "train", [3])
+    write_shards(tmp_path, "val", [2])
+    path = tmp_path / "classes.txt"
+    if kind == "not utf-8":
+        path.write_bytes("n01\nn02 caf\xe9\n".encode("latin-1"))
+        words = ["UTF-8", "line 2"]
+    elif kind == "huge":
+        with open(path, "wb") as f:
+            f.truncate(64 << 20)  # sparse: no disk used
+        words = ["67,108,864 bytes", "at most"]
+    elif kind == "no classes":
+        path.write_text("\n  \n")
+        words = ["no class names"]
+    else:
+        words = [not_a_file(path, kind)]
+    with deadline():
+        one_line_error(DataError, lambda: data.load("imagenet", str(tmp_path)), str(path), *words)
+
+
+def test_unreadable_class_folder_or_image_is_a_data_error(tmp_path, monkeypatch):
+    write_imagenet(tmp_path)
+    train, _ = data.load("imagenet", str(tmp_path), size=16, resize=20)
+    image = tmp_path / "train" / "n02" / "n02_1.JPEG"
+    word = not_a_file(image, "fifo")  # replaced after the folder was listed
+    with deadline():
+        one_line_error(DataError, lambda: train.get_batch(np.array([5])), str(image), word)
+    sub, scandir = os.fspath(tmp_path / "train" / "n03"), os.scandir
+
+    def refuse(p="."):
+        if os.fspath(p) == sub:
+            raise PermissionError(errno.EACCES, "Permission denied", sub)
+        return scandir(p)
+
+    monkeypatch.setattr(os, "scandir", refuse)
+    one_line_error(DataError, lambda: data.load("imagenet", str(tmp_path)), sub, "Permission denied")
 
 
 # -- the real Fashion-MNIST -----------------------------------------------------------------------------

@@ -48,10 +48,9 @@ def random_crop(x, rng, size=None, padding=4, prob=1.0, fill=0):
     Returns a new array (N, C, size, size).
     """
     n, c, h, w = x.shape
+    check_crop((c, h, w), padding, size)
     sh, sw = (h, w) if size is None else (size, size)
     ph, pw = h + 2 * padding, w + 2 * padding
-    if sh > ph or sw > pw:
-        raise ConfigError(f"crop size {size} exceeds the padded image {ph}x{pw} (image {h}x{w}, padding {padding})")
     padded = np.empty((n, c, ph, pw), x.dtype)
     padded[...] = np.asarray(fill, x.dtype).reshape(1, -1, 1, 1) if np.ndim(fill) else fill
     padded[:, :, padding:padding + h, padding:padding + w] = x
@@ -62,6 +61,19 @@ def random_crop(x, rng, size=None, padding=4, prob=1.0, fill=0):
         top[keep], left[keep] = (ph - sh) // 2, (pw - sw) // 2
     windows = sliding_window_view(padded, (sh, sw), axis=(2, 3))  # (N, C, ph-sh+1, pw-sw+1, sh, sw)
     return windows[np.arange(n), :, top, left]  # advanced indices around a slice: (N, C, sh, sw)
+
+
+def check_crop(input_shape, padding, size=None):
+    """ConfigError unless a crop of `size` (None: the image size) from images (C, H, W) padded by
+    `padding` pixels fits. Padding beyond the image only adds black, and a huge one would allocate a
+    huge batch; it is refused before the first batch."""
+    h, w = input_shape[1:]
+    if padding > max(h, w):
+        raise ConfigError(f"crop_padding {padding} (--crop_images_padding) is larger than the {h}x{w} image; "
+                          f"expected at most {max(h, w)}")
+    ph, pw = h + 2 * padding, w + 2 * padding
+    if size is not None and (size > ph or size > pw):
+        raise ConfigError(f"crop size {size} exceeds the padded image {ph}x{pw} (image {h}x{w}, padding {padding})")
 
 
 def center_crop(x, size):
@@ -100,7 +112,9 @@ class Augmentation:
         self.crop_padding, self.crop_size = int(crop_padding), crop_size
 
     def output_shape(self, input_shape):
-        """Sample shape (C, H, W) after this augmentation."""
+        """Sample shape (C, H, W) after this augmentation; ConfigError if the crop does not fit (check_crop)."""
+        if self.crop:
+            check_crop(input_shape, self.crop_padding, self.crop_size)
         if not self.crop or self.crop_size is None:
             return tuple(input_shape)
         return (input_shape[0], self.crop_size, self.crop_size)
@@ -128,6 +142,7 @@ class AugmentedDataset:
     """
 
     def __init__(self, dataset, augmentation):
+        augmentation.output_shape(dataset.input_shape)  # refuses a crop that does not fit, now
         self.dataset, self.augment = dataset, augmentation
         self.num_classes, self.name = dataset.num_classes, getattr(dataset, "name", "dataset")
         c = dataset.input_shape[0]
@@ -164,6 +179,7 @@ def with_augmentation(dataset, flip=False, flip_prob=0.5, crop=False, crop_paddi
 
     Returns the dataset itself when neither flip nor crop is asked for. Datasets that read raw pixels
     per batch (CIFAR, ImageNet, shards, synthetic) augment before normalizing; others are wrapped.
+    ConfigError if the crop does not fit the dataset's images (see check_crop).
     """
     aug = Augmentation(flip, flip_prob, crop, crop_padding, crop_size, crop_prob)
     if not (aug.flip or aug.crop):

@@ -12,6 +12,7 @@ import numpy as np
 
 from pydtnn.data.streamed import ShardedArrayDataset, check_labels
 from pydtnn.errors import ConfigError, DataError
+from pydtnn.files import open_regular
 
 PIXELS = 3 * 32 * 32
 
@@ -48,14 +49,22 @@ def read_records(path, label_bytes=1, label_at=0, num_classes=10):
     labels int64 (N,) from byte `label_at` of each record."""
     path = os.fspath(path)
     record = label_bytes + PIXELS
+    per_record = f"{label_bytes} label byte{'s' if label_bytes > 1 else ''} + {PIXELS} pixel bytes per record"
     try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        raise DataError(f"cannot read CIFAR file {path}: {e.strerror}") from None
-    if size == 0 or size % record:
-        raise DataError(f"{path}: wrong length {size} bytes; expected a positive multiple of {record} "
-                        f"({label_bytes} label byte{'s' if label_bytes > 1 else ''} + {PIXELS} pixel bytes per record)")
-    mm = np.memmap(path, np.uint8, mode="r", shape=(size // record, record))
+        f = open_regular(path, "CIFAR file", DataError)
+    except FileNotFoundError:
+        raise DataError(f"cannot read CIFAR file {path}: no such file") from None
+    with f:  # the map keeps its own reference to the file
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise DataError(f"{path} has 0 samples (wrong length 0 bytes); expected records of {per_record}")
+        if size % record:
+            raise DataError(f"{path}: wrong length {size} bytes; expected a positive multiple of {record} "
+                            f"({per_record})")
+        try:
+            mm = np.memmap(f, np.uint8, mode="r", shape=(size // record, record))
+        except OSError as e:
+            raise DataError(f"cannot read CIFAR file {path}: {e.strerror or e}") from None
     labels = check_labels(np.array(mm[:, label_at]), num_classes, path)
     return mm[:, label_bytes:].reshape(-1, 3, 32, 32), labels
 
@@ -64,7 +73,7 @@ def find_dir(path, name, first_file):
     """The directory under `path` (itself or its extracted folder) that holds `first_file`."""
     spec = LAYOUTS[name]
     for candidate in (path, os.path.join(path, spec["folder"])):
-        if os.path.isfile(os.path.join(candidate, first_file)):
+        if os.path.lexists(os.path.join(candidate, first_file)):  # read_records says what is wrong with it
             return candidate
     raise DataError(f"{path}: no {first_file}; expected {layout(name)}")
 
@@ -74,7 +83,7 @@ def load_split(directory, name, split):
     spec = LAYOUTS[name]
     files = [os.path.join(directory, f) for f in spec[split]]
     for f in files:
-        if not os.path.isfile(f):
+        if not os.path.lexists(f):
             raise DataError(f"{directory}: no {os.path.basename(f)}; expected {layout(name)}")
     parts = [read_records(f, spec["label_bytes"], spec["label_at"], spec["num_classes"]) for f in files]
     return ShardedArrayDataset([p[0] for p in parts], np.concatenate([p[1] for p in parts]), spec["num_classes"],

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from pydtnn.data.streamed import check_float_pixels
 from pydtnn.errors import DataError
 
 
@@ -10,7 +11,8 @@ class ArrayDataset:
 
     Batches are converted on the fly: x * scale, then minus `mean` and divided by `std` per channel
     (when given), in the requested float dtype. Storing uint8 and converting per batch keeps memory at
-    one byte per pixel.
+    one byte per pixel. Float images must be finite but may hold any values (already normalized data
+    is fine); the file loaders check raw pixels against their contract before they get here.
     """
 
     def __init__(self, x, y, num_classes, scale=1.0, mean=None, std=None, name="dataset"):
@@ -22,8 +24,8 @@ class ArrayDataset:
         if y.size and (y.min() < 0 or y.max() >= num_classes):
             bad = int(y.min() if y.min() < 0 else y.max())
             raise DataError(f"{name}: label {bad} out of range; expected 0..{num_classes - 1}")
-        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
-            raise DataError(f"{name}: images contain NaN or Inf at sample {int(np.flatnonzero(~np.isfinite(x).reshape(len(x), -1).all(1))[0])}")
+        if np.issubdtype(x.dtype, np.floating):
+            check_float_pixels(x, name, value_range=None)
         self.x, self.y = x, y.astype(np.int64)
         self.num_classes, self.name = int(num_classes), name
         self.scale = scale

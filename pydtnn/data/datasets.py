@@ -20,7 +20,7 @@ from pydtnn.data import cifar, imagenet, synthetic
 from pydtnn.data.dataset import ArrayDataset
 from pydtnn.data.download import cache_dir, download, extract_tar
 from pydtnn.data.idx import read_idx
-from pydtnn.data.streamed import check_labels
+from pydtnn.data.streamed import check_float_pixels, check_labels, check_pixel_dtype
 from pydtnn.errors import ConfigError, DataError
 
 EMBEDDED_DIR = os.path.join(os.path.dirname(__file__), "mnist5k")
@@ -34,23 +34,31 @@ IDX_LAYOUT = f"the four MNIST IDX files ({', '.join(s for pair in IDX_FILES.valu
 def _find(directory, stem):
     for name in (stem + ".gz", stem):
         path = os.path.join(directory, name)
-        if os.path.isfile(path):
+        if os.path.lexists(path):  # anything there, so that read_idx can say what is wrong with it
             return path
     raise DataError(f"{directory}: no {stem}[.gz]; expected {IDX_LAYOUT}")
 
 
 def load_idx_split(directory, split, name):
-    """ArrayDataset of one split ('train' or 't10k' files) of an MNIST-layout IDX directory."""
+    """ArrayDataset of one split ('train' or 't10k' files) of an MNIST-layout IDX directory.
+
+    Images are uint8 (scaled by 1/255) or float in [0, 1] (used as they are); anything else is refused.
+    """
     img_path, lbl_path = (_find(directory, stem) for stem in IDX_FILES[split])
     images, labels = read_idx(img_path), read_idx(lbl_path)
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise DataError(f"{img_path}, {lbl_path}: images {images.shape} and labels {labels.shape}; "
                         f"expected (N, H, W) and (N,) with the same N")
-    if images.dtype.kind == "f" and not np.isfinite(images).all():
-        bad = int(np.flatnonzero(~np.isfinite(images).reshape(len(images), -1).all(axis=1))[0])
-        raise DataError(f"{img_path}: sample {bad} contains NaN or Inf; expected finite pixel values")
+    if len(images) == 0:
+        raise DataError(f"{img_path} has 0 samples (an IDX array of shape {images.shape}); expected at least 1 image")
+    if images[0].size == 0:
+        raise DataError(f"{img_path}: images of shape {images.shape[1:]}; expected at least 1 pixel")
+    check_pixel_dtype(images.dtype, img_path)
+    if images.dtype.kind == "f":
+        check_float_pixels(images, img_path)
     labels = check_labels(labels, 10, lbl_path)
-    return ArrayDataset(images[:, None], labels, 10, scale=1 / 255, name=f"{name}/{split}")
+    scale = 1 / 255 if images.dtype == np.uint8 else 1.0
+    return ArrayDataset(images[:, None], labels, 10, scale=scale, name=f"{name}/{split}")
 
 
 def load_mnist_like(name, train_path=None, test_path=None, default_dir=None):
@@ -160,4 +168,22 @@ def load(name, train_path=None, test_path=None, download=False, **options):
                           f"it takes {', '.join(accepted) or 'no options'}")
     if download and train_path is None and name in REMOTE:
         train_path = fetch(name)
-    return loader(train_path, test_path, **options)
+    train, test = loader(train_path, test_path, **options)
+    check_pair(name, train, test, train_path, test_path or train_path)
+    return train, test
+
+
+def check_pair(name, train, test, train_path, test_path):
+    """DataError unless train and test (None: no test set) are non-empty and agree in sample shape and
+    classes: a mismatch would otherwise train, checkpoint, then fail in the final evaluation."""
+    where = {"training": train_path, "test": test_path}
+    for split, ds in (("training", train), ("test", test)):
+        if ds is not None and len(ds) == 0:
+            raise DataError(f"{name}: the {split} set ({where[split] or 'built in'}) has 0 samples; "
+                            f"expected at least 1")
+    if test is None:
+        return
+    (a, m), (b, n) = (tuple(train.input_shape), train.num_classes), (tuple(test.input_shape), test.num_classes)
+    if (a, m) != (b, n):
+        raise DataError(f"{name}: training images {a} in {m} classes ({train_path or 'built in'}) but test images "
+                        f"{b} in {n} classes ({test_path or 'built in'}); expected the same shape and classes")

@@ -8,7 +8,8 @@ Training view (a batch Generator given): a random-resized crop (8-100% of the ar
 
 Shards: ROOT/train_images_000.npy (uint8 N x 3 x H x W, or float in [0, 1]) with
 ROOT/train_labels_000.npy (integers, N), then _001, ...; the same with val_ (or test_) for the
-test split. Memory-mapped with np.load(mmap_mode="r"), never unpickled.
+test split. Memory-mapped with np.load(mmap_mode="r"), never unpickled; float shards are checked
+to lie in [0, 1] batch by batch, as they are read.
 
 Both are normalized with the ImageNet mean and std.
 """
@@ -19,14 +20,16 @@ import re
 
 import numpy as np
 
-from pydtnn.data.streamed import ShardedArrayDataset, StreamedDataset, check_labels
+from pydtnn.data.streamed import PIXEL_RANGE, ShardedArrayDataset, StreamedDataset, check_labels, check_pixel_dtype
 from pydtnn.errors import ConfigError, DataError
+from pydtnn.files import open_regular, read_bytes
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 EXTENSIONS = (".jpeg", ".jpg", ".png")
 FOLDER_LAYOUT = "ROOT/train/<class>/*.JPEG and ROOT/val/<class>/*.JPEG (class index = sorted folder order)"
 SHARD_LAYOUT = ("ROOT/train_images_000.npy (uint8 N x 3 x H x W) + ROOT/train_labels_000.npy (N integers), _001, ...; "
                 "val_images_000.npy + val_labels_000.npy likewise")
+CLASSES_LIMIT = 4 << 20  # bytes of classes.txt: ImageNet-21k's 21,841 WordNet ids take about 220 KB
 
 
 class ImageFolder(StreamedDataset):
@@ -38,10 +41,7 @@ class ImageFolder(StreamedDataset):
 
     def __init__(self, directory, classes=None, size=224, resize=256, flip=True, name="imagenet"):
         directory = os.fspath(directory)
-        try:
-            found = sorted(e.name for e in os.scandir(directory) if e.is_dir())
-        except OSError as e:
-            raise DataError(f"cannot read image folder {directory}: {e.strerror}; expected {FOLDER_LAYOUT}") from None
+        found = sorted(e.name for e in _scan(directory, f"image folder {directory}") if e.is_dir())
         classes = found if classes is None else list(classes)
         unknown = sorted(set(found) - set(classes))
         if unknown:
@@ -49,12 +49,13 @@ class ImageFolder(StreamedDataset):
         files, labels = [], []
         for label, cls in enumerate(classes):
             sub = os.path.join(directory, cls)
-            names = sorted(e.name for e in os.scandir(sub) if e.is_file() and e.name.lower().endswith(EXTENSIONS)) \
-                if os.path.isdir(sub) else []
+            names = sorted(e.name for e in _scan(sub, f"class folder {sub}")
+                           if e.is_file() and e.name.lower().endswith(EXTENSIONS)) if os.path.isdir(sub) else []
             files += [f"{cls}/{n}".encode() for n in names]
             labels += [label] * len(names)
         if not files:
-            raise DataError(f"{directory}: no {'/'.join(EXTENSIONS)} images in class folders; expected {FOLDER_LAYOUT}")
+            raise DataError(f"{directory} has 0 samples: no {'/'.join(EXTENSIONS)} images in its class folders; "
+                            f"expected {FOLDER_LAYOUT}")
         super().__init__(np.array(labels, np.int64), len(classes), (3, size, size), name,
                          scale=1 / 255, mean=IMAGENET_MEAN, std=IMAGENET_STD)
         self.directory, self.classes = directory, classes
@@ -62,16 +63,21 @@ class ImageFolder(StreamedDataset):
         self.size, self.resize, self.flip = size, resize, flip
 
     def _read(self, rows, rng):
-        from PIL import Image  # Pillow only when images are decoded
+        from PIL import Image, UnidentifiedImageError  # Pillow only when images are decoded
 
         out = np.empty((len(rows), 3, self.size, self.size), np.uint8)
         for i, row in enumerate(rows):
             path = os.path.join(self.directory, self.files[row].decode())
             try:
-                with Image.open(path) as img:
+                f = open_regular(path, "image", DataError)  # a FIFO put there since the listing must not hang
+            except FileNotFoundError:
+                raise DataError(f"cannot read image {path}: no such file (deleted since its folder was listed)") \
+                    from None
+            try:
+                with f, Image.open(f) as img:
                     pixels = self._crop(img, rng)
             except (OSError, ValueError, Image.DecompressionBombError) as e:
-                reason = " ".join(str(e).split())
+                reason = "unknown image format" if isinstance(e, UnidentifiedImageError) else " ".join(str(e).split())
                 raise DataError(f"{path}: cannot decode image ({reason}); expected a JPEG or PNG file") from None
             if rng is not None and self.flip and rng.random() < 0.5:
                 pixels = pixels[:, ::-1]
@@ -97,6 +103,15 @@ class ImageFolder(StreamedDataset):
         return np.asarray(rgb.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box))
 
 
+def _scan(directory, what):
+    """os.scandir entries of `directory`, listed at once; DataError naming `what` if it cannot be read."""
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except OSError as e:
+        raise DataError(f"cannot read {what}: {e.strerror or e}; expected {FOLDER_LAYOUT}") from None
+
+
 def random_resized_box(w, h, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
     """(left, top, right, bottom) of a random crop covering `scale` of the area with aspect `ratio`
     (torchvision's RandomResizedCrop: 10 tries, then the centre crop of the clamped aspect)."""
@@ -120,9 +135,13 @@ def random_resized_box(w, h, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
 
 # -- .npy shards ----------------------------------------------------------------------------------
 def _load_npy(path, what):
+    try:  # np.load opens the file itself (to map it): refuse a FIFO or a device before it does
+        open_regular(path, ".npy file", DataError).close()
+    except FileNotFoundError:
+        raise DataError(f"cannot read .npy file {path}: no such file; expected {what}") from None
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError, EOFError, OverflowError) as e:
         raise DataError(f"{path}: not a readable .npy array ({' '.join(str(e).split())}); expected {what}") from None
 
 
@@ -144,10 +163,15 @@ def load_shards(directory, prefix, num_classes, name):
         img_path = os.path.join(directory, f"{prefix}_images_{n}.npy")
         lbl_path = os.path.join(directory, f"{prefix}_labels_{n}.npy")
         images = _load_npy(img_path, "uint8 images N x 3 x H x W")
-        if images.ndim != 4 or images.shape[1] != 3 or images.dtype.kind not in "uf":
+        if images.ndim != 4 or images.shape[1] != 3:
             raise DataError(f"{img_path}: images of shape {images.shape} and dtype {images.dtype}; "
                             f"expected N x 3 x H x W uint8 (or float in [0, 1])")
-        if not os.path.isfile(lbl_path):
+        if len(images) == 0:
+            raise DataError(f"{img_path} has 0 samples (images of shape {images.shape}); expected at least 1 image")
+        if images[0].size == 0:
+            raise DataError(f"{img_path}: images of shape {images.shape[1:]}; expected at least 1 pixel")
+        check_pixel_dtype(images.dtype, img_path)
+        if not os.path.lexists(lbl_path):
             raise DataError(f"{directory}: no {prefix}_labels_{n}.npy for {prefix}_images_{n}.npy; "
                             f"expected {SHARD_LAYOUT}")
         y = np.array(_load_npy(lbl_path, f"{len(images)} integer labels"))
@@ -158,16 +182,28 @@ def load_shards(directory, prefix, num_classes, name):
         files.append(img_path)
     scale = 1 / 255 if shards[0].dtype == np.uint8 else 1.0
     return ShardedArrayDataset(shards, np.concatenate(labels), num_classes, files, name,
-                               scale=scale, mean=IMAGENET_MEAN, std=IMAGENET_STD)
+                               scale=scale, mean=IMAGENET_MEAN, std=IMAGENET_STD, value_range=PIXEL_RANGE)
 
 
 def _num_classes(root):
-    """Lines of ROOT/classes.txt when present (a subset of ImageNet), else 1000."""
+    """Non-blank lines of ROOT/classes.txt when present (a subset of ImageNet), else 1000."""
     path = os.path.join(root, "classes.txt")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return 1000
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for line in f if line.strip())
+    try:
+        raw = read_bytes(path, "class list", CLASSES_LIMIT, DataError)
+    except FileNotFoundError:  # a dangling symlink
+        raise DataError(f"cannot read class list {path}: no such file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}: not UTF-8 text (byte {raw[e.start]:#04x} on line {line}); "
+                        f"expected one class name per line") from None
+    count = sum(1 for line in text.splitlines() if line.strip())
+    if count == 0:
+        raise DataError(f"{path} holds no class names; expected one class name per line (or no file: 1000 classes)")
+    return count
 
 
 def load_imagenet(train_path=None, test_path=None, size=224, resize=256):
@@ -179,10 +215,10 @@ def load_imagenet(train_path=None, test_path=None, size=224, resize=256):
         raise ConfigError(f"dataset imagenet needs --dataset_train_path ROOT holding {FOLDER_LAYOUT}, "
                           f"or {SHARD_LAYOUT}")
     root = os.fspath(train_path)
-    if os.path.isfile(os.path.join(root, "train_images_000.npy")):
+    if os.path.lexists(os.path.join(root, "train_images_000.npy")):
         test_root = os.fspath(test_path or root)
         num_classes = _num_classes(root)
-        prefix = "val" if os.path.isfile(os.path.join(test_root, "val_images_000.npy")) else "test"
+        prefix = "val" if os.path.lexists(os.path.join(test_root, "val_images_000.npy")) else "test"
         return (load_shards(root, "train", num_classes, "imagenet/train"),
                 load_shards(test_root, prefix, num_classes, f"imagenet/{prefix}"))
     if not os.path.isdir(os.path.join(root, "train")):

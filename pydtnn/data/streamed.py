@@ -13,6 +13,38 @@ import numpy as np
 from pydtnn.data.augment import normalize
 from pydtnn.errors import DataError
 
+PIXEL_CONTRACT = "uint8 (0..255) or float in [0, 1]"
+# Float pixels may stray from [0, 1] by rounding in someone's preprocessing; 0..255 floats or
+# standardized values must not pass, or training diverges and the learning rate gets the blame.
+PIXEL_RANGE = (-1e-3, 1 + 1e-3)
+
+
+def check_pixel_dtype(dtype, where):
+    """DataError naming `where` unless images of `dtype` are raw pixels: uint8, or float."""
+    dtype = np.dtype(dtype)
+    if dtype != np.uint8 and dtype.kind != "f":
+        raise DataError(f"{where}: images of dtype {dtype}; expected {PIXEL_CONTRACT}")
+
+
+def check_float_pixels(x, where, samples=None, value_range=PIXEL_RANGE):
+    """DataError naming `where` and the first sample of float images x (n, ...) holding NaN or Inf, or
+    (value_range given) a value outside it. samples: the sample number of each row (default 0..n-1)."""
+    if x.size == 0:
+        return
+    flat = x.reshape(len(x), -1)
+    samples = np.arange(len(x)) if samples is None else samples
+    lo, hi = flat.min(axis=1), flat.max(axis=1)  # NaN propagates: two reductions cover finiteness too
+    finite = np.isfinite(lo) & np.isfinite(hi)
+    if not finite.all():
+        raise DataError(f"{where}: sample {int(samples[np.argmin(finite)])} contains NaN or Inf; "
+                        f"expected finite pixel values")
+    if value_range is not None:
+        bad = (lo < value_range[0]) | (hi > value_range[1])
+        if bad.any():
+            i = np.argmax(bad)
+            raise DataError(f"{where}: sample {int(samples[i])} has pixel values from {lo[i]:g} to {hi[i]:g}; "
+                            f"expected {PIXEL_CONTRACT}")
+
 
 def check_labels(labels, num_classes, where):
     """Labels as int64 (N,); DataError naming `where` and the first label outside 0..num_classes-1."""
@@ -73,7 +105,10 @@ class StreamedDataset:
         return out
 
     def with_augmentation(self, augmentation):
-        """This dataset with `augmentation` (an augment.Augmentation, or None) on training batches."""
+        """This dataset with `augmentation` (an augment.Augmentation, or None) on training batches;
+        ConfigError if its crop does not fit these images."""
+        if augmentation is not None:
+            augmentation.output_shape(self.raw_shape)
         out = copy.copy(self)
         out.augment = augmentation
         return out
@@ -83,11 +118,13 @@ class ShardedArrayDataset(StreamedDataset):
     """Images in one or more arrays (n_i, C, H, W), e.g. memory-mapped files, read per batch.
 
     shards: the image arrays, all of one dtype and sample shape; labels: all labels, in shard order;
-    files: the file of each shard (for error messages). Float shards are checked for NaN/Inf as
-    their batches are read (a whole-dataset scan would read every byte at start-up).
+    files: the file of each shard (for error messages). Float shards are checked for NaN/Inf, and
+    for values outside `value_range` when given (e.g. PIXEL_RANGE), as their batches are read (a
+    whole-dataset scan would read every byte at start-up).
     """
 
-    def __init__(self, shards, labels, num_classes, files, name, scale=1 / 255, mean=None, std=None):
+    def __init__(self, shards, labels, num_classes, files, name, scale=1 / 255, mean=None, std=None,
+                 value_range=None):
         shapes = {tuple(s.shape[1:]) for s in shards}
         dtypes = {s.dtype for s in shards}
         if len(shapes) != 1 or len(dtypes) != 1:
@@ -100,6 +137,7 @@ class ShardedArrayDataset(StreamedDataset):
         self.shards, self.files = list(shards), [str(f) for f in files]
         self.offsets = np.cumsum([0] + counts)
         self.dtype = dtypes.pop()
+        self.value_range = value_range
 
     def _read(self, rows, rng):
         out = np.empty((len(rows),) + self.raw_shape, self.dtype)
@@ -107,10 +145,8 @@ class ShardedArrayDataset(StreamedDataset):
         for s in np.unique(shard):
             mask = shard == s
             local = rows[mask] - self.offsets[s]
-            out[mask] = self.shards[s][local]
+            part = self.shards[s][local]
             if self.dtype.kind == "f":
-                bad = ~np.isfinite(out[mask]).reshape(len(local), -1).all(axis=1)
-                if bad.any():
-                    raise DataError(f"{self.files[s]}: sample {int(local[np.argmax(bad)])} contains NaN or Inf; "
-                                    f"expected finite pixel values")
+                check_float_pixels(part, self.files[s], local, self.value_range)
+            out[mask] = part
         return out
