@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from pydtnn import __version__
+from pydtnn import __version__, files
 from pydtnn.errors import ConfigError, DataError, ShapeError
 
 FORMAT = "pydtnn-checkpoint"
@@ -46,6 +46,9 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _NUMPY_DTYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "i1", "I16": "<i2", "I32": "<i4", "I64": "<i8",
                  "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?"}
 _MAX_HEADER = 100_000_000  # the safetensors limit on the JSON header
+_MAX_META = 64 << 20  # meta.json holds numbers and names, never tensors: a bigger one is not ours
+_MAX_DEPTH = 100  # JSON nesting in meta.json; ours is under 10, and deeper ones exhaust the recursion limit
+_GENERIC_NAME = "model"  # Model's default name: says nothing about the architecture, so it matches any
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -149,7 +152,10 @@ def _json_default(o):
 
 
 def _write_synced(path, data):
-    with open(path, "wb") as f:
+    # a temporary file is ours to replace; removing what is there first means a FIFO left in its
+    # place cannot block open(), and "x" refuses anything that appears in between
+    _remove(path)
+    with open(path, "xb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -195,30 +201,49 @@ def _remove(path):
 
 
 # -- loading -----------------------------------------------------------------------------------
-def load(directory, model, optimizer=None):
+def load(directory, model, optimizer=None, check_meta=None):
     """Restore `model` (parameters and buffers) and `optimizer` from a checkpoint; return its meta.
 
     Everything is validated before anything is copied, so on error the model and optimizer are as
     they were: ConfigError if `directory` is not a checkpoint or the optimizer is of another kind or
-    configuration; DataError if a file is corrupt or truncated (SHA-256 mismatch); ShapeError if the
-    checkpoint is of another architecture (names the first differing state-dict entry). A dtype
-    difference (float32 checkpoint, float64 model) is allowed: values are converted.
+    configuration; DataError if a file is corrupt, truncated (SHA-256 mismatch) or inconsistent with
+    its manifest, or holds non-float or non-finite values; ShapeError if the checkpoint is of another
+    model (its name, or the first differing state-dict entry). A dtype difference (float32 checkpoint,
+    float64 model) is allowed: values are converted. check_meta(meta, path of the manifest), when
+    given, is called after every other check and before anything is copied; it raises to refuse.
     The backend RNG is not touched: restore it from the meta with set_rng_state().
     """
     directory = os.fspath(directory)
-    _, manifest, files = _find_complete(directory)
+    meta_name, manifest, found = _find_complete(directory)
+    meta_path = os.path.join(directory, meta_name)
     where = os.path.join(directory, MODEL_FILE)
-    state = _tensors(files[MODEL_FILE][1], where)
-    _check_architecture(state, model, where)
+    state = _tensors(found[MODEL_FILE][1], where)
+    _check_fingerprint(manifest["model"], state, meta_path, where)
+    _check_model(manifest["model"], state, model, meta_path, where)
+    own = model.state_dict()
+    for name, t in state.items():
+        _check_values(name, t, own[name].dtype, where)
     if optimizer is not None:
         saved = manifest["optimizer"]
         if saved is None:
             raise ConfigError(f"checkpoint {directory} has no optimizer state (it was saved without an optimizer)")
         if saved.get("kind") != optimizer.kind:
-            raise ConfigError(f"checkpoint {directory} holds {saved.get('kind')} optimizer state, "
+            raise ConfigError(f"checkpoint {directory} holds {str(saved.get('kind'))[:60]} optimizer state, "
                               f"this run uses {optimizer.kind}; resume with the same optimizer")
-        arrays = _tensors(files[OPTIMIZER_FILE][1], os.path.join(directory, OPTIMIZER_FILE))
-        optimizer.load_state_dict({"arrays": arrays, "scalars": saved.get("scalars", {})})  # all or nothing
+        scalars = _check_scalars(saved.get("scalars"), meta_path)
+        opt_where = os.path.join(directory, OPTIMIZER_FILE)
+        arrays = _tensors(found[OPTIMIZER_FILE][1], opt_where)
+        own_arrays = optimizer.state_dict()["arrays"]
+        for name, t in arrays.items():
+            if name in own_arrays:  # names the optimizer lacks: its load_state_dict says which
+                _check_values(name, t, own_arrays[name].dtype, opt_where)
+    if check_meta is not None:
+        check_meta(manifest["meta"], meta_path)
+    if optimizer is not None:
+        try:  # validates names, shapes and every scalar before it copies anything
+            optimizer.load_state_dict({"arrays": arrays, "scalars": scalars})
+        except ConfigError as e:
+            raise ConfigError(f"{meta_path}: {e}") from None
     model.load_state_dict(state)  # validated above: cannot fail half-way
     return manifest["meta"]
 
@@ -239,10 +264,14 @@ def _find_complete(directory):
     Tries meta.json, then meta.json.tmp (a save interrupted while renaming); each tensor file is
     looked for under NAME and NAME.tmp and must have the SHA-256 the manifest records.
     """
-    if not os.path.exists(directory):
-        raise ConfigError(f"{directory} is not a pydtnn checkpoint directory: it does not exist {_EXPECTED}")
-    if not os.path.isdir(directory):
-        raise ConfigError(f"{directory} is not a pydtnn checkpoint directory: it is a file {_EXPECTED}")
+    try:
+        kind = files.kind_of(os.stat(directory).st_mode)
+    except FileNotFoundError:
+        raise ConfigError(f"{directory} is not a pydtnn checkpoint directory: it does not exist {_EXPECTED}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read checkpoint directory {directory}: {e.strerror or e}") from None
+    if kind != "a directory":
+        raise ConfigError(f"{directory} is not a pydtnn checkpoint directory: it is {kind or 'a file'} {_EXPECTED}")
     committed_error = None
     for meta_name in (META_FILE, META_FILE + TMP):
         manifest = _read_manifest_file(os.path.join(directory, meta_name), committed=meta_name == META_FILE)
@@ -262,23 +291,28 @@ def _find_complete(directory):
 def _read_manifest_file(path, committed):
     """The manifest at `path`; None if absent (or, for meta.json.tmp, unreadable: a torn write)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = files.read_bytes(path, "checkpoint manifest", _MAX_META, DataError)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
     try:
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         manifest = None
+    except RecursionError:
+        manifest = _TOO_DEEP
+    if manifest is _TOO_DEEP or (isinstance(manifest, dict) and _depth(manifest) > _MAX_DEPTH):
+        if not committed:
+            return None
+        raise DataError(f"{path} is corrupt: its JSON nests deeper than {_MAX_DEPTH} levels")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         if not committed:
             return None
         raise ConfigError(f"{os.path.dirname(path)} is not a pydtnn checkpoint directory: "
                           f"{path} is not a pydtnn manifest {_EXPECTED}")
     version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise DataError(f"{path} is corrupt: format_version is {version!r:.60}; expected an integer >= 1")
+    if version > FORMAT_VERSION:
         raise ConfigError(f"{path}: checkpoint format version {version!r}; this pydtnn ({__version__}) reads "
                           f"versions up to {FORMAT_VERSION}: upgrade pydtnn")
     for key, kind in (("files", dict), ("model", dict), ("meta", dict)):
@@ -287,6 +321,22 @@ def _read_manifest_file(path, committed):
     if manifest.get("optimizer") is not None and not isinstance(manifest["optimizer"], dict):
         raise DataError(f"{path} is corrupt: 'optimizer' is not an object")
     return manifest
+
+
+_TOO_DEEP = object()
+
+
+def _depth(doc):
+    """Nesting depth of a parsed JSON document (iterative: the point is to refuse what recursion cannot take)."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, level)
+            if level > _MAX_DEPTH:
+                break
+            stack.extend((v, level + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def _verified_files(directory, meta_name, manifest):
@@ -301,12 +351,9 @@ def _verified_files(directory, meta_name, manifest):
         for candidate in (name, name + TMP):
             path = os.path.join(directory, candidate)
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = files.read_bytes(path, "checkpoint file", None, DataError)
             except FileNotFoundError:
                 continue
-            except OSError as e:
-                raise DataError(f"cannot read {path}: {e.strerror or e}") from None
             if hashlib.sha256(data).hexdigest() == want:
                 out[name] = (candidate, data)
                 break
@@ -321,20 +368,121 @@ def _verified_files(directory, meta_name, manifest):
     return out
 
 
-def _check_architecture(state, model, where):
-    """ShapeError naming the first state-dict entry where `state` and the model differ."""
+def _check_fingerprint(entry, state, path, where):
+    """DataError unless the manifest's model.state lists exactly the tensor file's names, shapes and dtypes.
+
+    A manifest without model.state (not written by save) is not checked: the file is still checked
+    against the model.
+    """
+    fp = entry.get("state")
+    if fp is None:
+        return
+    if not (isinstance(fp, list) and all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
+                                         and isinstance(e[1], list) and all(_is_count(s) for s in e[1])
+                                         and isinstance(e[2], str) for e in fp)):
+        raise DataError(f"{path} is corrupt: model.state is {fp!r:.80}; expected a list of [name, shape, dtype]")
+    listed = {name: (tuple(shape), dtype) for name, shape, dtype in fp}
+    if len(listed) != len(fp):
+        raise DataError(f"{path} is corrupt: model.state lists an entry twice")
+    for name, (shape, dtype) in listed.items():
+        if name not in state:
+            raise DataError(f"{path} does not describe {where}: model.state lists {name!r} {shape}, "
+                            f"which the tensor file lacks")
+        t = state[name]
+        if (tuple(t.shape), t.dtype.name) != (shape, dtype):
+            raise DataError(f"{path} does not describe {where}: model.state gives {name!r} shape {shape} {dtype}, "
+                            f"the tensor file {tuple(t.shape)} {t.dtype.name}")
+    extra = [k for k in state if k not in listed]
+    if extra:
+        raise DataError(f"{path} does not describe {where}: the tensor file has {extra[0]!r}, "
+                        f"which model.state does not list")
+
+
+def _check_model(entry, state, model, path, where):
+    """ShapeError unless the checkpoint is of this model: the same name and the same state names and shapes."""
+    name = entry.get("name")
+    if name is not None and not isinstance(name, str):
+        raise DataError(f"{path} is corrupt: model.name is {name!r:.60}; expected a string")
+    difference = _architecture_difference(state, model)
+    if name is not None and name != model.name and _GENERIC_NAME not in (name, model.name):
+        raise ShapeError(f"{path} is a checkpoint of model {name!r}, this model is {model.name!r}"
+                         + (f"; {where}: {difference}" if difference else
+                            " (with the same state names and shapes); build the same model to load it"))
+    if difference:
+        raise ShapeError(f"{where} is from another architecture: {difference}")
+
+
+def _architecture_difference(state, model):
+    """The first state-dict entry where `state` and the model differ, in words; None if they agree."""
     own = model.state_dict()
     for name, a in own.items():
         if name not in state:
-            raise ShapeError(f"{where} is from another architecture: it has no {name!r}, which model "
-                             f"{model.name!r} has with shape {tuple(a.shape)}")
+            return f"it has no {name!r}, which model {model.name!r} has with shape {tuple(a.shape)}"
         if tuple(state[name].shape) != tuple(a.shape):
-            raise ShapeError(f"{where} is from another architecture: {name!r} has shape {tuple(state[name].shape)}, "
-                             f"model {model.name!r} has {tuple(a.shape)}")
+            return f"{name!r} has shape {tuple(state[name].shape)}, model {model.name!r} has {tuple(a.shape)}"
     extra = [k for k in state if k not in own]
     if extra:
-        raise ShapeError(f"{where} is from another architecture: it has {extra[0]!r} {tuple(state[extra[0]].shape)}, "
-                         f"which model {model.name!r} lacks ({len(extra)} such entries)")
+        return (f"it has {extra[0]!r} {tuple(state[extra[0]].shape)}, which model {model.name!r} lacks "
+                f"({len(extra)} such entries)")
+    return None
+
+
+def _check_values(name, t, dtype, where):
+    """DataError unless tensor `t` can become an array of `dtype`: float for float, finite, in range.
+
+    A NaN or Inf loaded into a model would surface as a diverged run blamed on the learning rate;
+    an integer tensor would be converted silently into nonsense weights.
+    """
+    want = np.dtype(dtype)
+    if want.kind != "f":
+        if t.dtype.kind != want.kind:
+            raise DataError(f"{where}: {name!r} is {t.dtype.name}; expected {want.name}")
+        return
+    if t.dtype.kind != "f":
+        raise DataError(f"{where}: {name!r} is {t.dtype.name}; expected float16, bfloat16, float32 or float64")
+    finite = np.isfinite(t)
+    if not finite.all():
+        nan = int(np.isnan(t).sum())
+        raise DataError(f"{where}: {name!r} holds {nan} NaN and {t.size - int(finite.sum()) - nan} Inf values "
+                        f"(first at flat index {int(np.argmin(finite.ravel()))}); expected finite values "
+                        f"(was it saved from a diverged run?)")
+    top = np.finfo(want).max
+    if np.finfo(t.dtype).max > top and not (np.abs(t) <= top).all():
+        raise DataError(f"{where}: {name!r} has values up to {float(np.abs(t).max()):.3g}, beyond "
+                        f"{want.name}'s range (+-{float(top):.3g}) of the model")
+
+
+def _check_scalars(scalars, path):
+    """The manifest's optimizer.scalars if they are JSON numbers and flags with an integer step >= 0.
+
+    Their ranges are the optimizer's to check (its load_state_dict); this refuses what would reach it
+    as something other than a number.
+    """
+    if not isinstance(scalars, dict):
+        raise DataError(f"{path} is corrupt: optimizer.scalars is {scalars!r:.60}; expected an object")
+    for key, value in scalars.items():
+        if not isinstance(value, bool) and _finite(value) is None:
+            raise DataError(f"{path} is corrupt: optimizer.scalars.{key} is {value!r:.60}; "
+                            f"expected a finite number or true/false")
+    step = scalars.get("step")
+    if step is not None and not _is_count(step):
+        raise DataError(f"{path} is corrupt: optimizer.scalars.step is {step!r:.60}; expected an integer >= 0")
+    return scalars
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _finite(value):
+    """float(value) for a finite JSON number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        v = float(value)
+    except OverflowError:  # an integer beyond float's range
+        return None
+    return v if math.isfinite(v) else None
 
 
 # -- weights only ------------------------------------------------------------------------------
@@ -372,8 +520,7 @@ def load_weights(path, model, strict=True):
         if tuple(t.shape) != tuple(a.shape):
             raise ShapeError(f"{where}: {name!r} has shape {tuple(t.shape)}, "
                              f"model {model.name!r} expects {tuple(a.shape)}")
-        if t.dtype.kind != "f":
-            raise DataError(f"{where}: {name!r} is {t.dtype.name}; expected float16, bfloat16, float32 or float64")
+        _check_values(name, t, a.dtype, where)
     extra = [k for k in tensors if k not in own]
     if extra:
         raise ShapeError(f"{where}: unexpected {extra[0]!r} {tuple(tensors[extra[0]].shape)}, which model "
@@ -383,15 +530,12 @@ def load_weights(path, model, strict=True):
 
 
 def _read_weights_file(path):
-    """The bytes of a safetensors file; ConfigError for a missing file or any other format."""
+    """The bytes of a safetensors file; ConfigError for a missing file, a FIFO or device, or any other format."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = files.read_bytes(path, "weights file", None, ConfigError)
     except FileNotFoundError:
         raise ConfigError(f"weights file {path} does not exist; "
                           "expected a .safetensors file or a checkpoint directory") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read weights file {path}: {e.strerror or e}") from None
     n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
     if not (2 <= n <= _MAX_HEADER and data[8:9] == b"{"):
         raise ConfigError(f"weights file {path} is {_looks_like(data)}; only safetensors is supported "
@@ -434,7 +578,7 @@ def _header(data, where):
         raise DataError(f"{where} is truncated or not safetensors: header of {n} bytes, file of {len(data)}")
     try:
         header = json.loads(data[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise DataError(f"{where} is corrupt: its safetensors header is not JSON") from None
     if not isinstance(header, dict):
         raise DataError(f"{where} is corrupt: its safetensors header is not an object")
@@ -442,11 +586,13 @@ def _header(data, where):
     size = len(data) - 8 - n
     for name, info in header.items():
         try:
-            dtype, shape, (start, end) = info["dtype"], [int(s) for s in info["shape"]], info["data_offsets"]
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
             itemsize = 2 if dtype == "BF16" else np.dtype(_NUMPY_DTYPES[dtype]).itemsize
+            if not (isinstance(shape, list) and all(_is_count(s) for s in shape)):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
             raise DataError(f"{where} is corrupt: bad header entry for {name!r}: {info!r:.200}") from None
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size
+        if not (_is_count(start) and _is_count(end) and start <= end <= size
                 and end - start == math.prod(shape) * itemsize):
             raise DataError(f"{where} is corrupt or truncated: {name!r} {dtype}{tuple(shape)} at bytes "
                             f"{start}..{end} of a {size}-byte data section")
@@ -473,15 +619,106 @@ def rng_state(generator):
 
 
 def set_rng_state(generator, state):
-    """Restore a snapshot from rng_state() into `generator` (same bit generator kind), in place."""
-    kind = type(generator.bit_generator).__name__
+    """Restore a snapshot from rng_state() into `generator` (same bit generator kind), in place.
+
+    ConfigError for a state of another kind or a malformed one; the generator is then unchanged.
+    """
+    bit_generator = type(generator.bit_generator)
+    kind = bit_generator.__name__
     if not isinstance(state, dict) or state.get("bit_generator") != kind:
         got = state.get("bit_generator") if isinstance(state, dict) else type(state).__name__
-        raise ConfigError(f"RNG state is for {got!r}; this generator is {kind}")
-    inner = state.get("state")
-    if kind == "MT19937" and isinstance(inner, dict) and isinstance(inner.get("key"), list):
-        state = {**state, "state": {**inner, "key": np.asarray(inner["key"], np.uint32)}}
+        raise ConfigError(f"RNG state is for {got!r:.60}; this generator is {kind}")
+    # NumPy's setters take positions without a range check (an out-of-range one reads outside the
+    # state: a crash at the next draw), and MT19937's fills its key in place before it fails
+    for keys, top in _RNG_POSITIONS.get(kind, ()):
+        pos = state
+        for k in keys:
+            pos = pos.get(k) if isinstance(pos, dict) else None
+        if not _is_count(pos) or pos > top:
+            raise ConfigError(f"invalid {kind} RNG state: {'.'.join(keys)} is {pos!r:.60}; expected 0 to {top}")
+    probe = bit_generator()  # a scratch copy takes the state first: all or nothing
     try:
-        generator.bit_generator.state = state
-    except (TypeError, ValueError, KeyError) as e:
-        raise ConfigError(f"invalid {kind} RNG state: {e}") from None
+        inner = state.get("state")
+        if kind == "MT19937" and isinstance(inner, dict) and isinstance(inner.get("key"), list):
+            state = {**state, "state": {**inner, "key": np.asarray(inner["key"], np.uint32)}}
+        probe.state = state
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError, AttributeError) as e:
+        raise ConfigError(f"invalid {kind} RNG state: {' '.join(str(e).split()) or type(e).__name__}"[:300]) from None
+    generator.bit_generator.state = probe.state
+
+
+_RNG_POSITIONS = {"MT19937": ((("state", "pos"), 624),), "Philox": ((("buffer_pos",), 4),)}
+
+
+# -- the trainer's meta ----------------------------------------------------------------------------
+_JSON_SCALAR = (type(None), bool, int, float, str)
+
+
+def check_training_meta(meta, where, generator=None, states=None):
+    """DataError naming `where` and the key unless `meta` is what pydtnn.run.save_checkpoint writes.
+
+    Required: epoch, rng, base_lr, schedules, callbacks, history; checked when present: config,
+    step, world_size (older checkpoints may lack them). generator: the RNG that meta["rng"] will be
+    restored into (tried on a scratch copy). states: {"schedules": [...], "callbacks": [...]}, the
+    current state_dict() of each object that will load a saved state, None for one that will not;
+    a saved state must have the same keys, with numbers where it holds numbers.
+    """
+    def bad(key, value, expected):
+        return DataError(f"{where}: meta.{key} is {value!r:.60}; expected {expected}")
+
+    for key in ("epoch", "rng", "base_lr", "schedules", "callbacks", "history"):
+        if key not in meta:
+            raise DataError(f"{where} has no meta.{key}; a checkpoint written by pydtnn's training has it")
+    for key in ("epoch", "step"):
+        if key in meta and not _is_count(meta[key]):
+            raise bad(key, meta[key], "an integer >= 0")
+    if "world_size" in meta and not (_is_count(meta["world_size"]) and meta["world_size"] >= 1):
+        raise bad("world_size", meta["world_size"], "an integer >= 1")
+    lr = _finite(meta["base_lr"])
+    if lr is None or lr < 0:
+        raise bad("base_lr", meta["base_lr"], "a finite number >= 0")
+    if "config" in meta and not isinstance(meta["config"], dict):
+        raise bad("config", meta["config"], "an object of flag values")
+    for key in ("history", "schedules", "callbacks"):
+        if not isinstance(meta[key], list):
+            raise bad(key, meta[key], "a list of objects")
+        for i, item in enumerate(meta[key]):
+            if not isinstance(item, dict):
+                raise bad(f"{key}[{i}]", item, "an object")
+    for i, record in enumerate(meta["history"]):
+        for k, v in record.items():
+            if not isinstance(v, _JSON_SCALAR):
+                raise bad(f"history[{i}].{k}", v, "a number, a string or null")
+    for key, own in (states or {}).items():
+        for i, (saved, like) in enumerate(zip(meta[key], own)):
+            if like is not None:
+                _check_state_like(saved, like, where, f"{key}[{i}]")
+    rng = meta["rng"]
+    if not (isinstance(rng, dict) and isinstance(rng.get("bit_generator"), str) and isinstance(rng.get("state"), dict)):
+        raise bad("rng", rng, 'a NumPy bit generator state {"bit_generator": ..., "state": {...}}')
+    if generator is not None:
+        try:
+            set_rng_state(np.random.Generator(type(generator.bit_generator)()), rng)
+        except ConfigError as e:
+            raise DataError(f"{where}: meta.rng: {e}") from None
+
+
+def _check_state_like(saved, like, where, key):
+    """DataError unless `saved` has the keys of `like`, each with a value of the same kind.
+
+    Objects restore a state by assigning its values (a schedule sets any attribute named), so what
+    is not theirs, or not a number where a number was, must not reach them.
+    """
+    if set(saved) != set(like):
+        raise DataError(f"{where}: meta.{key} has keys {sorted(saved)[:8]}; this run's object has {sorted(like)} "
+                        f"(resume with the same schedules and callbacks)")
+    for k, v in saved.items():
+        now = like[k]
+        if isinstance(now, int) and not isinstance(now, bool):  # counters: epochs waited, reductions made
+            ok, expected = _is_count(v), "an integer >= 0"
+        elif now is None or isinstance(now, float):
+            ok, expected = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)), "a number or null"
+        else:
+            ok, expected = type(v) is type(now), type(now).__name__
+        if not ok:
+            raise DataError(f"{where}: meta.{key}.{k} is {v!r:.60}; expected {expected}")

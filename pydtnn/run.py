@@ -352,10 +352,13 @@ def resume(directory, trainer, lr=None, scaled=False):
     rate follows the process count (linear scaling), so a resume at another count rescales it.
     """
     restorable = {"schedules": [s.state_dict() for s in trainer.schedules],
-                  "callbacks": [c.state_dict() if hasattr(c, "load_state_dict") else None for c in trainer.callbacks]}
-    # checked before anything is restored: a refused checkpoint leaves the trainer as it was
-    meta = checkpoint.load(directory, trainer.model, trainer.optimizer, check_meta=lambda meta, where: (
-        checkpoint.check_training_meta(meta, where, trainer.model.backend.rng, restorable)))
+                  "callbacks": [getattr(c, "state_dict", dict)() if hasattr(c, "load_state_dict") else None
+                                for c in trainer.callbacks]}
+
+    def check(meta, where):  # before anything is restored: a refused checkpoint leaves the trainer as it was
+        checkpoint.check_training_meta(meta, where, trainer.model.backend.rng, restorable)
+
+    meta = checkpoint.load(directory, trainer.model, trainer.optimizer, check_meta=check)
     checkpoint.set_rng_state(trainer.model.backend.rng, meta["rng"])
     base = meta["base_lr"] * (trainer.world_size / meta.get("world_size", 1) if scaled else 1)
     trainer.base_lr = trainer.optimizer.lr = lr if lr is not None else base
