@@ -84,6 +84,18 @@ def one_line(error):
     return str(error.value)
 
 
+def assert_load_refused(directory, match):
+    """checkpoint.load of `directory` into a fresh model and Adam raises DataError matching `match`
+    and leaves both as they were; returns the model."""
+    m = tiny(seed=3)
+    opt = optim.create("adam", m.parameters(), lr=0.01)
+    before = snapshot(m, opt)
+    with pytest.raises(DataError, match=match):
+        checkpoint.load(directory, m, opt)
+    assert unchanged(before, m, opt)
+    return m
+
+
 # -- 1. FIFOs, devices and /dev/zero where a file is expected -------------------------------------
 _GUARDED = textwrap.dedent('''
     import resource, sys
@@ -209,12 +221,7 @@ def test_non_finite_parameters_or_buffers_in_a_checkpoint_are_refused(tmp_path, 
     state = tensors(tmp_path)
     state[entry].flat[1] = value
     tamper(tmp_path, model=state)
-    m = tiny(seed=3)
-    opt = optim.create("adam", m.parameters(), lr=0.01)
-    before = snapshot(m, opt)
-    with pytest.raises(DataError, match=rf"model.safetensors.*'{entry}'.*(NaN|Inf)"):
-        checkpoint.load(tmp_path, m, opt)
-    assert unchanged(before, m, opt)
+    m = assert_load_refused(tmp_path, rf"model.safetensors.*'{entry}'.*(NaN|Inf)")
     with pytest.raises(DataError, match=rf"'{entry}'.*(NaN|Inf)"):  # the same file as weights only
         checkpoint.load_weights(tmp_path / "model.safetensors", m)
     with pytest.raises(DataError, match=rf"'{entry}'.*(NaN|Inf)"):
@@ -227,12 +234,7 @@ def test_non_finite_optimizer_state_is_refused(tmp_path):
     arrays = tensors(tmp_path, "optimizer.safetensors")
     arrays["5.weight.exp_avg_sq"][0, 0] = np.nan
     tamper(tmp_path, optimizer=arrays)
-    m = tiny(seed=3)
-    opt = optim.create("adam", m.parameters(), lr=0.01)
-    before = snapshot(m, opt)
-    with pytest.raises(DataError, match=r"optimizer.safetensors.*'5\.weight\.exp_avg_sq'.*NaN"):
-        checkpoint.load(tmp_path, m, opt)
-    assert unchanged(before, m, opt)
+    assert_load_refused(tmp_path, r"optimizer.safetensors.*'5\.weight\.exp_avg_sq'.*NaN")
 
 
 def test_a_float64_value_beyond_float32_is_refused_for_a_float32_model(tmp_path):
@@ -254,12 +256,7 @@ def test_integer_or_bool_model_tensors_in_a_checkpoint_are_refused(tmp_path, dty
     state = tensors(tmp_path)
     state["5.weight"] = (state["5.weight"] * 1e3).astype(dtype)
     tamper(tmp_path, model=state)
-    m = tiny(seed=3)
-    opt = optim.create("adam", m.parameters(), lr=0.01)
-    before = snapshot(m, opt)
-    with pytest.raises(DataError, match=rf"model.safetensors.*'5\.weight' is {np.dtype(dtype).name}; expected"):
-        checkpoint.load(tmp_path, m, opt)
-    assert unchanged(before, m, opt)
+    assert_load_refused(tmp_path, rf"model.safetensors.*'5\.weight' is {np.dtype(dtype).name}; expected")
 
 
 def test_integer_optimizer_arrays_are_refused(tmp_path):
@@ -267,12 +264,7 @@ def test_integer_optimizer_arrays_are_refused(tmp_path):
     arrays = tensors(tmp_path, "optimizer.safetensors")
     arrays["0.bias.exp_avg"] = arrays["0.bias.exp_avg"].astype(np.int64)
     tamper(tmp_path, optimizer=arrays)
-    m = tiny(seed=3)
-    opt = optim.create("adam", m.parameters(), lr=0.01)
-    before = snapshot(m, opt)
-    with pytest.raises(DataError, match=r"optimizer.safetensors.*'0\.bias\.exp_avg' is int64"):
-        checkpoint.load(tmp_path, m, opt)
-    assert unchanged(before, m, opt)
+    assert_load_refused(tmp_path, r"optimizer.safetensors.*'0\.bias\.exp_avg' is int64")
 
 
 # -- 4. model name and fingerprint ------------------------------------------------------------------
