@@ -253,6 +253,8 @@ def check_values(values, parser, origin):
         if not (value is None or isinstance(value, (str, int, float, bool))):
             raise ConfigError(f"{origin}: {name}: expected a single value (text, number or boolean), "
                               f"got a {type(value).__name__}")
+        if isinstance(value, str) and "\0" in value:  # no path or name holds one; os calls would raise
+            raise ConfigError(f"{origin}: {name}: {value[:100]!r} contains a NUL character")
         if value is not None:
             try:
                 value = action.type(str(value)) if action.type else str(value)

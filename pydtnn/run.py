@@ -41,19 +41,25 @@ def saved_config(directory):
     return config
 
 
-def resumed_config(directory, given=()):
+def resumed_config(directory, given=None):
     """The saved configuration of the checkpoint in `directory`, continued in `directory` itself.
 
     The run goes on writing checkpoints into `directory` (wherever the checkpoint was first written,
-    and wherever it has been moved since), and output files that were inside the old checkpoint
-    directory move with it; `given` (flags set now) are left out, as the caller sets them.
+    and wherever it has been moved since), or into the checkpoint_dir given now (a fork), and output
+    files that were inside the old checkpoint directory move there with it. `given` ({flag: value}
+    set now) are left out, as the caller sets them. An evaluation (evaluate_only given) inherits no
+    output file: it would replace the run's own metrics with its one record.
     """
+    given = given or {}
     config = saved_config(directory)
     old = config.get("checkpoint_dir")
-    here = os.path.abspath(directory)
+    here = os.path.abspath(given.get("checkpoint_dir") or directory)
     if "checkpoint_dir" not in given:
         config["checkpoint_dir"] = here
     for key in _OUTPUTS:
+        if given.get("evaluate_only") and key != "tracer_output":
+            config[key] = None
+            continue
         path = config.get(key)
         if key in given or not isinstance(path, str) or not isinstance(old, str):
             continue
@@ -89,8 +95,7 @@ def run(args):
         if args.global_batch_size % world:
             raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by {world} processes")
         args.batch_size = args.global_batch_size // world
-    if comm.rank == 0:  # only rank 0 writes
-        check_outputs(args)
+    check_outputs(args, comm)
 
     backend = get_backend("gpu" if args.enable_gpu else "cpu", args.dtype, args.seed)
     train, val, test = load_datasets(args)
@@ -160,7 +165,7 @@ def run(args):
     if comm.rank == 0:
         print(format_record(trainer.final))
     if trainer.tracer is not None:
-        out = args.tracer_output if world == 1 else f"{os.path.splitext(args.tracer_output)[0]}.rank{comm.rank}.json"
+        out = trace_path(args.tracer_output, comm)
         trainer.tracer.write(out)
         say(f"pydtnn: trace written to {out}\n{trainer.tracer.summary_table()}")
     return trainer.final
@@ -170,7 +175,7 @@ def check_combinations(args):
     """Flags that contradict each other: found before anything is loaded, on every rank alike."""
     if args.enable_nccl and not args.enable_gpu:
         raise ConfigError("--enable_nccl reduces GPU gradients; expected it together with --enable_gpu")
-    if args.evaluate_only and args.checkpoint_dir and not (args.resume and _same_dir(args.checkpoint_dir, args.resume)):
+    if args.evaluate_only and "checkpoint_dir" in getattr(args, "explicit", ()):  # from a file or a checkpoint it is moot
         raise ConfigError(f"--evaluate_only trains nothing and writes no checkpoint, but --checkpoint_dir "
                           f"{args.checkpoint_dir} was given; drop it (to evaluate a checkpoint: --resume DIR "
                           f"--evaluate_only, or --weights_and_bias_filename DIR)")
@@ -178,29 +183,36 @@ def check_combinations(args):
         raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
 
 
-def check_outputs(args):
+def check_outputs(args, comm):
     """Every file and folder the run will write can be written, and no other run's checkpoint is in
-    the way: checked on the rank that writes, before training starts."""
+    the way: checked before training starts, on each rank for what that rank writes."""
     from pydtnn.files import check_writable
 
-    for key, what in (("metrics_file", "metrics file"), ("history_file", "history file"),
-                      ("tracer_output", "trace file")):
-        if getattr(args, key) and (key != "tracer_output" or args.tracing):
-            check_writable(getattr(args, key), what, made=None if args.evaluate_only else args.checkpoint_dir)
+    made = None if args.evaluate_only else args.checkpoint_dir
+    if args.tracing:  # every rank writes its own trace
+        check_writable(trace_path(args.tracer_output, comm), "trace file", made)
+    if comm.rank:
+        return
+    for key, what in (("metrics_file", "metrics file"), ("history_file", "history file")):
+        if getattr(args, key):
+            check_writable(getattr(args, key), what, made)
     if args.checkpoint_dir and not args.evaluate_only:
         check_checkpoint_dir(args.checkpoint_dir, args.resume, args.overwrite)
+
+
+def trace_path(path, comm):
+    """The trace file of this rank: `path` itself with one process, else path's stem + .rankR.json."""
+    return path if comm.size == 1 else f"{os.path.splitext(path)[0]}.rank{comm.rank}.json"
 
 
 def check_checkpoint_dir(directory, resume=None, overwrite=False):
     """A fresh run never replaces another run's checkpoint unless asked (--overwrite); resuming
     writes on into the directory it resumed from."""
+    from pydtnn.files import check_writable
+
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"cannot write checkpoint directory {directory}: it exists and is not a directory")
-    parent = os.path.dirname(os.path.abspath(directory))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.access(parent if not os.path.isdir(directory) else directory, os.W_OK):
-        raise ConfigError(f"cannot write checkpoint directory {directory}: {parent} is not writable")
+    check_writable(os.path.join(directory, checkpoint.META_FILE), "checkpoint directory", made=directory)
     held = [n for n in (checkpoint.META_FILE, checkpoint.META_FILE + checkpoint.TMP, *checkpoint.TENSOR_FILES)
             if os.path.lexists(os.path.join(directory, n))]
     if not held or overwrite or (resume and _same_dir(directory, resume)):

@@ -148,11 +148,34 @@ def test_resume_continues_in_the_directory_it_is_given(first_run, tmp_path):
 
 
 def test_resume_into_another_directory_when_asked(first_run, tmp_path):
-    r = cli("--resume", first_run / "ckpt", "--num_epochs", "2", "--checkpoint_dir", tmp_path / "fork",
-            "--metrics_file", tmp_path / "fork.jsonl")
+    """A fork: checkpoints and the outputs that lived in the checkpoint directory go to the new one."""
+    before = {n: (first_run / "ckpt" / n).read_bytes() for n in os.listdir(first_run / "ckpt")}
+    r = cli("--resume", first_run / "ckpt", "--num_epochs", "2", "--checkpoint_dir", tmp_path / "fork")
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "fork" / "meta.json").read_text())["meta"]["epoch"] == 2
-    assert json.loads((first_run / "ckpt" / "meta.json").read_text())["meta"]["epoch"] == 1
+    assert [json.loads(s).get("epoch") for s in (tmp_path / "fork" / "m.jsonl").read_text().splitlines()] == [1, 2, None]
+    assert {n: (first_run / "ckpt" / n).read_bytes() for n in os.listdir(first_run / "ckpt")} == before
+
+
+def test_evaluating_a_checkpoint_leaves_its_metrics_alone(first_run, tmp_path):
+    shutil.copytree(first_run / "ckpt", tmp_path / "ckpt")
+    before = (tmp_path / "ckpt" / "m.jsonl").read_text()
+    r = cli("--resume", tmp_path / "ckpt", "--evaluate_only", "--progress", "false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "test_accuracy" in r.stdout
+    assert (tmp_path / "ckpt" / "m.jsonl").read_text() == before
+
+
+def test_a_checkpoint_dir_below_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    r = cli(*FAST, "--checkpoint_dir", tmp_path / "afile" / "ck", "--metrics_file", tmp_path / "m.jsonl")
+    assert_user_error(r, "cannot write checkpoint directory", "afile")
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_a_nul_character_in_a_config_value_is_one_line(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"metrics_file": "m\u0000.jsonl"}))
+    assert_user_error(cli("--config", tmp_path / "c.json", *FAST), "metrics_file", "NUL")
 
 
 # -- nothing to train on --------------------------------------------------------------------------

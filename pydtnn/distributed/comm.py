@@ -7,8 +7,8 @@ MPIComm numbers every collective. Two safety nets use the numbers:
 - stall_timeout: waits poll instead of blocking; a wait longer than the timeout reports the
   collective and, on rank 0, which ranks have not arrived at it (every rank tells rank 0 the number
   of each collective it enters, with an 8-byte non-blocking send), then aborts the job.
-  A process that ends without aborting tells rank 0 (rank 0 tells every rank) the last collective
-  it entered; a rank waiting in a later one knows at once that it will never complete, says which
+  A process that ends without aborting tells rank 0 (and rank 0, ending, tells every rank) the last
+  collective it entered; a rank waiting in a later one knows at once that it will never complete, says which
   rank left, and aborts the job instead of waiting for the timeout.
 - debug: before every collective the ranks compare (operation, dtype, element count, number) and
   the first mismatch is raised as an error naming each rank's call, instead of hanging or corrupting.
@@ -69,6 +69,7 @@ class _Done:
 
 
 _ARRIVE, _LEFT = 7707, 7708  # tags of arrival notes and of rank 0's departure note
+_SIG_BYTES = 64  # a collective's signature for --debug_collectives
 
 
 class MPIComm:
@@ -182,13 +183,7 @@ class MPIComm:
     def _enter(self, op, buf, label=""):
         self.seq += 1
         self.current = (op, self.seq, label, buf)  # described only when a report needs it
-        if self.debug:
-            sig = (op, "-" if buf is None else buf.dtype.name, 0 if buf is None else int(buf.size))
-            sigs = self.comm.allgather(sig + (self.seq,))
-            if any(s != sigs[0] for s in sigs):
-                calls = "; ".join(f"rank {r}: {s[0]} {s[1]} x {s[2]} (#{s[3]})" for r, s in enumerate(sigs))
-                raise CollectiveMismatch(f"collective #{self.seq} differs between ranks: {calls}")
-        if self.stall_timeout:
+        if self.stall_timeout:  # the note first: the check below is itself watched for stalls
             if self.rank:
                 note = np.array([self.seq], np.int64)
                 self._sends = [(r, b) for r, b in self._sends if not r.Test()]
@@ -196,6 +191,19 @@ class MPIComm:
             else:
                 self.board[0] = self.seq
                 self._drain()
+        if self.debug:
+            self._compare_signatures(op, buf)
+
+    def _compare_signatures(self, op, buf):
+        """--debug_collectives: every rank's (operation, dtype, element count, number), as fixed-size text."""
+        sig = f"{op} {'-' if buf is None else buf.dtype.name} x {0 if buf is None else int(buf.size)} (#{self.seq})"
+        mine = np.frombuffer(sig.encode().ljust(_SIG_BYTES)[:_SIG_BYTES], np.uint8)
+        every = np.empty((self.size, _SIG_BYTES), np.uint8)
+        self._run(self.comm.Iallgather, self.comm.Allgather, mine, every)
+        sigs = [row.tobytes().rstrip().decode(errors="replace") for row in every]
+        if any(s != sigs[0] for s in sigs):
+            calls = "; ".join(f"rank {r}: {s}" for r, s in enumerate(sigs))
+            raise CollectiveMismatch(f"collective #{self.seq} differs between ranks: {calls}")
 
     def _drain(self):
         """Take the notes that arrived; rank 0 learns who entered what, other ranks whether rank 0 left."""
