@@ -338,7 +338,7 @@ def _idx_dir(path, seed):
     return path
 
 
-@pytest.mark.parametrize("case", ["batch_size", "model", "data", "epochs"])
+@pytest.mark.parametrize("case", ["batch_size", "model", "data", "epochs", "watchdog", "debug"])
 def test_ranks_that_disagree_are_stopped_before_training(tmp_path, case):
     """Differing flags or data used to hang until the stall timeout, end in an mpi4py traceback, or
     (batch 16 against 32) run to exit 0 on overlapping samples."""
@@ -347,6 +347,9 @@ def test_ranks_that_disagree_are_stopped_before_training(tmp_path, case):
     want = {"batch_size": ("batch_size", ["--batch_size", "16"], ["--batch_size", "32"]),
             "model": ("model", ["--model", "simplemlp"], ["--model", "simplecnn"]),
             "epochs": ("num_epochs", ["--num_epochs", "2"], ["--num_epochs", "3"]),
+            # these change how collectives are issued (blocking or not, checked or not)
+            "watchdog": ("stall_timeout", [], ["--stall_timeout", "0"]),
+            "debug": ("debug_collectives", [], ["--debug_collectives"]),
             "data": ("train set", ["--dataset", "mnist", "--dataset_train_path", str(_idx_dir(tmp_path / "a", 1))],
                      ["--dataset", "mnist", "--dataset_train_path", str(_idx_dir(tmp_path / "b", 2))])}[case]
     a += want[1]

@@ -86,8 +86,10 @@ class MPIComm:
         self.stall_timeout, self.debug = stall_timeout, debug
         self.seq = 0  # collectives entered so far
         self.current = None  # (op, number, label, buffer) of the collective being entered
+        # arrival notes travel apart from the collectives; made whatever the flags, so that ranks
+        # started with different ones still reach the start-up comparison that names the difference
+        self.side = self.comm.Dup()
         if stall_timeout:
-            self.side = self.comm.Dup()  # arrival notes travel apart from the collectives
             self._sends = []
             self.left = {}  # rank -> last collective it entered, for processes that have ended
             if self.rank == 0:
@@ -151,20 +153,21 @@ class MPIComm:
 
     def allgather_obj(self, obj):
         """[rank 0's obj, rank 1's, ...] of a small JSON-serialisable object (sent as JSON text)."""
-        self._enter("allgather_obj", None)
+        self._enter("allgather_obj", None, compare=False)  # matches on every rank, --debug_collectives or not
         data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
         sizes = np.zeros(self.size, np.int64)
-        self._run(self.comm.Iallgather, self.comm.Allgather, np.array([data.size], np.int64), sizes)
+        self._run(self.comm.Iallgather, np.array([data.size], np.int64), sizes)
         out = np.empty(int(sizes.sum()), np.uint8)
-        self._run(self.comm.Iallgatherv, self.comm.Allgatherv, data, [out, sizes])
+        self._run(self.comm.Iallgatherv, data, [out, sizes])
         return [json.loads(part.tobytes().decode()) for part in np.split(out, np.cumsum(sizes)[:-1])]
 
-    def _run(self, nonblocking, blocking, *args):
-        """A collective, watched for stalls when stall_timeout is set."""
-        if self.stall_timeout:
-            self._wait(nonblocking(*args), self.current)
-        else:
-            blocking(*args)
+    def _run(self, nonblocking, *args):
+        """A non-blocking collective, waited for (watched for stalls when stall_timeout is set).
+
+        Always non-blocking: a blocking and a non-blocking collective do not match in MPI, and these
+        run before the ranks have checked that they agree on stall_timeout.
+        """
+        self._wait(nonblocking(*args), self.current)
 
     def allreduce_sum(self, values):
         buf = np.array(values, dtype=np.float64)
@@ -180,7 +183,7 @@ class MPIComm:
         self.comm.Abort(code)
 
     # -- numbering, checks, stalls ---------------------------------------------------------
-    def _enter(self, op, buf, label=""):
+    def _enter(self, op, buf, label="", compare=True):
         self.seq += 1
         self.current = (op, self.seq, label, buf)  # described only when a report needs it
         if self.stall_timeout:  # the note first: the check below is itself watched for stalls
@@ -191,7 +194,7 @@ class MPIComm:
             else:
                 self.board[0] = self.seq
                 self._drain()
-        if self.debug:
+        if self.debug and compare:
             self._compare_signatures(op, buf)
 
     def _compare_signatures(self, op, buf):
@@ -199,7 +202,7 @@ class MPIComm:
         sig = f"{op} {'-' if buf is None else buf.dtype.name} x {0 if buf is None else int(buf.size)} (#{self.seq})"
         mine = np.frombuffer(sig.encode().ljust(_SIG_BYTES)[:_SIG_BYTES], np.uint8)
         every = np.empty((self.size, _SIG_BYTES), np.uint8)
-        self._run(self.comm.Iallgather, self.comm.Allgather, mine, every)
+        self._run(self.comm.Iallgather, mine, every)
         sigs = [row.tobytes().rstrip().decode(errors="replace") for row in every]
         if any(s != sigs[0] for s in sigs):
             calls = "; ".join(f"rank {r}: {s}" for r, s in enumerate(sigs))
