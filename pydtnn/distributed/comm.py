@@ -60,6 +60,13 @@ class SingleProcess:
         raise SystemExit(code)
 
 
+def abort_job(comm, code):
+    """End every process of `comm`'s job with exit code `code` (MPI_Abort), after the messages are out."""
+    sys.stderr.flush()
+    time.sleep(0.5)  # let the launcher forward the message before it kills every process
+    comm.Abort(code)
+
+
 class _Done:
     def test(self):
         return True
@@ -178,9 +185,7 @@ class MPIComm:
         self.comm.Barrier()
 
     def abort(self, code=1):
-        sys.stderr.flush()
-        time.sleep(0.5)  # let the launcher forward the message before it kills every process
-        self.comm.Abort(code)
+        abort_job(self.comm, code)
 
     # -- numbering, checks, stalls ---------------------------------------------------------
     def _enter(self, op, buf, label="", compare=True):

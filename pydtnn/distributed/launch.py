@@ -6,10 +6,9 @@ say there are several processes (mpiexec/mpirun of MPICH or Open MPI, Slurm's sr
 
 import os
 import sys
-import time
 import traceback
 
-from pydtnn.distributed.comm import MPIComm, SingleProcess
+from pydtnn.distributed.comm import MPIComm, SingleProcess, abort_job
 from pydtnn.errors import ConfigError, PydtnnError
 
 _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
@@ -65,7 +64,7 @@ def start():
         return
     world = MPI.COMM_WORLD
     if world.Get_size() > 1:
-        _abort_on_exception(world.Get_rank(), lambda code: _abort(world, code))
+        _abort_on_exception(world.Get_rank(), lambda code: abort_job(world, code))
 
 
 def abort_others(now=False, code=2):
@@ -78,14 +77,8 @@ def abort_others(now=False, code=2):
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() or mpi.COMM_WORLD.Get_size() == 1:
         return None
     if now:
-        _abort(mpi.COMM_WORLD, code)
+        abort_job(mpi.COMM_WORLD, code)
     return mpi.COMM_WORLD.Get_rank()
-
-
-def _abort(world, code):
-    sys.stderr.flush()
-    time.sleep(0.5)  # let the launcher forward the message first
-    world.Abort(code)
 
 
 def install_abort_handler(comm):
