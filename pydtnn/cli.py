@@ -235,6 +235,8 @@ def load_config_file(path, parser):
         return {}
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} must map flag names to values, got a {type(values).__name__}")
+    if isinstance(values.get("effective"), dict):  # a run's config.json: values computed from the flags
+        values = {k: v for k, v in values.items() if k != "effective"}
     return check_values(values, parser, f"config file {path}")
 
 
@@ -294,8 +296,8 @@ def main(argv=None):
     """
     from pydtnn.distributed import launch
 
-    launch.start()  # MPI up before anything can fail, so that a failure can end every rank
     try:
+        launch.start()  # MPI up before anything can fail, so that a failure can end every rank
         args = parse_args(argv)
         from pydtnn.run import run
 
@@ -310,16 +312,13 @@ def main(argv=None):
 
 
 def _fail(message, code):
-    """Print `pydtnn: error: [rank R: ]message`; in a multi-process run end every rank with `code`."""
-    from pydtnn.distributed.launch import abort_others
+    """Print `pydtnn: error: [rank R: ]message` once per job; in a multi-process run end every rank with
+    `code` (see distributed.launch.fail)."""
+    from pydtnn.distributed.launch import abort_others, fail
 
-    rank = abort_others()  # None for one process, else this rank
-    where = "" if rank is None else f"rank {rank}: "
-    print(f"pydtnn: error: {where}{message}" + ("; ending the job" if rank is not None and code == 130 else ""),
-          file=sys.stderr, flush=True)
-    if rank is not None:
-        abort_others(now=True, code=code)
-    return code
+    if code == 130 and abort_others() is not None:
+        message += "; ending the job"
+    return fail(message, code)
 
 
 def _profiled(fn, args):

@@ -16,6 +16,7 @@ MPIComm numbers every collective. Two safety nets use the numbers:
 
 import atexit
 import json
+import os
 import sys
 import time
 
@@ -61,9 +62,18 @@ class SingleProcess:
 
 
 def abort_job(comm, code):
-    """End every process of `comm`'s job with exit code `code` (MPI_Abort), after the messages are out."""
+    """End every process of `comm`'s job with exit code `code` (MPI_Abort), after the messages are out.
+
+    The MPI library's own abort line (MPICH: "Abort(2) on node 1 (rank 1 in comm 0): ...") would
+    follow the one pydtnn printed and say less: this process's stderr is closed before the call.
+    """
+    sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(0.5)  # let the launcher forward the message before it kills every process
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    except OSError:  # keep the library's line rather than fail to abort
+        pass
     comm.Abort(code)
 
 
