@@ -20,6 +20,7 @@ from functools import cache
 
 import numpy as np
 
+from pydtnn import env
 from pydtnn.backends.threads import split, split_compiled, threads
 
 KERNELS = ("auto", "numba", "numpy")
@@ -120,7 +121,7 @@ def resolve_kernels(kernels=None):
     """'numba' or 'numpy': the kernels asked for (default: $PYDTNN_CPU_KERNELS, else 'auto', which is
     'numba' when Numba is installed). Finding Numba does not import it: backends/compiled.py does,
     when a layer first uses a compiled kernel."""
-    choice = kernels if kernels is not None else os.environ.get("PYDTNN_CPU_KERNELS", "auto").strip() or "auto"
+    choice = kernels if kernels is not None else env.cpu_kernels()
     if choice not in KERNELS:
         raise ValueError(f"CPU kernels must be one of {', '.join(KERNELS)}, got {choice!r}")
     if choice == "numba" and not numba_installed():

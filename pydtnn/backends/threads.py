@@ -24,6 +24,8 @@ cores this process may use.
 import os
 import threading
 
+from pydtnn import env
+
 _state = threading.local()  # marks pool threads, which must not split again
 _threads = None
 _workers = []  # the pool: threads() - 1 _Worker, started on first use
@@ -38,10 +40,10 @@ MIN_BYTES = 1 << 21
 
 
 def default_threads():
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        value = os.environ.get(var, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
+    """OMP_NUM_THREADS / OPENBLAS_NUM_THREADS (checked by pydtnn.env), else the cores this process may use."""
+    asked = env.omp_threads()
+    if asked is not None:
+        return asked
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

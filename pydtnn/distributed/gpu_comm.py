@@ -19,9 +19,9 @@ test()/wait(), bcast, bcast_obj, allreduce_sum, barrier, abort), for the GPU bac
 Neither module imports CuPy until it is constructed: the CPU path never touches it.
 """
 
-import os
-
 import numpy as np
+
+from pydtnn import env
 
 
 def is_device_array(a):
@@ -31,9 +31,9 @@ def is_device_array(a):
 def mpi_cuda_aware():
     """Whether MPI accepts device pointers: PYDTNN_CUDA_AWARE_MPI if set (1 or 0), else the library's
     MPIX_Query_cuda_support() (False when the library has no such function)."""
-    env = os.environ.get("PYDTNN_CUDA_AWARE_MPI")
-    if env is not None:
-        return env.strip().lower() in ("1", "true", "yes")
+    said = env.cuda_aware_mpi()
+    if said is not None:
+        return said
     try:
         import ctypes
 

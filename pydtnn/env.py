@@ -1,0 +1,73 @@
+"""The environment variables pydtnn reads, each parsed and checked in one place.
+
+An unset or empty variable means its default. A bad value is a user error (ConfigError: one line and
+exit code 2 at the command line) naming the variable, its value and what was expected.
+
+| variable | read by | values |
+| --- | --- | --- |
+| PYDTNN_CPU_KERNELS | backends/cpu.py | auto (default: numba when installed), numba, numpy |
+| PYDTNN_CUDA_AWARE_MPI | distributed/gpu_comm.py | 1/0 (true/false, yes/no, on/off); unset: ask the MPI library |
+| OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first) |
+
+The launchers' variables (PMI_SIZE, OMPI_COMM_WORLD_RANK, ...) are read by distributed/launch.py and
+PYDTNN_DATA_DIR by data/download.py.
+"""
+
+import os
+
+from pydtnn.errors import ConfigError
+
+CPU_KERNELS = ("auto", "numba", "numpy")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _get(name):
+    """The variable's value without surrounding blanks; None when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _bad(name, expected):
+    return ConfigError(f"environment variable {name}={os.environ.get(name, '')}: expected {expected}")
+
+
+def cpu_kernels():
+    """PYDTNN_CPU_KERNELS: 'auto' (default), 'numba' or 'numpy' (any case)."""
+    value = _get("PYDTNN_CPU_KERNELS")
+    if value is None:
+        return "auto"
+    if value.lower() not in CPU_KERNELS:
+        raise _bad("PYDTNN_CPU_KERNELS", f"one of {', '.join(CPU_KERNELS)}")
+    return value.lower()
+
+
+def cuda_aware_mpi():
+    """PYDTNN_CUDA_AWARE_MPI: True or False as set, None when unset (then the MPI library is asked)."""
+    return _flag("PYDTNN_CUDA_AWARE_MPI")
+
+
+def _flag(name):
+    value = _get(name)
+    if value is None:
+        return None
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise _bad(name, "1 or 0 (true/false, yes/no, on/off)")
+
+
+def omp_threads():
+    """Threads asked for by OMP_NUM_THREADS, else OPENBLAS_NUM_THREADS; None when neither is set.
+
+    OpenMP allows a list for nested levels ("4,2"): its first entry counts.
+    """
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        value = _get(name)
+        if value is None:
+            continue
+        first = value.split(",")[0].strip()
+        if not first.isdigit() or int(first) < 1:
+            raise _bad(name, "a positive integer (the number of threads)")
+        return int(first)
+    return None

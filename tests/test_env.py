@@ -1,0 +1,97 @@
+"""Environment variables: each parsed in pydtnn/env.py; a bad value is one line naming it, exit code 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pydtnn import env
+from pydtnn.errors import ConfigError
+
+
+def test_a_bad_cpu_kernels_value_is_a_user_error_at_the_command_line():
+    r = subprocess.run([sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--num_epochs", "1",
+                        "--steps_per_epoch", "1", "--progress", "false"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYDTNN_CPU_KERNELS": "bogus"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        "pydtnn: error: environment variable PYDTNN_CPU_KERNELS=bogus: expected one of auto, numba, numpy"]
+
+
+@pytest.mark.parametrize("value,expected", [(None, "auto"), ("", "auto"), ("numpy", "numpy"), (" NUMBA ", "numba"),
+                                            ("auto", "auto")])
+def test_cpu_kernels(monkeypatch, value, expected):
+    _set(monkeypatch, "PYDTNN_CPU_KERNELS", value)
+    assert env.cpu_kernels() == expected
+
+
+def test_cpu_kernels_refuses_other_values_and_the_backend_says_so(monkeypatch):
+    from pydtnn.backends.cpu import CPUBackend
+
+    monkeypatch.setenv("PYDTNN_CPU_KERNELS", "fast")
+    with pytest.raises(ConfigError, match=r"environment variable PYDTNN_CPU_KERNELS=fast: expected one of auto"):
+        env.cpu_kernels()
+    with pytest.raises(ConfigError, match="PYDTNN_CPU_KERNELS=fast"):
+        CPUBackend()
+
+
+@pytest.mark.parametrize("value,expected", [(None, None), ("", None), ("1", True), ("yes", True), ("TRUE", True),
+                                            ("on", True), ("0", False), ("no", False), ("False", False)])
+def test_cuda_aware_mpi(monkeypatch, value, expected):
+    _set(monkeypatch, "PYDTNN_CUDA_AWARE_MPI", value)
+    assert env.cuda_aware_mpi() is expected
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "-1"])
+def test_cuda_aware_mpi_refuses_other_values(monkeypatch, value):
+    from pydtnn.distributed.gpu_comm import mpi_cuda_aware
+
+    monkeypatch.setenv("PYDTNN_CUDA_AWARE_MPI", value)
+    with pytest.raises(ConfigError, match=f"environment variable PYDTNN_CUDA_AWARE_MPI={value}: expected 1 or 0"):
+        env.cuda_aware_mpi()
+    with pytest.raises(ConfigError):  # used to read anything but 1/true/yes as "no", silently
+        mpi_cuda_aware()
+
+
+@pytest.mark.parametrize("omp,openblas,expected", [(None, None, None), ("3", None, 3), (None, "2", 2), ("4", "2", 4),
+                                                   ("4,2", None, 4), ("", "5", 5)])
+def test_omp_threads(monkeypatch, omp, openblas, expected):
+    _set(monkeypatch, "OMP_NUM_THREADS", omp)
+    _set(monkeypatch, "OPENBLAS_NUM_THREADS", openblas)
+    assert env.omp_threads() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-3", "1.5"])
+def test_omp_threads_refuses_other_values(monkeypatch, value):
+    from pydtnn.backends import threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    with pytest.raises(ConfigError, match=f"environment variable OMP_NUM_THREADS={value}: expected a positive integer"):
+        env.omp_threads()
+    with pytest.raises(ConfigError):  # used to fall back to the core count, silently
+        threads.default_threads()
+
+
+def test_the_table_of_variables_names_every_variable_pydtnn_reads():
+    """Every PYDTNN_ variable read through os.environ in the package is in env.py's table (the data
+    directory's excepted: data/download.py reads its own)."""
+    import re
+
+    root = os.path.dirname(env.__file__)
+    read = set()
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py") and name != "env.py":
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    read |= set(re.findall(r"environ(?:\.get)?[(\[]\s*\"(PYDTNN_\w+)\"", f.read()))
+    assert read - {"PYDTNN_DATA", "PYDTNN_DATA_DIR"} == set(), read
+    for name in ("PYDTNN_CPU_KERNELS", "PYDTNN_CUDA_AWARE_MPI", "OMP_NUM_THREADS"):
+        assert name in env.__doc__
+
+
+def _set(monkeypatch, name, value):
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
