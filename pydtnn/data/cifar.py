@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 
+from pydtnn.data.folder import require_folder
 from pydtnn.data.streamed import ShardedArrayDataset, check_labels
 from pydtnn.errors import ConfigError, DataError
 from pydtnn.files import open_regular
@@ -94,8 +95,21 @@ def load_cifar(name, train_path=None, test_path=None):
     """(train, test) of 'cifar10' or 'cifar100' from the binary files under train_path (test_path)."""
     if train_path is None:
         raise ConfigError(f"dataset {name} needs --dataset_train_path DIR holding {layout(name)} "
-                          f"(or pydtnn.data.fetch({name!r}) to download it)")
+                          f"(or --download to fetch it)")
     spec = LAYOUTS[name]
+    train_path = os.fspath(train_path)
+    _require_folder(train_path, "dataset folder", name, layout(name), spec["train"][0])
     train_dir = find_dir(train_path, name, spec["train"][0])
+    if test_path:
+        test_path = os.fspath(test_path)
+        _require_folder(test_path, "dataset test folder", name,
+                        f"{', '.join(spec['test'])} (or {spec['folder']}/ holding them)", spec["test"][0])
     test_dir = find_dir(test_path, name, spec["test"][0]) if test_path else train_dir
     return load_split(train_dir, name, "train"), load_split(test_dir, name, "test")
+
+
+def _require_folder(path, role, name, expected, first):
+    if path.endswith((".tar.gz", ".tgz", ".tar")) and os.path.isfile(path):  # the archive named instead of its folder
+        raise DataError(f"{role} {path} is an archive, not a folder; extract it (tar xzf {path}) and pass the "
+                        f"folder holding its {LAYOUTS[name]['folder']}/")
+    require_folder(path, role, expected, first)

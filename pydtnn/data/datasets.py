@@ -1,4 +1,7 @@
-"""Datasets by name: `load(name, train_path, test_path)` -> (train, test); `fetch(name)` downloads.
+"""Datasets by name: `load(name, train_path, test_path, download)` -> (train, test).
+
+With no train_path, a dataset with published files is read from where `fetch(name)` puts it in the
+data directory (`locate(name)`), downloaded there first when download=True (--download).
 
     mnist5k          the embedded 5,000 MNIST digits (no files needed)
     mnist            MNIST IDX files, gzipped or not
@@ -12,16 +15,22 @@ docs/datasets.md gives each layout, where to get the files and the normalization
 """
 
 import inspect
+import json
 import os
+import shutil
+import tempfile
 
 import numpy as np
 
 from pydtnn.data import cifar, imagenet, synthetic
 from pydtnn.data.dataset import ArrayDataset
-from pydtnn.data.download import cache_dir, download, extract_tar
+from pydtnn.data.download import cache_dir, download, extract_tar, human_size, say, temp_file
+from pydtnn.data.folder import require_folder
 from pydtnn.data.idx import read_idx
 from pydtnn.data.streamed import check_float_pixels, check_labels, check_pixel_dtype
 from pydtnn.errors import ConfigError, DataError
+from pydtnn.files import read_bytes
+from pydtnn.suggest import did_you_mean
 
 EMBEDDED_DIR = os.path.join(os.path.dirname(__file__), "mnist5k")
 IDX_FILES = {
@@ -29,6 +38,7 @@ IDX_FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 IDX_LAYOUT = f"the four MNIST IDX files ({', '.join(s for pair in IDX_FILES.values() for s in pair)}), gzipped or not"
+IDX_TEST_LAYOUT = f"{' and '.join(IDX_FILES['test'])}, gzipped or not"
 
 
 def _find(directory, stem):
@@ -65,7 +75,10 @@ def load_mnist_like(name, train_path=None, test_path=None, default_dir=None):
     train_dir = train_path or default_dir
     if train_dir is None:
         raise ConfigError(f"dataset {name} needs --dataset_train_path DIR holding {IDX_LAYOUT} "
-                          f"(or pydtnn.data.fetch({name!r}) to download them)")
+                          f"(or --download to fetch them)")
+    require_folder(train_dir, "dataset folder", IDX_LAYOUT, f"{IDX_FILES['train'][0]}[.gz]")
+    if test_path:
+        require_folder(test_path, "dataset test folder", IDX_TEST_LAYOUT, f"{IDX_FILES['test'][0]}[.gz]")
     return load_idx_split(train_dir, "train", name), load_idx_split(test_path or train_dir, "test", name)
 
 
@@ -129,45 +142,220 @@ REMOTE = {
 }
 
 
+MARKER = ".pydtnn-fetched.json"  # written by fetch() once every file is checked: the sizes locate() compares
+
+
+class DatasetNotFound(DataError, ConfigError):
+    """No path given and no fetched copy in the data directory (a DataError; a ConfigError for older callers)."""
+
+
 def _layout(name):
     return cifar.layout(name) if name in cifar.LAYOUTS else IDX_LAYOUT
 
 
+def _unknown(name):
+    return ConfigError(f"unknown dataset {name!r}{did_you_mean(name, NAMES) or ';'} expected one of {', '.join(NAMES)}")
+
+
+def _check_downloadable(name):
+    if name not in LOADERS:
+        raise _unknown(name)
+    if name not in REMOTE:
+        raise ConfigError(f"dataset {name!r} cannot be downloaded; downloadable: {', '.join(REMOTE)}; "
+                          f"pass --dataset_train_path DIR instead")
+
+
+def _folder(name, dest):
+    """The folder under dest = root/name that the loader reads: dest itself, or a CIFAR archive's folder."""
+    return os.path.join(dest, cifar.LAYOUTS[name]["folder"]) if name in cifar.LAYOUTS else dest
+
+
+def _read_files(name, folder):
+    """Names (relative to folder) of the files the loader of `name` reads."""
+    if name in cifar.LAYOUTS:
+        return cifar.LAYOUTS[name]["train"] + cifar.LAYOUTS[name]["test"]
+    return [f for _, f, _, _ in REMOTE[name]]
+
+
 def fetch(name, root=None, progress=True):
     """Directory holding dataset `name`'s files, downloaded (and extracted) into root/name first if
-    needed; root defaults to cache_dir(). Pass the result as train_path to `load`."""
-    if name not in REMOTE:
-        raise ConfigError(f"dataset {name!r} cannot be downloaded; downloadable: {', '.join(REMOTE)}")
-    dest = os.path.join(root or cache_dir(), name)
+    needed; root defaults to cache_dir(). Every file is checked (size, SHA-256), including those
+    already there; then a marker records the sizes, so that `locate` finds the copy without hashing
+    it again. Pass the result as train_path to `load` (or call `load(name, download=True)`)."""
+    _check_downloadable(name)
+    dest = os.path.join(os.fspath(root) if root else cache_dir(), name)
     files = [f for _, f, _, _ in REMOTE[name]]
     hint = (f"put {', '.join(files)} into {dest} by hand, or pass --dataset_train_path DIR holding {_layout(name)}")
     paths = [download([m + f for m in mirrors], dest, sha, f, size, hint, progress)
              for mirrors, f, size, sha in REMOTE[name]]
+    folder = _folder(name, dest)
     if name in cifar.LAYOUTS:
-        folder = os.path.join(dest, cifar.LAYOUTS[name]["folder"])
-        if not os.path.isdir(folder):
-            extract_tar(paths[0], dest)
-        return folder
-    return dest
+        problem = _marker_problem(name, dest, folder)
+        # No marker but every file there: extracted by an older version, or by another process just now
+        # (extract_tar renames the folder into place whole); kept. A file missing or changed since the
+        # marker was written: extracted again.
+        if problem is not None and (problem != "not fetched" or _missing(name, dest, folder)):
+            if progress:
+                say(f"extracting {paths[0]}")
+            _extract_replacing(paths[0], dest, folder)
+    _write_marker(name, dest, folder)
+    return folder
+
+
+def _extract_replacing(archive, dest, folder):
+    """Extract archive into a temporary folder, then swap its copy of `folder` for the one there.
+
+    Renames only, so a process reading or extracting the same dataset at the same time sees a whole
+    folder, old or new, never a half-deleted one."""
+    tmp = tempfile.mkdtemp(prefix=".extract.", dir=dest)
+    try:
+        extract_tar(archive, tmp)
+        new = os.path.join(tmp, os.path.basename(folder))
+        if not os.path.isdir(new):
+            return  # _write_marker names what the archive lacks
+        try:
+            os.rename(folder, os.path.join(tmp, ".old"))
+        except FileNotFoundError:
+            pass  # none there, or another process moved it first
+        try:
+            os.rename(new, folder)
+        except OSError:
+            if not os.path.isdir(folder):  # else another process put a complete copy in first: kept
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _missing(name, dest, folder):
+    """'no <file>' for the first file the loader of `name` reads that is not in folder, else None."""
+    for f in _read_files(name, folder):
+        if not os.path.isfile(os.path.join(folder, f)):
+            return f"no {os.path.relpath(os.path.join(folder, f), dest)}"
+    return None
+
+
+def _write_marker(name, dest, folder):
+    sizes = {}
+    for f in _read_files(name, folder):
+        path = os.path.join(folder, f)
+        if not os.path.isfile(path):
+            archive = cifar.LAYOUTS[name]["archive"] if name in cifar.LAYOUTS else f
+            raise DataError(f"{os.path.join(dest, archive)} holds no {os.path.relpath(path, dest)}; "
+                            f"expected {_layout(name)}")
+        sizes[f] = os.path.getsize(path)
+    fd, tmp = temp_file(folder, f"{MARKER}.")  # a name of its own: other processes may write one too
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump({"dataset": name, "files": sizes}, out, indent=1)
+        os.replace(tmp, os.path.join(folder, MARKER))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _marker_problem(name, dest, folder):
+    """None if folder's marker lists files that all have their recorded sizes, else what is wrong.
+
+    The marker lies in the folder the loader reads (dest, or the extracted CIFAR folder, so that it
+    goes when that folder is deleted or extracted again)."""
+    path = os.path.join(folder, MARKER)
+    if not os.path.lexists(path):
+        return "not fetched"
+    try:
+        files = json.loads(read_bytes(path, "marker", 1 << 20, DataError))["files"]
+        recorded = [(os.path.join(folder, f), int(files[f])) for f in _read_files(name, folder)]
+    except (DataError, OSError, ValueError, TypeError, KeyError, AttributeError):
+        return f"unreadable {os.path.relpath(path, dest)}"
+    for f, n in recorded:
+        got = os.path.getsize(f) if os.path.isfile(f) else None
+        if got != n:
+            rel = os.path.relpath(f, dest)
+            return f"no {rel} (fetched with {n} bytes)" if got is None else f"{rel}: {got} bytes, {n} when fetched"
+    return None
+
+
+def _fetched_copy(name, root):
+    """(folder, None) if root/name holds a complete fetched copy of `name`, else (None, what is missing).
+
+    Complete: the sizes in the marker fetch() wrote all match; with no marker (a copy fetched by an
+    older version), the downloaded files at their published sizes and, for CIFAR, the extracted files.
+    Sizes only: hashing 170 MB on every run would cost seconds; fetch() checked the SHA-256.
+    """
+    dest = os.path.join(root, name)
+    folder = _folder(name, dest)
+    problem = _marker_problem(name, dest, folder)
+    if problem is None:
+        return folder, None
+    if problem != "not fetched":
+        return None, problem
+    for _, f, size, _ in REMOTE[name]:
+        path = os.path.join(dest, f)
+        got = os.path.getsize(path) if os.path.isfile(path) else None
+        if got is None:
+            return None, f"no {f}"
+        if size is not None and got != size:
+            return None, f"{f}: {got} bytes, expected {size}"
+    missing = _missing(name, dest, folder)
+    return (None, missing) if missing else (folder, None)
+
+
+def locate(name, root=None):
+    """Folder holding a complete fetched copy of dataset `name` (what fetch() returns), or None.
+
+    root: the data directory (default cache_dir(); ConfigError if $PYDTNN_DATA names a file). None
+    as well for datasets that are never downloaded (imagenet, synthetic, the embedded mnist5k).
+    Only file sizes are checked, so it is cheap enough for every run.
+    """
+    if name not in LOADERS:
+        raise _unknown(name)
+    if name not in REMOTE:
+        return None
+    return _fetched_copy(name, os.fspath(root) if root else cache_dir())[0]
+
+
+def download_size(name):
+    """Bytes to download for dataset `name` (None if a size is not known); ConfigError if it has none."""
+    _check_downloadable(name)
+    sizes = [size for _, _, size, _ in REMOTE[name]]
+    return None if None in sizes else sum(sizes)
+
+
+def _not_found(name, root):
+    dest = os.path.join(root, name)
+    _, problem = _fetched_copy(name, root)
+    where = f"is not in {dest}" if not os.path.isdir(dest) else f"in {dest} is incomplete ({problem})"
+    size = download_size(name)
+    return DatasetNotFound(f"dataset {name} {where}; pass --download (Python: download=True) to fetch it"
+                           f"{f' ({human_size(size)})' if size else ''}, or --dataset_train_path DIR holding "
+                           f"{_layout(name)}")
 
 
 def load(name, train_path=None, test_path=None, download=False, **options):
     """(train, test) datasets by name; see NAMES and docs/datasets.md.
 
-    download: with no train_path, fetch the published files into the cache first (mnist,
-    fashion_mnist, cifar10, cifar100). options: loader options, e.g. for synthetic input_shape,
-    num_classes, train_size, test_size, seed; for imagenet size, resize.
+    With no train_path, a downloadable dataset (REMOTE: mnist, fashion_mnist, cifar10, cifar100) is
+    read from the copy fetch() made in the data directory (found by `locate`); if there is none,
+    download=True fetches it (verified) first, and download=False raises DatasetNotFound saying how
+    to get it. test_path: where the test files are, when not with the training files.
+    options: loader options, e.g. for synthetic input_shape, num_classes, train_size, test_size,
+    seed; for imagenet size, resize.
     """
     if name not in LOADERS:
-        raise ConfigError(f"unknown dataset {name!r}; expected one of {', '.join(NAMES)}")
+        raise _unknown(name)
     loader = LOADERS[name]
     accepted = [k for k in inspect.signature(loader).parameters if k not in ("train_path", "test_path")]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ConfigError(f"dataset {name!r} has no option {', '.join(unknown)}; "
+        hint = did_you_mean(unknown[0], accepted) if len(unknown) == 1 else ""
+        raise ConfigError(f"dataset {name!r} has no option {', '.join(unknown)}{hint or ';'} "
                           f"it takes {', '.join(accepted) or 'no options'}")
-    if download and train_path is None and name in REMOTE:
-        train_path = fetch(name)
+    if train_path is None and name in REMOTE:
+        root = cache_dir()
+        train_path = locate(name, root)
+        if train_path is None:
+            if not download:
+                raise _not_found(name, root)
+            train_path = fetch(name, root)
     train, test = loader(train_path, test_path, **options)
     check_pair(name, train, test, train_path, test_path or train_path)
     return train, test

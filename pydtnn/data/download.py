@@ -1,28 +1,95 @@
-"""Downloads into a cache directory, verified by SHA-256, written atomically, and archive extraction.
+"""Downloads into the data directory, verified by SHA-256, written atomically, and archive extraction.
 
-The cache is ~/.cache/pydtnn unless the environment variable PYDTNN_DATA_DIR names another.
-A file is downloaded to a temporary name in its destination folder and renamed only once its size
-and SHA-256 match, so an interrupted or corrupt download never leaves a file under the final name.
+The data directory is $PYDTNN_DATA, else $PYDTNN_DATA_DIR (the older name, still read), else
+~/.cache/pydtnn. A file is downloaded to a temporary name in its destination folder and renamed only
+once its size and SHA-256 match, so an interrupted or corrupt download never leaves a file under the
+final name. Progress is a bar when stderr is a terminal, else one line when a download starts and one
+when it is verified (logs of batch jobs stay readable).
 """
 
 import hashlib
 import os
 import shutil
 import socket
+import sys
 import tarfile
 import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from pydtnn.errors import DataError
+from pydtnn.errors import ConfigError, DataError
+from pydtnn.files import kind_of
 
 CHUNK = 1 << 20
+ENV_VARS = ("PYDTNN_DATA", "PYDTNN_DATA_DIR")  # read in this order; PYDTNN_DATA_DIR is the older name
 
 
 def cache_dir():
-    """Root of downloaded datasets: $PYDTNN_DATA_DIR, else ~/.cache/pydtnn."""
-    return os.environ.get("PYDTNN_DATA_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pydtnn")
+    """Root of downloaded datasets (absolute): $PYDTNN_DATA, else $PYDTNN_DATA_DIR, else ~/.cache/pydtnn.
+
+    ConfigError, naming the variable and its value, if the one read is empty or names something that
+    exists and is not a folder; a folder that does not exist yet is fine (downloads create it).
+    """
+    for var in ENV_VARS:
+        value = os.environ.get(var)
+        if value is None:
+            continue
+        if not value.strip():
+            raise ConfigError(f"environment variable {var} is set to {value!r}; expected the folder for downloaded "
+                              f"datasets (or unset it to use ~/.cache/pydtnn)")
+        path = os.path.abspath(os.path.expanduser(value))
+        origin = f"environment variable {var}={value!r}" + (f" ({path})" if path != value else "")
+        return _folder_or_absent(path, origin)
+    default = os.path.join(os.path.expanduser("~"), ".cache", "pydtnn")
+    return _folder_or_absent(default, f"the default data directory {default} (no PYDTNN_DATA set)")
+
+
+def _folder_or_absent(path, origin):
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise ConfigError(f"{origin}: cannot read it ({e.strerror or e}); expected the folder for downloaded "
+                          f"datasets") from None
+    kind = kind_of(mode)
+    if kind == "a directory":
+        return path
+    raise ConfigError(f"{origin} is {kind or 'a file'}, not a folder; expected the folder for downloaded datasets "
+                      f"(set PYDTNN_DATA to one)")
+
+
+def human_size(n):
+    """'170 MB', '12 MB', '4.5 kB', '17 bytes': decimal units, as download sizes are usually quoted."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v >= 9.95 else f"{v:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def is_terminal(stream):
+    """Whether `stream` (e.g. sys.stderr) is an interactive terminal; False for files, pipes, closed streams."""
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def temp_file(folder, prefix):
+    """(fd, path) of a new file folder/prefix<random>.part, opened for writing.
+
+    Unlike tempfile.mkstemp (always 0600), its permissions follow the umask, as any file the user
+    writes: a data directory shared by a group stays readable by the group once renamed into place.
+    """
+    for _ in range(100):
+        path = os.path.join(folder, f"{prefix}{os.urandom(6).hex()}.part")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name in {folder}")
 
 
 def sha256_file(path):
@@ -50,15 +117,22 @@ def download(url, dest_dir=None, sha256=None, filename=None, size=None, hint=Non
     if os.path.isfile(path):
         _verify(path, path, sha256, size, "delete it to download again")
         return path
-    os.makedirs(dest_dir, exist_ok=True)
+    try:
+        os.makedirs(dest_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create folder {dest_dir} for {filename}: {e.strerror or e}; "
+                        f"expected a writable folder (set PYDTNN_DATA to another)") from None
     errors = []
     for u in urls:
-        fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".part", dir=dest_dir)
+        fd, tmp = temp_file(dest_dir, f".{filename}.")
         try:
             with os.fdopen(fd, "wb") as out:
                 _fetch(u, out, filename, progress, timeout)
             _verify(tmp, u, sha256, size, "the download was discarded")
             os.replace(tmp, path)
+            if progress and not is_terminal(sys.stderr):
+                checked = "size and SHA-256 checked" if sha256 else "size checked" if size is not None else "unchecked"
+                say(f"downloaded {path} ({human_size(os.path.getsize(path))}, {checked})")
             return path
         except DataError:
             raise
@@ -70,13 +144,22 @@ def download(url, dest_dir=None, sha256=None, filename=None, size=None, hint=Non
     raise DataError(f"cannot download {'; '.join(errors)}; {hint or f'put {filename} into {dest_dir} by hand'}")
 
 
+def say(line):
+    """One progress line on stderr (downloads and extraction, when stderr is not a terminal)."""
+    print(f"pydtnn: {line}", file=sys.stderr, flush=True)
+
+
 def _fetch(url, out, filename, progress, timeout):
     from tqdm import tqdm
 
     with urllib.request.urlopen(url, timeout=timeout) as response:
         total = response.headers.get("Content-Length")
-        with tqdm(total=int(total) if total else None, unit="B", unit_scale=True, desc=filename,
-                  disable=not progress, leave=False) as bar:
+        total = int(total) if total and total.strip().isdigit() else None
+        show_bar = progress and is_terminal(sys.stderr)
+        if progress and not show_bar:
+            say(f"downloading {url} ({human_size(total) if total is not None else 'size unknown'})")
+        with tqdm(total=total, unit="B", unit_scale=True, desc=filename, disable=not show_bar, leave=False,
+                  file=sys.stderr) as bar:
             for chunk in iter(lambda: response.read(CHUNK), b""):
                 out.write(chunk)
                 bar.update(len(chunk))

@@ -20,6 +20,7 @@ import re
 
 import numpy as np
 
+from pydtnn.data.folder import require_folder
 from pydtnn.data.streamed import PIXEL_RANGE, ShardedArrayDataset, StreamedDataset, check_labels, check_pixel_dtype
 from pydtnn.errors import ConfigError, DataError
 from pydtnn.files import open_regular, read_bytes
@@ -213,10 +214,15 @@ def load_imagenet(train_path=None, test_path=None, size=224, resize=256):
     """
     if train_path is None:
         raise ConfigError(f"dataset imagenet needs --dataset_train_path ROOT holding {FOLDER_LAYOUT}, "
-                          f"or {SHARD_LAYOUT}")
+                          f"or {SHARD_LAYOUT} (it cannot be downloaded without an image-net.org account)")
     root = os.fspath(train_path)
+    require_folder(root, "dataset folder", f"{FOLDER_LAYOUT}, or {SHARD_LAYOUT}", "train/ or train_images_000.npy")
+    if test_path:
+        test_path = os.fspath(test_path)
+        require_folder(test_path, "dataset test folder", "val/<class>/*.JPEG (or the <class> folders directly), "
+                       "or val_images_000.npy + val_labels_000.npy", "val/")
     if os.path.lexists(os.path.join(root, "train_images_000.npy")):
-        test_root = os.fspath(test_path or root)
+        test_root = test_path or root
         num_classes = _num_classes(root)
         prefix = "val" if os.path.lexists(os.path.join(test_root, "val_images_000.npy")) else "test"
         return (load_shards(root, "train", num_classes, "imagenet/train"),
@@ -224,9 +230,9 @@ def load_imagenet(train_path=None, test_path=None, size=224, resize=256):
     if not os.path.isdir(os.path.join(root, "train")):
         raise DataError(f"{root}: neither train/ nor train_images_000.npy; expected {FOLDER_LAYOUT}, or {SHARD_LAYOUT}")
     train = ImageFolder(os.path.join(root, "train"), size=size, resize=resize, name="imagenet/train")
-    val_dir = os.fspath(test_path) if test_path else os.path.join(root, "val")
+    val_dir = test_path or os.path.join(root, "val")
     if os.path.isdir(os.path.join(val_dir, "val")):
         val_dir = os.path.join(val_dir, "val")
     if not os.path.isdir(val_dir):
-        raise DataError(f"{root}: no val/ folder; expected {FOLDER_LAYOUT}")
+        raise DataError(f"dataset folder {root} has no val/ folder; expected {FOLDER_LAYOUT}")
     return train, ImageFolder(val_dir, classes=train.classes, size=size, resize=resize, name="imagenet/val")
