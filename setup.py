@@ -23,13 +23,16 @@ setup(
         "threadpoolctl>=3",
     ],
     extras_require={
-        "test": ["pytest>=7", "torch==2.13.0", "mpi4py>=4", "mpich"],
+        "test": ["pytest>=7", "torch==2.13.0", "mpi4py>=4", "mpich", "onnx>=1.15", "onnxruntime>=1.17"],
         # data-parallel runs under mpirun/mpiexec; use your cluster's MPI instead of the mpich wheel if it has one
         "mpi": ["mpi4py>=4", "mpich"],
         # GPU backend (--enable_gpu): CuPy, cuDNN and its frontend, NCCL (--enable_nccl)
         "gpu": ["cupy-cuda12x>=13", "nvidia-cudnn-cu12>=9", "nvidia-cudnn-frontend>=1.10", "nvidia-nccl-cu12"],
         "gpu-cuda13": ["cupy-cuda13x>=14", "nvidia-cudnn-cu13>=9", "nvidia-cudnn-frontend>=1.10", "nvidia-nccl-cu13"],
+        # ONNX export (pydtnn-export, pydtnn.export.to_onnx)
+        "onnx": ["onnx>=1.15"],
     },
-    entry_points={"console_scripts": ["pydtnn-train=pydtnn.cli:main", "pydtnn-plot=pydtnn.plot:main"]},
+    entry_points={"console_scripts": ["pydtnn-train=pydtnn.cli:main", "pydtnn-plot=pydtnn.plot:main",
+                                        "pydtnn-export=pydtnn.export:main"]},
     classifiers=["Programming Language :: Python :: 3"],
 )
