@@ -1,6 +1,6 @@
 """Write docs/cli.md from the parser itself, so the reference never drifts from the code.
 
-    python docs/make_cli_doc.py
+    python docs/make_cli_doc.py            # --out FILE to write elsewhere, --help for this
 """
 
 import os
@@ -10,7 +10,7 @@ from pydtnn.cli import build_parser
 # flag -> how PyDTNN named or treated it, where that differs
 PYDTNN = {
     "num_epochs": "default 1 in PyDTNN; 10 here so the default command reaches its accuracy",
-    "learning_rate": "one default (0.01) in PyDTNN; per optimizer here",
+    "learning_rate": "one default (0.01) in PyDTNN; per optimizer and model family here",
     "beta1": "default 0.99 in PyDTNN",
     "epsilon": "default 1e-7 in PyDTNN",
     "rho": "default 0.9 in PyDTNN",
@@ -29,7 +29,7 @@ PYDTNN = {
     "tracer_output": "PyDTNN: Extrae or a CSV; here a Chrome-trace JSON",
     "dtype": "PyDTNN accepted any NumPy dtype name",
     "metrics_file": "new", "checkpoint_dir": "new", "resume": "new", "overwrite": "new", "config": "new", "seed": "new (PyDTNN fixed 0)",
-    "list_models": "new", "summary": "new", "progress": "new", "cosine_min_factor": "new",
+    "list_models": "new", "summary": "new", "progress": "new", "cosine_min_factor": "new", "download": "new",
 }
 
 
@@ -115,4 +115,9 @@ def main(path=os.path.join(os.path.dirname(__file__), "cli.md")):
 
 
 if __name__ == "__main__":
-    print(main())
+    import argparse
+
+    cli = argparse.ArgumentParser(description="Write docs/cli.md from pydtnn's own argument parser.")
+    cli.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "cli.md"),
+                     help="file to write (default docs/cli.md)")
+    print(main(cli.parse_args().out))

@@ -2,6 +2,8 @@
 
     python docs/make_models_table.py            # from the repository root; about a minute
 
+It also writes pydtnn/models/catalog.py, the same facts as data for `pydtnn-train --list_models`.
+
 Parameters are Model.count_params() (trainable scalars; BatchNorm running statistics excluded),
 GFLOPs are Model.flops() (forward, per sample, a multiply-add counting 2), and the layer counts
 come from the built layer tree. Nothing here is typed in by hand except the notes below.
@@ -27,6 +29,29 @@ layers, projection shortcuts included. *Layers*: all leaf layers (activations, p
 """
 
 NOTES = """
+## Family names and other data
+
+`--model` (and `pydtnn.models.create`) also takes a family name: `vgg11` ... `vgg19`, `vgg11bn` ...
+`vgg19bn`, `resnet18` ... `resnet152`, `resnet20` ... `resnet110`, `densenet121`, `densenet169`,
+`densenet201`, `densenet100` (DenseNet-BC-100), `alexnet`, `googlenet`, `inceptionv3`, `mobilenetv1`.
+It picks the variant that fits the data (`pydtnn/models/families.py`), and the run's header says
+which:
+
+- A family with a CIFAR-10 and an ImageNet variant takes the CIFAR-10 one for images of at most 64
+  pixels a side and the ImageNet one for larger images. A family with one variant takes it.
+- A model adapts to the data in two ways only: its first layer takes the data's channels, its last
+  layer gives the data's classes. The header lists each adaptation (`first layer takes 1 channel
+  (designed for 3)`); the architecture is otherwise the named one.
+- Images smaller than the variant's design size are zero-padded, centred, up to it when that takes
+  at most 1.5 times the pixels: the embedded 28x28 digits become 32x32 for every CIFAR-10 variant,
+  so `pydtnn-train --model vgg16` trains VGG-16 as designed for 32x32 images. Otherwise the model is
+  built for the images as they are (the ImageNet variants end in adaptive pooling: `resnet50` trains
+  on 28x28 digits); a model that cannot take them (`inceptionv3`, `densenet121`, `vgg16_imagenet` on
+  28x28) stops with one line naming a dataset and the models that fit.
+- Each family trains from its default initialization at its default learning rate (`SGD_LEARNING_RATES`
+  in `pydtnn/models/families.py`, else the optimizer's default); tests/test_families.py runs a few
+  steps of every family on the digits and checks that the loss falls.
+
 ## Where the architectures come from
 
 - **ImageNet models** (`*_imagenet`) reproduce torchvision's architectures and state-dict names
@@ -56,6 +81,37 @@ NOTES = """
     channels (as kuangliu/pytorch-cifar). `mobilenetv1_cifar10`: MobileNet v1 with a stride-1 stem.
 - **MNIST**: `lenet5` (LeCun et al. 1998, tanh and average pooling, full C3 connectivity),
   `simplecnn`, `simplemlp`.
+
+## Export to ONNX
+
+Any built model exports to an ONNX graph for inference (BatchNorm on its running statistics, Dropout
+as the identity), to run in onnxruntime, TensorRT or anything else that reads ONNX. It needs the
+`onnx` package (`pip install -e ".[onnx]"`); `import pydtnn` does not.
+
+```python
+from pydtnn.export import to_onnx
+to_onnx(model, "resnet50.onnx")                  # opset=17, batch_size=None (a dynamic batch "N")
+```
+
+```
+pydtnn-export net.onnx --checkpoint ckpt/        # a checkpoint written by pydtnn-train --checkpoint_dir
+pydtnn-export net.onnx --model resnet18_imagenet --input_shape 3,64,64 --num_classes 100 \\
+              --weights resnet18.safetensors     # a zoo architecture; untrained without --weights
+```
+
+(`python -m pydtnn.export` is the same command; `--opset N` (13 or later) and `--batch_size N`
+apply to both forms.) The graph takes `input` (N, C, H, W) float32 and gives `output` (N, classes);
+a float64 model's weights are rounded to float32. Initializers are named as in the state dict
+(`features.0.weight`, `layer1.0.bn1.running_var`). Every layer of the zoo maps to standard operators:
+Conv2D to Conv (strides, dilation, groups, 'same' padding as explicit, possibly asymmetric pads),
+Dense to Gemm, pools to MaxPool (ceil_mode as extra bottom/right padding) and AveragePool (zero
+padding counted, `count_include_pad=1`, as pydtnn does), residual and concatenation blocks to Sum and
+Concat, ReLU6 to Clip. AdaptiveAvgPool2D is exported for the input size the model was built with: an
+AveragePool when the bins are equal, otherwise a MatMul with the exact bin-averaging matrix; export
+again for another input size. The graph is checked with `onnx.checker` (shapes included) before the
+file is written (under a temporary name, then renamed). A layer type with no ONNX mapping (a custom
+Layer subclass) is a ConfigError naming the layer and its type; `pydtnn-export` reports it, like any
+user error, as one line `pydtnn: error: ...` with exit code 2 and leaves no file.
 """
 
 
@@ -63,28 +119,48 @@ def leaf_layers(model):
     return [layer for _, layer in model.layers() if not isinstance(layer, Container)]
 
 
-def row(name):
+def facts(name):
+    """(input shape, classes, parameters, forward GFLOPs per sample, conv/dense layers, leaf layers) of
+    `name` built at its default input shape."""
     model = models.create(name)
     leaves = leaf_layers(model)
     weight_layers = sum(isinstance(layer, (Conv2D, Dense)) for layer in leaves)
-    return (
-        f"| `{name}` | {'x'.join(map(str, model.input_shape))} | {model.output_shape[0]} | {model.count_params():,} | "
-        f"{model.flops() / 1e9:.3f} | {weight_layers} | {len(leaves)} |"
-    )
+    return (tuple(model.input_shape), model.output_shape[0], model.count_params(), round(model.flops() / 1e9, 3),
+            weight_layers, len(leaves))
 
 
-def main(out=Path(__file__).with_name("models.md")):
+def row(name, f):
+    shape, classes, params, gflops, weight_layers, leaves = f
+    return f"| `{name}` | {'x'.join(map(str, shape))} | {classes} | {params:,} | {gflops:.3f} | {weight_layers} | {leaves} |"
+
+
+CATALOG_HEADER = '''"""Facts of every registered model at its default input shape, for `--list_models` (no model is built).
+
+Generated by `python docs/make_models_table.py`; do not edit by hand. tests/test_models.py checks
+these against built models.
+"""
+
+# name: (input shape, classes, trainable parameters, forward GFLOPs per sample, conv/dense layers, leaf layers)
+CATALOG = {
+'''
+
+
+def main(out=Path(__file__).with_name("models.md"), catalog=Path(__file__).parents[1] / "pydtnn/models/catalog.py"):
     lines = [
         "| model | input | classes | parameters | GFLOPs | conv/dense | layers |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    entries = []
     for name in models.names():
-        lines.append(row(name))
+        f = facts(name)
+        lines.append(row(name, f))
+        entries.append(f"    {name!r}: {f!r},")
         print(lines[-1], file=sys.stderr, flush=True)
         gc.collect()  # the VGG models hold 0.5 GB each; free one before building the next
     generated = "Generated by `python docs/make_models_table.py`; do not edit by hand.\n\n"
     out.write_text(HEADER + generated + "\n".join(lines) + "\n" + NOTES)
-    print(f"wrote {out}", file=sys.stderr)
+    catalog.write_text(CATALOG_HEADER + "\n".join(entries) + "\n}\n")
+    print(f"wrote {out} and {catalog}", file=sys.stderr)
 
 
 if __name__ == "__main__":

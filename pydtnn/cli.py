@@ -9,6 +9,7 @@ checkpoint's saved configuration (`--resume DIR`), and the command line. Exit co
 import argparse
 import json
 import os
+import re
 import sys
 
 from pydtnn.errors import ConfigError, PydtnnError
@@ -64,7 +65,25 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line (exit code 2 through PydtnnError)."""
 
     def error(self, message):
-        raise ConfigError(message)
+        raise ConfigError(message + self._hint(message))
+
+    def _hint(self, message):
+        """'; did you mean --batch_size?' for a misspelled flag, or a close choice for a bad value."""
+        from pydtnn.suggest import did_you_mean
+
+        if message.startswith("unrecognized arguments: "):
+            flags = [w for w in message.split(": ", 1)[1].split() if w.startswith("--")]
+            known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            for word in flags:
+                hint = did_you_mean(word.split("=")[0], known)
+                if hint:
+                    return hint
+        m = re.match(r"argument (\S+?)(?:/\S+)?: invalid choice: '([^']*)'", message)
+        if m:
+            action = next((a for a in self._actions if m.group(1) in a.option_strings), None)
+            if action is not None and action.choices:
+                return did_you_mean(m.group(2), action.choices)
+        return ""
 
     def flag(self, group, name, **kw):
         """Add --name (PyDTNN's underscore spelling) and its dashed twin."""
@@ -108,6 +127,9 @@ def build_parser(suppress_defaults=False):
     f(g, "dataset", default="mnist5k", help=f"{', '.join(data.NAMES)} (default mnist5k: 5,000 embedded MNIST digits)")
     f(g, "dataset_train_path", default=None, help="directory holding the training files")
     f(g, "dataset_test_path", default=None, help="directory holding the test files (default: the training one)")
+    f(g, "download", type=parse_bool, default=False,
+      help="fetch mnist, fashion_mnist, cifar10 or cifar100 into the data directory ($PYDTNN_DATA, else "
+           "~/.cache/pydtnn) when no copy is there; a copy already there is always found")
     f(g, "validation_split", type=fraction, default=0.0, help="fraction of the training set held out for validation")
     f(g, "test_as_validation", type=parse_bool, default=False, help="validate on the test set after every epoch")
     _add_dataset_flags(p, g)

@@ -7,7 +7,6 @@ Everything here is plain wiring: each piece is built by the module that owns it.
 
 import csv
 import io
-import json
 import os
 import sys
 import time
@@ -22,14 +21,14 @@ from pydtnn.optim import schedules as sch
 from pydtnn.trainer import MetricsFile, Trainer, format_record
 
 # flags that describe how to run rather than what to compute: not saved as the run's configuration
-_NOT_SAVED = ("config", "resume", "list_models", "progress", "profile", "explicit", "overwrite")
+_NOT_SAVED = ("config", "resume", "list_models", "profile", "explicit", "overwrite")
 # flags naming files and folders: saved as absolute paths, so a resumed run finds them from any directory
 PATH_FLAGS = ("dataset_train_path", "dataset_test_path", "weights_and_bias_filename", "checkpoint_dir",
               "metrics_file", "history_file", "tracer_output")
 # outputs that a resumed run writes again: inside the checkpoint directory, they follow it when it moves
 _OUTPUTS = ("metrics_file", "history_file", "tracer_output")
 # what may differ between the ranks of one job: paths (each node has its own disks) and what rank 0 alone does
-_PER_RANK = PATH_FLAGS + ("summary", "tracing", "threads_per_process")
+_PER_RANK = PATH_FLAGS + ("summary", "tracing", "threads_per_process", "progress")
 
 
 def saved_config(directory):
@@ -80,7 +79,7 @@ def run(args):
     a byte is written: outputs are created by the first epoch's end, not before.
     """
     if args.list_models:
-        print("\n".join(models.names()))
+        print(models_table())
         return None
     check_combinations(args)
     comm = launch.init(args.threads_per_process, args.stall_timeout, args.debug_collectives)
@@ -100,7 +99,12 @@ def run(args):
     backend = get_backend("gpu" if args.enable_gpu else "cpu", args.dtype, args.seed)
     train, val, test = load_datasets(args)
     check_monitored(args, val)
-    model = models.create(args.model, input_shape=train.input_shape, num_classes=train.num_classes, backend=backend)
+    choice, model = resolve_model(args.model, train, backend)
+    fill_defaults(args, choice.name)
+    if choice.input_shape != tuple(train.input_shape):
+        from pydtnn.data.pad import PaddedDataset
+
+        train, val, test = (None if d is None else PaddedDataset(d, choice.input_shape) for d in (train, val, test))
     if args.weights_and_bias_filename and not args.resume:  # a resumed run takes every weight from its checkpoint
         checkpoint.load_weights(args.weights_and_bias_filename, model)
     grad_comm = comm
@@ -112,8 +116,11 @@ def run(args):
             grad_comm = NcclComm(comm)
         say(f"pydtnn: {backend}, {grad_comm.name} gradient reduction" if world > 1 else f"pydtnn: {backend}")
     options = optimizer_options(args)
+    lr_note = ""
     if world > 1 and args.learning_rate_scaling and args.global_batch_size is None:
         options["lr"] *= world  # the global batch grew P times (Goyal et al. 2017)
+        lr_note = (f" = {args.learning_rate:g} x {world} processes (linear scaling; --learning_rate_scaling "
+                   f"false keeps {args.learning_rate:g})")
     optimizer = optim.create(args.optimizer, model.parameters(), **options)
     schedules = build_schedules(args, world)
     reducer = None
@@ -124,14 +131,15 @@ def run(args):
             reducer_options["bucket_mb"] = args.bucket_size_mb
         reducer = reducers.create(strategy, grad_comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
-                      progress=args.progress, metrics_file=args.metrics_file, schedules=schedules, log=log,
+                      progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules, log=log,
                       comm=comm, reducer=reducer)
     trainer.accumulation_steps = args.accumulation_steps
     if args.sync_batchnorm:
         trainer.sync_batchnorm()
     config = {k: (os.path.abspath(v) if k in PATH_FLAGS and isinstance(v, str) else v)
               for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
-    trainer.callbacks = build_callbacks(args, trainer, config)
+    effective = effective_values(args, choice, options, world, schedules)
+    trainer.callbacks = build_callbacks(args, trainer, config, effective)
 
     start_epoch = 0
     if args.resume:
@@ -139,11 +147,8 @@ def run(args):
                              scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
     check_agreement(comm, args, model, (train, val, test), start_epoch)
     broadcast_state(comm, model, optimizer)
-    say(f"pydtnn: {world} processes, {reducer.name if reducer else 'no'} gradient reduction, "
-        f"batch {args.batch_size} per process" if world > 1 else "pydtnn: one process")
-    say(f"pydtnn: {args.model} on {'synthetic' if args.use_synthetic_data else args.dataset} ({len(train)} train, {len(val) if val else 0} validation, "
-        f"{len(test) if test else 0} test); {model.count_params():,} parameters")
-    say(f"pydtnn: configuration {json.dumps(config)}")
+    for line in header(args, choice, model, (train, val, test), effective, lr_note):
+        say(line)
     if args.summary and comm.rank == 0:
         model.summary(file=sys.stderr)
     if args.tracing:
@@ -154,6 +159,7 @@ def run(args):
         if reducer is not None:
             reducer.tracer = trainer.tracer
 
+    announce_compilation(backend, say)
     if args.evaluate_only:
         return evaluate_only(trainer, test, args)
     if args.evaluate and test is not None:
@@ -165,10 +171,115 @@ def run(args):
     if comm.rank == 0:
         print(format_record(trainer.final))
     if trainer.tracer is not None:
-        out = trace_path(args.tracer_output, comm)
-        trainer.tracer.write(out)
-        say(f"pydtnn: trace written to {out}\n{trainer.tracer.summary_table()}")
+        from pydtnn.profiling import written
+
+        paths = trainer.tracer.write(args.tracer_output, comm.size)
+        say(f"pydtnn: {written(paths)}\n{trainer.tracer.summary_table()}")
     return trainer.final
+
+
+def announce_compilation(backend, say):
+    """One line before the first compiled CPU kernel when Numba's cache does not hold them yet."""
+    if getattr(backend, "kernels", None) != "numba":
+        return
+    from pydtnn.backends import compiled
+
+    path, held = compiled.cache_dir()
+    if not held:
+        say(f"pydtnn: compiling CPU kernels, first run only (about 30 s); cached in {path}")
+
+
+def models_table():
+    """--list_models: every registered model with its input, classes, parameters and GFLOPs, then the
+    family names and the variants they pick (facts from models/catalog.py; nothing is built)."""
+    from pydtnn.models.catalog import CATALOG
+    from pydtnn.models.families import FAMILIES, SMALL_SIDE
+
+    rows = [("model", "input", "classes", "parameters", "GFLOPs")]
+    for name in models.names():
+        shape, classes, params, gflops = CATALOG[name][:4]
+        rows.append((name, "x".join(map(str, shape)), str(classes), f"{params:,}", f"{gflops:.3f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) if i == 0 or i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += ["", f"Family names pick a variant by image size (up to {SMALL_SIDE} pixels a side: the CIFAR-10 one); "
+              "see docs/models.md:"]
+    for family, v in sorted(FAMILIES.items()):
+        picks = " / ".join(n for n in (v["cifar10"], v["imagenet"]) if n)
+        lines.append(f"  {family:<12} {picks}")
+    return "\n".join(lines)
+
+
+def resolve_model(name, train, backend):
+    """(families.Choice, Model): the variant of `name` that fits the training data, built on backend."""
+    from pydtnn.models.families import resolve
+
+    return resolve(name, tuple(train.input_shape), train.num_classes,
+                   build=lambda variant, shape: models.create(variant, input_shape=shape,
+                                                              num_classes=train.num_classes, backend=backend))
+
+
+def fill_defaults(args, model_name):
+    """Set the optimizer flags left unset (None) to the values the run uses, so that the printed and
+    saved configuration holds numbers, not nulls. Only values that do not depend on the process count
+    are filled: a checkpoint resumes at any layout."""
+    from pydtnn.cli import DEFAULT_LR
+    from pydtnn.models.families import default_learning_rate
+
+    if args.learning_rate is None:
+        args.learning_rate = default_learning_rate(model_name, args.optimizer) or DEFAULT_LR[args.optimizer]
+    if args.momentum is None and args.optimizer in ("sgd", "rmsprop"):
+        args.momentum = 0.9 if args.optimizer == "sgd" else 0.0
+    if args.decay is None:
+        args.decay = 0.01 if args.optimizer == "adamw" else 0.0
+
+
+def effective_values(args, choice, options, world, schedules):
+    """What the run computes with, after defaults, family resolution, scaling and warm-up: saved in
+    config.json under "effective" and summarized in the header."""
+    strategy = None if world == 1 else args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
+    out = {"model": choice.name, "input_shape": list(choice.input_shape), "num_classes": choice.num_classes,
+           "adapted": list(choice.notes), "processes": world, "parallel": "data" if world > 1 else "sequential",
+           "reduction": strategy, "batch_size_per_process": args.batch_size,
+           "global_batch_size": args.batch_size * world, "optimizer": args.optimizer, "learning_rate": options["lr"],
+           **{k: v for k, v in options.items() if k != "lr"}}
+    for s in schedules:
+        if isinstance(s, sch.WarmUp):
+            out["warm_up"] = {"epochs": s.epochs, "start_factor": s.start_factor}
+    return out
+
+
+def header(args, choice, model, datasets, eff, lr_note):
+    """The run's few header lines (rank 0 prints them): model, data, parallelism, optimizer."""
+    train, val, test = datasets
+    data_shape = "x".join(map(str, getattr(getattr(train, "dataset", train), "input_shape", choice.input_shape)))
+    name = choice.name if choice.name == args.model else f"{choice.name} (from --model {args.model})"
+    yield f"pydtnn: model {name}, {model.count_params():,} parameters"
+    for note in choice.notes[1 if choice.name != args.model else 0:]:
+        yield f"pydtnn:   adapted: {note}"
+    dataset = "synthetic" if args.use_synthetic_data else args.dataset
+    yield (f"pydtnn: data {dataset}: {len(train):,} train, {len(val) if val else 0:,} validation, "
+           f"{len(test) if test else 0:,} test; {data_shape} images, {train.num_classes} classes")
+    if eff["processes"] > 1:
+        yield (f"pydtnn: {eff['processes']} processes, data parallel, {eff['reduction']} gradient reduction, "
+               f"batch {args.batch_size} per process ({eff['global_batch_size']} global)")
+    else:
+        yield f"pydtnn: one process, batch {args.batch_size}"
+    extras = [f"{k.replace('_', ' ')} {v:g}" for k, v in eff.items()
+              if k in ("momentum", "weight_decay", "beta1", "beta2") and isinstance(v, float)]
+    schedules = ",".join(_chosen(args)) or "none"
+    if "warm_up" in eff:
+        w = eff["warm_up"]
+        schedules = schedules.replace("warm_up", f"warm_up ({_count(w['epochs'], 'epoch')} from {w['start_factor']:g}x)")
+    yield (f"pydtnn: {args.optimizer}, learning rate {eff['learning_rate']:g}{lr_note}; {', '.join(extras)}; "
+           f"{_count(args.num_epochs, 'epoch')}; schedules: {schedules}")
+    if args.checkpoint_dir and not args.evaluate_only:
+        yield f"pydtnn: checkpoints and the whole configuration (config.json) go to {args.checkpoint_dir}"
+
+
+def _count(n, word):
+    return f"{n} {word}{'s' * (n != 1)}"
 
 
 def check_combinations(args):
@@ -202,7 +313,9 @@ def check_outputs(args, comm):
 
 def trace_path(path, comm):
     """The trace file of this rank: `path` itself with one process, else path's stem + .rankR.json."""
-    return path if comm.size == 1 else f"{os.path.splitext(path)[0]}.rank{comm.rank}.json"
+    from pydtnn.profiling import trace_paths
+
+    return trace_paths(path, comm.size)[comm.rank]
 
 
 def check_checkpoint_dir(directory, resume=None, overwrite=False):
@@ -268,10 +381,12 @@ def check_agreement(comm, args, model, datasets, start_epoch):
 def load_datasets(args):
     """(train, validation or None, test or None) as the dataset flags say."""
     if args.use_synthetic_data or args.dataset == "synthetic":
-        shape, classes = models.defaults(args.model)
+        from pydtnn.models.families import variant
+
+        shape, classes = models.defaults(variant(args.model, (3, 32, 32)))  # a family: its small-image variant
         train, test = data.load("synthetic", input_shape=shape, num_classes=classes, seed=args.seed)
     else:
-        train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path)
+        train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path, download=args.download)
     train, val = data.resolve_validation(train, test, args.validation_split, args.test_as_validation, args.seed)
     return data.with_augmentation(train, flip=args.flip_images, flip_prob=args.flip_images_prob,
                                   crop=args.crop_images, crop_padding=args.crop_images_padding), val, test
@@ -290,7 +405,7 @@ def optimizer_options(args):
     from pydtnn.cli import DEFAULT_LR
 
     name = args.optimizer
-    opts = {"lr": args.learning_rate if args.learning_rate is not None else DEFAULT_LR[name]}
+    opts = {"lr": args.learning_rate if args.learning_rate is not None else DEFAULT_LR[name]}  # see fill_defaults
     if args.decay is not None:
         opts["weight_decay"] = args.decay
     if name == "sgd":
@@ -324,7 +439,7 @@ def build_schedules(args, world):
     return out
 
 
-def build_callbacks(args, trainer, config):
+def build_callbacks(args, trainer, config, effective=None):
     chosen, out = _chosen(args), []
     if "early_stopping" in chosen:
         out.append(EarlyStopping(args.early_stopping_metric, args.early_stopping_patience))
@@ -334,12 +449,12 @@ def build_callbacks(args, trainer, config):
         out.append(HistoryCSV(args.history_file, made=args.checkpoint_dir))
     if ("model_checkpoint" in chosen or args.checkpoint_dir) and trainer.is_root:
         # rank 0 writes; parameters are identical on every rank
-        out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config),
+        out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config, effective),
                                    args.model_checkpoint_save_freq))
     return out
 
 
-def save_checkpoint(directory, trainer, epoch, config):
+def save_checkpoint(directory, trainer, epoch, config, effective=None):
     """Everything a resumed run needs to continue bit-identically after `epoch` (0-based) ended."""
     meta = {
         "epoch": epoch + 1,
@@ -353,8 +468,9 @@ def save_checkpoint(directory, trainer, epoch, config):
         "history": trainer.history,
     }
     checkpoint.save(directory, trainer.model, trainer.optimizer, meta)
-    # a readable copy of the configuration, written with the checkpoint (never before a run has one)
-    checkpoint.write_json_atomic(os.path.join(directory, "config.json"), config)
+    # a readable copy of the configuration, written with the checkpoint (never before a run has one); it
+    # is a valid --config file: load_config_file skips the "effective" values computed from the flags
+    checkpoint.write_json_atomic(os.path.join(directory, "config.json"), {**config, "effective": effective or {}})
 
 
 def resume(directory, trainer, lr=None, scaled=False):

@@ -74,7 +74,7 @@ class Trainer:
     """
 
     def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
-                 callbacks=(), schedules=(), log=None, comm=None, reducer=None, prefetch=True):
+                 callbacks=(), schedules=(), log=None, comm=None, reducer=None, prefetch=True, epoch_lines=None):
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
         self.metric_fns = {m: metric_fns.get(m) for m in self.metric_names}
@@ -88,7 +88,10 @@ class Trainer:
             comm = SingleProcess()
         self.comm, self.world_size, self.is_root = comm, comm.size, comm.rank == 0
         self.reducer = reducer.attach(model) if reducer is not None else None
-        self.progress = progress and self.is_root
+        # bars only on a terminal (redirected to a file they would fill it with carriage returns);
+        # the one summary line per epoch is on wherever progress is, or as epoch_lines says
+        self.progress = progress and self.is_root and _is_terminal(sys.stderr)
+        self.epoch_lines = (progress if epoch_lines is None else epoch_lines) and self.is_root
         self.metrics_file = metrics_file if self.is_root else None
         say = log or (lambda msg: print(msg, file=sys.stderr))
         self.log = say if self.is_root else (lambda msg: None)
@@ -224,7 +227,7 @@ class Trainer:
                 self.history.append(record)
                 if writer:
                     writer.write(record)
-                if self.progress:
+                if self.epoch_lines:
                     self.log(format_record(record))
                 for sched in self.schedules:
                     sched.on_epoch_end(epoch, record)
@@ -440,3 +443,10 @@ def format_record(r):
     parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in skip and v is not None]
     head = "final" if r.get("final") else f"epoch {r['epoch']}"
     return f"{head}: " + ", ".join(parts)
+
+
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False

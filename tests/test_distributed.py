@@ -287,17 +287,32 @@ def test_a_rank_that_leaves_cleanly_is_named_and_ends_the_job(tmp_path, leaver, 
     assert f"rank {leaver} (after collective #" in r.stderr and "left the job" in r.stderr, r.stderr[-2000:]
 
 
+def _parent_pid(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _descends_from(pid, ancestor):
+    while pid > 1:
+        pid = _parent_pid(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
 def _rank_pid(rank, parent):
-    """PID of the pydtnn process of MPI rank `rank` (from its environment), or None."""
+    """PID of the pydtnn process of MPI rank `rank` (from its environment) started by the launcher
+    `parent` (not another job's on this machine), or None."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
-        except OSError:
+            mine = int(pid) != parent and _descends_from(int(pid), parent)
+        except (OSError, ValueError, IndexError):
             continue
-        if int(pid) != parent and b"pydtnn" in cmd and f"PMI_RANK={rank}".encode() in env:
+        if mine and b"pydtnn" in cmd and f"PMI_RANK={rank}".encode() in env:
             return int(pid)
     return None
 
@@ -310,8 +325,8 @@ def test_sigint_to_one_rank_ends_the_job_at_once(tmp_path):
                           "--progress", "false", "--metrics_file", str(tmp_path / "m.jsonl")],
                          stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        for line in p.stderr:  # rank 0 prints the configuration once every rank has built its model
-            if line.startswith("pydtnn: configuration"):
+        for line in p.stderr:  # rank 0 prints the header once every rank has built its model
+            if line.startswith("pydtnn: sgd, learning rate"):
                 break
         time.sleep(1.0)
         pid = _rank_pid(1, p.pid)

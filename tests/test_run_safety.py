@@ -123,6 +123,8 @@ def test_config_json_comes_with_the_first_checkpoint(tmp_path):
     r = cli(*FAST, "--checkpoint_dir", tmp_path / "ck")
     assert r.returncode == 0, r.stderr[-3000:]
     config = json.loads((tmp_path / "ck" / "config.json").read_text())
+    effective = config.pop("effective")  # the values computed from the flags, next to the flags
+    assert effective["learning_rate"] == config["learning_rate"] == 0.05
     assert config == json.loads((tmp_path / "ck" / "meta.json").read_text())["meta"]["config"]
 
 

@@ -57,6 +57,22 @@ _pjit = numba.njit(parallel=True, nogil=True, cache=True)
 GOMP_SPINCOUNT = "30000"
 
 
+def cache_dir():
+    """The folder where Numba caches these kernels, and whether it holds them already (else the first
+    use compiles them, about 30 s). Numba's own choice: next to this file when that is writable, else a
+    per-user cache folder (so a read-only install works), or $NUMBA_CACHE_DIR when set."""
+    from numba.core.caching import CacheImpl
+
+    for locator in CacheImpl._locator_classes:
+        found = locator.from_function(_rounded.py_func, __file__)
+        if found is not None:
+            path = found.get_cache_path()
+            stem = os.path.splitext(os.path.basename(__file__))[0]
+            held = os.path.isdir(path) and any(n.startswith(stem + ".") and n.endswith(".nbi") for n in os.listdir(path))
+            return path, held
+    return None, False
+
+
 def launch(chunks, n, t, args):
     """chunks(n, t, *args) on at most t of Numba's threads."""
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:

@@ -73,6 +73,13 @@ def names():
     return sorted(_REGISTRY)
 
 
+def family_names():
+    """Family names (vgg16, resnet50, ...) that resolve to a registered variant (models/families.py)."""
+    from pydtnn.models.families import FAMILIES
+
+    return sorted(FAMILIES)
+
+
 def defaults(name):
     """(input_shape, num_classes) that `create(name)` uses when none are given."""
     _, shape, classes = _entry(name)
@@ -85,6 +92,10 @@ def create(name, input_shape=None, num_classes=None, backend=None, **options):
     options go to the builder (e.g. dropout=0.3, or alpha=0.5 for MobileNet); an option the
     builder does not take is a ConfigError.
     """
+    if name not in _REGISTRY:  # a family name: the variant for this input shape
+        from pydtnn.models.families import variant
+
+        name = variant(name, tuple(input_shape or (3, 224, 224)))
     builder, default_shape, default_classes = _entry(name)
     shape = tuple(input_shape or default_shape)
     try:
@@ -98,5 +109,16 @@ def create(name, input_shape=None, num_classes=None, backend=None, **options):
 
 def _entry(name):
     if name not in _REGISTRY:
-        raise ConfigError(f"unknown model {name!r}; expected one of {', '.join(names())}")
+        raise _unknown(name)
     return _REGISTRY[name]
+
+
+def _unknown(name):
+    from pydtnn.suggest import did_you_mean
+
+    from pydtnn.models.families import family_of
+
+    known = names() + family_names()
+    plain = [n for n in names() if family_of(n) is None]  # simplecnn, lenet5, ...: neither family nor variant
+    return ConfigError(f"unknown model {name!r}{did_you_mean(name, known) or ';'} expected a family name "
+                       f"({', '.join(family_names())}), {', '.join(plain)}, or a variant that --list_models shows")

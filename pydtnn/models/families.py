@@ -1,0 +1,120 @@
+"""Family names (vgg16, resnet50, mobilenetv1) resolved to the registered variant that fits the data.
+
+    choice = resolve("vgg16", input_shape=(1, 28, 28), num_classes=10)
+    choice.name         # 'vgg16_cifar10': images up to 64 pixels a side take the CIFAR-10 variant
+    choice.input_shape  # (1, 32, 32): VGG's CIFAR-10 variant needs 32x32, so 28x28 digits are padded
+    choice.notes        # what was adapted, for the run's header
+
+The rules, in docs/models.md ("Family names and other data"):
+- A family with a CIFAR-10 and an ImageNet variant takes the CIFAR-10 one for images of at most
+  SMALL_SIDE pixels a side, the ImageNet one for larger images. A family with one variant takes it.
+- Every model adapts to the data in two documented ways only: its first layer takes the data's
+  channels and its last layer gives the data's classes (both said in the header when they differ
+  from the design). The architecture is otherwise the named one.
+- Images smaller than a variant's design size are zero-padded (centred) up to it when that takes at
+  most MAX_PAD_AREA times the pixels (28x28 -> 32x32: 1.31x), so the layers see the shapes they were
+  designed for. Otherwise the model is built for the images as they are (the ImageNet variants end in
+  adaptive pooling); where it cannot take them, the run stops with one line naming what fits.
+"""
+
+from dataclasses import dataclass, field
+
+from pydtnn.errors import ConfigError, ShapeError
+
+SMALL_SIDE = 64
+MAX_PAD_AREA = 1.5
+
+
+def _variants(stem, cifar=True, imagenet=True):
+    return {"cifar10": f"{stem}_cifar10" if cifar else None, "imagenet": f"{stem}_imagenet" if imagenet else None}
+
+
+# family name -> {"cifar10": variant or None, "imagenet": variant or None}
+FAMILIES = {
+    **{f"vgg{d}{bn}": _variants(f"vgg{d}{bn}") for d in (11, 13, 16, 19) for bn in ("", "bn")},
+    **{f"resnet{d}": _variants(f"resnet{d}", imagenet=False) for d in (20, 32, 44, 56, 110)},
+    **{f"resnet{d}": _variants(f"resnet{d}", cifar=False) for d in (18, 34, 50, 101, 152)},
+    **{f"densenet{d}": _variants(f"densenet{d}", cifar=False) for d in (121, 169, 201)},
+    "densenet100": {"cifar10": "densenet_cifar10", "imagenet": None},
+    "alexnet": _variants("alexnet"),
+    "googlenet": _variants("googlenet"),
+    "inceptionv3": _variants("inceptionv3", cifar=False),
+    "mobilenetv1": _variants("mobilenetv1"),
+}
+
+
+@dataclass
+class Choice:
+    """A registered variant and the sample shape it is built for (the data's, or the data's padded)."""
+
+    name: str
+    input_shape: tuple
+    num_classes: int
+    notes: list = field(default_factory=list)
+
+
+def family_of(name):
+    """The family a registered variant belongs to (vgg16_cifar10 -> vgg16), or None."""
+    for family, variants in FAMILIES.items():
+        if name in variants.values():
+            return family
+    return None
+
+
+def variant(name, input_shape):
+    """The registered name `name` stands for, for samples of input_shape (C, H, W); name itself if registered."""
+    from pydtnn.models import _REGISTRY, _unknown
+
+    if name in _REGISTRY:
+        return name
+    if name not in FAMILIES:
+        raise _unknown(name)
+    variants = FAMILIES[name]
+    small = len(input_shape) == 3 and max(input_shape[1:]) <= SMALL_SIDE
+    return variants["cifar10" if small else "imagenet"] or variants["imagenet"] or variants["cifar10"]
+
+
+def resolve(name, input_shape, num_classes, build=None):
+    """Choice of variant and input shape for data of `input_shape` (C, H, W) in `num_classes` classes.
+
+    build(variant, input_shape) -> anything (default: models.create); a ShapeError from it becomes a
+    ConfigError naming what fits. Returns (Choice, what build returned).
+    """
+    from pydtnn import models
+
+    build = build or (lambda n, shape: models.create(n, input_shape=shape, num_classes=num_classes))
+    chosen = variant(name, input_shape)
+    design_shape, design_classes = models.defaults(chosen)
+    shape = tuple(int(s) for s in input_shape)
+    notes = []
+    if chosen != name:
+        notes.append(f"{name} is {chosen} for {'x'.join(map(str, shape))} images")
+    if len(shape) == 3 and shape[0] != design_shape[0]:
+        notes.append(f"first layer takes {shape[0]} channel{'s' * (shape[0] != 1)} (designed for {design_shape[0]})")
+    if num_classes != design_classes:
+        notes.append(f"last layer gives {num_classes} classes (designed for {design_classes})")
+    if len(shape) == 3 and len(design_shape) == 3:
+        h, w = max(shape[1], design_shape[1]), max(shape[2], design_shape[2])
+        if (h, w) != shape[1:] and h * w <= MAX_PAD_AREA * shape[1] * shape[2]:
+            notes.append(f"{shape[1]}x{shape[2]} images zero-padded to its design size {h}x{w}")
+            shape = (shape[0], h, w)
+    try:
+        return Choice(chosen, shape, num_classes, notes), build(chosen, shape)
+    except ShapeError as e:
+        small = sorted(f for f, v in FAMILIES.items() if v["cifar10"])
+        raise ConfigError(f"model {chosen} cannot take {'x'.join(map(str, shape))} images (its design input is "
+                          f"{'x'.join(map(str, design_shape))}): {e}; use a dataset with larger images "
+                          f"(--dataset imagenet) or a model for small images ({', '.join(small)})") from None
+
+
+# SGD learning rates (batch 64 per process, momentum 0.9) that train each family stably from its
+# default initialization; families not listed take the optimizer's default (cli.DEFAULT_LR).
+SGD_LEARNING_RATES = {}
+
+
+def default_learning_rate(name, optimizer):
+    """The default learning rate of registered model `name` with `optimizer`, or None (the optimizer's)."""
+    if optimizer != "sgd":
+        return None
+    family = family_of(name) or name
+    return SGD_LEARNING_RATES.get(family)

@@ -1,0 +1,140 @@
+"""Family names (vgg16, resnet50) resolve to the variant that fits the data; padding; default learning rates."""
+
+import numpy as np
+import pytest
+
+from pydtnn import data, models
+from pydtnn.backends import CPUBackend
+from pydtnn.data.pad import PaddedDataset
+from pydtnn.errors import ConfigError
+from pydtnn.losses import SoftmaxCrossEntropy
+from pydtnn.models.families import FAMILIES, default_learning_rate, resolve, variant
+from pydtnn.optim import SGD
+
+
+def params_of(variant_name, shape, classes=10):
+    return models.create(variant_name, input_shape=shape, num_classes=classes).count_params()
+
+
+def test_every_family_names_registered_variants():
+    for family, variants in FAMILIES.items():
+        assert any(variants.values()), family
+        for v in filter(None, variants.values()):
+            assert v in models.names(), (family, v)
+    assert not set(FAMILIES) & set(models.names())
+
+
+@pytest.mark.parametrize("family,shape,expected", [
+    ("vgg16", (1, 28, 28), "vgg16_cifar10"), ("vgg16", (3, 32, 32), "vgg16_cifar10"),
+    ("vgg16", (3, 64, 64), "vgg16_cifar10"), ("vgg16", (3, 65, 65), "vgg16_imagenet"),
+    ("vgg16", (3, 224, 224), "vgg16_imagenet"), ("vgg11bn", (3, 32, 32), "vgg11bn_cifar10"),
+    ("resnet20", (3, 224, 224), "resnet20_cifar10"), ("resnet50", (1, 28, 28), "resnet50_imagenet"),
+    ("densenet121", (3, 32, 32), "densenet121_imagenet"), ("densenet100", (3, 32, 32), "densenet_cifar10"),
+    ("mobilenetv1", (3, 224, 224), "mobilenetv1_imagenet"), ("inceptionv3", (3, 299, 299), "inceptionv3_imagenet"),
+    ("resnet20_cifar10", (3, 224, 224), "resnet20_cifar10"),  # a registered name is taken as it is
+])
+def test_variant_by_image_size(family, shape, expected):
+    assert variant(family, shape) == expected
+
+
+def test_small_images_are_padded_to_the_design_size_and_the_header_notes_say_so():
+    choice, n = resolve("vgg16", (1, 28, 28), 10, build=params_of)
+    assert choice.name == "vgg16_cifar10" and choice.input_shape == (1, 32, 32)
+    # the design architecture: vgg16_cifar10 at 3x32x32 less the first layer's two missing input channels
+    assert n == models.create("vgg16_cifar10").count_params() - 2 * 64 * 9
+    notes = " | ".join(choice.notes)
+    assert "vgg16 is vgg16_cifar10" in notes and "1 channel (designed for 3)" in notes
+    assert "28x28 images zero-padded to its design size 32x32" in notes
+
+
+def test_resnet20_on_digits_is_resnet20_with_one_input_channel_stated():
+    choice, n = resolve("resnet20_cifar10", (1, 28, 28), 10, build=params_of)
+    assert n == 272_474 - 2 * 16 * 9 and choice.input_shape == (1, 32, 32)
+    assert any("1 channel (designed for 3)" in s for s in choice.notes)
+
+
+def test_imagenet_variant_on_small_images_is_built_for_them_and_classes_are_stated():
+    choice, _ = resolve("resnet18", (1, 28, 28), 10, build=lambda v, s: None)
+    assert choice.name == "resnet18_imagenet" and choice.input_shape == (1, 28, 28)  # 224 would be 64x the pixels
+    assert any("10 classes (designed for 1000)" in s for s in choice.notes)
+    choice, _ = resolve("resnet20_cifar10", (3, 32, 32), 10, build=lambda v, s: None)
+    assert choice.notes == []
+
+
+@pytest.mark.parametrize("name", ["inceptionv3", "densenet121", "vgg16_imagenet"])
+def test_a_model_that_cannot_take_the_images_names_what_fits(name):
+    with pytest.raises(ConfigError) as e:
+        resolve(name, (1, 28, 28), 10)
+    msg = str(e.value)
+    assert "cannot take 1x28x28 images" in msg and "--dataset imagenet" in msg and "resnet20" in msg
+    assert "\n" not in msg
+
+
+def test_create_takes_family_names():
+    m = models.create("resnet20", input_shape=(3, 32, 32))
+    assert m.name == "resnet20_cifar10" and m.count_params() == 272_474
+
+
+def test_misspelled_model_gets_a_suggestion():
+    with pytest.raises(ConfigError, match="did you mean 'mobilenetv1'"):
+        models.create("mobilenet")
+
+
+def test_padded_dataset_centres_the_image_on_normalized_black():
+    x = np.arange(2 * 3 * 4 * 5, dtype=np.uint8).reshape(2, 3, 4, 5)
+    mean, std = np.array([10.0, 20.0, 30.0]), np.array([2.0, 4.0, 5.0])
+    ds = data.ArrayDataset(x, np.array([0, 1]), 2, mean=mean, std=std)
+    padded = PaddedDataset(ds, (3, 8, 7))
+    assert padded.input_shape == (3, 8, 7) and len(padded) == 2
+    out, y = padded.get_batch(np.array([1, 0]), np.float64)
+    inner, _ = ds.get_batch(np.array([1, 0]), np.float64)
+    assert out.shape == (2, 3, 8, 7) and list(y) == [1, 0]
+    np.testing.assert_array_equal(out[:, :, 2:6, 1:6], inner)
+    black = (0 - mean) / std
+    border = out.copy()
+    border[:, :, 2:6, 1:6] = np.nan
+    for c in range(3):
+        vals = border[:, c][~np.isnan(border[:, c])]
+        np.testing.assert_allclose(vals, black[c])
+    assert PaddedDataset(ds, (3, 8, 7)).subset(np.array([1])).get_batch(np.array([0]))[0].shape == (1, 3, 8, 7)
+    with pytest.raises(ConfigError, match="cannot pad 3x4x5 images to 3x3x7"):
+        PaddedDataset(ds, (3, 3, 7))
+
+
+# -- every family trains from its default learning rate ---------------------------------------
+# Families that take the 28x28 digits; the others (inceptionv3, densenet121/169/201) stop with one
+# line on them (above) and are trained on synthetic images of a size they take.
+DIGIT_FAMILIES = sorted(f for f in FAMILIES if f not in ("inceptionv3", "densenet121", "densenet169", "densenet201"))
+HEAVY = {"googlenet", "vgg19", "vgg19bn", "vgg16", "vgg16bn", "resnet110", "resnet152", "resnet101", "densenet100"}
+
+
+def _losses(family, shape, train, steps=8, processes=2, batch=64):
+    """Losses of `steps` SGD steps at the command line's default rate for this family and its global
+    batch with `processes` processes of `batch` samples (the rate scaled as the command line scales
+    it), on fresh batches of `train`."""
+    from pydtnn.cli import DEFAULT_LR
+
+    backend = CPUBackend(seed=0)
+    choice, model = resolve(family, shape, train.num_classes, build=lambda v, s: models.create(
+        v, input_shape=s, num_classes=train.num_classes, backend=backend))
+    if choice.input_shape != tuple(train.input_shape):
+        train = PaddedDataset(train, choice.input_shape)
+    lr = (default_learning_rate(choice.name, "sgd") or DEFAULT_LR["sgd"]) * processes
+    opt, loss_fn = SGD(model.parameters(), lr=lr, momentum=0.9), SoftmaxCrossEntropy()
+    order, n, out = np.random.default_rng(0).permutation(len(train)), batch * processes, []
+    for step in range(steps):
+        x, y = train.get_batch(np.sort(order[step * n:(step + 1) * n]), np.float32)
+        loss = loss_fn.forward(model.forward(x, training=True), y)
+        model.backward(loss_fn.backward())
+        opt.step()
+        out.append(float(loss))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", DIGIT_FAMILIES)
+def test_family_default_learning_rate_trains_on_the_digits(family):
+    train, _ = data.load("mnist5k")
+    losses = _losses(family, (1, 28, 28), train)
+    assert np.all(np.isfinite(losses)), losses
+    assert np.mean(losses[-3:]) < losses[0], losses

@@ -1,0 +1,170 @@
+"""A new user's first hour at the command line: family names, the header, the saved configuration,
+output without a terminal, --list_models, "did you mean", the compile notice."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pydtnn.cli import parse_args
+from pydtnn.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+QUICK = ["--num_epochs", "1", "--steps_per_epoch", "2", "--batch_size", "8"]
+
+
+def cli(*args, timeout=300, env=None, launcher=()):
+    return subprocess.run([*launcher, sys.executable, "-m", "pydtnn", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def one_error_line(r, *words):
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    lines = [s for s in r.stderr.splitlines() if s.startswith("pydtnn: error:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_family_name_trains_on_the_default_digits_and_the_header_says_how():
+    r = cli("--model", "vgg16", *QUICK)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pydtnn: model vgg16_cifar10 (from --model vgg16), 33,637,066 parameters" in r.stderr
+    assert "adapted: first layer takes 1 channel (designed for 3)" in r.stderr
+    assert "adapted: 28x28 images zero-padded to its design size 32x32" in r.stderr
+    assert "final: test_loss" in r.stdout
+
+
+def test_suffixed_cifar_model_on_digits_is_padded_not_a_shape_error():
+    r = cli("--model", "resnet20_cifar10", *QUICK)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pydtnn: model resnet20_cifar10, 272,186 parameters" in r.stderr
+    assert "first layer takes 1 channel (designed for 3)" in r.stderr and "zero-padded" in r.stderr
+
+
+def test_a_model_that_cannot_take_the_digits_is_one_line():
+    one_error_line(cli("--model", "inceptionv3", *QUICK), "inceptionv3_imagenet cannot take 1x28x28 images",
+                   "--dataset imagenet")
+
+
+def test_list_models_is_a_table_of_facts():
+    r = cli("--list_models")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["model", "input", "classes", "parameters", "GFLOPs"]
+    rows = {line.split()[0]: line.split() for line in lines[2:] if line and not line.startswith(("Family", " "))}
+    assert rows["resnet20_cifar10"] == ["resnet20_cifar10", "3x32x32", "10", "272,474", "0.083"]
+    assert rows["resnet50_imagenet"][1:4] == ["3x224x224", "1000", "25,557,032"]
+    families = {line.split()[0]: line.split()[1:] for line in lines if line.startswith("  ")}
+    assert families["vgg16"] == ["vgg16_cifar10", "/", "vgg16_imagenet"] and families["resnet50"] == ["resnet50_imagenet"]
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["--batchsize", "3"], "did you mean '--batch_size'?"),
+    (["--learning-rte", "0.1"], "did you mean '--learning-rate'?"),
+    (["--optimizer", "sdg"], "did you mean 'sgd'?"),
+    (["--reduction", "bucket"], "did you mean 'bucketed'?"),
+])
+def test_misspelled_flags_and_choices_get_a_suggestion(argv, hint):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert hint in str(e.value)
+
+
+def test_misspelled_model_at_the_command_line():
+    one_error_line(cli("--model", "mobilenet", *QUICK), "unknown model 'mobilenet'", "did you mean 'mobilenetv1'?")
+
+
+def test_without_a_terminal_no_bars_but_one_line_per_epoch(tmp_path):
+    for progress in ([], ["--progress", "false"]):
+        r = cli("--model", "simplemlp", "--num_epochs", "2", "--steps_per_epoch", "3", *progress)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "\r" not in r.stderr and "batch/s" not in r.stderr and "it/s" not in r.stderr
+        epochs = [s for s in r.stderr.splitlines() if s.startswith("epoch ")]
+        assert [s.split(":")[0] for s in epochs] == ["epoch 1", "epoch 2"], r.stderr
+        assert "configuration {" not in r.stderr  # no one-line JSON dump
+
+
+def test_config_json_holds_the_values_used_and_is_a_config_file(tmp_path):
+    ckpt = tmp_path / "ck"
+    r = cli("--model", "simplemlp", *QUICK, "--checkpoint_dir", ckpt, "--progress", "false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["learning_rate"] == 0.05 and config["momentum"] == 0.9 and config["decay"] == 0.0
+    assert config["progress"] is False and config["model"] == "simplemlp"
+    eff = config["effective"]
+    assert eff["learning_rate"] == 0.05 and eff["parallel"] == "sequential" and eff["processes"] == 1
+    assert eff["model"] == "simplemlp" and eff["input_shape"] == [1, 28, 28] and eff["global_batch_size"] == 8
+    args = parse_args(["--config", str(ckpt / "config.json")])
+    assert args.learning_rate == 0.05 and args.progress is False and args.batch_size == 8
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="pip install mpich puts mpiexec next to python")
+def test_two_processes_state_the_learning_rate_scaling_and_save_the_scaled_rate(tmp_path):
+    ckpt = tmp_path / "ck"
+    r = cli("--model", "simplemlp", *QUICK, "--checkpoint_dir", ckpt, launcher=(MPIEXEC, "-n", "2"), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 processes, data parallel, bucketed gradient reduction, batch 8 per process (16 global)" in r.stderr
+    assert "learning rate 0.1 = 0.05 x 2 processes" in r.stderr
+    assert r.stderr.count("pydtnn: model simplemlp") == 1  # the header comes from rank 0 only
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["learning_rate"] == 0.05 and config["effective"]["learning_rate"] == 0.1
+    assert config["effective"]["reduction"] == "bucketed" and config["effective"]["processes"] == 2
+
+
+def test_compile_notice_only_while_the_cache_is_cold(tmp_path, monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "cold"))
+    code = "import json; from pydtnn.backends import compiled; print(json.dumps(compiled.cache_dir()))"
+
+    def cache_dir():
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return json.loads(r.stdout)
+
+    path, held = cache_dir()
+    assert path.startswith(str(tmp_path / "cold")) and held is False
+    os.makedirs(path, exist_ok=True)
+    open(os.path.join(path, "compiled._rounded-62.py311.nbi"), "wb").close()
+    assert cache_dir() == [path, True]
+
+
+@pytest.mark.slow
+def test_first_run_says_it_compiles_and_the_second_does_not(tmp_path):
+    pytest.importorskip("numba")
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    first = cli("--model", "simplecnn", *QUICK, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "pydtnn: compiling CPU kernels, first run only" in first.stderr
+    second = cli("--model", "simplecnn", *QUICK, env=env, timeout=600)
+    assert second.returncode == 0 and "compiling" not in second.stderr, second.stderr[-3000:]
+
+
+# -- datasets from the command line: found where they were fetched, or fetched with --download ---------
+def _serve_fashion_mnist(tmp_path, monkeypatch):
+    """REMOTE['fashion_mnist'] pointed at small, real-format files behind file:// URLs."""
+    from test_data_download import write_mnist_gz
+
+    from pydtnn.data import datasets as registry
+
+    monkeypatch.setitem(registry.REMOTE, "fashion_mnist", write_mnist_gz(tmp_path / "www", n_train=40, n_test=10))
+
+
+def test_download_flag_fetches_then_a_plain_run_finds_the_copy(tmp_path, monkeypatch, capsys):
+    from pydtnn.cli import main
+
+    monkeypatch.delenv("PYDTNN_DATA_DIR", raising=False)
+    monkeypatch.setenv("PYDTNN_DATA", str(tmp_path / "data"))
+    _serve_fashion_mnist(tmp_path, monkeypatch)
+    argv = ["--dataset", "fashion_mnist", "--model", "simplemlp", *QUICK, "--progress", "false"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pass --download" in err and str(tmp_path / "data" / "fashion_mnist") in err
+    assert main(argv + ["--download"]) == 0
+    assert os.path.isdir(tmp_path / "data" / "fashion_mnist")
+    # another process, no --download, no path, no URL table of ours: the fetched copy is found
+    r = cli(*argv, env={"PYDTNN_DATA": str(tmp_path / "data")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data fashion_mnist: 40 train, 0 validation, 10 test" in r.stderr
