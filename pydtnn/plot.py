@@ -33,13 +33,28 @@ def read_metrics(path):
 
 def plot(path, out=None, title=None):
     """Draw loss and accuracy against epoch; returns the PNG path written."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(path, title)
+    out = out or os.path.splitext(path)[0] + ".png"
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        raise ConfigError(f"cannot write {out}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+    return out
+
+
+def figure(path, title=None):
+    """The matplotlib Figure of plot(): loss and accuracy against whole epochs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     epochs, final = read_metrics(path)
-    out = out or os.path.splitext(path)[0] + ".png"
     x = [r["epoch"] for r in epochs]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     for ax, key in zip(axes, ("loss", "accuracy")):
@@ -50,18 +65,13 @@ def plot(path, out=None, title=None):
         if final and final.get(f"test_{key}") is not None:
             ax.axhline(final[f"test_{key}"], color="gray", lw=1, ls=":", label=f"test {key} {final[f'test_{key}']:.4g}")
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole: no tick at 1.5
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
     fig.suptitle(title or os.path.basename(path))
-    try:
-        fig.savefig(out, dpi=110)
-    except OSError as e:
-        raise ConfigError(f"cannot write {out}: {e.strerror}") from None
-    finally:
-        plt.close(fig)
-    return out
+    return fig
 
 
 def main(argv=None):

@@ -168,3 +168,22 @@ def test_download_flag_fetches_then_a_plain_run_finds_the_copy(tmp_path, monkeyp
     r = cli(*argv, env={"PYDTNN_DATA": str(tmp_path / "data")})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "data fashion_mnist: 40 train, 0 validation, 10 test" in r.stderr
+
+
+@pytest.mark.parametrize("n_epochs", [2, 3, 7])
+def test_plot_ticks_are_whole_epochs(tmp_path, n_epochs):
+    import matplotlib.pyplot as plt
+
+    from pydtnn.plot import figure
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"epoch": e, "loss": 1.0 / e, "accuracy": 0.5 + e / 100}) + "\n"
+                            for e in range(1, n_epochs + 1)))
+    fig = figure(str(path))
+    try:
+        for ax in fig.axes:
+            lo, hi = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+            assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    finally:
+        plt.close(fig)
