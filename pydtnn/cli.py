@@ -108,10 +108,12 @@ def build_parser(suppress_defaults=False):
     g = p.add_argument_group("model")
     f(g, "model", default="simplecnn", help="architecture (see --list_models); default simplecnn")
     f(g, "list_models", type=parse_bool, default=False, help="print the model zoo and exit")
-    f(g, "batch_size", type=positive_int, default=64, help="samples per step and process (default 64)")
+    f(g, "batch_size", type=positive_int, default=None,
+      help="samples per step and process (default 64; 16 for VGG without BatchNorm, see docs/models.md)")
     f(g, "global_batch_size", type=positive_int, default=None,
       help="samples per step over all processes; must divide by the process count (sets --batch_size)")
-    f(g, "num_epochs", type=positive_int, default=10, help="epochs to train (default 10)")
+    f(g, "num_epochs", type=positive_int, default=None,
+      help="epochs to train (default 10; 7 for VGG without BatchNorm, see docs/models.md)")
     f(g, "accumulation_steps", type=positive_int, default=1,
       help="split each step's batch into this many micro-batches, summing gradients: one reduction and "
            "one update per step, activation memory of a micro-batch (default 1)")
@@ -137,7 +139,8 @@ def build_parser(suppress_defaults=False):
     g = p.add_argument_group("optimizer")
     f(g, "optimizer", default="sgd", choices=optim.NAMES, help="default sgd")
     f(g, "learning_rate", type=non_negative_float, default=None,
-      help="default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_LR.items()))
+      help="per process, before --learning_rate_scaling; default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_LR.items())
+           + " (sgd: 0.005 for VGG without BatchNorm, see docs/models.md)")
     f(g, "momentum", type=fraction, default=None, help="SGD/RMSProp momentum (default: sgd 0.9, rmsprop 0)")
     f(g, "nesterov", type=parse_bool, default=False, help="Nesterov momentum for SGD")
     f(g, "decay", type=non_negative_float, default=None,

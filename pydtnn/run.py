@@ -12,7 +12,7 @@ import sys
 import time
 
 from pydtnn import checkpoint, data, losses, models, optim
-from pydtnn.backends import get_backend
+from pydtnn.backends import CPUBackend, get_backend
 from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
 from pydtnn.distributed import launch, reducers
 from pydtnn.distributed.consistency import broadcast_state
@@ -21,7 +21,7 @@ from pydtnn.optim import schedules as sch
 from pydtnn.trainer import MetricsFile, Trainer, format_record
 
 # flags that describe how to run rather than what to compute: not saved as the run's configuration
-_NOT_SAVED = ("config", "resume", "list_models", "profile", "explicit", "overwrite")
+_NOT_SAVED = ("config", "resume", "list_models", "profile", "explicit", "overwrite", "download")
 # flags naming files and folders: saved as absolute paths, so a resumed run finds them from any directory
 PATH_FLAGS = ("dataset_train_path", "dataset_test_path", "weights_and_bias_filename", "checkpoint_dir",
               "metrics_file", "history_file", "tracer_output")
@@ -95,16 +95,22 @@ def run(args):
             raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by {world} processes")
         args.batch_size = args.global_batch_size // world
     check_outputs(args, comm)
+    # the flags as given (None: "the default for this model and optimizer"), saved as the run's
+    # configuration; the values they resolve to are saved next to them as "effective"
+    config = {k: (os.path.abspath(v) if k in PATH_FLAGS and isinstance(v, str) else v)
+              for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
 
     backend = get_backend("gpu" if args.enable_gpu else "cpu", args.dtype, args.seed)
-    train, val, test = load_datasets(args)
+    train, val, test = load_datasets(args, comm)
     check_monitored(args, val)
     choice, model = resolve_model(args.model, train, backend)
-    fill_defaults(args, choice.name)
-    if choice.input_shape != tuple(train.input_shape):
+    data_shape = tuple(train.input_shape)
+    if choice.input_shape != tuple(train.input_shape):  # before augmentation, so crops see the padded image
         from pydtnn.data.pad import PaddedDataset
 
         train, val, test = (None if d is None else PaddedDataset(d, choice.input_shape) for d in (train, val, test))
+    train = augmented(train, args)
+    fill_defaults(args, choice.name)
     if args.weights_and_bias_filename and not args.resume:  # a resumed run takes every weight from its checkpoint
         checkpoint.load_weights(args.weights_and_bias_filename, model)
     grad_comm = comm
@@ -115,17 +121,16 @@ def run(args):
         if args.enable_nccl:
             grad_comm = NcclComm(comm)
         say(f"pydtnn: {backend}, {grad_comm.name} gradient reduction" if world > 1 else f"pydtnn: {backend}")
-    options = optimizer_options(args)
+    options = optimizer_options(args, choice.name)
     lr_note = ""
     if world > 1 and args.learning_rate_scaling and args.global_batch_size is None:
         options["lr"] *= world  # the global batch grew P times (Goyal et al. 2017)
-        lr_note = (f" = {args.learning_rate:g} x {world} processes (linear scaling; --learning_rate_scaling "
-                   f"false keeps {args.learning_rate:g})")
+        base = options["lr"] / world
+        lr_note = f" = {base:g} x {world} processes (linear scaling; --learning_rate_scaling false keeps {base:g})"
     optimizer = optim.create(args.optimizer, model.parameters(), **options)
     schedules = build_schedules(args, world)
-    reducer = None
-    if world > 1:
-        strategy = args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
+    reducer, strategy = None, reduction_strategy(args, world)
+    if strategy is not None:
         reducer_options = {"compression": args.gradient_compression}
         if strategy == "bucketed":
             reducer_options["bucket_mb"] = args.bucket_size_mb
@@ -136,9 +141,7 @@ def run(args):
     trainer.accumulation_steps = args.accumulation_steps
     if args.sync_batchnorm:
         trainer.sync_batchnorm()
-    config = {k: (os.path.abspath(v) if k in PATH_FLAGS and isinstance(v, str) else v)
-              for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
-    effective = effective_values(args, choice, options, world, schedules)
+    effective = effective_values(args, choice, options, world, schedules, strategy)
     trainer.callbacks = build_callbacks(args, trainer, config, effective)
 
     start_epoch = 0
@@ -147,7 +150,7 @@ def run(args):
                              scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
     check_agreement(comm, args, model, (train, val, test), start_epoch)
     broadcast_state(comm, model, optimizer)
-    for line in header(args, choice, model, (train, val, test), effective, lr_note):
+    for line in header(args, choice, model, (train, val, test), effective, lr_note, data_shape):
         say(line)
     if args.summary and comm.rank == 0:
         model.summary(file=sys.stderr)
@@ -180,11 +183,14 @@ def run(args):
 
 def announce_compilation(backend, say):
     """One line before the first compiled CPU kernel when Numba's cache does not hold them yet."""
-    if getattr(backend, "kernels", None) != "numba":
+    if not isinstance(backend, CPUBackend) or backend.kernels != "numba":
         return
     from pydtnn.backends import compiled
 
-    path, held = compiled.cache_dir()
+    try:
+        path, held = compiled.cache_dir()
+    except Exception:  # Numba's cache locators are not public API: without them, no notice
+        return
     if not held:
         say(f"pydtnn: compiling CPU kernels, first run only (about 30 s); cached in {path}")
 
@@ -221,46 +227,47 @@ def resolve_model(name, train, backend):
 
 
 def fill_defaults(args, model_name):
-    """Set the optimizer flags left unset (None) to the values the run uses, so that the printed and
-    saved configuration holds numbers, not nulls. Only values that do not depend on the process count
-    are filled: a checkpoint resumes at any layout."""
-    from pydtnn.cli import DEFAULT_LR
-    from pydtnn.models.families import default_learning_rate
+    """--batch_size and --num_epochs left unset take the model family's values (models/families.py)."""
+    from pydtnn.models.families import recipe
 
-    if args.learning_rate is None:
-        args.learning_rate = default_learning_rate(model_name, args.optimizer) or DEFAULT_LR[args.optimizer]
-    if args.momentum is None and args.optimizer in ("sgd", "rmsprop"):
-        args.momentum = 0.9 if args.optimizer == "sgd" else 0.0
-    if args.decay is None:
-        args.decay = 0.01 if args.optimizer == "adamw" else 0.0
+    for key, value in recipe(model_name, args.optimizer).items():
+        if key != "learning_rate" and getattr(args, key) is None:
+            setattr(args, key, value)
 
 
-def effective_values(args, choice, options, world, schedules):
+def reduction_strategy(args, world):
+    """The gradient reducer's name with several processes (None with one)."""
+    if world == 1:
+        return None
+    return args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
+
+
+def effective_values(args, choice, options, world, schedules, strategy):
     """What the run computes with, after defaults, family resolution, scaling and warm-up: saved in
     config.json under "effective" and summarized in the header."""
-    strategy = None if world == 1 else args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
     out = {"model": choice.name, "input_shape": list(choice.input_shape), "num_classes": choice.num_classes,
            "adapted": list(choice.notes), "processes": world, "parallel": "data" if world > 1 else "sequential",
            "reduction": strategy, "batch_size_per_process": args.batch_size,
-           "global_batch_size": args.batch_size * world, "optimizer": args.optimizer, "learning_rate": options["lr"],
-           **{k: v for k, v in options.items() if k != "lr"}}
+           "global_batch_size": args.batch_size * world, "num_epochs": args.num_epochs,
+           "optimizer": args.optimizer, "learning_rate": options["lr"],
+           **{k: v for k, v in optim.hyperparameters(args.optimizer, **options).items() if k != "lr"}}
     for s in schedules:
         if isinstance(s, sch.WarmUp):
             out["warm_up"] = {"epochs": s.epochs, "start_factor": s.start_factor}
     return out
 
 
-def header(args, choice, model, datasets, eff, lr_note):
-    """The run's few header lines (rank 0 prints them): model, data, parallelism, optimizer."""
+def header(args, choice, model, datasets, eff, lr_note, data_shape):
+    """The run's few header lines (rank 0 prints them): model, data (data_shape: its images before any
+    padding), parallelism, optimizer."""
     train, val, test = datasets
-    data_shape = "x".join(map(str, getattr(getattr(train, "dataset", train), "input_shape", choice.input_shape)))
     name = choice.name if choice.name == args.model else f"{choice.name} (from --model {args.model})"
     yield f"pydtnn: model {name}, {model.count_params():,} parameters"
     for note in choice.notes[1 if choice.name != args.model else 0:]:
         yield f"pydtnn:   adapted: {note}"
     dataset = "synthetic" if args.use_synthetic_data else args.dataset
     yield (f"pydtnn: data {dataset}: {len(train):,} train, {len(val) if val else 0:,} validation, "
-           f"{len(test) if test else 0:,} test; {data_shape} images, {train.num_classes} classes")
+           f"{len(test) if test else 0:,} test; {'x'.join(map(str, data_shape))} images, {train.num_classes} classes")
     if eff["processes"] > 1:
         yield (f"pydtnn: {eff['processes']} processes, data parallel, {eff['reduction']} gradient reduction, "
                f"batch {args.batch_size} per process ({eff['global_batch_size']} global)")
@@ -378,34 +385,49 @@ def check_agreement(comm, args, model, datasets, start_epoch):
     agree(comm, facts)
 
 
-def load_datasets(args):
-    """(train, validation or None, test or None) as the dataset flags say."""
+def load_datasets(args, comm=None):
+    """(train, validation or None, test or None) as the dataset flags say, not yet augmented.
+
+    With --download and several processes, rank 0 fetches first and the others then find its copy."""
     if args.use_synthetic_data or args.dataset == "synthetic":
         from pydtnn.models.families import variant
 
         shape, classes = models.defaults(variant(args.model, (3, 32, 32)))  # a family: its small-image variant
         train, test = data.load("synthetic", input_shape=shape, num_classes=classes, seed=args.seed)
     else:
-        train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path, download=args.download)
+        first = comm is None or comm.size == 1 or comm.rank == 0
+        if args.download and not first:
+            comm.barrier()  # rank 0 has fetched (or failed, and ended the job)
+        train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path,
+                                download=args.download and first)
+        if args.download and first and comm is not None and comm.size > 1:
+            comm.barrier()
     train, val = data.resolve_validation(train, test, args.validation_split, args.test_as_validation, args.seed)
+    return train, val, test
+
+
+def augmented(train, args):
+    """The training set with the flips and crops the flags ask for."""
     return data.with_augmentation(train, flip=args.flip_images, flip_prob=args.flip_images_prob,
-                                  crop=args.crop_images, crop_padding=args.crop_images_padding), val, test
+                                  crop=args.crop_images, crop_padding=args.crop_images_padding)
 
 
 def metric_names(args):
     return tuple(m.strip() for m in args.metrics.split(",") if m.strip())
 
 
-def optimizer_options(args):
+def optimizer_options(args, model_name=None):
     """Keyword arguments of the chosen optimizer from the flags that apply to it.
 
     Flags left unset take the optimizer's own default (AdamW's weight decay stays 0.01), except the
-    learning rate (DEFAULT_LR) and SGD's momentum (0.9), which suit the default model.
+    learning rate (the model family's for SGD, else DEFAULT_LR) and SGD's momentum (0.9).
     """
     from pydtnn.cli import DEFAULT_LR
+    from pydtnn.models.families import recipe
 
     name = args.optimizer
-    opts = {"lr": args.learning_rate if args.learning_rate is not None else DEFAULT_LR[name]}  # see fill_defaults
+    default = recipe(model_name, name).get("learning_rate", DEFAULT_LR[name]) if model_name else DEFAULT_LR[name]
+    opts = {"lr": args.learning_rate if args.learning_rate is not None else default}
     if args.decay is not None:
         opts["weight_decay"] = args.decay
     if name == "sgd":

@@ -15,3 +15,11 @@ def kernels(request, monkeypatch):
     monkeypatch.setattr(cpu, "DIRECT_MIN_WIDTH", 1)
     monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", 0)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def empty_data_directory(tmp_path_factory, monkeypatch):
+    """Every test, and every process it starts, sees an empty data directory: a dataset fetched into
+    ~/.cache/pydtnn on this machine must not change what a test finds."""
+    monkeypatch.delenv("PYDTNN_DATA_DIR", raising=False)
+    monkeypatch.setenv("PYDTNN_DATA", str(tmp_path_factory.mktemp("pydtnn-data")))

@@ -319,3 +319,14 @@ def test_progress_is_a_bar_on_a_terminal_and_two_lines_otherwise(tmp_path, monke
     assert "pydtnn: download" not in err and "\r" in err and "blob.bin" in err  # tqdm's bar, redrawn in place
     data.download(src.as_uri(), tmp_path / "c", sha(payload), progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_an_unwritable_data_folder_is_one_line(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(registry.REMOTE, "fashion_mnist", write_mnist_gz(tmp_path / "www"))
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(data_dir / "fashion_mnist"))
+
+    monkeypatch.setattr(dl, "temp_file", refuse)  # as root, no folder is unwritable: refuse the first write
+    one_line_error(DataError, lambda: data.load("fashion_mnist", download=True), "cannot write dataset fashion_mnist",
+                   "Permission denied", "PYDTNN_DATA")

@@ -8,7 +8,7 @@ from pydtnn.backends import CPUBackend
 from pydtnn.data.pad import PaddedDataset
 from pydtnn.errors import ConfigError
 from pydtnn.losses import SoftmaxCrossEntropy
-from pydtnn.models.families import FAMILIES, default_learning_rate, resolve, variant
+from pydtnn.models.families import FAMILIES, recipe, resolve, variant
 from pydtnn.optim import SGD
 
 
@@ -105,13 +105,12 @@ def test_padded_dataset_centres_the_image_on_normalized_black():
 # Families that take the 28x28 digits; the others (inceptionv3, densenet121/169/201) stop with one
 # line on them (above) and are trained on synthetic images of a size they take.
 DIGIT_FAMILIES = sorted(f for f in FAMILIES if f not in ("inceptionv3", "densenet121", "densenet169", "densenet201"))
-HEAVY = {"googlenet", "vgg19", "vgg19bn", "vgg16", "vgg16bn", "resnet110", "resnet152", "resnet101", "densenet100"}
 
 
-def _losses(family, shape, train, steps=8, processes=2, batch=64):
-    """Losses of `steps` SGD steps at the command line's default rate for this family and its global
-    batch with `processes` processes of `batch` samples (the rate scaled as the command line scales
-    it), on fresh batches of `train`."""
+def _losses(family, shape, train, processes=2):
+    """Losses of SGD steps at the command line's defaults for this family (learning rate, batch size
+    per process) as `processes` processes take them: global batch batch x processes, the rate scaled
+    by `processes`. Families whose recipe has small batches take more steps."""
     from pydtnn.cli import DEFAULT_LR
 
     backend = CPUBackend(seed=0)
@@ -119,9 +118,12 @@ def _losses(family, shape, train, steps=8, processes=2, batch=64):
         v, input_shape=s, num_classes=train.num_classes, backend=backend))
     if choice.input_shape != tuple(train.input_shape):
         train = PaddedDataset(train, choice.input_shape)
-    lr = (default_learning_rate(choice.name, "sgd") or DEFAULT_LR["sgd"]) * processes
+    r = recipe(choice.name)
+    lr = r.get("learning_rate", DEFAULT_LR["sgd"]) * processes
+    n = r["batch_size"] * processes
+    steps = max(8, 1280 // n)  # 1,280 samples: 10 steps at the default batch, 40 for VGG's small ones
     opt, loss_fn = SGD(model.parameters(), lr=lr, momentum=0.9), SoftmaxCrossEntropy()
-    order, n, out = np.random.default_rng(0).permutation(len(train)), batch * processes, []
+    order, out = np.random.default_rng(0).permutation(len(train)), []
     for step in range(steps):
         x, y = train.get_batch(np.sort(order[step * n:(step + 1) * n]), np.float32)
         loss = loss_fn.forward(model.forward(x, training=True), y)
@@ -137,4 +139,5 @@ def test_family_default_learning_rate_trains_on_the_digits(family):
     train, _ = data.load("mnist5k")
     losses = _losses(family, (1, 28, 28), train)
     assert np.all(np.isfinite(losses)), losses
-    assert np.mean(losses[-3:]) < losses[0], losses
+    k = max(2, len(losses) // 5)
+    assert np.mean(losses[-k:]) < np.mean(losses[:k]), losses

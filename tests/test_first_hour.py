@@ -93,13 +93,25 @@ def test_config_json_holds_the_values_used_and_is_a_config_file(tmp_path):
     r = cli("--model", "simplemlp", *QUICK, "--checkpoint_dir", ckpt, "--progress", "false")
     assert r.returncode == 0, r.stderr[-3000:]
     config = json.loads((ckpt / "config.json").read_text())
-    assert config["learning_rate"] == 0.05 and config["momentum"] == 0.9 and config["decay"] == 0.0
+    # the flags as given (null: the default for this model and optimizer), then the values they gave
+    assert config["learning_rate"] is None and config["momentum"] is None and config["batch_size"] == 8
     assert config["progress"] is False and config["model"] == "simplemlp"
     eff = config["effective"]
-    assert eff["learning_rate"] == 0.05 and eff["parallel"] == "sequential" and eff["processes"] == 1
+    assert eff["learning_rate"] == 0.05 and eff["momentum"] == 0.9 and eff["weight_decay"] == 0.0
+    assert eff["parallel"] == "sequential" and eff["processes"] == 1 and eff["reduction"] is None
     assert eff["model"] == "simplemlp" and eff["input_shape"] == [1, 28, 28] and eff["global_batch_size"] == 8
-    args = parse_args(["--config", str(ckpt / "config.json")])
-    assert args.learning_rate == 0.05 and args.progress is False and args.batch_size == 8
+    assert eff["num_epochs"] == 1
+    args = parse_args(["--config", str(ckpt / "config.json"), "--optimizer", "adamw"])
+    assert args.learning_rate is None and args.progress is False and args.batch_size == 8  # adamw's own rate
+
+
+def test_family_recipe_sets_batch_epochs_and_rate_where_no_flag_does(tmp_path):
+    ckpt = tmp_path / "ck"
+    r = cli("--model", "vgg11", "--steps_per_epoch", "1", "--checkpoint_dir", ckpt, "--num_epochs", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    eff = json.loads((ckpt / "config.json").read_text())["effective"]
+    assert (eff["learning_rate"], eff["batch_size_per_process"]) == (0.005, 16)
+    assert "one process, batch 16" in r.stderr and "sgd, learning rate 0.005" in r.stderr
 
 
 @pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="pip install mpich puts mpiexec next to python")
@@ -111,7 +123,7 @@ def test_two_processes_state_the_learning_rate_scaling_and_save_the_scaled_rate(
     assert "learning rate 0.1 = 0.05 x 2 processes" in r.stderr
     assert r.stderr.count("pydtnn: model simplemlp") == 1  # the header comes from rank 0 only
     config = json.loads((ckpt / "config.json").read_text())
-    assert config["learning_rate"] == 0.05 and config["effective"]["learning_rate"] == 0.1
+    assert config["learning_rate"] is None and config["effective"]["learning_rate"] == 0.1
     assert config["effective"]["reduction"] == "bucketed" and config["effective"]["processes"] == 2
 
 

@@ -711,3 +711,15 @@ def test_torchvision_state_dict_drops_counters_and_aux_heads():
     out = torchvision_state_dict(state)
     assert list(out) == ["bn1.weight", "fc.bias"]
     assert all(isinstance(v, np.ndarray) for v in out.values())
+
+
+def test_catalog_for_list_models_is_current():
+    """--list_models reads models/catalog.py (docs/make_models_table.py writes it): every model, with
+    the facts a build gives."""
+    from pydtnn.models.catalog import CATALOG
+
+    assert sorted(CATALOG) == models.names()
+    for name, (shape, classes, params, gflops, _, _) in CATALOG.items():
+        assert (shape, classes) == models.defaults(name) and params == EXPECTED_PARAMS[name], name
+    for name in ("simplecnn", "lenet5", "resnet20_cifar10", "mobilenetv1_cifar10"):
+        assert CATALOG[name][3] == round(models.create(name, backend=shapes_only_backend()).flops() / 1e9, 3), name

@@ -91,6 +91,17 @@ def _probability(name, p):
     return float(p)
 
 
+def black(dataset):
+    """(C,) value of a black (zero) pixel after `dataset`'s normalization (its mean and std, if any)."""
+    value = np.zeros(dataset.input_shape[0])
+    mean, std = getattr(dataset, "mean", None), getattr(dataset, "std", None)
+    if mean is not None:
+        value -= np.asarray(mean, np.float64).reshape(-1)
+    if std is not None:
+        value /= np.asarray(std, np.float64).reshape(-1)
+    return value
+
+
 class Augmentation:
     """Random crop (zero padding) then horizontal flip, applied to training batches only.
 
@@ -145,14 +156,7 @@ class AugmentedDataset:
         augmentation.output_shape(dataset.input_shape)  # refuses a crop that does not fit, now
         self.dataset, self.augment = dataset, augmentation
         self.num_classes, self.name = dataset.num_classes, getattr(dataset, "name", "dataset")
-        c = dataset.input_shape[0]
-        black = np.zeros(c)
-        mean, std = getattr(dataset, "mean", None), getattr(dataset, "std", None)
-        if mean is not None:
-            black -= np.asarray(mean, np.float64).reshape(-1)
-        if std is not None:
-            black /= np.asarray(std, np.float64).reshape(-1)
-        self.fill = black
+        self.fill = black(dataset)
 
     def __len__(self):
         return len(self.dataset)

@@ -184,6 +184,17 @@ def fetch(name, root=None, progress=True):
     it again. Pass the result as train_path to `load` (or call `load(name, download=True)`)."""
     _check_downloadable(name)
     dest = os.path.join(os.fspath(root) if root else cache_dir(), name)
+    try:
+        return _fetch_into(name, dest, progress)
+    except DataError:
+        raise
+    except OSError as e:  # a data folder that exists but cannot be written (a shared $PYDTNN_DATA)
+        where = e.filename or dest
+        raise DataError(f"cannot write dataset {name} into {dest} ({where}: {e.strerror or e}); expected a "
+                        f"writable folder: set PYDTNN_DATA to another") from None
+
+
+def _fetch_into(name, dest, progress):
     files = [f for _, f, _, _ in REMOTE[name]]
     hint = (f"put {', '.join(files)} into {dest} by hand, or pass --dataset_train_path DIR holding {_layout(name)}")
     paths = [download([m + f for m in mirrors], dest, sha, f, size, hint, progress)

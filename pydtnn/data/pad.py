@@ -8,6 +8,7 @@ does, so padding the normalized batch equals padding the raw pixels first.
 
 import numpy as np
 
+from pydtnn.data.augment import black
 from pydtnn.errors import ConfigError
 
 
@@ -23,13 +24,9 @@ class PaddedDataset:
         self.dataset, self.input_shape = dataset, shape
         self.num_classes, self.name = dataset.num_classes, getattr(dataset, "name", "dataset")
         self.top, self.left = (shape[1] - h) // 2, (shape[2] - w) // 2
-        black = np.zeros(c)
-        mean, std = getattr(dataset, "mean", None), getattr(dataset, "std", None)
-        if mean is not None:
-            black -= np.asarray(mean, np.float64).reshape(-1)
-        if std is not None:
-            black /= np.asarray(std, np.float64).reshape(-1)
-        self.fill = black
+        # the normalization, passed on so that augmentation pads crops with the same black
+        self.mean, self.std = getattr(dataset, "mean", None), getattr(dataset, "std", None)
+        self.fill = black(dataset)
 
     def __len__(self):
         return len(self.dataset)

@@ -109,11 +109,12 @@ def create(name, input_shape=None, num_classes=None, backend=None, **options):
 
 def _entry(name):
     if name not in _REGISTRY:
-        raise _unknown(name)
+        raise unknown_model(name)
     return _REGISTRY[name]
 
 
-def _unknown(name):
+def unknown_model(name):
+    """ConfigError for a name that is neither registered nor a family, with the closest one."""
     from pydtnn.suggest import did_you_mean
 
     from pydtnn.models.families import family_of

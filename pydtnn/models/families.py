@@ -1,6 +1,6 @@
 """Family names (vgg16, resnet50, mobilenetv1) resolved to the registered variant that fits the data.
 
-    choice = resolve("vgg16", input_shape=(1, 28, 28), num_classes=10)
+    choice, model = resolve("vgg16", input_shape=(1, 28, 28), num_classes=10)
     choice.name         # 'vgg16_cifar10': images up to 64 pixels a side take the CIFAR-10 variant
     choice.input_shape  # (1, 32, 32): VGG's CIFAR-10 variant needs 32x32, so 28x28 digits are padded
     choice.notes        # what was adapted, for the run's header
@@ -63,12 +63,12 @@ def family_of(name):
 
 def variant(name, input_shape):
     """The registered name `name` stands for, for samples of input_shape (C, H, W); name itself if registered."""
-    from pydtnn.models import _REGISTRY, _unknown
+    from pydtnn import models
 
-    if name in _REGISTRY:
+    if name in models.names():
         return name
     if name not in FAMILIES:
-        raise _unknown(name)
+        raise models.unknown_model(name)
     variants = FAMILIES[name]
     small = len(input_shape) == 3 and max(input_shape[1:]) <= SMALL_SIDE
     return variants["cifar10" if small else "imagenet"] or variants["imagenet"] or variants["cifar10"]
@@ -107,14 +107,21 @@ def resolve(name, input_shape, num_classes, build=None):
                           f"(--dataset imagenet) or a model for small images ({', '.join(small)})") from None
 
 
-# SGD learning rates (batch 64 per process, momentum 0.9) that train each family stably from its
-# default initialization; families not listed take the optimizer's default (cli.DEFAULT_LR).
-SGD_LEARNING_RATES = {}
+# How a family trains from the command line where --learning_rate, --batch_size or --num_epochs are not
+# given. VGG without BatchNorm sits on a plateau (loss ~2.3) for its first ~100 updates whatever the
+# batch, and a rate that leaves it sooner (0.05 per process) ends it at a loss of ln 10 for good; so it
+# takes small batches, many updates, at 0.005 per 16 samples. Measured on the embedded digits with two
+# processes (docs/models.md): 95.6% test accuracy after 4 epochs, about 70 s each on two cores.
+RECIPES = {
+    **{f"vgg{d}": {"learning_rate": 0.005, "batch_size": 16, "num_epochs": 7} for d in (11, 13, 16, 19)},
+}
+DEFAULT_RECIPE = {"batch_size": 64, "num_epochs": 10}
 
 
-def default_learning_rate(name, optimizer):
-    """The default learning rate of registered model `name` with `optimizer`, or None (the optimizer's)."""
+def recipe(name, optimizer="sgd"):
+    """{"batch_size", "num_epochs"[, "learning_rate"]} the command line uses for registered model `name`
+    where the flags are not given; the learning rate is the family's for SGD only (else the optimizer's)."""
+    out = {**DEFAULT_RECIPE, **RECIPES.get(family_of(name) or name, {})}
     if optimizer != "sgd":
-        return None
-    family = family_of(name) or name
-    return SGD_LEARNING_RATES.get(family)
+        out.pop("learning_rate", None)
+    return out

@@ -30,4 +30,12 @@ def create(name, params, **hyper):
     return cls(params, **hyper)
 
 
-__all__ = ["Adam", "AdamW", "create", "NAMES", "Nadam", "Optimizer", "RMSProp", "SGD"]
+def hyperparameters(name, **hyper):
+    """Every hyperparameter optimizer `name` runs with: its constructor's defaults updated with `hyper`."""
+    cls = _CLASSES[str(name).lower()]
+    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()
+                if k != "params" and p.default is not inspect.Parameter.empty}
+    return {**defaults, **hyper}
+
+
+__all__ = ["Adam", "AdamW", "create", "hyperparameters", "NAMES", "Nadam", "Optimizer", "RMSProp", "SGD"]
