@@ -48,9 +48,12 @@ which:
   built for the images as they are (the ImageNet variants end in adaptive pooling: `resnet50` trains
   on 28x28 digits); a model that cannot take them (`inceptionv3`, `densenet121`, `vgg16_imagenet` on
   28x28) stops with one line naming a dataset and the models that fit.
-- Each family trains from its default initialization at its default learning rate (`SGD_LEARNING_RATES`
-  in `pydtnn/models/families.py`, else the optimizer's default); tests/test_families.py runs a few
-  steps of every family on the digits and checks that the loss falls.
+- Each family trains from its default initialization with the command line's defaults (SGD, momentum
+  0.9, 0.05 per process, 64 samples per process, 10 epochs), except where `RECIPES` in
+  `pydtnn/models/families.py` says otherwise: VGG without BatchNorm sits on a plateau for its first
+  hundred or so updates and dies at 0.05, so it takes 16 samples per process at 0.005 for 7 epochs.
+  The flags override any of these. tests/test_families.py runs every family's defaults on the digits,
+  as two processes would, and checks that the loss falls.
 
 ## Where the architectures come from
 

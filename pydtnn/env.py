@@ -9,8 +9,9 @@ exit code 2 at the command line) naming the variable, its value and what was exp
 | PYDTNN_CUDA_AWARE_MPI | distributed/gpu_comm.py | 1/0 (true/false, yes/no, on/off); unset: ask the MPI library |
 | OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first) |
 
-The launchers' variables (PMI_SIZE, OMPI_COMM_WORLD_RANK, ...) are read by distributed/launch.py and
-PYDTNN_DATA_DIR by data/download.py.
+The launchers' variables (PMI_SIZE, OMPI_COMM_WORLD_RANK, ...) are read by distributed/launch.py, and
+the data directory, PYDTNN_DATA (or the older PYDTNN_DATA_DIR), by data/download.py, which checks it
+the same way.
 """
 
 import os

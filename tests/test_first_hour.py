@@ -199,3 +199,17 @@ def test_plot_ticks_are_whole_epochs(tmp_path, n_epochs):
             assert ticks and all(float(t).is_integer() for t in ticks), ticks
     finally:
         plt.close(fig)
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="pip install mpich puts mpirun next to python")
+def test_the_readme_command_from_examples(tmp_path):
+    """`cd examples; mpirun -np 2 python train.py --model vgg16`, cut to two steps of one epoch."""
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    r = subprocess.run([mpirun, "-np", "2", sys.executable, "train.py", "--model", "vgg16", "--num_epochs", "1",
+                        "--steps_per_epoch", "2"], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.join(ROOT, "examples"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pydtnn: model vgg16_cifar10 (from --model vgg16)" in r.stderr
+    assert "2 processes, data parallel, bucketed gradient reduction, batch 16 per process (32 global)" in r.stderr
+    assert "learning rate 0.01 = 0.005 x 2 processes" in r.stderr
+    assert r.stdout.startswith("final: test_loss")

@@ -172,7 +172,10 @@ def fail(message, code):
 def _report(rank, line):
     """Print `line` to stderr; ranks other than 0 wait GRACE_S first, for rank 0's abort to end them."""
     if rank:
-        time.sleep(GRACE_S)
+        try:
+            time.sleep(GRACE_S)
+        except KeyboardInterrupt:  # a second Ctrl-C: speak at once
+            pass
     print(line, file=sys.stderr, flush=True)
 
 
