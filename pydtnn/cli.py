@@ -153,7 +153,8 @@ def build_parser(suppress_defaults=False):
     f(g, "metrics", default="accuracy", help=f"comma list of {', '.join(metrics.NAMES)}, topK_accuracy")
 
     g = p.add_argument_group("schedules and callbacks")
-    f(g, "lr_schedulers", type=scheduler_list, default="", help=f"comma list of {', '.join(SCHEDULERS)} (default none)")
+    f(g, "lr_schedulers", type=scheduler_list, default=None,
+      help=f"comma list of {', '.join(SCHEDULERS)} (default none; cosine for VGG without BatchNorm, see docs/models.md)")
     f(g, "warm_up_epochs", type=non_negative_int, default=5, help="warm_up: epochs of linear ramp (default 5)")
     f(g, "warm_up_start_factor", type=_number(float, 0.0, lo_open=True, hi=1.0000001), default=None,
       help="warm_up: starting fraction of the learning rate (default 1/processes, or 0.1 with one process)")

@@ -227,7 +227,8 @@ def resolve_model(name, train, backend):
 
 
 def fill_defaults(args, model_name):
-    """--batch_size and --num_epochs left unset take the model family's values (models/families.py)."""
+    """--batch_size, --num_epochs and --lr_schedulers left unset take the model family's values
+    (models/families.py; the learning rate is optimizer_options')."""
     from pydtnn.models.families import recipe
 
     for key, value in recipe(model_name, args.optimizer).items():
@@ -249,6 +250,7 @@ def effective_values(args, choice, options, world, schedules, strategy):
            "adapted": list(choice.notes), "processes": world, "parallel": "data" if world > 1 else "sequential",
            "reduction": strategy, "batch_size_per_process": args.batch_size,
            "global_batch_size": args.batch_size * world, "num_epochs": args.num_epochs,
+           "lr_schedulers": _chosen(args),
            "optimizer": args.optimizer, "learning_rate": options["lr"],
            **{k: v for k, v in optim.hyperparameters(args.optimizer, **options).items() if k != "lr"}}
     for s in schedules:
@@ -442,7 +444,7 @@ def optimizer_options(args, model_name=None):
 
 
 def _chosen(args):
-    return [s for s in args.lr_schedulers.split(",") if s]
+    return [s for s in (args.lr_schedulers or "").split(",") if s]  # None: the family's, set by fill_defaults
 
 
 def build_schedules(args, world):

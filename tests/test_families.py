@@ -121,7 +121,7 @@ def _losses(family, shape, train, processes=2):
     r = recipe(choice.name)
     lr = r.get("learning_rate", DEFAULT_LR["sgd"]) * processes
     n = r["batch_size"] * processes
-    steps = max(8, 1280 // n)  # 1,280 samples: 10 steps at the default batch, 40 for VGG's small ones
+    steps = max(12, 1536 // n)  # 1,536 samples: 12 steps at the default batch, 48 for VGG's small ones
     opt, loss_fn = SGD(model.parameters(), lr=lr, momentum=0.9), SoftmaxCrossEntropy()
     order, out = np.random.default_rng(0).permutation(len(train)), []
     for step in range(steps):
@@ -141,3 +141,24 @@ def test_family_default_learning_rate_trains_on_the_digits(family):
     assert np.all(np.isfinite(losses)), losses
     k = max(2, len(losses) // 5)
     assert np.mean(losses[-k:]) < np.mean(losses[:k]), losses
+
+
+@pytest.mark.parametrize("name,shape", [("resnet56_cifar10", (1, 32, 32)), ("resnet50_imagenet", (1, 28, 28))])
+def test_deep_resnets_start_as_shallow_networks(name, shape):
+    """Each residual block's last BatchNorm weight starts at 0 (zero_init_residual): the first loss is
+    about ln(10). With torchvision's default init (all ones) the deep ResNets start far above it and
+    diverge at 0.1 (tests above)."""
+    from pydtnn.layers import BatchNorm
+
+    train, _ = data.load("mnist5k")
+    x, y = PaddedDataset(train, shape).get_batch(np.arange(0, 4000, 40), np.float32) if shape[1] == 32 else \
+        train.get_batch(np.arange(0, 4000, 40), np.float32)
+    loss = {}
+    for zero in (True, False):
+        model = models.create(name, input_shape=shape, num_classes=10, backend=CPUBackend(seed=0),
+                              zero_init_residual=zero)
+        last = [layer for path, layer in model.layers() if isinstance(layer, BatchNorm) and path.startswith("layer")
+                and path.rsplit(".", 1)[-1] == ("bn3" if "50" in name else "bn2")]
+        assert last and all(np.all(b.params["weight"] == (0.0 if zero else 1.0)) for b in last)
+        loss[zero] = float(SoftmaxCrossEntropy().forward(model.forward(x, training=True), y))
+    assert abs(loss[True] - np.log(10)) < 0.3 < loss[False] - np.log(10), loss

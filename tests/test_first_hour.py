@@ -110,8 +110,12 @@ def test_family_recipe_sets_batch_epochs_and_rate_where_no_flag_does(tmp_path):
     r = cli("--model", "vgg11", "--steps_per_epoch", "1", "--checkpoint_dir", ckpt, "--num_epochs", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     eff = json.loads((ckpt / "config.json").read_text())["effective"]
-    assert (eff["learning_rate"], eff["batch_size_per_process"]) == (0.005, 16)
+    assert (eff["learning_rate"], eff["batch_size_per_process"], eff["lr_schedulers"]) == (0.005, 16, ["cosine"])
     assert "one process, batch 16" in r.stderr and "sgd, learning rate 0.005" in r.stderr
+    assert "1 epoch; schedules: cosine" in r.stderr
+    r = cli("--model", "vgg11bn", "--steps_per_epoch", "1", "--num_epochs", "1", "--lr_schedulers", "warm_up")
+    assert r.returncode == 0, r.stderr[-3000:]  # BatchNorm: the plain defaults; a flag given wins
+    assert "one process, batch 64" in r.stderr and "learning rate 0.05;" in r.stderr and "schedules: warm_up" in r.stderr
 
 
 @pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="pip install mpich puts mpiexec next to python")

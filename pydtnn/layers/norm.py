@@ -24,9 +24,10 @@ class BatchNorm(Layer):
     runs the backend's fused per-channel kernels instead (backends/compiled.py), one pass fewer each way.
     """
 
-    def __init__(self, momentum=0.1, eps=1e-5):
+    def __init__(self, momentum=0.1, eps=1e-5, weight_init=1.0):
         super().__init__()
         self.momentum, self.eps = float(momentum), float(eps)
+        self.weight_init = float(weight_init)  # 0 starts a residual branch as nothing (models/resnet.py)
         # Synchronized statistics across data-parallel ranks: an object with allreduce(array) (sum
         # over ranks, in place) and weight (this rank's share of the global batch), set by the trainer.
         self.sync = None
@@ -42,7 +43,7 @@ class BatchNorm(Layer):
             self.expect_rank(3, "(C, H, W) or (C,)")
         c = self.input_shape[0]
         xp = self.xp
-        self.add_param("weight", xp.ones(c, self.dtype))
+        self.add_param("weight", xp.full(c, self.weight_init, self.dtype))
         self.add_param("bias", xp.zeros(c, self.dtype))
         self.add_buffer("running_mean", xp.zeros(c, self.dtype))
         self.add_buffer("running_var", xp.ones(c, self.dtype))
