@@ -136,7 +136,8 @@ def run(args):
             reducer_options["bucket_mb"] = args.bucket_size_mb
         reducer = reducers.create(strategy, grad_comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
-                      progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules, log=log,
+                      progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,
+                      log=log,
                       comm=comm, reducer=reducer)
     trainer.accumulation_steps = args.accumulation_steps
     if args.sync_batchnorm:
@@ -280,7 +281,8 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
     schedules = ",".join(_chosen(args)) or "none"
     if "warm_up" in eff:
         w = eff["warm_up"]
-        schedules = schedules.replace("warm_up", f"warm_up ({_count(w['epochs'], 'epoch')} from {w['start_factor']:g}x)")
+        ramp = f"warm_up ({_count(w['epochs'], 'epoch')} from {w['start_factor']:g}x)"
+        schedules = schedules.replace("warm_up", ramp)
     yield (f"pydtnn: {args.optimizer}, learning rate {eff['learning_rate']:g}{lr_note}; {', '.join(extras)}; "
            f"{_count(args.num_epochs, 'epoch')}; schedules: {schedules}")
     if args.checkpoint_dir and not args.evaluate_only:

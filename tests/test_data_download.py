@@ -19,19 +19,10 @@ from pydtnn import data
 from pydtnn.data import datasets as registry
 from pydtnn.errors import ConfigError, DataError
 from pydtnn.suggest import did_you_mean
+from test_datasets import one_line_error
 
 dl = importlib.import_module("pydtnn.data.download")  # pydtnn.data.download is also the name of a function
 IDX_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-
-
-def one_line_error(exc_type, fn, *words):
-    with pytest.raises(exc_type) as info:
-        fn()
-    msg = str(info.value)
-    assert "\n" not in msg, msg
-    for w in words:
-        assert w in msg, msg
-    return msg
 
 
 def sha(b):

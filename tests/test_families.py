@@ -107,7 +107,7 @@ def test_padded_dataset_centres_the_image_on_normalized_black():
 DIGIT_FAMILIES = sorted(f for f in FAMILIES if f not in ("inceptionv3", "densenet121", "densenet169", "densenet201"))
 
 
-def _losses(family, shape, train, processes=2):
+def _losses(family, shape, train, processes=2, steps=None):
     """Losses of SGD steps at the command line's defaults for this family (learning rate, batch size
     per process) as `processes` processes take them: global batch batch x processes, the rate scaled
     by `processes`. Families whose recipe has small batches take more steps."""
@@ -121,7 +121,7 @@ def _losses(family, shape, train, processes=2):
     r = recipe(choice.name)
     lr = r.get("learning_rate", DEFAULT_LR["sgd"]) * processes
     n = r["batch_size"] * processes
-    steps = max(12, 1536 // n)  # 1,536 samples: 12 steps at the default batch, 48 for VGG's small ones
+    steps = steps or max(12, 1536 // n)  # 1,536 samples: 12 steps at the default batch, 48 for VGG's small ones
     opt, loss_fn = SGD(model.parameters(), lr=lr, momentum=0.9), SoftmaxCrossEntropy()
     order, out = np.random.default_rng(0).permutation(len(train)), []
     for step in range(steps):
@@ -162,3 +162,19 @@ def test_deep_resnets_start_as_shallow_networks(name, shape):
         assert last and all(np.all(b.params["weight"] == (0.0 if zero else 1.0)) for b in last)
         loss[zero] = float(SoftmaxCrossEntropy().forward(model.forward(x, training=True), y))
     assert abs(loss[True] - np.log(10)) < 0.3 < loss[False] - np.log(10), loss
+
+
+# The families that cannot take the 28x28 digits, on synthetic (learnable) images of the smallest
+# size they take: 8 steps of the default global batch, as two processes take it.
+LARGE_IMAGE_FAMILIES = {"inceptionv3": (3, 75, 75), "densenet121": (3, 64, 64), "densenet169": (3, 64, 64),
+                        "densenet201": (3, 64, 64)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(LARGE_IMAGE_FAMILIES))
+def test_family_default_learning_rate_trains_on_larger_images(family):
+    shape = LARGE_IMAGE_FAMILIES[family]
+    train, _ = data.load("synthetic", input_shape=shape, num_classes=10, train_size=1024, test_size=8)
+    losses = _losses(family, shape, train, steps=8)
+    assert np.all(np.isfinite(losses)), losses
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses

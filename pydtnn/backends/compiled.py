@@ -68,7 +68,8 @@ def cache_dir():
         if found is not None:
             path = found.get_cache_path()
             stem = os.path.splitext(os.path.basename(__file__))[0]
-            held = os.path.isdir(path) and any(n.startswith(stem + ".") and n.endswith(".nbi") for n in os.listdir(path))
+            held = os.path.isdir(path) and any(n.startswith(stem + ".") and n.endswith(".nbi")
+                                               for n in os.listdir(path))
             return path, held
     return None, False
 
