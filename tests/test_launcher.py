@@ -81,18 +81,16 @@ def mpiexec(*per_rank, timeout=60):
 @pytest.mark.parametrize("bad,word", [(["--batch_size", "0"], "--batch_size"),
                                       (["--resume", "/nonexistent/ckpt"], "/nonexistent/ckpt")])
 def test_an_error_every_rank_meets_is_printed_once(bad, word):
-    r, seconds = mpiexec(bad, bad)
+    r, _ = mpiexec(bad, bad)
     assert r.returncode == 2, r.stderr[-3000:]
     lines = errors(r.stderr)
     assert len(lines) == 1 and lines[0].startswith("pydtnn: error: rank 0: ") and word in lines[0], r.stderr
     assert "Abort(" not in r.stderr and "MPI_Abort" not in r.stderr, r.stderr
-    assert seconds < 20
 
 
 def test_an_error_one_rank_meets_is_printed_by_that_rank():
-    r, seconds = mpiexec([], ["--batch_size", "0"])
+    r, _ = mpiexec([], ["--batch_size", "0"])
     assert r.returncode == 2, r.stderr[-3000:]
     lines = errors(r.stderr)
     assert len(lines) == 1 and lines[0].startswith("pydtnn: error: rank 1: "), r.stderr
     assert "Abort(" not in r.stderr, r.stderr
-    assert seconds < 20
