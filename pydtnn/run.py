@@ -193,7 +193,7 @@ def announce_compilation(backend, say):
     except Exception:  # Numba's cache locators are not public API: without them, no notice
         return
     if not held:
-        say(f"pydtnn: compiling CPU kernels, first run only (about 30 s); cached in {path}")
+        say(f"pydtnn: compiling CPU kernels, first run only (10-30 s); cached in {path}")
 
 
 def models_table():

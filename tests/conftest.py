@@ -25,9 +25,9 @@ def empty_data_directory(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PYDTNN_DATA_DIR", str(tmp_path_factory.mktemp("pydtnn-data")))
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def return_freed_memory():
-    """After each test, hand freed heap memory back to the system. CPUBackend tells glibc to keep freed
+    """After each test module, hand freed heap memory back to the system. CPUBackend tells glibc to keep freed
     memory for the next training step (backends/cpu.py); over a thousand tests that build models of
     every size, each of malloc's arenas would keep its own peak, and the suite's process grew past 24 GB."""
     yield

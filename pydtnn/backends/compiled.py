@@ -59,7 +59,7 @@ GOMP_SPINCOUNT = "30000"
 
 def cache_dir():
     """The folder where Numba caches these kernels, and whether it holds them already (else the first
-    use compiles them, about 30 s). Numba's own choice: next to this file when that is writable, else a
+    use compiles them, 10-30 s). Numba's own choice: next to this file when that is writable, else a
     per-user cache folder (so a read-only install works), or $NUMBA_CACHE_DIR when set."""
     from numba.core.caching import CacheImpl
 
