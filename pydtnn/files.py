@@ -94,3 +94,11 @@ def check_writable(path, what, made=None):
     if kind is not None:
         raise ConfigError(f"cannot write {what} {path}: it is {kind}; expected a file name")
     return path
+
+
+def is_terminal(stream):
+    """Whether `stream` (e.g. sys.stderr) is an interactive terminal; False for files, pipes, closed streams."""
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False

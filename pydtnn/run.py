@@ -124,8 +124,8 @@ def run(args):
     options = optimizer_options(args, choice.name)
     lr_note = ""
     if world > 1 and args.learning_rate_scaling and args.global_batch_size is None:
+        base = options["lr"]
         options["lr"] *= world  # the global batch grew P times (Goyal et al. 2017)
-        base = options["lr"] / world
         lr_note = f" = {base:g} x {world} processes (linear scaling; --learning_rate_scaling false keeps {base:g})"
     optimizer = optim.create(args.optimizer, model.parameters(), **options)
     schedules = build_schedules(args, world)
@@ -137,8 +137,7 @@ def run(args):
         reducer = reducers.create(strategy, grad_comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,
-                      log=log,
-                      comm=comm, reducer=reducer)
+                      log=log, comm=comm, reducer=reducer)
     trainer.accumulation_steps = args.accumulation_steps
     if args.sync_batchnorm:
         trainer.sync_batchnorm()

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from pydtnn import metrics as metric_fns
 from pydtnn.data.dataset import batch_slices, epoch_order
 from pydtnn.errors import ConfigError, DataError, TrainingDiverged
+from pydtnn.files import is_terminal
 from pydtnn.optim.schedules import learning_rate
 
 
@@ -90,7 +91,7 @@ class Trainer:
         self.reducer = reducer.attach(model) if reducer is not None else None
         # bars only on a terminal (redirected to a file they would fill it with carriage returns);
         # the one summary line per epoch is on wherever progress is, or as epoch_lines says
-        self.progress = progress and self.is_root and _is_terminal(sys.stderr)
+        self.progress = progress and self.is_root and is_terminal(sys.stderr)
         self.epoch_lines = (progress if epoch_lines is None else epoch_lines) and self.is_root
         self.metrics_file = metrics_file if self.is_root else None
         say = log or (lambda msg: print(msg, file=sys.stderr))
@@ -444,9 +445,3 @@ def format_record(r):
     head = "final" if r.get("final") else f"epoch {r['epoch']}"
     return f"{head}: " + ", ".join(parts)
 
-
-def _is_terminal(stream):
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # replaced or closed streams
-        return False

@@ -19,7 +19,7 @@ import urllib.parse
 import urllib.request
 
 from pydtnn.errors import ConfigError, DataError
-from pydtnn.files import kind_of
+from pydtnn.files import is_terminal, kind_of
 
 CHUNK = 1 << 20
 ENV_VARS = ("PYDTNN_DATA", "PYDTNN_DATA_DIR")  # read in this order; PYDTNN_DATA_DIR is the older name
@@ -67,14 +67,6 @@ def human_size(n):
             v = n / scale
             return f"{v:.0f} {unit}" if v >= 9.95 else f"{v:.1f} {unit}"
     return f"{n} bytes"
-
-
-def is_terminal(stream):
-    """Whether `stream` (e.g. sys.stderr) is an interactive terminal; False for files, pipes, closed streams."""
-    try:
-        return bool(stream is not None and stream.isatty())
-    except (AttributeError, ValueError, OSError):
-        return False
 
 
 def temp_file(folder, prefix):
