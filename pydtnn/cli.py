@@ -15,7 +15,6 @@ import sys
 from pydtnn.errors import ConfigError, PydtnnError
 
 TRUE, FALSE = ("true", "1", "yes", "y", "on"), ("false", "0", "no", "n", "off")
-DEFAULT_LR = {"sgd": 0.05, "rmsprop": 0.001, "adam": 0.001, "adamw": 0.001, "nadam": 0.002}
 SCHEDULERS = ("warm_up", "reduce_lr_on_plateau", "reduce_lr_every_nepochs", "cosine", "early_stopping",
               "stop_at_loss", "model_checkpoint")
 
@@ -100,6 +99,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser(suppress_defaults=False):
     """The parser; with suppress_defaults, parse_args returns only the flags actually given."""
     from pydtnn import data, losses, metrics, optim
+    from pydtnn.models.families import DEFAULT_LR
 
     p = Parser(prog="pydtnn", description="Train and evaluate a model with pydtnn.", allow_abbrev=False,
                argument_default=argparse.SUPPRESS if suppress_defaults else None)

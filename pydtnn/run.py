@@ -425,8 +425,7 @@ def optimizer_options(args, model_name=None):
     Flags left unset take the optimizer's own default (AdamW's weight decay stays 0.01), except the
     learning rate (the model family's for SGD, else DEFAULT_LR) and SGD's momentum (0.9).
     """
-    from pydtnn.cli import DEFAULT_LR
-    from pydtnn.models.families import recipe
+    from pydtnn.models.families import DEFAULT_LR, recipe
 
     name = args.optimizer
     default = recipe(model_name, name).get("learning_rate", DEFAULT_LR[name]) if model_name else DEFAULT_LR[name]

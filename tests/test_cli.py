@@ -105,3 +105,21 @@ def test_cli_reference_is_current(tmp_path):
     for flag in ("--batch_size", "--global_batch_size", "--lr_schedulers", "--resume", "--config", "--tracing",
                  "--profile", "--non_blocking_mpi", "--enable_nccl", "--test_as_validation", "--history_file"):
         assert f"`{flag}`" in text, flag
+
+
+def _fresh(code):
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+def test_run_does_not_import_the_command_line():
+    """cli.py uses run.py, never the reverse: run.py imports alone in a fresh interpreter and resolves a
+    run's optimizer options without loading cli.py, and cli.py imports alone and builds its parser."""
+    assert _fresh("import sys, types\n"
+                  "from pydtnn import run\n"
+                  "args = types.SimpleNamespace(optimizer='adam', learning_rate=None, decay=None, beta1=0.9,"
+                  " beta2=0.999, epsilon=1e-8)\n"
+                  "assert run.optimizer_options(args, 'simplecnn')['lr'] == 0.001\n"
+                  "print('pydtnn.cli' in sys.modules)") == ["False"]
+    assert _fresh("from pydtnn import cli\nprint(cli.build_parser().prog)") == ["pydtnn"]

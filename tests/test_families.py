@@ -112,7 +112,7 @@ def _losses(family, shape, train, processes=2, steps=None):
     """Losses of SGD steps at the command line's defaults for this family (learning rate, batch size
     per process) as `processes` processes take them: global batch batch x processes, the rate scaled
     by `processes`. Families whose recipe has small batches take more steps."""
-    from pydtnn.cli import DEFAULT_LR
+    from pydtnn.models.families import DEFAULT_LR
 
     backend = CPUBackend(seed=0)
     choice, model = resolve(family, shape, train.num_classes, build=lambda v, s: models.create(

@@ -121,6 +121,8 @@ RECIPES = {
     "mobilenetv1": {"learning_rate": 0.025},
 }
 DEFAULT_RECIPE = {"batch_size": 64, "num_epochs": 10, "lr_schedulers": ""}
+# learning rate per optimizer where neither --learning_rate nor the family's recipe gives one
+DEFAULT_LR = {"sgd": 0.05, "rmsprop": 0.001, "adam": 0.001, "adamw": 0.001, "nadam": 0.002}
 
 
 def recipe(name, optimizer="sgd"):
