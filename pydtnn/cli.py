@@ -17,6 +17,18 @@ from pydtnn.errors import ConfigError, PydtnnError
 TRUE, FALSE = ("true", "1", "yes", "y", "on"), ("false", "0", "no", "n", "off")
 SCHEDULERS = ("warm_up", "reduce_lr_on_plateau", "reduce_lr_every_nepochs", "cosine", "early_stopping",
               "stop_at_loss", "model_checkpoint")
+# Library errors name the Python parameter (data.load's train_path=DIR); the command line names the flag
+# that sets it. Each pair: how a library message writes the parameter, what the user types instead.
+FLAG_TERMS = ((r"\bdownload=True\b", "--download"), (r"\btrain_path=", "--dataset_train_path "),
+              (r"\btest_as_validation=True\b", "--test_as_validation"), (r"\bvalidation_split=", "--validation_split "),
+              (r"\bcrop_padding=", "--crop_images_padding "), (r"\bpydtnn\.models\.names\(\)", "--list_models"))
+
+
+def in_flag_terms(message):
+    """A library error's `message` with each Python parameter it names (FLAG_TERMS) given as its flag."""
+    for pattern, flag in FLAG_TERMS:
+        message = re.sub(pattern, flag, message)
+    return message
 
 
 def parse_bool(text):
@@ -331,7 +343,7 @@ def main(argv=None):
             return _profiled(run, args)
         run(args)
     except PydtnnError as e:
-        return _fail(f"{' '.join(str(e).split())}", 2)
+        return _fail(in_flag_terms(" ".join(str(e).split())), 2)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
     return 0

@@ -119,7 +119,10 @@ def run(args):
 
         comm = grad_comm = DeviceComm(comm)
         if args.enable_nccl:
-            grad_comm = NcclComm(comm)
+            try:
+                grad_comm = NcclComm(comm)
+            except ConfigError as e:
+                raise ConfigError(f"--enable_nccl: {e}, or run without --enable_nccl (MPI through host memory)") from None
         say(f"pydtnn: {backend}, {grad_comm.name} gradient reduction" if world > 1 else f"pydtnn: {backend}")
     options = optimizer_options(args, choice.name)
     lr_note = ""

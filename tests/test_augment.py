@@ -133,13 +133,13 @@ def test_crop_padding_or_size_beyond_the_image_is_refused_when_attached():
     """--crop_images_padding 100000 would allocate N x C x 200008 x 200010 pixels at the first batch."""
     x, y = images(h=8, w=10), np.zeros(6, int)
     for ds in (ArrayDataset(x, y, 1), ShardedArrayDataset([x], y, 1, ["mem"], "mem")):
-        with pytest.raises(ConfigError, match=r"crop_padding 100000 .*8x10.*expected at most 10"):
+        with pytest.raises(ConfigError, match=r"crop_padding=100000 .*8x10.*expected at most 10"):
             with_augmentation(ds, crop=True, crop_padding=100000)
         with pytest.raises(ConfigError, match="crop size 30 exceeds the padded image 12x14"):
             with_augmentation(ds, crop=True, crop_padding=2, crop_size=30)
         assert with_augmentation(ds, crop=True, crop_padding=10).input_shape == (3, 8, 10)
         assert with_augmentation(ds, flip=True, crop_padding=100000).input_shape == (3, 8, 10)  # no crop: unused
-    with pytest.raises(ConfigError, match="crop_padding 11"):
+    with pytest.raises(ConfigError, match="crop_padding=11"):
         Augmentation(crop=True, crop_padding=11).output_shape((3, 8, 10))
-    with pytest.raises(ConfigError, match="crop_padding 11"):
+    with pytest.raises(ConfigError, match="crop_padding=11"):
         random_crop(x, np.random.default_rng(0), None, 11)

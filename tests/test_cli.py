@@ -123,3 +123,25 @@ def test_run_does_not_import_the_command_line():
                   "assert run.optimizer_options(args, 'simplecnn')['lr'] == 0.001\n"
                   "print('pydtnn.cli' in sys.modules)") == ["False"]
     assert _fresh("from pydtnn import cli\nprint(cli.build_parser().prog)") == ["pydtnn"]
+
+
+def test_library_errors_name_parameters_and_the_command_line_names_flags(capsys):
+    """data.load tells a Python caller its parameters (train_path=DIR, download=True); the same
+    mistakes made at the command line are told in flags (--dataset_train_path DIR, --download)."""
+    from pydtnn import data
+    from pydtnn.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:  # no copy in the (empty) data directory
+        data.load("cifar10")
+    assert "pass download=True to fetch it" in str(e.value) and "or train_path=DIR holding" in str(e.value)
+    assert "--" not in str(e.value)
+    with pytest.raises(ConfigError, match="validation_split=0.2 and test_as_validation=True are exclusive"):
+        data.resolve_validation(None, None, 0.2, True)
+
+    for argv, words in ((["--dataset", "cifar10"], ["pass --download to fetch it", "or --dataset_train_path DIR holding"]),
+                        (["--validation_split", "0.2", "--test_as_validation"],
+                         ["--validation_split 0.2 and --test_as_validation are exclusive"])):
+        assert main([*argv, "--progress", "false"]) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words), err
+        assert "train_path=" not in err and "=True" not in err and "validation_split=" not in err, err

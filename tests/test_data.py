@@ -80,7 +80,7 @@ def test_mnist_layout_directory(tmp_path):
         data.load("mnist", str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match="mnist5k"):
         data.load("cifar1000")
-    with pytest.raises(ConfigError, match="dataset_train_path"):
+    with pytest.raises(ConfigError, match="train_path=DIR"):
         data.load("mnist")
 
 

@@ -142,7 +142,7 @@ def test_incomplete_copy_is_not_used_and_says_what_is_missing(data_dir, monkeypa
     (data_dir / "mnist" / "t10k-labels-idx1-ubyte.gz").unlink()  # an interrupted fetch
     assert data.locate("mnist") is None
     one_line_error(DataError, lambda: data.load("mnist"), f"dataset mnist in {data_dir / 'mnist'} is incomplete",
-                   "no t10k-labels-idx1-ubyte.gz", "--download")
+                   "no t10k-labels-idx1-ubyte.gz", "download=True")
     raw = (data_dir / "mnist" / "train-images-idx3-ubyte.gz").read_bytes()
     (data_dir / "mnist" / "train-images-idx3-ubyte.gz").write_bytes(raw[:-10])  # sizes differ from the published
     write_mnist_gz(data_dir / "other")
@@ -171,7 +171,7 @@ def test_finds_cifar10_extracted_by_an_older_version(data_dir, tmp_path, monkeyp
     (folder / "data_batch_3.bin").unlink()
     assert data.locate("cifar10") is None
     one_line_error(DataError, lambda: data.load("cifar10"), "incomplete",
-                   "no cifar-10-batches-bin/data_batch_3.bin (fetched with 6146 bytes)", "--download")
+                   "no cifar-10-batches-bin/data_batch_3.bin (fetched with 6146 bytes)", "download=True")
     assert len(data.load("cifar10", download=True)[0]) == 10  # extracted again
     assert (folder / "data_batch_3.bin").stat().st_size == 2 * 3073
 
@@ -179,7 +179,7 @@ def test_finds_cifar10_extracted_by_an_older_version(data_dir, tmp_path, monkeyp
 # -- download=True ----------------------------------------------------------------------------------
 def test_download_true_fetches_once_then_finds_the_copy(data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(registry.REMOTE, "fashion_mnist", write_mnist_gz(tmp_path / "www"))
-    one_line_error(DataError, lambda: data.load("fashion_mnist"), "is not in", "--download")
+    one_line_error(DataError, lambda: data.load("fashion_mnist"), "is not in", "download=True")
     umask = os.umask(0o027)
     try:
         train, test = data.load("fashion_mnist", download=True)
@@ -218,7 +218,7 @@ def test_download_true_cifar10_extracts_and_the_marker_keeps_it_found(data_dir, 
     batch.write_bytes(batch.read_bytes()[:3073])  # truncated since: the marker's sizes say so
     assert data.locate("cifar10") is None
     one_line_error(DataError, lambda: data.load("cifar10"), "incomplete",
-                   f"cifar-10-batches-bin/data_batch_2.bin: 3073 bytes, {2 * 3073} when fetched", "--download")
+                   f"cifar-10-batches-bin/data_batch_2.bin: 3073 bytes, {2 * 3073} when fetched", "download=True")
     train, _ = data.load("cifar10", download=True)  # fetched and extracted again
     assert len(train) == 10 and batch.stat().st_size == 2 * 3073
 
@@ -232,24 +232,27 @@ def test_download_checksum_mismatch_leaves_no_file(data_dir, tmp_path, monkeypat
                    "discarded")
     assert os.listdir(data_dir / "cifar10") == []  # neither the file nor a temporary
     assert data.locate("cifar10") is None
-    one_line_error(DataError, lambda: data.load("cifar10"), "--download")
+    one_line_error(DataError, lambda: data.load("cifar10"), "download=True")
 
 
 def test_download_unreachable_says_where_to_put_the_files(data_dir, monkeypatch):
     monkeypatch.setitem(registry.REMOTE, "mnist", [((data_dir.parent.as_uri() + "/absent/",),
                                                     "train-images-idx3-ubyte.gz", None, None)])
     one_line_error(DataError, lambda: data.load("mnist", download=True), "cannot download",
-                   f"put train-images-idx3-ubyte.gz into {data_dir / 'mnist'} by hand", "--dataset_train_path")
+                   f"put train-images-idx3-ubyte.gz into {data_dir / 'mnist'} by hand", "train_path=DIR")
 
 
 # -- messages that say what to do ----------------------------------------------------------------------
 @pytest.mark.parametrize("name,size", [("cifar10", "170 MB"), ("cifar100", "169 MB"), ("mnist", "12 MB"),
                                        ("fashion_mnist", "31 MB")])
-def test_not_found_says_how_to_get_it_from_the_command_line(data_dir, name, size):
+def test_not_found_says_how_to_get_it_in_python_and_from_the_command_line(data_dir, name, size):
+    from pydtnn.cli import in_flag_terms
+
     msg = one_line_error(DataError, lambda: data.load(name),
-                         f"dataset {name} is not in {data_dir / name}", "pass --download", f"({size})",
-                         "--dataset_train_path DIR")
+                         f"dataset {name} is not in {data_dir / name}", "pass download=True", f"({size})",
+                         "train_path=DIR")
     assert "pydtnn.data.fetch" not in msg
+    assert "pass --download" in in_flag_terms(msg) and "--dataset_train_path DIR" in in_flag_terms(msg)
     with pytest.raises(data.DatasetNotFound):  # also a ConfigError, as it was before
         data.load(name)
     assert issubclass(data.DatasetNotFound, ConfigError)

@@ -147,7 +147,7 @@ def test_cifar10_separate_test_path_and_missing_files(tmp_path):
                    "cifar-10-batches-bin/", "data_batch_5.bin", "test_batch.bin", "1 label byte + 3072 pixel bytes")
     (folder / "data_batch_4.bin").unlink()
     one_line_error(DataError, lambda: data.load("cifar10", str(folder)), "no data_batch_4.bin")
-    one_line_error(ConfigError, lambda: data.load("cifar10"), "dataset_train_path", "cifar-10-batches-bin")
+    one_line_error(ConfigError, lambda: data.load("cifar10"), "train_path=DIR", "cifar-10-batches-bin")
 
 
 def test_cifar10_truncated_file_and_bad_label(tmp_path):
@@ -250,7 +250,7 @@ def test_imagenet_folder_errors(tmp_path):
                    "ROOT/train/<class>/*.JPEG", "train_images_000.npy")
     one_line_error(DataError, lambda: data.load("imagenet", str(tmp_path), str(tmp_path / "missing")), "no val/")
     one_line_error(DataError, lambda: ImageFolder(tmp_path / "nothing"), "cannot read image folder")
-    one_line_error(ConfigError, lambda: data.load("imagenet"), "dataset_train_path")
+    one_line_error(ConfigError, lambda: data.load("imagenet"), "train_path=ROOT")
 
 
 # -- ImageNet .npy shards ---------------------------------------------------------------------------
@@ -416,7 +416,7 @@ def test_download_unreachable_says_where_to_put_the_files(tmp_path, monkeypatch)
                    "cannot download http://127.0.0.1:1/x.tar.gz", f"put x.tar.gz into {tmp_path} by hand")
     monkeypatch.setitem(registry.REMOTE, "cifar10", [(("http://127.0.0.1:1/",), "cifar-10-binary.tar.gz", None, None)])
     one_line_error(DataError, lambda: data.load("cifar10", download=True), "cannot download",
-                   f"put cifar-10-binary.tar.gz into {tmp_path / 'cifar10'}", "--dataset_train_path",
+                   f"put cifar-10-binary.tar.gz into {tmp_path / 'cifar10'}", "train_path=DIR",
                    "cifar-10-batches-bin/", "data_batch_1.bin")
     assert not (tmp_path / "cifar10" / "cifar-10-binary.tar.gz").exists()
 
@@ -508,7 +508,8 @@ def test_resolve_validation_rules():
     assert resolve_validation(train, test, test_as_validation=True) == (train, test)
     tr, va = resolve_validation(train, test, validation_split=0.25, seed=0)
     assert (len(tr), len(va)) == (15, 5)
-    one_line_error(ConfigError, lambda: resolve_validation(train, test, 0.2, True), "exclusive")
+    one_line_error(ConfigError, lambda: resolve_validation(train, test, 0.2, True),
+                   "validation_split=0.2 and test_as_validation=True are exclusive")
     one_line_error(ConfigError, lambda: resolve_validation(train, None, test_as_validation=True), "needs a test set")
 
 

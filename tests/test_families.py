@@ -66,7 +66,7 @@ def test_a_model_that_cannot_take_the_images_names_what_fits(name):
     with pytest.raises(ConfigError) as e:
         resolve(name, (1, 28, 28), 10)
     msg = str(e.value)
-    assert "cannot take 1x28x28 images" in msg and "--dataset imagenet" in msg and "resnet20" in msg
+    assert "cannot take 1x28x28 images" in msg and "(imagenet)" in msg and "resnet20" in msg
     assert "\n" not in msg
 
 

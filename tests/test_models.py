@@ -115,7 +115,7 @@ def test_unknown_model_and_option_are_config_errors():
     with pytest.raises(ConfigError) as e:
         models.create("nosuch")
     assert "'nosuch'" in str(e.value) and "resnet50" in str(e.value) and "lenet5" in str(e.value)
-    assert "--list_models" in str(e.value)
+    assert "pydtnn.models.names()" in str(e.value)
     with pytest.raises(ConfigError, match="nosuch_option"):
         models.create("resnet20_cifar10", nosuch_option=1)
     with pytest.raises(ConfigError, match="6n \\+ 2"):

@@ -69,7 +69,7 @@ def check_crop(input_shape, padding, size=None):
     huge batch; it is refused before the first batch."""
     h, w = input_shape[1:]
     if padding > max(h, w):
-        raise ConfigError(f"crop_padding {padding} (--crop_images_padding) is larger than the {h}x{w} image; "
+        raise ConfigError(f"crop_padding={padding} is larger than the {h}x{w} image; "
                           f"expected at most {max(h, w)}")
     ph, pw = h + 2 * padding, w + 2 * padding
     if size is not None and (size > ph or size > pw):

@@ -94,8 +94,8 @@ def load_split(directory, name, split):
 def load_cifar(name, train_path=None, test_path=None):
     """(train, test) of 'cifar10' or 'cifar100' from the binary files under train_path (test_path)."""
     if train_path is None:
-        raise ConfigError(f"dataset {name} needs --dataset_train_path DIR holding {layout(name)} "
-                          f"(or --download to fetch it)")
+        raise ConfigError(f"dataset {name} needs train_path=DIR holding {layout(name)} "
+                          f"(or download=True to fetch it)")
     spec = LAYOUTS[name]
     train_path = os.fspath(train_path)
     _require_folder(train_path, "dataset folder", name, layout(name), spec["train"][0])

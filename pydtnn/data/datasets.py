@@ -74,8 +74,8 @@ def load_idx_split(directory, split, name):
 def load_mnist_like(name, train_path=None, test_path=None, default_dir=None):
     train_dir = train_path or default_dir
     if train_dir is None:
-        raise ConfigError(f"dataset {name} needs --dataset_train_path DIR holding {IDX_LAYOUT} "
-                          f"(or --download to fetch them)")
+        raise ConfigError(f"dataset {name} needs train_path=DIR holding {IDX_LAYOUT} "
+                          f"(or download=True to fetch them)")
     require_folder(train_dir, "dataset folder", IDX_LAYOUT, f"{IDX_FILES['train'][0]}[.gz]")
     if test_path:
         require_folder(test_path, "dataset test folder", IDX_TEST_LAYOUT, f"{IDX_FILES['test'][0]}[.gz]")
@@ -162,7 +162,7 @@ def _check_downloadable(name):
         raise _unknown(name)
     if name not in REMOTE:
         raise ConfigError(f"dataset {name!r} cannot be downloaded; downloadable: {', '.join(REMOTE)}; "
-                          f"pass --dataset_train_path DIR instead")
+                          f"pass train_path=DIR instead")
 
 
 def _folder(name, dest):
@@ -196,7 +196,7 @@ def fetch(name, root=None, progress=True):
 
 def _fetch_into(name, dest, progress):
     files = [f for _, f, _, _ in REMOTE[name]]
-    hint = (f"put {', '.join(files)} into {dest} by hand, or pass --dataset_train_path DIR holding {_layout(name)}")
+    hint = (f"put {', '.join(files)} into {dest} by hand, or pass train_path=DIR holding {_layout(name)}")
     paths = [download([m + f for m in mirrors], dest, sha, f, size, hint, progress)
              for mirrors, f, size, sha in REMOTE[name]]
     folder = _folder(name, dest)
@@ -336,8 +336,8 @@ def _not_found(name, root):
     _, problem = _fetched_copy(name, root)
     where = f"is not in {dest}" if not os.path.isdir(dest) else f"in {dest} is incomplete ({problem})"
     size = download_size(name)
-    return DatasetNotFound(f"dataset {name} {where}; pass --download (Python: download=True) to fetch it"
-                           f"{f' ({human_size(size)})' if size else ''}, or --dataset_train_path DIR holding "
+    return DatasetNotFound(f"dataset {name} {where}; pass download=True to fetch it"
+                           f"{f' ({human_size(size)})' if size else ''}, or train_path=DIR holding "
                            f"{_layout(name)}")
 
 

@@ -213,7 +213,7 @@ def load_imagenet(train_path=None, test_path=None, size=224, resize=256):
     test_path: the validation root (holding val/ or val_*.npy) or the validation folder itself.
     """
     if train_path is None:
-        raise ConfigError(f"dataset imagenet needs --dataset_train_path ROOT holding {FOLDER_LAYOUT}, "
+        raise ConfigError(f"dataset imagenet needs train_path=ROOT holding {FOLDER_LAYOUT}, "
                           f"or {SHARD_LAYOUT} (it cannot be downloaded without an image-net.org account)")
     root = os.fspath(train_path)
     require_folder(root, "dataset folder", f"{FOLDER_LAYOUT}, or {SHARD_LAYOUT}", "train/ or train_images_000.npy")

@@ -45,8 +45,9 @@ def resolve_validation(train, test, validation_split=0.0, test_as_validation=Fal
     """
     if test_as_validation:
         if validation_split:
-            raise ConfigError("--validation_split and --test_as_validation are exclusive; choose one")
+            raise ConfigError(f"validation_split={validation_split} and test_as_validation=True are exclusive; "
+                              f"choose one")
         if test is None:
-            raise ConfigError("--test_as_validation needs a test set; this dataset has none")
+            raise ConfigError("test_as_validation=True needs a test set; this dataset has none")
         return train, test
     return split_validation(train, validation_split, seed)

@@ -274,7 +274,7 @@ class MPIComm:
             msg += f"; last collective each rank entered: {dict(enumerate(self.board.tolist()))}"
         else:
             msg += "; rank 0 did not report, so it may be the rank that stopped"
-        print(msg + "; aborting (see --stall_timeout)", file=sys.stderr, flush=True)
+        print(msg + f"; aborting (stall_timeout={self.stall_timeout:g} s)", file=sys.stderr, flush=True)
         self.abort(1)
 
     def _report_departure(self, what, gone):

@@ -22,10 +22,7 @@ Neither module imports CuPy until it is constructed: the CPU path never touches 
 import numpy as np
 
 from pydtnn import env
-
-
-def is_device_array(a):
-    return type(a).__module__.split(".")[0] == "cupy"
+from pydtnn.backends import is_device_array
 
 
 def mpi_cuda_aware():
@@ -160,13 +157,12 @@ class NcclComm:
         except ImportError as e:
             from pydtnn.errors import ConfigError
 
-            raise ConfigError(f"--enable_nccl: CuPy was built without NCCL ({e}); pip install nvidia-nccl-cu13 "
-                              "(or -cu12), or run without --enable_nccl (MPI through host memory)") from None
+            raise ConfigError(f"NcclComm: CuPy was built without NCCL ({e}); pip install nvidia-nccl-cu13 "
+                              "(or -cu12)") from None
         if not nccl.available:
             from pydtnn.errors import ConfigError
 
-            raise ConfigError("--enable_nccl: CuPy cannot load the NCCL library; pip install nvidia-nccl-cu13 "
-                              "(or -cu12), or run without --enable_nccl")
+            raise ConfigError("NcclComm: CuPy cannot load the NCCL library; pip install nvidia-nccl-cu13 (or -cu12)")
         self.cupy, self.nccl, self.comm = cupy, nccl, comm
         self.rank, self.size = comm.rank, comm.size
         uid = comm.bcast_obj([int(b) for b in nccl.get_unique_id()] if comm.rank == 0 else None, root=0)

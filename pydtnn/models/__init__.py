@@ -122,4 +122,4 @@ def unknown_model(name):
     known = names() + family_names()
     plain = [n for n in names() if family_of(n) is None]  # simplecnn, lenet5, ...: neither family nor variant
     return ConfigError(f"unknown model {name!r}{did_you_mean(name, known) or ';'} expected a family name "
-                       f"({', '.join(family_names())}), {', '.join(plain)}, or a variant that --list_models shows")
+                       f"({', '.join(family_names())}), {', '.join(plain)}, or a registered variant (pydtnn.models.names())")

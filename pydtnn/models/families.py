@@ -104,7 +104,7 @@ def resolve(name, input_shape, num_classes, build=None):
         small = sorted(f for f, v in FAMILIES.items() if v["cifar10"])
         raise ConfigError(f"model {chosen} cannot take {'x'.join(map(str, shape))} images (its design input is "
                           f"{'x'.join(map(str, design_shape))}): {e}; use a dataset with larger images "
-                          f"(--dataset imagenet) or a model for small images ({', '.join(small)})") from None
+                          f"(imagenet) or a model for small images ({', '.join(small)})") from None
 
 
 # How a family trains from the command line where --learning_rate, --batch_size, --num_epochs or
