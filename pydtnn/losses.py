@@ -61,7 +61,7 @@ class SoftmaxCrossEntropy(Loss):
         n, k = y.shape
         eps = self.label_smoothing
         if target.ndim == 1:
-            labels, q = check_labels(target, n, k, self.name), None
+            labels, q = check_batch_labels(target, n, k, self.name), None
         else:  # checked before anything is kept, so a bad target leaves the last batch's state whole
             _check_same_shape(self.name, y, target, "probabilities (N, K)")
             labels, q = None, target.astype(y.dtype, copy=False)
@@ -141,8 +141,10 @@ class MeanSquaredError(Loss):
         return self.diff * (2 / self.diff.size)
 
 
-def check_labels(target, n, k, who):
-    """Class labels (n,) of an integer dtype, all in [0, k); returns them, or raises DataError/ShapeError."""
+def check_batch_labels(target, n, k, who):
+    """A batch's target, checked against its scores (n, k) at each step: class labels (n,) of an integer
+    dtype, all in [0, k), on the scores' device; returns them as they are, or raises DataError/ShapeError
+    naming `who` (the loss or metric)."""
     if target.shape != (n,):
         raise ShapeError(f"{who}: labels of shape {target.shape}; expected ({n},) for a batch of {n}")
     if target.dtype.kind not in "iu":

@@ -20,7 +20,7 @@ import re
 
 from pydtnn.backends import array_module
 from pydtnn.errors import ConfigError, ShapeError
-from pydtnn.losses import check_labels
+from pydtnn.losses import check_batch_labels
 
 
 def accuracy(y, target):
@@ -65,7 +65,7 @@ def _labels(y, target, who):
         if target.shape != y.shape:
             raise ShapeError(f"{who}: target of shape {target.shape}; expected labels ({n},) or rows {y.shape}")
         return target.argmax(axis=1)
-    return check_labels(target, n, k, who)
+    return check_batch_labels(target, n, k, who)
 
 
 def _dense_target(y, target, who):
@@ -75,7 +75,7 @@ def _dense_target(y, target, who):
     if target.shape == y.shape:
         return target.astype(y.dtype, copy=False)
     if y.ndim == 2 and target.ndim == 1 and target.dtype.kind in "iu":
-        labels = check_labels(target, y.shape[0], y.shape[1], who)
+        labels = check_batch_labels(target, y.shape[0], y.shape[1], who)
         xp = array_module(y)
         return (labels[:, None] == xp.arange(y.shape[1])[None, :]).astype(y.dtype)
     raise ShapeError(f"{who}: target of shape {target.shape}; expected {y.shape}, or int labels ({y.shape[0]},) "

@@ -86,10 +86,12 @@ def test_mnist_layout_directory(tmp_path):
 
 def test_array_dataset_validates_labels_and_values():
     x = np.zeros((3, 1, 2, 2), np.float32)
-    with pytest.raises(DataError, match="label 10 out of range; expected 0..9"):
+    with pytest.raises(DataError, match="label 10 of sample 1 out of range; expected 0..9"):
         ArrayDataset(x, np.array([0, 10, 1]), 10)
     with pytest.raises(DataError, match="label -1"):
         ArrayDataset(x, np.array([0, -1, 1]), 10)
+    with pytest.raises(DataError, match="labels must be integers, got dtype float64"):  # 1.5 is no class
+        ArrayDataset(x, np.array([0.0, 1.5, 1.0]), 10)
     x[1, 0, 0, 1] = np.nan
     with pytest.raises(DataError, match="sample 1 contains NaN or Inf"):
         ArrayDataset(x, np.array([0, 1, 1]), 10)

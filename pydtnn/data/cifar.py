@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from pydtnn.data.folder import require_folder
-from pydtnn.data.streamed import ShardedArrayDataset, check_labels
+from pydtnn.data.streamed import ShardedArrayDataset, check_dataset_labels
 from pydtnn.errors import ConfigError, DataError
 from pydtnn.files import open_regular
 
@@ -66,7 +66,7 @@ def read_records(path, label_bytes=1, label_at=0, num_classes=10):
             mm = np.memmap(f, np.uint8, mode="r", shape=(size // record, record))
         except OSError as e:
             raise DataError(f"cannot read CIFAR file {path}: {e.strerror or e}") from None
-    labels = check_labels(np.array(mm[:, label_at]), num_classes, path)
+    labels = check_dataset_labels(np.array(mm[:, label_at]), num_classes, path)
     return mm[:, label_bytes:].reshape(-1, 3, 32, 32), labels
 
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from pydtnn.data.streamed import check_float_pixels
+from pydtnn.data.streamed import check_dataset_labels, check_float_pixels
 from pydtnn.errors import DataError
 
 
@@ -21,12 +21,10 @@ class ArrayDataset:
             raise DataError(f"{name}: images must be (N, C, H, W), got shape {x.shape}")
         if y.shape != (x.shape[0],):
             raise DataError(f"{name}: {x.shape[0]} images but labels of shape {y.shape}; expected ({x.shape[0]},)")
-        if y.size and (y.min() < 0 or y.max() >= num_classes):
-            bad = int(y.min() if y.min() < 0 else y.max())
-            raise DataError(f"{name}: label {bad} out of range; expected 0..{num_classes - 1}")
+        y = check_dataset_labels(y, num_classes, name)
         if np.issubdtype(x.dtype, np.floating):
             check_float_pixels(x, name, value_range=None)
-        self.x, self.y = x, y.astype(np.int64)
+        self.x, self.y = x, y
         self.num_classes, self.name = int(num_classes), name
         self.scale = scale
         c = x.shape[1]

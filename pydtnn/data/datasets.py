@@ -27,7 +27,7 @@ from pydtnn.data.dataset import ArrayDataset
 from pydtnn.data.download import cache_dir, download, extract_tar, human_size, say, temp_file
 from pydtnn.data.folder import require_folder
 from pydtnn.data.idx import read_idx
-from pydtnn.data.streamed import check_float_pixels, check_labels, check_pixel_dtype
+from pydtnn.data.streamed import check_dataset_labels, check_float_pixels, check_pixel_dtype
 from pydtnn.errors import ConfigError, DataError
 from pydtnn.files import read_bytes
 from pydtnn.suggest import did_you_mean
@@ -66,7 +66,7 @@ def load_idx_split(directory, split, name):
     check_pixel_dtype(images.dtype, img_path)
     if images.dtype.kind == "f":
         check_float_pixels(images, img_path)
-    labels = check_labels(labels, 10, lbl_path)
+    labels = check_dataset_labels(labels, 10, lbl_path)
     scale = 1 / 255 if images.dtype == np.uint8 else 1.0
     return ArrayDataset(images[:, None], labels, 10, scale=scale, name=f"{name}/{split}")
 

@@ -21,7 +21,13 @@ import re
 import numpy as np
 
 from pydtnn.data.folder import require_folder
-from pydtnn.data.streamed import PIXEL_RANGE, ShardedArrayDataset, StreamedDataset, check_labels, check_pixel_dtype
+from pydtnn.data.streamed import (
+    PIXEL_RANGE,
+    ShardedArrayDataset,
+    StreamedDataset,
+    check_dataset_labels,
+    check_pixel_dtype,
+)
 from pydtnn.errors import ConfigError, DataError
 from pydtnn.files import open_regular, read_bytes
 
@@ -179,7 +185,7 @@ def load_shards(directory, prefix, num_classes, name):
         if y.shape != (len(images),):
             raise DataError(f"{lbl_path}: labels of shape {y.shape}; expected ({len(images)},) to match {img_path}")
         shards.append(images)
-        labels.append(check_labels(y, num_classes, lbl_path))
+        labels.append(check_dataset_labels(y, num_classes, lbl_path))
         files.append(img_path)
     scale = 1 / 255 if shards[0].dtype == np.uint8 else 1.0
     return ShardedArrayDataset(shards, np.concatenate(labels), num_classes, files, name,

@@ -46,8 +46,9 @@ def check_float_pixels(x, where, samples=None, value_range=PIXEL_RANGE):
                             f"expected {PIXEL_CONTRACT}")
 
 
-def check_labels(labels, num_classes, where):
-    """Labels as int64 (N,); DataError naming `where` and the first label outside 0..num_classes-1."""
+def check_dataset_labels(labels, num_classes, where):
+    """A dataset's label array, checked when it is loaded: int64 (N,) for any N; DataError naming `where`
+    (the file) and the first label outside 0..num_classes-1. Batches are checked by losses.check_batch_labels."""
     y = np.asarray(labels)
     if y.ndim != 1:
         raise DataError(f"{where}: labels must be a vector (N,), got shape {y.shape}")
@@ -69,7 +70,7 @@ class StreamedDataset:
     """
 
     def __init__(self, labels, num_classes, input_shape, name, scale=1 / 255, mean=None, std=None):
-        self.y = check_labels(labels, num_classes, name)
+        self.y = check_dataset_labels(labels, num_classes, name)
         self.rows = np.arange(len(self.y))
         self.num_classes, self.name = int(num_classes), name
         self.raw_shape = tuple(int(d) for d in input_shape)
