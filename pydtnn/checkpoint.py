@@ -38,7 +38,7 @@ FORMAT = "pydtnn-checkpoint"
 FORMAT_VERSION = 1
 MODEL_FILE, OPTIMIZER_FILE, META_FILE = "model.safetensors", "optimizer.safetensors", "meta.json"
 TENSOR_FILES = (MODEL_FILE, OPTIMIZER_FILE)
-TMP = ".tmp"  # suffix of a file being written (or written but not yet renamed)
+TMP = files.TMP  # NAME.tmp: written but not yet renamed; a crash's leftovers are finished or discarded
 
 _EXPECTED = f"(expected {MODEL_FILE}, {OPTIMIZER_FILE}, {META_FILE})"
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -96,7 +96,7 @@ def save(directory, model, optimizer=None, meta=None):
         raise ConfigError(f"cannot write checkpoint directory {directory}: {e.strerror or e}") from None
     try:
         for name in (MODEL_FILE, OPTIMIZER_FILE, META_FILE):  # meta.json.tmp last: it completes the set
-            _write_synced(os.path.join(directory, name + TMP), blobs[name])
+            files.write_synced(os.path.join(directory, name + TMP), blobs[name])
     except BaseException as e:
         _discard_tmp(directory)  # no rename happened yet: the previous checkpoint is intact
         if isinstance(e, OSError):
@@ -116,20 +116,7 @@ def fingerprint(model):
 
 def write_json_atomic(path, obj):
     """Write `obj` as JSON to `path` via a synced temporary file and a rename (creates the folder)."""
-    write_atomic(path, (json.dumps(obj, indent=1, default=_json_default) + "\n").encode("utf-8"))
-
-
-def write_atomic(path, data):
-    """Write bytes to `path` via a synced temporary file and a rename: readers never see half a file,
-    and a failure leaves neither a temporary file nor a broken one (ConfigError naming the path)."""
-    path = os.fspath(path)
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        _write_synced(path + TMP, data)
-        os.replace(path + TMP, path)
-    except OSError as e:
-        _remove(path + TMP)
-        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
+    files.write_atomic(path, (json.dumps(obj, indent=1, default=_json_default) + "\n").encode("utf-8"))
 
 
 def _serialize(arrays, to_numpy):
@@ -149,16 +136,6 @@ def _json_default(o):
     if isinstance(o, np.ndarray):
         return o.tolist()
     raise TypeError(f"{type(o).__name__} {o!r:.60} is not JSON-serialisable")
-
-
-def _write_synced(path, data):
-    # a temporary file is ours to replace; removing what is there first means a FIFO left in its
-    # place cannot block open(), and "x" refuses anything that appears in between
-    _remove(path)
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _commit(directory, names):
@@ -190,14 +167,7 @@ def _finish_interrupted_save(directory):
 
 def _discard_tmp(directory):
     for name in (*TENSOR_FILES, META_FILE):
-        _remove(os.path.join(directory, name + TMP))
-
-
-def _remove(path):
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+        files.remove_if_present(os.path.join(directory, name + TMP))
 
 
 # -- loading -----------------------------------------------------------------------------------

@@ -260,7 +260,7 @@ def to_onnx(model, path, opset=17, batch_size=None):
     appears, and written under a temporary name in the same folder, then renamed: a failure leaves
     no file (and an older file at `path` as it was).
     """
-    from pydtnn.checkpoint import write_atomic
+    from pydtnn.files import write_atomic
 
     data = _build(model, opset, batch_size).SerializeToString()
     _import_onnx().checker.check_model(data, full_check=True)  # the bytes: serialized once, not twice

@@ -1,9 +1,12 @@
-"""Reading a user's files safely: regular files only, of bounded size.
+"""A user's files, read and written safely.
 
-A FIFO, a device or /dev/zero (directly or through a symlink) where a file is expected would block
-forever in open() or read until memory runs out. Every reader of a file named by the user goes
-through open_regular() or read_bytes(): the file is opened without blocking and checked to be a
-regular file before a byte is read.
+Reading: regular files only, of bounded size. A FIFO, a device or /dev/zero (directly or through a
+symlink) where a file is expected would block forever in open() or read until memory runs out. Every
+reader of a file named by the user goes through open_regular() or read_bytes(): the file is opened
+without blocking and checked to be a regular file before a byte is read.
+
+Writing: every output (checkpoint, trace, history, ONNX graph) goes through write_atomic(): a
+synced temporary file renamed into place, so that a reader never sees half a file.
 """
 
 import os
@@ -11,6 +14,7 @@ import stat
 
 from pydtnn.errors import ConfigError
 
+TMP = ".tmp"  # suffix of a file being written (or written but not yet renamed)
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
@@ -102,3 +106,36 @@ def is_terminal(stream):
         return bool(stream is not None and stream.isatty())
     except (AttributeError, ValueError, OSError):
         return False
+
+
+def write_atomic(path, data):
+    """Write bytes to `path` via a synced temporary file and a rename: readers never see half a file,
+    and a failure leaves neither a temporary file nor a broken one (ConfigError naming the path).
+    Creates the folder holding `path`."""
+    path = os.fspath(path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_synced(path + TMP, data)
+        os.replace(path + TMP, path)
+    except OSError as e:
+        remove_if_present(path + TMP)
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def write_synced(path, data):
+    """Write bytes to a new file at `path` and fsync it, replacing whatever is there (OSError on failure)."""
+    # a temporary file is ours to replace; removing what is there first means a FIFO left in its
+    # place cannot block open(), and "x" refuses anything that appears in between
+    remove_if_present(path)
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove_if_present(path):
+    """Delete the file at `path`; nothing happens if it is absent or cannot be removed."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -17,6 +17,7 @@ from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
 from pydtnn.distributed import launch, reducers
 from pydtnn.distributed.consistency import broadcast_state
 from pydtnn.errors import ConfigError, DataError
+from pydtnn.files import write_atomic
 from pydtnn.optim import schedules as sch
 from pydtnn.trainer import MetricsFile, Trainer, format_record
 
@@ -559,4 +560,4 @@ class HistoryCSV:
         w = csv.DictWriter(text, fieldnames=list(trainer.history[0]))
         w.writeheader()
         w.writerows(trainer.history)
-        checkpoint.write_atomic(self.path, text.getvalue().encode("utf-8"))
+        write_atomic(self.path, text.getvalue().encode("utf-8"))

@@ -101,7 +101,7 @@ _GUARDED = textwrap.dedent('''
     import resource, sys
     resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # reading /dev/zero fails instead of swapping
     import numpy as np
-    from pydtnn import checkpoint, optim
+    from pydtnn import checkpoint, files, optim
     from pydtnn.backends import CPUBackend
     from pydtnn.errors import PydtnnError
     from pydtnn.layers import Dense, Flatten
@@ -116,7 +116,7 @@ _GUARDED = textwrap.dedent('''
         elif sys.argv[1] == "save":
             checkpoint.save(sys.argv[2], m, optim.create("sgd", m.parameters(), momentum=0.9), {"step": 1})
         else:
-            checkpoint.write_atomic(sys.argv[2], b"{}")
+            files.write_atomic(sys.argv[2], b"{}")
     except PydtnnError as e:
         print(type(e).__name__, e)
     else:

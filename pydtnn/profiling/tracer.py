@@ -148,7 +148,7 @@ class Tracer:
         world_size None: to `path`. Else `path` names the run's traces and this rank (pid) writes its
         own, trace_paths(path, world_size)[pid]. Returns every rank's file, so that rank 0 can name them.
         """
-        from pydtnn.checkpoint import write_atomic
+        from pydtnn.files import write_atomic
 
         paths = [path] if world_size is None else trace_paths(path, world_size)
         meta = [{"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": self.name}}]
