@@ -155,35 +155,33 @@ class Trainer:
         params = self._params
         if self._acc is None:
             self._acc = [self.model.backend.xp.zeros_like(g) for _, _, g in params]
-        if self.reducer is not None:
-            self.reducer.paused = True
         total, outs = 0.0, []
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if a == b:
-                continue
-            if self._bn_sync is not None:
-                self._bn_sync.weight = weight * (b - a) / n
-            with self._span("forward"):
-                out = self.model.forward(x[a:b], training=True)
-            with self._span("loss"):
-                loss = self.loss.forward(out, y[a:b])
-                if not math.isfinite(loss):
-                    raise TrainingDiverged(f"loss is {loss}")
-                dy = self.loss.backward()
-            with self._span("backward"):
-                self.model.backward(dy)
-            share = (b - a) / n
-            for acc, (_, _, g) in zip(self._acc, params):
-                if a == 0:
-                    self.model.backend.xp.multiply(g, share, out=acc)
-                else:
-                    acc += self.model.backend.xp.multiply(g, share, out=g)  # g is rewritten next backward
-            total += loss * share
-            outs.append(out)
+        with nullcontext() if self.reducer is None else self.reducer.no_sync():  # one reduction, after the loop
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if a == b:
+                    continue
+                if self._bn_sync is not None:
+                    self._bn_sync.weight = weight * (b - a) / n
+                with self._span("forward"):
+                    out = self.model.forward(x[a:b], training=True)
+                with self._span("loss"):
+                    loss = self.loss.forward(out, y[a:b])
+                    if not math.isfinite(loss):
+                        raise TrainingDiverged(f"loss is {loss}")
+                    dy = self.loss.backward()
+                with self._span("backward"):
+                    self.model.backward(dy)
+                share = (b - a) / n
+                for acc, (_, _, g) in zip(self._acc, params):
+                    if a == 0:
+                        self.model.backend.xp.multiply(g, share, out=acc)
+                    else:
+                        acc += self.model.backend.xp.multiply(g, share, out=g)  # g is rewritten next backward
+                total += loss * share
+                outs.append(out)
         for acc, (_, _, g) in zip(self._acc, params):
             g[...] = acc
         if self.reducer is not None:
-            self.reducer.paused = False
             self.reducer.begin_step(weight)
             with self._span("reduce"):
                 self.reducer.replay()

@@ -203,11 +203,10 @@ def test_reducers_work_in_place_on_the_model_gradient_buffer(strategy, monkeypat
     red = reducers.create(strategy, comm, **options).attach(model)
     rng = np.random.default_rng(0)
     x, dy = rng.standard_normal((4, 1, 28, 28)), rng.standard_normal((4, 10))
-    red.paused = True  # backward first, then report the gradients ready, as gradient accumulation does
-    model.forward(x, training=True)
-    model.backward(dy)
+    with red.no_sync():  # backward first, then report the gradients ready, as gradient accumulation does
+        model.forward(x, training=True)
+        model.backward(dy)
     before = {n: g.copy() for n, _, g in model.parameters()}
-    red.paused = False
     red.begin_step(0.25)
     red.replay()
     red.finish()  # the identity reduction: what is left is the scaling by the weight
@@ -215,6 +214,28 @@ def test_reducers_work_in_place_on_the_model_gradient_buffer(strategy, monkeypat
         np.testing.assert_array_equal(g, 0.25 * before[n])
     assert len(comm.seen) > 10  # 4 KB pieces
     assert all(0 < b.nbytes <= 4096 and np.shares_memory(b, model.grad_buffer) for b in comm.seen)
+    assert sum(b.size for b in comm.seen) == model.grad_buffer.size
+
+
+def test_no_sync_holds_back_reductions_and_ends_with_its_block_even_on_an_exception():
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+
+    model = models.create("simplecnn", backend=CPUBackend("float64", seed=1))
+    comm = Recorder()
+    red = reducers.create("per_layer", comm).attach(model)  # starts a reduction per gradient as it is ready
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((4, 1, 28, 28)), rng.standard_normal((4, 10))
+    with pytest.raises(RuntimeError, match="mid-step"), red.no_sync():
+        model.forward(x, training=True)
+        model.backward(dy)
+        assert comm.seen == []
+        raise RuntimeError("mid-step")
+    red.begin_step(1.0)
+    model.forward(x, training=True)
+    model.backward(dy)  # the hooks reduce again
+    red.finish()
     assert sum(b.size for b in comm.seen) == model.grad_buffer.size
 
 

@@ -263,11 +263,10 @@ def test_nccl_reduction_with_one_rank(gpu, strategy):
     reducer = reducers.create(strategy, comm).attach(model)
     rng = np.random.default_rng(3)
     x = gpu.asarray(rng.standard_normal((8, 1, 28, 28)).astype(np.float32))
-    reducer.paused = True  # backward first, so the gradients can be read before the reduction scales them
-    out = model.forward(x)
-    model.backward(gpu.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+    with reducer.no_sync():  # backward first, so the gradients can be read before the reduction scales them
+        out = model.forward(x)
+        model.backward(gpu.asarray(rng.standard_normal(out.shape).astype(np.float32)))
     want = {n: gpu.to_numpy(g).copy() for n, _, g in model.parameters()}
-    reducer.paused = False
     reducer.begin_step(0.25)  # scaled in place on the device, then summed over a world of one
     reducer.replay()
     reducer.finish()

@@ -6,6 +6,14 @@
     reducer.finish()               # wait for communication; grads are now averaged
     optimizer.step()
 
+Gradient accumulation runs backward several times before one reduction:
+
+    with reducer.no_sync():        # the hooks start no reduction in here
+        model.backward(dy)         # once per micro-batch, gradients summed by the caller
+    reducer.begin_step(weight)
+    reducer.replay()               # every gradient reported ready, in backward's order
+    reducer.finish()
+
 Each rank's loss is the mean over its own samples; scaling its gradients by its share of the
 global batch before summing makes the result exact for uneven batches (and for empty shards).
 
@@ -22,6 +30,7 @@ the wire, at the price of fp16 rounding of every gradient and a reduction operat
 
 import itertools
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -49,6 +58,7 @@ class Reducer:
         self.weight = 1.0
         self.tracer = None
         self.bytes_reduced = 0
+        self._paused = False
 
     def attach(self, model):
         self.params = model.parameters()
@@ -58,7 +68,7 @@ class Reducer:
         self.flat, self.offsets = None, {}
         if self.wire_dtype is None and flat is not None:
             self.flat, self.offsets = flat, model.grad_offsets
-        self.paused, self.order, self.order_done = False, [], False
+        self.order, self.order_done = [], False
         model.add_grad_ready_hook(self._hook)
         self.setup()
         return self
@@ -69,12 +79,22 @@ class Reducer:
                 self.order_done = True
             else:
                 self.order.append(names)
-        if not self.paused:
+        if not self._paused:
             self.grads_ready(names)
 
+    @contextmanager
+    def no_sync(self):
+        """Inside: backward's gradients-ready hooks start no reduction (they still learn backward's
+        order); replay() reports the gradients afterwards. Restored on exit, on an exception too."""
+        was, self._paused = self._paused, True
+        try:
+            yield self
+        finally:
+            self._paused = was
+
     def replay(self):
-        """Report every gradient ready, in backward's order (after backward ran with the reducer paused,
-        e.g. to accumulate micro-batches)."""
+        """Report every gradient ready, in backward's order (after backward ran inside no_sync(), e.g. to
+        accumulate micro-batches)."""
         for names in self.order:
             self.grads_ready(names)
 
