@@ -115,7 +115,7 @@ class Trainer:
         self._bn_sync = _BatchNormSync(self.comm)
         for _, layer in self.model.layers():
             if isinstance(layer, BatchNorm):
-                layer.sync = self._bn_sync
+                layer.synchronize(self._bn_sync)
 
     # -- one step ------------------------------------------------------------------------
     def train_step(self, x, y, weight=1.0):
@@ -310,8 +310,7 @@ class Trainer:
         t_step = time.perf_counter_ns()
         with self._span("data"):
             x, y = batches.get(step)
-            put = getattr(backend, "batch_to_device", backend.asarray)  # the GPU overlaps this copy
-            x, y = put(x), put(y)
+            x, y = backend.batch_to_device(x), backend.batch_to_device(y)  # the GPU overlaps these copies
         # dropout masks from (seed, epoch, step, rank) too: independent per rank, nothing to checkpoint
         backend.reseed([self.seed, epoch, step, rank, 1])
         try:
