@@ -8,24 +8,56 @@ once with the NumPy path alone (PYDTNN_CPU_KERNELS).
 """
 
 import ctypes
+import os
 import subprocess
 import sys
+from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pydtnn.backends import cpu
-from pydtnn.backends.cpu import ConvGeometry, CPUBackend, _window_layout
+from pydtnn import runtime
+from pydtnn.backends.cpu import CPUBackend, Tuning, conv_direct, conv_gemm, pooling
+from pydtnn.backends.cpu import threads as th
+from pydtnn.backends.cpu import tuning as tuning_module
+from pydtnn.backends.cpu.conv_plan import ConvPlan, pointwise_ok
+from pydtnn.backends.geometry import ConvGeometry, window_layout
 from pydtnn.layers import AvgPool2D, Conv2D, MaxPool2D
 from pydtnn.testing import check_against_torch, check_gradients
 
 
-def both_checks(make, x_shape, torch_fn):
-    check_gradients(make(), x_shape)
+def both_checks(make, x_shape, torch_fn, tuning=None):
+    """check_gradients in float64, check_against_torch in float64 and float32; with tuning given, each
+    layer built on a CPUBackend of that Tuning (else the helpers' own backend, tuning.DEFAULT)."""
+
+    def built(dtype):
+        layer = make()
+        if tuning is not None:
+            layer.build(x_shape[1:], dtype, CPUBackend(dtype, seed=0, tuning=tuning))
+        return layer
+
+    check_gradients(built(np.float64), x_shape)
     for dtype in (np.float64, np.float32):
-        check_against_torch(make(), x_shape, torch_fn, dtype=dtype)
+        check_against_torch(built(dtype), x_shape, torch_fn, dtype=dtype)
+
+
+@contextmanager
+def thread_count(n):
+    """Split kernels over n threads (process-wide), then back to the count before."""
+    before = th.threads()
+    th.set_threads(n)
+    try:
+        yield
+    finally:
+        th.set_threads(before)
+
+
+def algorithm(backend, g, co):
+    """The convolution algorithm backend plans for geometry g with co output channels."""
+    return backend.conv2d_plan(g, (co, g.c // g.groups, g.kh, g.kw)).algorithm
 
 
 # -- pooling -------------------------------------------------------------------------------
@@ -46,7 +78,7 @@ POOL_CASES = [
 def test_maxpool_paths(x_shape, k, s, p, layout, kernels):
     layer = MaxPool2D(k, stride=s, padding=p)
     layer.build(x_shape[1:])
-    assert _window_layout(layer.geometry) == layout
+    assert window_layout(layer.geometry) == layout
     both_checks(lambda: MaxPool2D(k, stride=s, padding=p), x_shape, lambda x, _: F.max_pool2d(x, k, s, p))
 
 
@@ -91,7 +123,7 @@ def test_maxpool2x2_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, dty
     fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
     _, c, h, w = shape
     g = ConvGeometry(c, h, w, 2, 2, 2, 2)
-    assert fast._pool2x2(g) and not ref._pool2x2(g)
+    assert pooling.compiled_2x2(fast, g) and not pooling.compiled_2x2(ref, g)
     rng = np.random.default_rng(0)
     x = np.maximum(rng.integers(-3, 3, size=shape), 0).astype(dtype)
     x.flat[::13], x.flat[5::17], x.flat[7::19], x.flat[2::23] = np.nan, -np.inf, np.inf, -0.0
@@ -201,13 +233,14 @@ def torch_conv(kwargs):
 
 @pytest.mark.parametrize("gemm_columns", [1, 40, 10000])
 @pytest.mark.parametrize("x_shape,filters,kwargs", CONV_CASES)
-def test_conv_paths(x_shape, filters, kwargs, kernels, gemm_columns, monkeypatch):
+def test_conv_paths(x_shape, filters, kwargs, kernels, gemm_columns):
     """gemm_columns 1: one GEMM per sample, written into NCHW; 40: samples share a GEMM, blocks of
     2 to 40 samples (with the batch of 3 below: a full block and a short one), then reordered, and
     where one block holds the whole batch, the GEMM in two halves of its rows; 10000: always so."""
-    monkeypatch.setattr(cpu, "GEMM_MIN_COLUMNS", gemm_columns)
-    monkeypatch.setattr(cpu, "_ROW_STEP", 1)  # the small layers here have 2 to 6 output rows to halve
-    both_checks(lambda: Conv2D(filters, **kwargs), x_shape, torch_conv(kwargs))
+    # row_step 1: the small layers here have 2 to 6 output rows to halve; tuning.DEFAULT as the kernels
+    # fixture set it (the direct kernels at any width, the compiled bias at any size)
+    tuning = replace(tuning_module.DEFAULT, gemm_min_columns=gemm_columns, row_step=1)
+    both_checks(lambda: Conv2D(filters, **kwargs), x_shape, torch_conv(kwargs), tuning=tuning)
 
 
 @pytest.mark.parametrize("kwargs", [{"kernel_size": 3, "padding": 1}, {"kernel_size": 3, "groups": 4, "padding": 1}])
@@ -236,15 +269,15 @@ DIRECT_CASES = [
 @pytest.mark.parametrize("case", DIRECT_CASES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("chunk_bytes", [1, 1 << 20])
-def test_direct_kernel_matches_the_numpy_path(case, dtype, chunk_bytes, monkeypatch):
+def test_direct_kernel_matches_the_numpy_path(case, dtype, chunk_bytes):
     """The compiled direct 3x3 convolution and im2col + GEMM give the same y, dx and dw (up to rounding:
     they add in different orders). chunk_bytes 1: the weight gradient sums one sample at a time."""
-    monkeypatch.setattr(cpu, "DIRECT_MIN_WIDTH", 1)
-    monkeypatch.setattr(cpu, "DIRECT_CHUNK_BYTES", chunk_bytes)
+    tuning = Tuning(direct_min_width=1, direct_chunk_bytes=chunk_bytes)
     n, c, co, h, w, pads, (dh, dw), groups = case
     g = ConvGeometry(c, h, w, 3, 3, 1, 1, dh, dw, *pads, groups=groups)
-    fast, ref = CPUBackend(dtype, kernels="numba"), CPUBackend(dtype, kernels="numpy")
-    assert fast._direct(g, co) and not ref._direct(g, co)
+    fast = CPUBackend(dtype, kernels="numba", tuning=tuning)
+    ref = CPUBackend(dtype, kernels="numpy", tuning=tuning)
+    assert algorithm(fast, g, co) == "direct" and algorithm(ref, g, co) != "direct"
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, c, h, w)).astype(dtype)
     wt = rng.standard_normal((co, c // groups, 3, 3)).astype(dtype)
@@ -260,25 +293,19 @@ def test_direct_kernel_matches_the_numpy_path(case, dtype, chunk_bytes, monkeypa
 
 
 @pytest.mark.parametrize("o,c,groups,k", [(40, 24, 1, 3), (12, 8, 2, 3), (8, 6, 2, 5), (4, 3, 1, 1), (6, 40, 1, 3)])
-def test_flipped_weights_compiled_match_numpy(o, c, groups, k, monkeypatch):
+def test_flipped_weights_compiled_match_numpy(o, c, groups, k):
     """The compiled copy of dx's weights (per group transposed, both kernel axes reversed) gives
     NumPy's, split over threads or not."""
-    from pydtnn.backends import threads as th
-
-    monkeypatch.setattr(cpu, "FLIP_COMPILED_MIN_BYTES", 0)
-    monkeypatch.setattr(th, "MIN_BYTES", 0)
+    tuning = Tuning(flip_compiled_min_bytes=0, split_min_bytes=0)
     w = np.random.default_rng(0).standard_normal((o, c // groups, k, k)).astype(np.float32)
     g = ConvGeometry(c, 8, 8, k, k, groups=groups)
-    want = CPUBackend(kernels="numpy")._flipped(w, groups, g)
+    want = conv_gemm.flipped(CPUBackend(kernels="numpy", tuning=tuning), w, groups, g)
     assert want.shape == (groups, c // groups, o // groups * k * k)
-    try:
-        for threads in (1, 3):
-            th.set_threads(threads)
-            got = CPUBackend(kernels="numba")._flipped(w, groups, g)
-            np.testing.assert_array_equal(got, want)
-            assert np.shares_memory(got, w) == (k == 1)  # 1x1: a transposed view, never a copy
-    finally:
-        th.set_threads(th.default_threads())
+    for threads in (1, 3):
+        with thread_count(threads):
+            got = conv_gemm.flipped(CPUBackend(kernels="numba", tuning=tuning), w, groups, g)
+        np.testing.assert_array_equal(got, want)
+        assert np.shares_memory(got, w) == (k == 1)  # 1x1: a transposed view, never a copy
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -294,13 +321,11 @@ def test_flipped_weights_compiled_match_numpy(o, c, groups, k, monkeypatch):
         ((1, 2, 11, 11), 2, 2, 0, 1),  # rows shorter than a vector
     ],
 )
-def test_col2im_compiled_matches_the_numpy_path_bit_for_bit(x_shape, k, s, p, d, dtype, monkeypatch):
+def test_col2im_compiled_matches_the_numpy_path_bit_for_bit(x_shape, k, s, p, d, dtype):
     """A strided convolution's dx: the compiled col2im (phase-split rows, vector adds, interleaved
     at the end) adds each position's share in the NumPy path's order, so the bits are its bits,
     signed zeros included."""
-    from pydtnn.backends import threads as th
-
-    monkeypatch.setattr(th, "MIN_BYTES", 1 << 40)  # one chunk: the two paths take the same GEMM
+    tuning = Tuning(split_min_bytes=1 << 40)  # one chunk: the two paths take the same GEMM
     n, c, h, w = x_shape
     sh, sw = s if isinstance(s, tuple) else (s, s)
     g = ConvGeometry(c, h, w, k, k, sh=sh, sw=sw, pt=p, pb=p, pl=p, pr=p, dh=d, dw=d)
@@ -310,8 +335,8 @@ def test_col2im_compiled_matches_the_numpy_path_bit_for_bit(x_shape, k, s, p, d,
     dyk = rng.standard_normal((1, co, n, g.ho * g.wo)).astype(dtype)
     dyk[0, :, 0, :3] = -0.0  # a sample whose first pixels get only negative zeros
     wts[:, 0] = np.where(wts[:, 0] > 0, 0.0, -0.0)
-    got = CPUBackend(dtype, kernels="numba")._strided_data_grad(dyk, wts, g)
-    want = CPUBackend(dtype, kernels="numpy")._strided_data_grad(dyk, wts, g)
+    got = conv_gemm.strided_data_grad(CPUBackend(dtype, kernels="numba", tuning=tuning), dyk, wts, g)
+    want = conv_gemm.strided_data_grad(CPUBackend(dtype, kernels="numpy", tuning=tuning), dyk, wts, g)
     assert got.shape == (n, c, h, w)
     np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
 
@@ -323,8 +348,8 @@ def test_conv_bias_compiled_kernels_match_numpy(monkeypatch):
     rng = np.random.default_rng(3)
     dy = rng.standard_normal((9, 5, 7, 6)).astype(np.float32)
     b = rng.standard_normal(5).astype(np.float32)
-    fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
-    monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", 0)
+    tuning = Tuning(bias_compiled_min_bytes=0)
+    fast, ref = CPUBackend(kernels="numba", tuning=tuning), CPUBackend(kernels="numpy", tuning=tuning)
     y, y_ref = dy.copy(), dy.copy()
     fast.bias_forward(y, b)
     ref.bias_forward(y_ref, b)
@@ -341,13 +366,15 @@ def test_conv_bias_compiled_kernels_match_numpy(monkeypatch):
     fast.bias_forward(yt, b)
     np.testing.assert_array_equal(yt[0, :, 0, 0], b)
     calls = []
-    monkeypatch.setattr(cpu, "split_compiled", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(CPUBackend, "split_compiled", lambda *a, **k: calls.append(a))
     dy64 = dy.astype(np.float64)
     fast.bias_backward(dy64, np.empty(5))  # float64: NumPy's pairwise sum
-    monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", dy.nbytes + 1)
-    fast.bias_forward(y, b)
-    fast.bias_backward(dy, db)
+    small = CPUBackend(kernels="numba", tuning=Tuning(bias_compiled_min_bytes=dy.nbytes + 1))
+    small.bias_forward(y, b)
+    small.bias_backward(dy, db)
     assert calls == []
+    fast.bias_backward(dy, db)  # the counter counts: the compiled path goes through it
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("itemsize", [4, 8])
@@ -361,7 +388,7 @@ def test_dense_layout_covers_the_wide_grid_in_blocks_of_three_vectors_then_two(i
         for wo in range(1, 40):
             for dh, dw in ((1, 1), (2, 1)):
                 wp, cols = wo + 2 * dw, ho * (wo + 2 * dw)
-                threes, length, lx, tail = cpu._dense_layout(ho, wo, dh, dw, itemsize)
+                threes, length, lx, tail = conv_direct.dense_layout(ho, wo, dh, dw, itemsize)
                 rest = length - threes * 3 * lanes
                 assert threes >= 0 and rest in (0, 2 * lanes, 4 * lanes), (ho, wo, threes, length)
                 assert length >= cols and (length - cols < lanes or length == 2 * lanes), (ho, wo, length)
@@ -403,12 +430,12 @@ def test_vector_intrinsics_refuse_arrays_of_two_dtypes():
     float32 would be garbage, so a mixed call must fail to compile."""
     import numba
 
-    from pydtnn.backends import compiled
+    from pydtnn.backends.cpu.kernels import vectors
 
     with pytest.raises(numba.core.errors.TypingError):
-        compiled._copy(np.zeros(16, np.float32), 0, np.zeros(16), 0, 16)
+        vectors.copy(np.zeros(16, np.float32), 0, np.zeros(16), 0, 16)
     dst = np.zeros(16, np.float32)
-    compiled._copy(dst, 0, np.arange(16, dtype=np.float32), 0, 16)
+    vectors.copy(dst, 0, np.arange(16, dtype=np.float32), 0, 16)
     np.testing.assert_array_equal(dst, np.arange(16))
 
 
@@ -419,18 +446,22 @@ def test_direct_kernel_is_chosen_only_where_it_applies():
         base = {"c": 16, "h": 8, "w": 8, "kh": 3, "kw": 3, "pt": 1, "pb": 1, "pl": 1, "pr": 1}
         return ConvGeometry(**{**base, **kw})
 
-    assert fast._direct(geom(), 16) and fast._direct(geom(pt=0, pb=2), 16)
-    assert fast._direct(geom(c=128), 256) and fast._direct(geom(c=3, h=32, w=32), 16)
-    assert fast._direct(geom(c=512, h=16, w=16), 512)  # many channels: from 16 wide
-    assert fast._direct(geom(groups=16), 16) and fast._direct(geom(c=512, groups=512), 512)  # depthwise
-    assert fast._direct(geom(c=64, h=4, w=4, groups=64), 64)  # depthwise: any width
+    def direct(b, g, co):
+        return algorithm(b, g, co) == "direct"
+
+    assert direct(fast, geom(), 16) and direct(fast, geom(pt=0, pb=2), 16)
+    assert direct(fast, geom(c=128), 256) and direct(fast, geom(c=3, h=32, w=32), 16)
+    assert direct(fast, geom(c=512, h=16, w=16), 512)  # many channels: from 16 wide
+    assert direct(fast, geom(groups=16), 16) and direct(fast, geom(c=512, groups=512), 512)  # depthwise
+    assert direct(fast, geom(c=64, h=4, w=4, groups=64), 64)  # depthwise: any width
     # stride-2 depthwise: the stride-1 kernels, every other output kept
-    assert fast._stride1_depthwise(geom(sh=2, sw=2, groups=16), 16) == geom(groups=16)
-    assert fast._stride1_depthwise(geom(sh=2, sw=2, groups=16), 32) is None  # channel multiplier
-    assert fast._stride1_depthwise(geom(sh=2, sw=1, groups=16), 16) is None  # uneven stride
-    assert fast._stride1_depthwise(geom(sh=2, sw=2), 16) is None  # one group
-    assert ref._stride1_depthwise(geom(sh=2, sw=2, groups=16), 16) is None
-    assert not ref._direct(geom(), 16) and not ref._direct(geom(groups=16), 16)
+    g2 = geom(sh=2, sw=2, groups=16)
+    assert fast.conv2d_plan(g2, (16, 1, 3, 3)) == ConvPlan(g2, "direct_stride2", geom(groups=16))
+    assert algorithm(fast, geom(sh=2, sw=2, groups=16), 32) != "direct_stride2"  # channel multiplier
+    assert algorithm(fast, geom(sh=2, sw=1, groups=16), 16) != "direct_stride2"  # uneven stride
+    assert algorithm(fast, geom(sh=2, sw=2), 16) != "direct_stride2"  # one group
+    assert algorithm(ref, geom(sh=2, sw=2, groups=16), 16) != "direct_stride2"
+    assert not direct(ref, geom(), 16) and not direct(ref, geom(groups=16), 16)
     for g, co in (
         (geom(sh=2, sw=2, h=16, w=16), 16),  # strided (8 outputs wide)
         (geom(kh=5, kw=5), 16),  # not 3x3
@@ -441,7 +472,7 @@ def test_direct_kernel_is_chosen_only_where_it_applies():
         (geom(w=7), 16),
         (geom(c=256), 256),  # many channels, under 16 wide: GEMM's weight gradient is faster
     ):
-        assert not fast._direct(g, co), (g, co)
+        assert not direct(fast, g, co), (g, co)
 
 
 def test_kernel_choice_errors(monkeypatch):
@@ -450,7 +481,7 @@ def test_kernel_choice_errors(monkeypatch):
         CPUBackend(kernels="fortran")
     monkeypatch.setenv("PYDTNN_CPU_KERNELS", "numpy")
     assert CPUBackend().kernels == "numpy"
-    monkeypatch.setattr(cpu, "numba_installed", lambda: False)
+    monkeypatch.setattr("pydtnn.backends.cpu.backend.numba_installed", lambda: False)
     monkeypatch.setenv("PYDTNN_CPU_KERNELS", "auto")
     assert CPUBackend().kernels == "numpy"  # no numba: the NumPy path, silently
     with pytest.raises(ValueError, match="numba is not installed"):
@@ -535,9 +566,10 @@ def test_float32_in_float32_out(make):
 
 
 # -- threaded batch chunks ---------------------------------------------------------------------
-def _kernels_run(x, dy_rng):
-    """Forward and backward of every threaded kernel on x; returns all outputs and gradients."""
-    be = CPUBackend(np.float32)
+def _kernels_run(x, dy_rng, tuning):
+    """Forward and backward of every threaded kernel on x, on backends of this Tuning; returns all
+    outputs and gradients."""
+    be = CPUBackend(np.float32, tuning=tuning)
     out = []
     for k, s, p in ((2, 2, 0), (3, 2, 1), (3, 1, 0)):
         g = ConvGeometry(c=x.shape[1], h=x.shape[2], w=x.shape[3], kh=k, kw=k, sh=s, sw=s, pt=p, pb=p, pl=p, pr=p)
@@ -553,7 +585,7 @@ def _kernels_run(x, dy_rng):
         dy = dy_rng.standard_normal((x.shape[0], c * mult, g.ho, g.wo)).astype(np.float32)
         y, ctx = be.conv2d_forward(x, w, g)
         out += [y, *be.conv2d_backward(dy, w, ctx, g)]
-    fast = CPUBackend(np.float32, kernels="numba")  # direct 3x3: samples, then output channels, split
+    fast = CPUBackend(np.float32, kernels="numba", tuning=tuning)  # direct 3x3: samples, then output channels, split
     c = x.shape[1]
     g = ConvGeometry(c=c, h=x.shape[2], w=x.shape[3], kh=3, kw=3, pt=1, pb=1, pl=1, pr=1)
     w = dy_rng.standard_normal((5, c, 3, 3)).astype(np.float32)
@@ -576,7 +608,7 @@ def _kernels_run(x, dy_rng):
     out += [y, db]
     # im2col + GEMM: y and dx split over samples; dw over its columns, each thread's GEMM rounding in
     # its own blocking (rounding-level differences, checked apart by the caller)
-    gemm = CPUBackend(np.float32, kernels="numpy")
+    gemm = CPUBackend(np.float32, kernels="numpy", tuning=tuning)
     for co, k, s, p, groups in ((6, 3, 1, 1, 1), (6, 3, 2, 1, 1), (6, 1, 2, 0, 1), (4, 1, 1, 0, 1), (6, 3, 1, 1, 2)):
         g = ConvGeometry(c=c, h=x.shape[2], w=x.shape[3], kh=k, kw=k, sh=s, sw=s, pt=p, pb=p, pl=p, pr=p, groups=groups)
         w = dy_rng.standard_normal((co, c // groups, k, k)).astype(np.float32)
@@ -605,30 +637,33 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
     gives the same bits as one thread, but for the GEMM path's dw (a batch of 7 leaves uneven chunks;
     every call splits, whatever its size). gemm_columns 10000: each GEMM-path convolution is one
     GEMM cut into two halves of its rows."""
-    from pydtnn.backends import threads as th
-
-    monkeypatch.setattr(th, "MIN_BYTES", 0)
-    monkeypatch.setattr(cpu, "GEMM_MIN_COLUMNS", gemm_columns)
-    monkeypatch.setattr(cpu, "_ROW_STEP", 1)
-    monkeypatch.setattr(cpu, "BATCHNORM_SPLIT_BYTES", 0)
-    monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", 0)
+    tuning = Tuning(
+        split_min_bytes=0, gemm_min_columns=gemm_columns, row_step=1, batchnorm_split_bytes=0, bias_compiled_min_bytes=0
+    )
     x = np.random.default_rng(0).standard_normal((7, 4, 9, 9)).astype(np.float32)
-    try:
-        th.set_threads(1)
-        want = _kernels_run(x, np.random.default_rng(1))
-        th.set_threads(threads)
-        calls, compiled_calls = [], []
-        real, real_compiled = th.split, th.split_compiled
-        monkeypatch.setattr(cpu, "split", lambda n, fn, nbytes=None: (calls.append(n), real(n, fn, nbytes)))
+    with thread_count(1):
+        want = _kernels_run(x, np.random.default_rng(1), tuning)
+    calls, compiled_calls, chunked = [], [], []
+    real, real_compiled = CPUBackend.split, CPUBackend.split_compiled
 
-        def counted(kernel, chunks, n, args, nbytes=None):
-            compiled_calls.append(kernel)
-            real_compiled(kernel, chunks, n, args, nbytes)
+    def counted_split(self, n, fn, nbytes=None):
+        calls.append(n)
 
-        monkeypatch.setattr(cpu, "split_compiled", counted)
-        got = _kernels_run(x, np.random.default_rng(1))
-    finally:
-        th.set_threads(th.default_threads())
+        def chunk(lo, hi):
+            chunked.append((lo, hi) != (0, n))
+            fn(lo, hi)
+
+        real(self, n, chunk, nbytes)
+
+    def counted(self, kernel, chunks, n, args, nbytes=None):
+        compiled_calls.append(kernel)
+        real_compiled(self, kernel, chunks, n, args, nbytes)
+
+    monkeypatch.setattr(CPUBackend, "split", counted_split)
+    monkeypatch.setattr(CPUBackend, "split_compiled", counted)
+    with thread_count(threads):
+        got = _kernels_run(x, np.random.default_rng(1), tuning)
+    assert any(chunked)  # the pool's splits did cut their work
     # every pooling, convolution, BatchNorm and ReLU call went through a splitter: the pool's, or
     # Numba's threads for the compiled kernels (forward, dw and dx of the stride-1 and stride-2
     # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU, 2x2 max and average pooling, bias)
@@ -642,43 +677,39 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
             np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
 
 
-def test_pointwise_convolution_works_on_x_and_dy_as_they_lie(monkeypatch):
+def test_pointwise_convolution_works_on_x_and_dy_as_they_lie():
     """A one-group 1x1 stride-1 layer with enough pixels takes one GEMM per sample and keeps x itself
     (no im2col matrix); its results match the im2col path's, and every thread count gives the same
     bits (dw: whole blocks of samples per thread, their partial sums added in block order). Large
     weights on few pixels keep im2col."""
-    from pydtnn.backends import threads as th
-
-    assert cpu._pointwise(ConvGeometry(256, 16, 16, 1, 1), 64)
-    assert not cpu._pointwise(ConvGeometry(512, 16, 16, 1, 1), 512)  # weight as large as x and dy
-    assert not cpu._pointwise(ConvGeometry(16, 8, 8, 1, 1), 16)  # 64 pixels: blocks of samples
-    assert not cpu._pointwise(ConvGeometry(16, 16, 16, 1, 1, sh=2, sw=2), 16)
-    assert not cpu._pointwise(ConvGeometry(16, 16, 16, 1, 1, groups=2), 16)
-    assert not cpu._pointwise(ConvGeometry(16, 16, 16, 1, 1, pt=1, pb=1, pl=1, pr=1), 16)
+    t = Tuning()
+    assert pointwise_ok(ConvGeometry(256, 16, 16, 1, 1), 64, t)
+    assert not pointwise_ok(ConvGeometry(512, 16, 16, 1, 1), 512, t)  # weight as large as x and dy
+    assert not pointwise_ok(ConvGeometry(16, 8, 8, 1, 1), 16, t)  # 64 pixels: blocks of samples
+    assert not pointwise_ok(ConvGeometry(16, 16, 16, 1, 1, sh=2, sw=2), 16, t)
+    assert not pointwise_ok(ConvGeometry(16, 16, 16, 1, 1, groups=2), 16, t)
+    assert not pointwise_ok(ConvGeometry(16, 16, 16, 1, 1, pt=1, pb=1, pl=1, pr=1), 16, t)
     rng = np.random.default_rng(4)
     g = ConvGeometry(12, 12, 11, 1, 1)
     x = rng.standard_normal((19, 12, 12, 11)).astype(np.float32)  # 19 samples: blocks of 8, 8, 3
     w = rng.standard_normal((10, 12, 1, 1)).astype(np.float32)
     dy = rng.standard_normal((19, 10, 12, 11)).astype(np.float32)
-    be = CPUBackend(np.float32)
-    monkeypatch.setattr(th, "MIN_BYTES", 0)
+    be = CPUBackend(np.float32, tuning=Tuning(split_min_bytes=0))
+    assert be.conv2d_plan(g, w.shape).algorithm == "pointwise"
     runs = []
-    try:
-        for threads in (1, 3):
-            th.set_threads(threads)
+    for threads in (1, 3):
+        with thread_count(threads):
             y, ctx = be.conv2d_forward(x, w, g)
             assert ctx.array is x
             runs.append((y, *be.conv2d_backward(dy, w, ctx, g)))
-    finally:
-        th.set_threads(th.default_threads())
     (y1, dx1, dw1), (y3, dx3, dw3) = runs
     np.testing.assert_array_equal(y1, y3)
     np.testing.assert_array_equal(dx1, dx3)
     np.testing.assert_array_equal(dw1, dw3)
-    monkeypatch.setattr(cpu, "_pointwise", lambda g, co: False)
-    y, ctx = be.conv2d_forward(x, w, g)
+    gemm = ConvPlan(g, "gemm", g)  # the im2col path, which the plan passed over
+    y, ctx = be.conv2d_forward(x, w, gemm)
     assert ctx.array is not x  # the im2col matrix
-    dx, dw = be.conv2d_backward(dy, w, ctx, g)
+    dx, dw = be.conv2d_backward(dy, w, ctx, gemm)
     for got, want in ((y1, y), (dx1, dx), (dw1, dw)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
@@ -687,22 +718,17 @@ def test_pointwise_convolution_works_on_x_and_dy_as_they_lie(monkeypatch):
 def test_matmul_split_over_columns_matches_numpy(threads, monkeypatch):
     """CPUBackend.matmul (Dense's three GEMMs) splits the product's columns over threads: each chunk's
     GEMM rounds in its own blocking, so the result matches NumPy's to float32 rounding; out= is filled."""
-    from pydtnn.backends import threads as th
-
-    monkeypatch.setattr(th, "MIN_BYTES", 0)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((7, 40)).astype(np.float32)
     b = rng.standard_normal((40, 11)).astype(np.float32)
-    try:
-        th.set_threads(threads)
-        calls = []
-        real = th.split
-        monkeypatch.setattr(cpu, "split", lambda n, fn, nbytes=None: (calls.append(n), real(n, fn, nbytes)))
-        got = CPUBackend.matmul(a, b)
+    be = CPUBackend(tuning=Tuning(split_min_bytes=0))
+    calls = []
+    real = be.split
+    monkeypatch.setattr(be, "split", lambda n, fn, nbytes=None: (calls.append(n), real(n, fn, nbytes)))
+    with thread_count(threads):
+        got = be.matmul(a, b)
         out = np.full((7, 11), np.nan, np.float32)
-        assert CPUBackend.matmul(a, b, out=out) is out
-    finally:
-        th.set_threads(th.default_threads())
+        assert be.matmul(a, b, out=out) is out
     assert calls == [11, 11]
     want = a.astype(np.float64) @ b.astype(np.float64)
     for r in (got, out):
@@ -713,34 +739,28 @@ def test_matmul_split_over_columns_matches_numpy(threads, monkeypatch):
 def test_split_runs_chunks_in_other_threads_and_raises_their_errors():
     import threading
 
-    from pydtnn.backends import threads as th
-
-    try:
-        th.set_threads(3)
+    small = Tuning().split_min_bytes  # the backend's default: calls under it run unsplit
+    with thread_count(3):
         seen = []
-        th.split(10, lambda lo, hi: seen.append((lo, hi, threading.current_thread().name)), nbytes=1 << 30)
+        th.split(10, lambda lo, hi: seen.append((lo, hi, threading.current_thread().name)), 1 << 30, small)
         assert sorted((lo, hi) for lo, hi, _ in seen) == [(0, 3), (3, 6), (6, 10)]
         names = {name for _, _, name in seen}
         assert threading.current_thread().name in names and len(names) >= 2  # the first chunk runs here
         with pytest.raises(ValueError, match="chunk 6"):
-            th.split(10, lambda lo, hi: (_ for _ in ()).throw(ValueError(f"chunk {lo}")) if lo == 6 else None,
-                     nbytes=1 << 30)
+            th.split(
+                10, lambda lo, hi: (_ for _ in ()).throw(ValueError(f"chunk {lo}")) if lo == 6 else None, 1 << 30, small
+            )
         seen.clear()
-        th.split(10, lambda lo, hi: seen.append((lo, hi)), nbytes=100)  # small: one call, no hand-off
+        th.split(10, lambda lo, hi: seen.append((lo, hi)), nbytes=100, min_bytes=small)  # small: no hand-off
         assert seen == [(0, 10)]
-    finally:
-        th.set_threads(th.default_threads())
 
 
 def test_numba_is_imported_only_by_models_that_use_a_compiled_kernel():
     """Numba and LLVM cost about 100 MB of memory: a model that runs no compiled kernel (direct
     convolution, BatchNorm, ReLU, col2im) never loads them."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, numpy as np\n"
-        "from pydtnn.backends.cpu import ConvGeometry, CPUBackend\n"
+        "from pydtnn.backends.cpu import CPUBackend\n"
         "from pydtnn.layers import Conv2D\n"
         "be = CPUBackend(kernels='numba')\n"
         "x = np.ones((2, 8, 6, 6), np.float32)\n"
@@ -751,46 +771,69 @@ def test_numba_is_imported_only_by_models_that_use_a_compiled_kernel():
         "wide = Conv2D(8, 3, padding=1)\n"
         "wide.build((8, 8, 8), backend=be)\n"
         "wide.forward(np.ones((2, 8, 8, 8), np.float32))\n"
-        "print(before, 'numba' in sys.modules)\n"
+        "print(before, 'numba' in sys.modules, narrow.plan.algorithm, wide.plan.algorithm)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     # the 6-pixel-wide layer runs im2col + GEMM without Numba; the 8-pixel-wide one loads it
-    assert r.stdout.split() == ["False", "True"], r.stdout
+    assert r.stdout.split() == ["False", "True", "gemm", "direct"], r.stdout
+
+
+def _clean_environment(**extra):
+    """This process's environment without the user's libgomp and malloc settings, plus extra."""
+    drop = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
 @pytest.mark.parametrize(
-    "env,want", [({}, "30000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "passive"}, None)]
+    "env,want",
+    [({}, runtime.GOMP_SPINCOUNT), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "passive"}, None)],
 )
-def test_numba_threads_spin_briefly_unless_the_user_chose(env, want):
-    """The first compiled kernel split over two threads sets libgomp's spin count before Numba loads
-    it (compiled.GOMP_SPINCOUNT), unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is already set."""
-    import os
-    import subprocess
-    import sys
-
+def test_configure_makes_numba_threads_spin_briefly_unless_the_user_chose(env, want):
+    """runtime.configure() sets libgomp's spin count (runtime.GOMP_SPINCOUNT), unless GOMP_SPINCOUNT or
+    OMP_WAIT_POLICY is already set; making a backend and running a compiled kernel split over two
+    threads does not set it."""
     code = (
         "import os, numpy as np\n"
-        "from pydtnn.backends import threads\n"
-        "from pydtnn.backends.cpu import CPUBackend\n"
+        "from pydtnn import runtime\n"
+        "from pydtnn.backends.cpu import CPUBackend, Tuning, threads\n"
         "threads.set_threads(2)\n"
-        "threads.MIN_BYTES = 0\n"
-        "CPUBackend(kernels='numba').relu_forward(np.ones(64, np.float32))\n"
+        "CPUBackend(kernels='numba', tuning=Tuning(split_min_bytes=0)).relu_forward(np.ones(64, np.float32))\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'))\n"
+        "runtime.configure(threads=2)\n"
         "print(os.environ.get('GOMP_SPINCOUNT'))\n"
     )
-    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    r = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, check=False, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_clean_environment(**env),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [str(want)], r.stdout
+    assert r.stdout.split() == [str(env.get("GOMP_SPINCOUNT")), str(want)], r.stdout
 
 
 _FAULTS = """
-import resource, sys
+import os, resource, sys
 import numpy as np
 if sys.argv[1] == "keep":
-    from pydtnn.backends.cpu import keep_freed_memory
-    assert keep_freed_memory()
+    from pydtnn import runtime
+    assert runtime.configure(threads=1, blas_threads=None, gomp_spincount=None)["keep_freed_memory"] is True
+elif sys.argv[1] == "backend":  # a backend alone changes no process-wide setting
+    from threadpoolctl import threadpool_info
+    blas = lambda: sorted((i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas")
+    before = blas()
+    assert before, threadpool_info()
+    from pydtnn import runtime
+    from pydtnn.backends.cpu import CPUBackend, threads
+    be = CPUBackend()
+    be.matmul(np.ones((8, 8), np.float32), np.ones((8, 8), np.float32))
+    assert runtime.configured() is None
+    assert "GOMP_SPINCOUNT" not in os.environ
+    assert blas() == before, (blas(), before)
+    assert threads.threads() == 1
 first = np.ones(5 << 20, np.float32)  # 20 MB: glibc's dynamic thresholds move up to it
 del first
 faults = []
@@ -805,17 +848,22 @@ print(min(faults[1:]))
 
 @pytest.mark.skipif(getattr(ctypes.CDLL(None), "mallopt", None) is None, reason="not glibc: no mallopt to call")
 def test_keep_freed_memory_spares_page_faults_on_reuse(monkeypatch):
-    """With the CPU backend's malloc settings, memory freed at the end of a step serves the next step
-    without touching fresh pages; by default glibc hands it back and faults it in again. The user's
-    own MALLOC_* settings take precedence."""
+    """With runtime.configure's malloc settings, memory freed at the end of a step serves the next step
+    without touching fresh pages; by default glibc hands it back and faults it in again, and making a
+    CPUBackend leaves glibc's default (and every other process-wide setting) alone. The user's own
+    MALLOC_* settings take precedence."""
     run = [sys.executable, "-c", _FAULTS]
-    default = int(subprocess.run([*run, "default"], capture_output=True, text=True, check=True, timeout=60).stdout)
-    kept = int(subprocess.run([*run, "keep"], capture_output=True, text=True, check=True, timeout=60).stdout)
+
+    def faults(mode):
+        r = subprocess.run(
+            [*run, mode], env=_clean_environment(), check=False, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, r.stderr
+        return int(r.stdout)
+
+    default, kept, backend = faults("default"), faults("keep"), faults("backend")
     assert default >= 1_000  # glibc trims the freed top of the heap: megabytes of fresh pages each step
     assert kept <= default // 20
-    cpu.keep_freed_memory.cache_clear()
+    assert backend >= 1_000  # no mallopt called by the backend
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
-    try:
-        assert cpu.keep_freed_memory() is False
-    finally:
-        cpu.keep_freed_memory.cache_clear()
+    assert runtime._keep_freed_memory() is False
