@@ -40,7 +40,7 @@ def test_suffixed_cifar_model_on_digits_is_padded_not_a_shape_error():
 
 def test_a_model_that_cannot_take_the_digits_is_one_line():
     one_error_line(cli("--model", "inceptionv3", *QUICK), "inceptionv3_imagenet cannot take 1x28x28 images",
-                   "--dataset imagenet")
+                   "a dataset with larger images (imagenet)", "a model for small images (alexnet,")
 
 
 def test_list_models_is_a_table_of_facts():
@@ -129,7 +129,7 @@ def test_two_processes_state_the_learning_rate_scaling_and_save_the_scaled_rate(
 def test_compile_notice_only_while_the_cache_is_cold(tmp_path, monkeypatch):
     pytest.importorskip("numba")
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "cold"))
-    code = "import json; from pydtnn.backends import compiled; print(json.dumps(compiled.cache_dir()))"
+    code = "import json; from pydtnn.backends.cpu.kernels import jit; print(json.dumps(jit.cache_dir()))"
 
     def cache_dir():
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -138,7 +138,7 @@ def test_compile_notice_only_while_the_cache_is_cold(tmp_path, monkeypatch):
     path, held = cache_dir()
     assert path.startswith(str(tmp_path / "cold")) and held is False
     os.makedirs(path, exist_ok=True)
-    open(os.path.join(path, "compiled._rounded-62.py311.nbi"), "wb").close()
+    open(os.path.join(path, "vectors.rounded-13.py311.nbi"), "wb").close()
     assert cache_dir() == [path, True]
 
 
