@@ -14,7 +14,7 @@ setup(
     package_data={"pydtnn.data": ["mnist5k/*"]},
     install_requires=[
         "numpy>=1.24",
-        "numba>=0.61",  # compiled CPU kernels (pydtnn/backends/compiled.py); the NumPy path works without it
+        "numba>=0.61",  # compiled CPU kernels (pydtnn/backends/cpu/kernels/); the NumPy path works without it
         "tqdm>=4.60",
         "safetensors>=0.4",
         "pyyaml>=6",

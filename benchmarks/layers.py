@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from threadpoolctl import threadpool_limits
 
-from pydtnn.backends.threads import BLAS_THREADS
+from pydtnn.runtime import configure
 from pydtnn.layers import AvgPool2D, BatchNorm, Conv2D, Dense, MaxPool2D, ReLU
 
 # name, layer factory, input shape (N, C, H, W) or (N, F), torch function(x, params)
@@ -103,7 +103,7 @@ def bench(name, make, shape, torch_fn, threads, repeats):
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal(shape, np.float32) for _ in range(3)]
     dys = [rng.standard_normal((shape[0],) + layer.output_shape, np.float32) for _ in range(3)]
-    with threadpool_limits(BLAS_THREADS):
+    with threadpool_limits(1):
         layer.forward(xs[0]), layer.backward(dys[0])  # warm-up
         fwd = median_time(lambda i: layer.forward(xs[i % 3]), repeats)
 
@@ -151,9 +151,7 @@ def main():
         cases = [c for c in CASES if any(w in c[0] for w in wanted)]
         if not cases:
             p.error(f"--cases {args.cases!r} matches none of: {', '.join(c[0] for c in CASES)}")
-    from pydtnn.backends.threads import set_threads
-
-    set_threads(args.threads)  # pydtnn's pool; BLAS runs one thread inside each of its chunks
+    configure(threads=args.threads)  # pydtnn's pool; BLAS runs one thread inside each of its chunks
     peaks, rows = [sgemm_peak(args.threads)], []
     for case in cases:
         rows.append(bench(*case, args.threads, args.repeats))

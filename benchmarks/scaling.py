@@ -65,7 +65,7 @@ def pydtnn_worker(args):
     from threadpoolctl import threadpool_limits
 
     from pydtnn import losses, models, optim
-    from pydtnn.backends.cpu import CPUBackend
+    from pydtnn.backends import CPUBackend
     from pydtnn.distributed import launch, reducers
     from pydtnn.distributed.consistency import broadcast_state
     from pydtnn.profiling import Tracer

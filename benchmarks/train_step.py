@@ -108,7 +108,7 @@ def pydtnn_worker(args):
     from threadpoolctl import threadpool_limits
 
     from pydtnn import losses, models, optim
-    from pydtnn.backends.cpu import CPUBackend
+    from pydtnn.backends import CPUBackend
     from pydtnn.trainer import Trainer
 
     import_mb = peak_rss_mb()
@@ -120,13 +120,18 @@ def pydtnn_worker(args):
     trainer = Trainer(model, losses.SoftmaxCrossEntropy(), opt, progress=False)
     data = synthetic_batches(args.batch, model.input_shape, model.output_shape[0])
     blas_threads = args.threads
-    try:  # pydtnn's own thread pool; absent from checkouts older than the module
-        from pydtnn.backends import threads
+    try:  # pydtnn's thread pool, BLAS at one thread inside each chunk (older checkouts: backends/threads.py)
+        from pydtnn import runtime
 
-        threads.set_threads(args.threads)
-        blas_threads = getattr(threads, "BLAS_THREADS", blas_threads)  # one: the pool splits the GEMMs too
+        blas_threads = runtime.configure(threads=args.threads)["blas_threads"]
     except ImportError:
-        pass
+        try:
+            from pydtnn.backends import threads
+
+            threads.set_threads(args.threads)
+            blas_threads = getattr(threads, "BLAS_THREADS", blas_threads)
+        except ImportError:
+            pass
     with threadpool_limits(blas_threads):
         times, foreign = time_steps(lambda i: trainer.train_step(*data[i % 3]), args.warmup, args.steps)
     return record(args, times, foreign, import_mb)
@@ -233,7 +238,7 @@ def prepare(name, tmp):
     from torch_equivalent import to_torch
 
     from pydtnn import models
-    from pydtnn.backends.cpu import CPUBackend
+    from pydtnn.backends import CPUBackend
 
     model = models.create(name, backend=CPUBackend(seed=0))
     twin = os.path.join(tmp, f"{name}.pt")

@@ -5,9 +5,9 @@ exit code 2 at the command line) naming the variable, its value and what was exp
 
 | variable | read by | values |
 | --- | --- | --- |
-| PYDTNN_CPU_KERNELS | backends/cpu.py | auto (default: numba when installed), numba, numpy |
+| PYDTNN_CPU_KERNELS | backends/cpu/backend.py | auto (default: numba when installed), numba, numpy |
 | PYDTNN_CUDA_AWARE_MPI | distributed/gpu_comm.py | 1/0 (true/false, yes/no, on/off); unset: ask the MPI library |
-| OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first) |
+| OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/cpu/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first) |
 
 The launchers' variables (PMI_SIZE, OMPI_COMM_WORLD_RANK, ...) are read by distributed/launch.py, and
 the data directory, PYDTNN_DATA (or the older PYDTNN_DATA_DIR), by data/download.py, which checks it

@@ -14,7 +14,7 @@ import hashlib
 
 import numpy as np
 
-from pydtnn.backends.cpu import CPUBackend
+from pydtnn.backends import CPUBackend
 from pydtnn.errors import ShapeError
 from pydtnn.layers.base import _join
 from pydtnn.layers.blocks import Container, Sequential

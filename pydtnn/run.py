@@ -131,7 +131,7 @@ def run(args):
         base = options["lr"]
         options["lr"] *= world  # the global batch grew P times (Goyal et al. 2017)
         lr_note = f" = {base:g} x {world} processes (linear scaling; --learning_rate_scaling false keeps {base:g})"
-    optimizer = optim.create(args.optimizer, model.parameters(), **options)
+    optimizer = optim.create(args.optimizer, model.parameters(), backend=model.backend, **options)
     schedules = build_schedules(args, world)
     reducer, strategy = None, reduction_strategy(args, world)
     if strategy is not None:
@@ -189,10 +189,10 @@ def announce_compilation(backend, say):
     """One line before the first compiled CPU kernel when Numba's cache does not hold them yet."""
     if not isinstance(backend, CPUBackend) or backend.kernels != "numba":
         return
-    from pydtnn.backends import compiled
+    from pydtnn.backends.cpu.kernels import jit
 
     try:
-        path, held = compiled.cache_dir()
+        path, held = jit.cache_dir()
     except Exception:  # Numba's cache locators are not public API: without them, no notice
         return
     if not held:

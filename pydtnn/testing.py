@@ -13,7 +13,7 @@ import copy
 
 import numpy as np
 
-from pydtnn.backends.cpu import CPUBackend
+from pydtnn.backends import CPUBackend
 
 
 def numerical_gradient(f, x, eps=1e-6, max_entries=None, rng=None):

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pydtnn import metrics as metric_fns
+from pydtnn import runtime
 from pydtnn.data.dataset import batch_slices, epoch_order
 from pydtnn.errors import ConfigError, DataError, TrainingDiverged
 from pydtnn.files import is_terminal
@@ -72,10 +73,14 @@ class Trainer:
     prefetch: assemble the next training batch (read, decode, augment) in a background thread while
     the current step computes. Batches depend only on (seed, epoch, step, rank), so the result is
     the same either way; the "data" span of a trace then shows only the wait that was not hidden.
+
+    The process-wide settings (CPU threads, BLAS threads, malloc; pydtnn.runtime) are configured with
+    their defaults unless pydtnn.runtime.configure has run already.
     """
 
     def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
                  callbacks=(), schedules=(), log=None, comm=None, reducer=None, prefetch=True, epoch_lines=None):
+        runtime.ensure_configured()
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
         self.metric_fns = {m: metric_fns.get(m) for m in self.metric_names}

@@ -8,12 +8,13 @@ def kernels(request, monkeypatch):
     """Run a test with the compiled CPU kernels, then with the NumPy path alone (a CPUBackend made
     without kernels= reads PYDTNN_CPU_KERNELS). With the compiled kernels, the direct 3x3 convolution
     takes layers of any width, and the compiled bias kernels arrays of any size, so that the tests'
-    small images go through them too."""
-    from pydtnn.backends import cpu
+    small images go through them too (the default Tuning of backends made in the test)."""
+    from dataclasses import replace
+
+    from pydtnn.backends.cpu import tuning
 
     monkeypatch.setenv("PYDTNN_CPU_KERNELS", request.param)
-    monkeypatch.setattr(cpu, "DIRECT_MIN_WIDTH", 1)
-    monkeypatch.setattr(cpu, "BIAS_COMPILED_MIN_BYTES", 0)
+    monkeypatch.setattr(tuning, "DEFAULT", replace(tuning.DEFAULT, direct_min_width=1, bias_compiled_min_bytes=0))
     return request.param
 
 
@@ -28,7 +29,7 @@ def empty_data_directory(tmp_path_factory, monkeypatch):
 @pytest.fixture(autouse=True, scope="module")
 def return_freed_memory():
     """After each test module, hand freed heap memory back to the system. CPUBackend tells glibc to keep freed
-    memory for the next training step (backends/cpu.py); over a thousand tests that build models of
+    memory for the next training step (pydtnn.runtime, which the trainer configures); over a thousand tests that build models of
     every size, each of malloc's arenas would keep its own peak, and the suite's process grew past 24 GB."""
     yield
     import ctypes

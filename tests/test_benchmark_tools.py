@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from torch_equivalent import to_torch
 
 from pydtnn import losses, models, optim
-from pydtnn.backends.cpu import CPUBackend
+from pydtnn.backends import CPUBackend
 
 
 @pytest.mark.parametrize("name", ["simplecnn", "vgg11_cifar10", "resnet20_cifar10", "mobilenetv1_cifar10",

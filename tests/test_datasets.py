@@ -725,7 +725,7 @@ FASHION_RUN = """
 import json, sys, time
 import numpy as np
 from pydtnn import data, models
-from pydtnn.backends.cpu import CPUBackend
+from pydtnn.backends import CPUBackend
 from pydtnn.losses import SoftmaxCrossEntropy
 from pydtnn.optim import SGD
 from pydtnn.trainer import Trainer

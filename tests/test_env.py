@@ -64,7 +64,7 @@ def test_omp_threads(monkeypatch, omp, openblas, expected):
 
 @pytest.mark.parametrize("value", ["0", "two", "-3", "1.5"])
 def test_omp_threads_refuses_other_values(monkeypatch, value):
-    from pydtnn.backends import threads
+    from pydtnn.backends.cpu import threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", value)
     with pytest.raises(ConfigError, match=f"environment variable OMP_NUM_THREADS={value}: expected a positive integer"):

@@ -203,7 +203,8 @@ def test_optimizer_updates_match_cpu(gpu, name, options):
     p_gpu = [gpu.asarray(p) for p in p_cpu]
     g_gpu = [gpu.asarray(g) for g in g_cpu]
     opt_cpu = optim.create(name, [(f"p{i}", p, g) for i, (p, g) in enumerate(zip(p_cpu, g_cpu))], **options)
-    opt_gpu = optim.create(name, [(f"p{i}", p, g) for i, (p, g) in enumerate(zip(p_gpu, g_gpu))], **options)
+    opt_gpu = optim.create(name, [(f"p{i}", p, g) for i, (p, g) in enumerate(zip(p_gpu, g_gpu))], backend=gpu,
+                           **options)  # the GPU backend's update kernels (SGD, Adam, AdamW)
     for _ in range(5):
         for g, gg in zip(g_cpu, g_gpu):
             g[...] = rng.standard_normal(g.shape)
@@ -228,7 +229,7 @@ def test_training_step_matches_cpu(gpu, model, shape):
     def trainer(backend):
         m = models.create(model, input_shape=shape, num_classes=10, backend=backend, **options)
         return Trainer(m, losses.create("categorical_cross_entropy"),
-                       optim.create("sgd", m.parameters(), lr=0.05, momentum=0.9), progress=False)
+                       optim.create("sgd", m.parameters(), backend=backend, lr=0.05, momentum=0.9), progress=False)
 
     t_cpu, t_gpu = trainer(CPUBackend(np.float32, seed=0)), trainer(gpu)
     for (_, a), (_, b) in zip(t_cpu.model.named_state(), t_gpu.model.named_state()):

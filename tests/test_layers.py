@@ -153,7 +153,9 @@ def test_batchnorm_training(x_shape, kernels):
 @pytest.mark.parametrize("training", [True, False])
 def test_batchnorm_in_chunks(monkeypatch, x_shape, training):
     """The NumPy path reduces and writes dx a few samples at a time: chunks of 2 samples, last one short."""
-    import pydtnn.layers.norm as norm
+    from dataclasses import replace
+
+    from pydtnn.backends.cpu import normalization, tuning
 
     monkeypatch.setenv("PYDTNN_CPU_KERNELS", "numpy")  # the compiled kernels take whole channels
 
@@ -170,9 +172,10 @@ def test_batchnorm_in_chunks(monkeypatch, x_shape, training):
         return bn
 
     for dtype in DTYPES:
-        monkeypatch.setattr(norm, "_CHUNK_BYTES", 2 * per_sample * np.dtype(dtype).itemsize)
+        chunk = 2 * per_sample * np.dtype(dtype).itemsize
+        monkeypatch.setattr(tuning, "DEFAULT", replace(tuning.DEFAULT, batchnorm_chunk_bytes=chunk))
         bn = make(dtype)
-        assert len(bn._chunks(np.zeros(x_shape, dtype))) == (x_shape[0] + 1) // 2
+        assert len(normalization.chunks(bn.backend, np.zeros(x_shape, dtype))) == (x_shape[0] + 1) // 2
         rm, rv = (torch.tensor(bn.buffers[k].copy()) for k in ("running_mean", "running_var"))
         check_against_torch(
             bn, x_shape, lambda x, p: F.batch_norm(x, rm, rv, p["weight"], p["bias"], training), dtype=dtype,
@@ -219,7 +222,7 @@ def test_batchnorm_compiled_kernels_match_numpy_path(x_shape):
             bn.build(x_shape[1:], dtype, CPUBackend(dtype, kernels=k))
             bn.params["weight"][...] = np.linspace(0.5, 1.5, c)
             bn.params["bias"][...] = np.linspace(-1, 1, c)
-            assert bn._fused(True) == (k == "numba")
+            assert bn.backend.kernels == k
             y = bn.forward(x)
             dx = bn.backward(dy)
             runs.append([y, dx, bn.grads["weight"], bn.grads["bias"], *bn.buffers.values()])
@@ -406,7 +409,7 @@ def test_synchronized_batchnorm_on_one_rank_is_batchnorm():
 
     def make():
         bn = BatchNorm()
-        bn.sync = OneRank()
+        bn.synchronize(OneRank())
         return bn
 
     check_gradients(make(), (4, 3, 5, 5))

@@ -10,7 +10,10 @@ import torch
 
 from pydtnn import optim
 from pydtnn.errors import ConfigError
-from pydtnn.optim import fused
+from pydtnn.backends import CPUBackend
+from pydtnn.backends.base import Backend
+from pydtnn.backends.cpu import Tuning
+from pydtnn.backends.cpu import updates as cpu_updates
 
 SHAPES = [(3, 4), (7,), (2, 3, 2, 2)]
 STEPS = 10
@@ -85,11 +88,11 @@ def set_lr(opt, t):
 def test_matches_torch_every_step(name, hyper, dtype, kernels, monkeypatch):
     """With kernels "numba", SGD, Adam and AdamW take their compiled update for every parameter,
     however small."""
-    monkeypatch.setattr(fused, "COMPILED_MIN_BYTES", 0)
     rng = np.random.default_rng(len(CASES) + CASES.index((name, hyper)))
     params = make_params(dtype, rng)
     tensors = [torch.tensor(p.copy(), requires_grad=True) for _, p, _ in params]
-    opt = optim.create(name, params, **hyper)
+    backend = CPUBackend(dtype, tuning=Tuning(update_compiled_min_bytes=0))
+    opt = optim.create(name, params, backend=backend, **hyper)
     with float64_scalars():
         ref = torch_optimizer(name, tensors, hyper)
     for t in range(STEPS):
@@ -111,23 +114,23 @@ def test_matches_torch_every_step(name, hyper, dtype, kernels, monkeypatch):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_compiled_updates_give_the_numpy_bits(dtype, threads, monkeypatch):
-    """The compiled SGD, Adam and AdamW updates against the NumPy passes, every option, several
-    steps (the first sets SGD's momentum buffer), a learning-rate change, split over threads: the
-    same bits."""
-    from pydtnn.backends import threads as th
+    """The compiled SGD, Adam and AdamW updates against the one definition of their math (the generic
+    Backend's NumPy passes), every option, several steps (the first sets SGD's momentum buffer), a
+    learning-rate change, split over threads: the same bits."""
+    from pydtnn.backends.cpu import threads as th
 
-    monkeypatch.setattr(th, "MIN_BYTES", 0)
     shapes = [(300, 7), (1000,), (3, 5, 3, 3)]
+    before = th.threads()
     try:
         th.set_threads(threads)
         for i, (name, hyper) in enumerate(c for c in CASES if c[0] in ("sgd", "adam", "adamw")):
             results = []
-            for min_bytes in (1 << 62, 0):  # the NumPy passes, then the compiled update
-                monkeypatch.setattr(fused, "COMPILED_MIN_BYTES", min_bytes)
+            compiled = CPUBackend(dtype, kernels="numba", tuning=Tuning(update_compiled_min_bytes=0, split_min_bytes=0))
+            for backend in (Backend(np, dtype), compiled):  # the generic math, then the compiled update
                 rng = np.random.default_rng(i)
                 params = make_params(dtype, rng, shapes)
-                assert fused.compiled_cpu(params[0][1]) == (min_bytes == 0)
-                opt = optim.create(name, params, **hyper)
+                assert cpu_updates.compiled(compiled, params[0][1])
+                opt = optim.create(name, params, backend=backend, **hyper)
                 for t in range(4):
                     set_lr(opt, t + 3)
                     for _, _, g in params:
@@ -139,16 +142,16 @@ def test_compiled_updates_give_the_numpy_bits(dtype, threads, monkeypatch):
             for a, b in zip(*results):
                 np.testing.assert_array_equal(a.view(bits), b.view(bits), err_msg=f"{name} {hyper}")
     finally:
-        th.set_threads(th.default_threads())
+        th.set_threads(before)
 
 
-def test_compiled_updates_leave_float16_to_numpy(monkeypatch):
+def test_compiled_updates_leave_float16_to_numpy():
     """float16 parameters (no compiled kernel for them) keep the NumPy passes."""
-    monkeypatch.setattr(fused, "COMPILED_MIN_BYTES", 0)
     params = make_params(np.float16, np.random.default_rng(0))
-    assert not fused.compiled_cpu(params[0][1])
+    backend = CPUBackend(kernels="numba", tuning=Tuning(update_compiled_min_bytes=0))
+    assert not cpu_updates.compiled(backend, params[0][1])
     for name in ("sgd", "adam"):
-        opt = optim.create(name, params, lr=0.1, **({"momentum": 0.9} if name == "sgd" else {}))
+        opt = optim.create(name, params, backend=backend, lr=0.1, **({"momentum": 0.9} if name == "sgd" else {}))
         for _, _, g in params:
             g[...] = 1
         before = params[0][1].copy()

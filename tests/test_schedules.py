@@ -55,7 +55,7 @@ def test_reduce_on_plateau_counts_patience_and_round_trips():
 
 
 def test_missing_metric_is_a_clear_error():
-    with pytest.raises(ConfigError, match="val_loss.*--validation_split"):
+    with pytest.raises(ConfigError, match=r"val_loss.*validation_split=0\.1 or test_as_validation=True"):
         ReduceOnPlateau("val_loss").on_epoch_end(0, {"loss": 1.0, "val_loss": None})
 
 

@@ -1,30 +1,47 @@
-"""Backends: the array module, dtype, RNG and per-device kernels of one model.
+"""Backends: the array module, dtype, RNG and per-device operations of one model.
 
-`CPUBackend` (NumPy) is always available. A GPU backend is imported only when asked for, so
-`import pydtnn` never imports CuPy.
+base.py writes the contract (Backend) once, with generic implementations; `CPUBackend` (backends/cpu/,
+NumPy + Numba) is always available. The GPU backend (gpu.py, CuPy + cuDNN) is imported only when asked
+for, so `import pydtnn` never imports CuPy.
 """
 
 import numpy as np
 
-from pydtnn.backends.cpu import ConvGeometry, CPUBackend
+from pydtnn.backends.base import Backend
+from pydtnn.backends.cpu import CPUBackend
+from pydtnn.backends.geometry import ConvGeometry
 from pydtnn.errors import ConfigError
 
 NAMES = ("cpu", "gpu")
 
 
+def is_device_array(a):
+    """Whether a is a CuPy array, without importing cupy."""
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
 def array_module(a):
     """numpy or cupy, whichever `a` belongs to, without importing cupy for NumPy arrays."""
-    if type(a).__module__.split(".")[0] == "cupy":
+    if is_device_array(a):
         import cupy
 
         return cupy
     return np
 
 
+def backend_for(a):
+    """A backend for arrays like a, for code handed arrays without their model's backend (an optimizer
+    built from bare parameters): a CPUBackend for NumPy arrays, the generic Backend over CuPy else."""
+    if is_device_array(a):
+        return Backend(array_module(a), a.dtype)
+    return CPUBackend(a.dtype if a.dtype in (np.float32, np.float64) else np.float32)
+
+
 def get_backend(name="cpu", dtype="float32", seed=0, **options):
-    """Backend by name: 'cpu', or 'gpu' (CuPy + cuDNN; options: device, tf32; see backends/gpu.py)."""
+    """Backend by name: 'cpu' (options: kernels, tuning; see backends/cpu), or 'gpu' (CuPy + cuDNN;
+    options: device; see backends/gpu.py)."""
     if name == "cpu":
-        return CPUBackend(dtype=dtype, seed=seed)
+        return CPUBackend(dtype=dtype, seed=seed, **options)
     if name == "gpu":
         from pydtnn.backends.gpu import GPUBackend
 
@@ -32,4 +49,5 @@ def get_backend(name="cpu", dtype="float32", seed=0, **options):
     raise ConfigError(f"unknown backend {name!r}; expected one of {', '.join(NAMES)}")
 
 
-__all__ = ["NAMES", "CPUBackend", "ConvGeometry", "array_module", "get_backend"]
+__all__ = ["NAMES", "Backend", "CPUBackend", "ConvGeometry", "array_module", "backend_for", "get_backend",
+           "is_device_array"]

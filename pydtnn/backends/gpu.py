@@ -1,16 +1,16 @@
 """GPU backend: CuPy arrays, cuDNN frontend graphs for convolution, CUDA kernels for pooling and dropout.
 
-The same seam as CPUBackend (backends/cpu.py): layers keep one implementation of their logic,
-written against `backend.xp` (here `cupy`: Dense is a cuBLAS GEMM through CuPy's matmul,
-activations and BatchNorm are CuPy elementwise and reduction kernels), and call the backend for the
-kernels that differ per device:
+The Backend contract of backends/base.py: its generic operations run here on `cupy` (Dense is a
+cuBLAS GEMM through CuPy's matmul, activations and BatchNorm are CuPy elementwise and reduction
+kernels), and this class overrides the ones a GPU does its own way:
 
 - convolution forward, data gradient and weight gradient: one cuDNN frontend graph per
   (operation, batch size, geometry), built on first use and cached (`ConvGraphs`);
 - max and average pooling: CUDA kernels compiled once by CuPy, NCHW, one thread per output
   (forward) or per input element (backward: a gather, so results do not depend on thread order);
 - dropout masks: a counter-based hash of (seed, element index), seeded from the host Generator,
-  so masks are reproducible, cheap, and follow `reseed()` exactly as on the CPU.
+  so masks are reproducible, cheap, and follow `reseed()` exactly as on the CPU;
+- the SGD and Adam/AdamW updates: one CuPy elementwise kernel each, the math of base.py in one pass.
 
 Why this stack: CuPy 14 no longer wraps cuDNN, and NVIDIA's cuDNN frontend Python package
 (`nvidia-cudnn-frontend`) is the maintained way to reach cuDNN's graph API; pycuda needs a full CUDA
@@ -24,10 +24,12 @@ Nothing here is imported by `import pydtnn` or by the CPU path: `get_backend("gp
 
 import contextlib
 import dataclasses
+import functools
 import os
 
 import numpy as np
 
+from pydtnn.backends.base import Backend
 from pydtnn.errors import ConfigError
 
 _INSTALL = "pip install -e '.[gpu-cuda13]' (CUDA 13) or '.[gpu]' (CUDA 12)"
@@ -51,7 +53,7 @@ def gpu_status():
 def _require_cupy():
     count, reason = gpu_status()
     if not count:
-        raise ConfigError(f"--enable_gpu: the GPU backend needs CuPy and a visible GPU; {reason}")
+        raise ConfigError(f"the GPU backend needs CuPy and a visible GPU; {reason}")
     import cupy
 
     return cupy
@@ -170,33 +172,27 @@ mask = u >= rate ? (T)scale : (T)0;
 """
 
 
-class GPUBackend:
+class GPUBackend(Backend):
     """CuPy backend on one GPU: device = local rank modulo visible GPUs (or `device`).
 
     dtype: float32 (cuDNN's convolution engines are float32/half; float64 is refused).
-    tf32: let cuDNN use TF32 tensor cores for float32 convolutions (faster, ~1e-3 relative error);
-    False sets NVIDIA_TF32_OVERRIDE=0 before the first CUDA call of this process, which turns TF32 off
-    in every CUDA library. CuPy's matmul (Dense) uses TF32 only when CUPY_TF32=1 is set.
+    cuDNN may use TF32 tensor cores for float32 convolutions (faster, ~1e-3 relative error):
+    pydtnn.runtime.configure(tf32=False) before the first CUDA call of the process turns TF32 off in
+    every CUDA library. CuPy's matmul (Dense) uses TF32 only when CUPY_TF32=1 is set.
     """
 
     name = "gpu"
-    fused_batchnorm = False  # BatchNorm runs its generic path (CuPy reductions and element-wise kernels)
-    fused_relu = False  # and ReLU its CuPy element-wise path
 
-    def __init__(self, dtype=np.float32, seed=0, device=None, tf32=True):
-        self.dtype = np.dtype(dtype)
-        if self.dtype != np.float32:
-            raise ConfigError(f"--enable_gpu computes in float32; got --dtype {self.dtype.name}")
-        if not tf32:
-            os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
+    def __init__(self, dtype=np.float32, seed=0, device=None):
+        if np.dtype(dtype) != np.float32:
+            raise ConfigError(f"the GPU backend computes in float32; got dtype {np.dtype(dtype).name}")
         cp = _require_cupy()
-        self.xp = self.cupy = cp
+        super().__init__(cp, dtype, seed)
+        self.cupy = cp
         count = cp.cuda.runtime.getDeviceCount()
         self.device_id = (local_rank() if device is None else int(device)) % count
         self.device = cp.cuda.Device(self.device_id)
         self.device.use()
-        self.seed = seed
-        self.rng = np.random.default_rng(seed)
         self.convs = ConvGraphs(self)
         self._pool = cp.RawModule(code=_POOL_SRC)
         self._dropout = cp.ElementwiseKernel("uint64 seed, float32 rate, float32 scale", "T mask", _DROPOUT_SRC,
@@ -205,9 +201,6 @@ class GPUBackend:
 
     def __repr__(self):
         return f"GPUBackend(device={self.device_id}, dtype={self.dtype.name}, seed={self.seed})"
-
-    def reseed(self, key):
-        self.rng = np.random.default_rng(key)
 
     # -- host <-> device -------------------------------------------------------------------
     def asarray(self, a, dtype=None):
@@ -271,6 +264,10 @@ class GPUBackend:
         if g.pt == g.pb and g.pl == g.pr:
             return None
         return dataclasses.replace(g, h=g.h + g.pt + g.pb, w=g.w + g.pl + g.pr, pt=0, pb=0, pl=0, pr=0)
+
+    def conv2d_plan(self, g, weight_shape):
+        """The geometry itself: cuDNN graphs are built per batch size, on first use (ConvGraphs)."""
+        return g
 
     def conv2d_forward(self, x, w, g, keep=True):
         cp = self.cupy
@@ -359,6 +356,49 @@ class GPUBackend:
         mask = self.cupy.empty(shape, dtype)
         self._dropout(seed, np.float32(rate), np.float32(1 / (1 - rate)), mask)
         return mask
+
+    # -- optimizer updates ---------------------------------------------------------------------
+    def sgd_update(self, p, g, buf, tmp, lr, weight_decay, momentum, dampening, nesterov, first):
+        t = p.dtype.type
+        plain, with_momentum, _ = _update_kernels()
+        if not momentum:
+            plain(g, t(lr), t(weight_decay), p)
+            return
+        with_momentum(g, t(lr), t(weight_decay), t(momentum), t(1 - dampening), nesterov, first, p, buf)
+
+    def adam_update(self, p, g, m, v, tmp, lr, beta1, beta2, eps, weight_decay, decoupled, step):
+        t = p.dtype.type
+        decay = 1 - lr * weight_decay if decoupled else 1.0
+        wd = 0.0 if decoupled else weight_decay
+        # 1 - beta taken in float64 and then rounded, as the generic code's Python scalars are
+        _update_kernels()[2](g, t(lr / (1 - beta1**step)), t(1 - beta1), t(beta2), t(1 - beta2), t(eps), t(wd),
+                             t(decay), t((1 - beta2**step) ** 0.5), p, m, v)
+
+
+@functools.cache
+def _update_kernels():
+    """(sgd, sgd with momentum, adam): CuPy elementwise kernels of Backend.sgd_update and adam_update."""
+    import cupy
+
+    sgd = cupy.ElementwiseKernel(
+        "T g, T lr, T wd", "T p", "p = p - lr * (g + wd * p);", "pydtnn_sgd")
+    sgd_momentum = cupy.ElementwiseKernel(
+        "T g, T lr, T wd, T momentum, T keep, bool nesterov, bool first", "T p, T buf",
+        """
+        T d = g + wd * p;
+        buf = first ? d : momentum * buf + keep * d;
+        p = p - lr * (nesterov ? d + momentum * buf : buf);
+        """, "pydtnn_sgd_momentum")
+    adam = cupy.ElementwiseKernel(
+        "T g, T lr_t, T one_m_beta1, T beta2, T one_m_beta2, T eps, T wd, T decay, T bc2_sqrt", "T p, T m, T v",
+        """
+        p = p * decay;
+        T d = g + wd * p;
+        m = m + one_m_beta1 * (d - m);
+        v = beta2 * v + one_m_beta2 * d * d;
+        p = p - lr_t * m / (sqrt(v) / bc2_sqrt + eps);
+        """, "pydtnn_adam")
+    return sgd, sgd_momentum, adam
 
 
 class ConvGraphs:

@@ -1,4 +1,4 @@
-"""Launch helpers: world discovery, one BLAS thread per rank, abort-on-exception.
+"""Launch helpers: world discovery, CPU threads per rank (pydtnn.runtime), abort-on-exception.
 
 A plain `python` run needs no MPI: MPI is initialised only when a launcher's environment variables
 say there are several processes (mpiexec/mpirun of MPICH or Open MPI, Slurm's srun).
@@ -84,7 +84,8 @@ def _mismatch(mpi, var, n):
 
 
 def init(threads=1, stall_timeout=300.0, debug_collectives=False):
-    """The world communicator; limits BLAS to `threads` threads per process when there are several.
+    """The world communicator; with several processes, `threads` CPU threads per process
+    (pydtnn.runtime.configure: measured here, 2 ranks x 2 threads lose 10-30% against 2 x 1).
 
     stall_timeout (seconds; 0 or None: off) and debug_collectives: see distributed.comm.MPIComm.
     """
@@ -96,17 +97,10 @@ def init(threads=1, stall_timeout=300.0, debug_collectives=False):
         raise ConfigError("launched with several processes but mpi4py is missing; pip install mpi4py mpich") from None
     comm = MPIComm(stall_timeout=stall_timeout or None, debug=debug_collectives)
     if threads:
-        limit_blas_threads(threads)
+        from pydtnn import runtime
+
+        runtime.configure(threads=threads)
     return comm
-
-
-def limit_blas_threads(n):
-    """n threads per rank for the CPU backend, one by default: measured here, 2 ranks x 2 threads
-    lose 10-30%. The backend's own pool splits the work (backends/threads.py); BLAS runs one
-    thread inside each chunk."""
-    from pydtnn.backends.threads import set_threads
-
-    set_threads(n)
 
 
 def start():

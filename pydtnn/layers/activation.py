@@ -17,28 +17,13 @@ class _Elementwise(Layer):
 class ReLU(_Elementwise):
     """y = max(x, 0)."""
 
-    def __init__(self):
-        super().__init__()
-        self._zeros = None  # one sample of zeros, broadcast over the batch
-
     def forward(self, x, training=True):
-        if self.backend.fused_relu:  # CPU, compiled kernels
-            y = self.backend.relu_forward(x)
-        else:
-            # NumPy's maximum against a scalar runs an unvectorized loop; against a contiguous array
-            # of zeros it is vectorized and about twice as fast. One sample's worth is enough.
-            per_sample = int(np.prod(x.shape[1:]))
-            z = self._zeros
-            if z is None or z.shape[0] != per_sample or z.dtype != x.dtype:
-                z = self._zeros = self.xp.zeros(per_sample, x.dtype)
-            y = self.xp.maximum(x.reshape(x.shape[0], per_sample), z).reshape(x.shape)
+        y = self.backend.relu_forward(x)
         self.y = y if training else None
         return y
 
     def backward(self, dy):
-        if self.backend.fused_relu:
-            return self.backend.relu_backward(dy, self.y)
-        return dy * (self.y > 0)
+        return self.backend.relu_backward(dy, self.y)
 
 
 class ReLU6(_Elementwise):

@@ -13,7 +13,7 @@ memory. `buffers` hold non-trainable state (BatchNorm's running statistics).
 
 import numpy as np
 
-from pydtnn.backends.cpu import CPUBackend
+from pydtnn.backends import get_backend
 from pydtnn.errors import ShapeError
 from pydtnn.initializers import initialize
 
@@ -55,7 +55,7 @@ class Layer:
         to the input shape).
         """
         self.input_shape = tuple(int(s) for s in input_shape)
-        self.backend = backend if backend is not None else CPUBackend(dtype)
+        self.backend = backend if backend is not None else get_backend("cpu", dtype)
         self.dtype = np.dtype(dtype)
         self.output_shape = self.input_shape
         self.params, self.grads, self.buffers = {}, {}, {}

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from pydtnn.backends.cpu import ConvGeometry
+from pydtnn.backends.geometry import ConvGeometry
 from pydtnn.errors import ShapeError
 from pydtnn.layers.base import Layer, as_pair
 
@@ -89,6 +89,7 @@ class Conv2D(Layer):
                 f"padding {self.padding!r}); expected a padded input of at least {dh * (kh - 1) + 1}x{dw * (kw - 1) + 1}"
             )
         self.geometry = g
+        self.plan = self.backend.conv2d_plan(g, (self.filters, c // self.groups, kh, kw))  # the backend's algorithm
         fan_in = c // self.groups * kh * kw
         fan_out = self.filters // self.groups * kh * kw
         shape = (self.filters, c // self.groups, kh, kw)
@@ -98,13 +99,13 @@ class Conv2D(Layer):
         self.output_shape = (self.filters, g.ho, g.wo)
 
     def forward(self, x, training=True):
-        y, self.ctx = self.backend.conv2d_forward(x, self.params["weight"], self.geometry, keep=training)
+        y, self.ctx = self.backend.conv2d_forward(x, self.params["weight"], self.plan, keep=training)
         if self.use_bias:
             self.backend.bias_forward(y, self.params["bias"])
         return y
 
     def backward(self, dy):
-        dx, dw = self.backend.conv2d_backward(dy, self.params["weight"], self.ctx, self.geometry, self.need_dx)
+        dx, dw = self.backend.conv2d_backward(dy, self.params["weight"], self.ctx, self.plan, self.need_dx)
         self.grads["weight"][...] = dw
         if self.use_bias:
             self.backend.bias_backward(dy, self.grads["bias"])

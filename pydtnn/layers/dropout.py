@@ -1,16 +1,13 @@
 """Inverted dropout."""
 
-import numpy as np
-
 from pydtnn.layers.base import Layer
 
 
 class Dropout(Layer):
     """Zero each element with probability `rate` during training and scale survivors by 1/(1-rate).
 
-    The mask is drawn per element of every sample (never shared across the batch) from the
-    backend's Generator (on a GPU, by the backend's dropout_mask kernel seeded from it); evaluation
-    is the identity.
+    The mask is drawn per element of every sample (never shared across the batch) by the backend's
+    dropout_mask, from its Generator (on a GPU, by a kernel seeded from it); evaluation is the identity.
     """
 
     def __init__(self, rate=0.5):
@@ -26,12 +23,7 @@ class Dropout(Layer):
         if not training or self.rate == 0:
             self.mask = None
             return x
-        device_mask = getattr(self.backend, "dropout_mask", None)
-        if device_mask is not None:
-            self.mask = device_mask(x.shape, self.rate, x.dtype)
-        else:
-            keep = self.backend.rng.random(x.shape, dtype=np.float32) >= self.rate  # float32 draws: half the bytes
-            self.mask = keep.astype(x.dtype) * x.dtype.type(1 / (1 - self.rate))
+        self.mask = self.backend.dropout_mask(x.shape, self.rate, x.dtype)
         return x * self.mask
 
     def backward(self, dy):

@@ -4,15 +4,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from pydtnn.backends.cpu import ConvGeometry
+from pydtnn.backends.geometry import ConvGeometry
 from pydtnn.errors import ShapeError
 from pydtnn.layers.base import Layer, as_pair
 
 
 class _Pool2D(Layer):
     """Shared shape logic. stride defaults to pool_size (not 1, as it did in PyDTNN)."""
-
-    kind = None  # "max" or "avg": picks the backend kernels
 
     def __init__(self, pool_size=2, stride=None, padding=0):
         super().__init__()
@@ -42,14 +40,6 @@ class _Pool2D(Layer):
         self.geometry = g
         self.output_shape = (c, g.ho, g.wo)
 
-    def forward(self, x, training=True):
-        fwd = getattr(self.backend, f"{self.kind}pool2d_forward")
-        y, self.ctx = fwd(x, self.geometry, keep=training)
-        return y
-
-    def backward(self, dy):
-        return getattr(self.backend, f"{self.kind}pool2d_backward")(dy, self.ctx, self.geometry)
-
     def flops(self):
         return int(np.prod(self.output_shape)) * self.pool_size[0] * self.pool_size[1]
 
@@ -61,8 +51,6 @@ class MaxPool2D(_Pool2D):
     the last window would start in the bottom padding; the extra rows/columns are bottom/right
     padding. torchvision's GoogLeNet uses it: 112 -> 56 with a 3x3 stride-2 window (floor gives 55).
     """
-
-    kind = "max"
 
     def __init__(self, pool_size=2, stride=None, padding=0, ceil_mode=False):
         super().__init__(pool_size, stride, padding)
@@ -81,11 +69,23 @@ class MaxPool2D(_Pool2D):
         self.geometry = replace(g, pb=g.pb + extra[0], pr=g.pr + extra[1])
         self.output_shape = (g.c, self.geometry.ho, self.geometry.wo)
 
+    def forward(self, x, training=True):
+        y, self.ctx = self.backend.maxpool2d_forward(x, self.geometry, keep=training)
+        return y
+
+    def backward(self, dy):
+        return self.backend.maxpool2d_backward(dy, self.ctx, self.geometry)
+
 
 class AvgPool2D(_Pool2D):
     """y = mean over each window (zero padding counted, as PyTorch's default)."""
 
-    kind = "avg"
+    def forward(self, x, training=True):
+        y, self.ctx = self.backend.avgpool2d_forward(x, self.geometry, keep=training)
+        return y
+
+    def backward(self, dy):
+        return self.backend.avgpool2d_backward(dy, self.ctx, self.geometry)
 
 
 AveragePool2D = AvgPool2D  # PyDTNN's name

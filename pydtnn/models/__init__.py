@@ -11,7 +11,7 @@ and state-dict names, so torchvision weights load (see models/convert.py). docs/
 every model with its parameters and FLOPs.
 """
 
-from pydtnn.backends.cpu import CPUBackend
+from pydtnn.backends import CPUBackend
 from pydtnn.errors import ConfigError
 from pydtnn.model import Model
 from pydtnn.models import alexnet, densenet, inception, lenet, mobilenet, resnet, simple, vgg

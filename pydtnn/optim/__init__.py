@@ -18,23 +18,24 @@ NAMES = ("sgd", "rmsprop", "adam", "adamw", "nadam")
 _CLASSES = dict(zip(NAMES, (SGD, RMSProp, Adam, AdamW, Nadam)))
 
 
-def create(name, params, **hyper):
-    """Optimizer `name` (one of NAMES, any case) over params [(name, param, grad)] with hyperparameters."""
+def create(name, params, backend=None, **hyper):
+    """Optimizer `name` (one of NAMES, any case) over params [(name, param, grad)] with hyperparameters;
+    backend: the model's, whose update kernels it runs (default: one for the parameters' array type)."""
     cls = _CLASSES.get(str(name).lower())
     if cls is None:
         raise ConfigError(f"unknown optimizer {name!r}; expected one of {', '.join(NAMES)}")
-    accepted = [k for k in inspect.signature(cls).parameters if k != "params"]
+    accepted = [k for k in inspect.signature(cls).parameters if k not in ("params", "backend")]
     unknown = sorted(set(hyper) - set(accepted))
     if unknown:
         raise ConfigError(f"optimizer {name!r} has no option {', '.join(unknown)}; it takes {', '.join(accepted)}")
-    return cls(params, **hyper)
+    return cls(params, backend=backend, **hyper)
 
 
 def hyperparameters(name, **hyper):
     """Every hyperparameter optimizer `name` runs with: its constructor's defaults updated with `hyper`."""
     cls = _CLASSES[str(name).lower()]
     defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()
-                if k != "params" and p.default is not inspect.Parameter.empty}
+                if k not in ("params", "backend") and p.default is not inspect.Parameter.empty}
     return {**defaults, **hyper}
 
 

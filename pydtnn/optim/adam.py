@@ -1,7 +1,6 @@
 """Adam and its variants: AdamW (decoupled weight decay) and Nadam (Nesterov momentum)."""
 
 from pydtnn.backends import array_module
-from pydtnn.optim import fused
 from pydtnn.optim.base import Optimizer, check
 
 
@@ -18,8 +17,8 @@ class Adam(Optimizer):
     slots = ("exp_avg", "exp_avg_sq")
     decoupled = False  # AdamW: p *= 1 - lr * weight_decay instead of adding weight_decay * p to g
 
-    def __init__(self, params, lr=0.001, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
-        super().__init__(params, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    def __init__(self, params, lr=0.001, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, backend=None):
+        super().__init__(params, backend, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
 
     def configure(self, lr, beta1, beta2, eps, weight_decay):
         super().configure(lr)
@@ -37,38 +36,9 @@ class Adam(Optimizer):
             "weight_decay": self.weight_decay,
         }
 
-    def decay_and_moments(self, p, g, state, tmp):
-        """Apply weight decay, update m and v in place; returns the decayed gradient d (g or tmp[0])."""
-        xp = array_module(p)
-        d = g
-        if self.weight_decay and self.decoupled:
-            p *= 1 - self.lr * self.weight_decay
-        elif self.weight_decay:
-            d = xp.multiply(p, self.weight_decay, out=tmp[0])
-            d += g
-        m, v, s = state["exp_avg"], state["exp_avg_sq"], tmp[1]
-        xp.subtract(d, m, out=s)  # m += (1 - beta1) * (d - m), torch's lerp
-        s *= 1 - self.beta1
-        m += s
-        v *= self.beta2
-        xp.multiply(d, d, out=s)
-        s *= 1 - self.beta2
-        v += s
-        return d
-
     def update(self, p, g, state, tmp):
-        if fused.on_gpu(p):
-            return fused.adam(self, p, g, state)
-        if fused.compiled_cpu(p):
-            return fused.adam_cpu(self, p, g, state)
-        xp = array_module(p)
-        self.decay_and_moments(p, g, state, tmp)
-        s = xp.sqrt(state["exp_avg_sq"], out=tmp[1])
-        s /= (1 - self.beta2**self.t) ** 0.5
-        s += self.eps
-        xp.divide(state["exp_avg"], s, out=s)
-        s *= self.lr / (1 - self.beta1**self.t)
-        p -= s
+        self.backend.adam_update(p, g, state["exp_avg"], state["exp_avg_sq"], tmp, self.lr, self.beta1, self.beta2,
+                                 self.eps, self.weight_decay, self.decoupled, self.t)
 
 
 class AdamW(Adam):
@@ -79,8 +49,8 @@ class AdamW(Adam):
 
     decoupled = True
 
-    def __init__(self, params, lr=0.001, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01):
-        super().__init__(params, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    def __init__(self, params, lr=0.001, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, backend=None):
+        super().__init__(params, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, backend=backend)
 
 
 class Nadam(Adam):
@@ -94,10 +64,11 @@ class Nadam(Adam):
     Slots: exp_avg, exp_avg_sq; scalar state: mu_product (P_t).
     """
 
-    def __init__(self, params, lr=0.002, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, momentum_decay=4e-3):
+    def __init__(self, params, lr=0.002, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
+                 backend=None):
         self.mu_product = 1.0
         Optimizer.__init__(
-            self, params, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            self, params, backend, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             momentum_decay=momentum_decay,
         )
 
@@ -124,7 +95,8 @@ class Nadam(Adam):
 
     def update(self, p, g, state, tmp):
         xp = array_module(p)
-        d = self.decay_and_moments(p, g, state, tmp)
+        d = self.backend.adam_moments(p, g, state["exp_avg"], state["exp_avg_sq"], tmp, self.lr, self.beta1, self.beta2,
+                                      self.weight_decay, self.decoupled)
         s = xp.divide(state["exp_avg_sq"], self._bias_correction2, out=tmp[1])
         xp.sqrt(s, out=s)
         s += self.eps

@@ -6,13 +6,15 @@
     opt.state_dict()  # {"arrays": {"0.weight.momentum_buffer": ...}, "scalars": {"step": 1, "lr": ...}}
 
 Per-parameter state arrays ("slots") are created at construction, in the parameter's dtype and on
-its device. A step allocates no arrays: temporaries are views into one scratch buffer per dtype,
+its device. The update math is the backend's (backends/base.py: sgd_update, adam_update), so a backend
+with compiled or CUDA kernels runs its own; pass the model's backend (optim.create(..., backend=)), else
+one is chosen from the parameters' array type. A step allocates no arrays: temporaries are views into one scratch buffer per dtype,
 made once. Grads are read, never written, so a reducer or a logger can still look at them.
 """
 
 import math
 
-from pydtnn.backends import array_module
+from pydtnn.backends import array_module, backend_for
 from pydtnn.errors import ConfigError
 
 _SCRATCH = 2  # temporaries one parameter's update may need at once
@@ -27,7 +29,7 @@ class Optimizer:
 
     slots = ()  # names of per-parameter state arrays
 
-    def __init__(self, params, **hyper):
+    def __init__(self, params, backend=None, **hyper):
         self.params = [tuple(t) for t in params]
         seen = set()
         for i, triple in enumerate(self.params):
@@ -42,6 +44,7 @@ class Optimizer:
                     f"{self.kind}: gradient of {name!r} is {g.dtype}{tuple(g.shape)}, "
                     f"expected {p.dtype}{tuple(p.shape)} like the parameter"
                 )
+        self.backend = backend if backend is not None or not self.params else backend_for(self.params[0][1])
         self.t = 0  # steps taken
         self.configure(**hyper)
         active = self.active_slots()

@@ -19,9 +19,10 @@ class RMSProp(Optimizer):
 
     slots = ("square_avg", "grad_avg", "momentum_buffer")
 
-    def __init__(self, params, lr=0.01, rho=0.99, eps=1e-8, momentum=0.0, weight_decay=0.0, centered=False):
+    def __init__(self, params, lr=0.01, rho=0.99, eps=1e-8, momentum=0.0, weight_decay=0.0, centered=False,
+                 backend=None):
         super().__init__(
-            params, lr=lr, rho=rho, eps=eps, momentum=momentum, weight_decay=weight_decay, centered=centered
+            params, backend, lr=lr, rho=rho, eps=eps, momentum=momentum, weight_decay=weight_decay, centered=centered
         )
 
     def configure(self, lr, rho, eps, momentum, weight_decay, centered):

@@ -111,7 +111,7 @@ def monitored(logs, metric, who):
     if value is None:
         have = sorted(k for k, v in logs.items() if isinstance(v, float))
         raise ConfigError(f"{who} monitors {metric!r}, which this run does not produce; available: {', '.join(have)}"
-                          + ("; validation metrics need --validation_split or --test_as_validation"
+                          + ("; validation metrics need validation data (validation_split=0.1 or test_as_validation=True)"
                              if metric.startswith("val_") else ""))
     return value
 

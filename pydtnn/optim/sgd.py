@@ -1,8 +1,6 @@
 """Stochastic gradient descent with optional momentum, Nesterov momentum and L2 weight decay."""
 
-from pydtnn.backends import array_module
 from pydtnn.errors import ConfigError
-from pydtnn.optim import fused
 from pydtnn.optim.base import Optimizer, check
 
 
@@ -18,9 +16,9 @@ class SGD(Optimizer):
 
     slots = ("momentum_buffer",)
 
-    def __init__(self, params, lr=0.01, momentum=0.0, nesterov=False, weight_decay=0.0, dampening=0.0):
+    def __init__(self, params, lr=0.01, momentum=0.0, nesterov=False, weight_decay=0.0, dampening=0.0, backend=None):
         super().__init__(
-            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, dampening=dampening
+            params, backend, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, dampening=dampening
         )
 
     def configure(self, lr, momentum, nesterov, weight_decay, dampening):
@@ -50,26 +48,5 @@ class SGD(Optimizer):
         return self.slots if self.momentum > 0 else ()
 
     def update(self, p, g, state, tmp):
-        if fused.on_gpu(p):
-            return fused.sgd(self, p, g, state)
-        if fused.compiled_cpu(p):
-            return fused.sgd_cpu(self, p, g, state)
-        xp = array_module(p)
-        d = g
-        if self.weight_decay:
-            d = xp.multiply(p, self.weight_decay, out=tmp[0])
-            d += g
-        if self.momentum:
-            buf = state["momentum_buffer"]
-            if self.t == 1:
-                buf[...] = d
-            else:
-                buf *= self.momentum
-                buf += d if self.dampening == 0 else xp.multiply(d, 1 - self.dampening, out=tmp[1])
-            if self.nesterov:
-                d_next = xp.multiply(buf, self.momentum, out=tmp[1])
-                d_next += d
-                d = d_next
-            else:
-                d = buf
-        p -= xp.multiply(d, self.lr, out=tmp[0])
+        self.backend.sgd_update(p, g, state.get("momentum_buffer"), tmp, self.lr, self.weight_decay, self.momentum,
+                                self.dampening, self.nesterov, self.t == 1)

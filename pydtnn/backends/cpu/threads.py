@@ -2,13 +2,13 @@
 
 NumPy's copies and element-wise loops run on one core, and release the GIL while they run, so a
 kernel that splits its batch into one contiguous chunk per thread uses every core. The GEMMs are
-split the same way, each chunk calling BLAS with one thread: BLAS is limited to one thread per
-caller as soon as the first CPU backend is made (`threads()`). A BLAS with threads of its own
-would keep them spinning after each call, on the cores the next NumPy loop needs (measured: with
-two threads a training step was no faster than with one; docs/performance.md).
+split the same way, each chunk calling BLAS with one thread (pydtnn.runtime.configure limits BLAS
+to one thread per caller): a BLAS with threads of its own would keep them spinning after each call,
+on the cores the next NumPy loop needs (measured: with two threads a training step was no faster
+than with one; docs/performance.md).
 The compiled (Numba) kernels split the same way through `split_compiled`, but their chunks run on
 Numba's own threads (its OpenMP layer where the system has libgomp): those wait spinning for about
-a millisecond after each kernel (compiled.GOMP_SPINCOUNT), so the next kernel starts on both cores
+a millisecond after each kernel (runtime.GOMP_SPINCOUNT), so the next kernel starts on both cores
 within microseconds, where a hand-off to this module's pool costs about a hundred on this VM (its
 thread must wake, then take the GIL).
 Each chunk writes its own samples only and adds in the same order as the unsplit loop, so those
@@ -16,9 +16,9 @@ results are bit-identical whatever the thread count. The exceptions are GEMMs sp
 columns of their product (a convolution's dw, Dense): each chunk's GEMM rounds in its own
 blocking, so they differ from the one-thread result in the last bits.
 
-The thread count: `set_threads(n)` (called by `pydtnn.distributed.launch.limit_blas_threads`, one
-per rank under MPI) or, until then, OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, else the number of
-cores this process may use.
+The thread count is process-wide, like the cores: `set_threads(n)`, which pydtnn.runtime.configure
+calls (the trainer and the command line call that; under MPI one share of the cores per rank).
+Until then kernels run unsplit, on the calling thread.
 """
 
 import os
@@ -27,16 +27,12 @@ import threading
 from pydtnn import env
 
 _state = threading.local()  # marks pool threads, which must not split again
-_threads = None
+_threads = 1
 _workers = []  # the pool: threads() - 1 _Worker, started on first use
 _lock = threading.Lock()  # guards _threads and _workers
 _busy = threading.Lock()  # held by the split that uses the pool; a concurrent split runs unsplit
 
 BLAS_THREADS = 1  # threads BLAS may use inside one chunk: the pool, not BLAS, spreads work over the cores
-
-# Below this many bytes of work a kernel runs unsplit: handing a chunk to another thread and taking
-# it back costs 30-100 microseconds here, which is what NumPy takes for about 1 MB.
-MIN_BYTES = 1 << 21
 
 
 def default_threads():
@@ -52,26 +48,15 @@ def default_threads():
 
 def threads():
     """Threads a split kernel uses now (1: no split)."""
-    global _threads
-    if _threads is None:
-        _one_blas_thread()
-        _threads = default_threads()
     return _threads
 
 
 def set_threads(n):
-    """Use n threads (n >= 1) for split kernels from now on, and one BLAS thread inside each."""
+    """Use n threads (n >= 1) for split kernels from now on (process-wide; see pydtnn.runtime)."""
     global _threads
-    _one_blas_thread()
     with _busy, _lock:
         _threads = max(1, int(n))
         _stop_workers()
-
-
-def _one_blas_thread():
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(BLAS_THREADS, user_api="blas")
 
 
 class _Worker:
@@ -128,19 +113,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_workers)
 
 
-def _chunks(n, nbytes):
+def _chunks(n, nbytes, min_bytes):
     """How many chunks a call over n items touching nbytes splits into (1: run it unsplit)."""
-    if getattr(_state, "worker", False) or (nbytes is not None and nbytes < MIN_BYTES):
+    if _threads == 1 or getattr(_state, "worker", False) or (nbytes is not None and nbytes < min_bytes):
         return 1
     return max(1, min(threads(), n))
 
 
-def split(n, fn, nbytes=None):
+def split(n, fn, nbytes=None, min_bytes=0):
     """fn(lo, hi) over [0, n) in contiguous chunks, one per thread, the first in the calling thread.
 
-    nbytes: how much memory the whole call touches; small calls run unsplit in the calling thread.
+    nbytes: how much memory the whole call touches; calls under min_bytes (the backend's
+    tuning.split_min_bytes: a hand-off costs 30-100 microseconds) run unsplit in the calling thread.
     """
-    t = _chunks(n, nbytes)
+    t = _chunks(n, nbytes, min_bytes)
     if t == 1 or not _busy.acquire(blocking=False):  # busy: another thread of the program splits now
         fn(0, n)
         return
@@ -163,18 +149,18 @@ def split(n, fn, nbytes=None):
         _busy.release()
 
 
-def split_compiled(kernel, chunks, n, args, nbytes=None):
+def split_compiled(kernel, chunks, n, args, nbytes=None, min_bytes=0):
     """kernel(*args, lo, hi) over [0, n) in the chunks of split, for a compiled (Numba) kernel and its
-    twin chunks(n, t, *args) (backends/compiled.py): the chunks run on Numba's threads, which take
+    twin chunks(n, t, *args) (kernels/): the chunks run on Numba's threads, which take
     a chunk in microseconds where this module's pool, whose threads must wake and take the GIL,
     needs about a hundred."""
-    t = _chunks(n, nbytes)
+    t = _chunks(n, nbytes, min_bytes)
     if t == 1 or not _busy.acquire(blocking=False):
         kernel(*args, 0, n)
         return
     try:
-        from pydtnn.backends import compiled
+        from pydtnn.backends.cpu.kernels.jit import launch
 
-        compiled.launch(chunks, n, t, args)
+        launch(chunks, n, t, args)
     finally:
         _busy.release()

@@ -1,0 +1,243 @@
+"""The Backend contract: every operation a layer, loss, optimizer or trainer may ask of a backend.
+
+A backend owns one device's array module (`xp`), the default dtype, a seeded Generator, and the
+operations whose best implementation differs per device. This class writes each operation once
+against `xp` (NumPy or CuPy), so a new backend overrides only what it accelerates; the operations
+without a generic form (convolution, pooling) raise NotImplementedError here. Layers call these
+methods and nothing else of a backend: no layer asks whether a method exists or which backend it has.
+
+    backend.xp, backend.dtype, backend.rng, backend.reseed(key)
+    asarray / to_numpy / batch_to_device / synchronize           moving data
+    matmul                                                         Dense
+    conv2d_plan / conv2d_forward / conv2d_backward                 Conv2D (a plan chosen once per layer)
+    bias_forward / bias_backward                                   a convolution's bias
+    maxpool2d_* / avgpool2d_*                                      MaxPool2D, AvgPool2D
+    relu_forward / relu_backward                                   ReLU
+    batchnorm_forward / batchnorm_backward                         BatchNorm, training on its own batch
+    channel_moments / channel_affine / channel_sums / channel_centered_dot / channel_affine_dx
+                                                                   BatchNorm otherwise (running or
+                                                                   synchronized statistics)
+    dropout_mask                                                   Dropout
+    sgd_update / adam_update / adam_moments                        SGD, Adam, AdamW, Nadam
+
+Arrays are NCHW; per-channel statistics and coefficients are float64 (C,); tensors keep their dtype.
+The update methods are the one definition of their math: the compiled CPU kernels and the CUDA
+kernels do the same operations in the same order and are tested against these.
+"""
+
+import numpy as np
+
+
+class Backend:
+    """Generic backend over an array module. Subclasses: CPUBackend (backends/cpu), GPUBackend (backends/gpu.py)."""
+
+    name = "generic"
+
+    def __init__(self, xp=np, dtype=np.float32, seed=0):
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)  # host Generator: the same draws on every device
+
+    def __repr__(self):
+        return f"{type(self).__name__}(dtype={self.dtype.name}, seed={self.seed})"
+
+    def reseed(self, key):
+        """Restart the Generator from a key (a list of ints): the trainer keys dropout per step."""
+        self.rng = np.random.default_rng(key)
+
+    # -- moving data -------------------------------------------------------------------------
+    def asarray(self, a, dtype=None):
+        """Array on this device (no copy when it already is one of the right dtype)."""
+        return self.xp.asarray(a, dtype=dtype)
+
+    def to_numpy(self, a):
+        """A NumPy array on the host."""
+        return np.asarray(a)
+
+    def batch_to_device(self, a):
+        """A training batch on this device (a GPU overlaps the copy with the step before)."""
+        return self.asarray(a)
+
+    def synchronize(self):
+        """Wait until the device has finished the work queued so far (timing; nothing on a CPU)."""
+
+    # -- dense ---------------------------------------------------------------------------------
+    def matmul(self, a, b, out=None):
+        """a (M, K) @ b (K, N), into out when given."""
+        return self.xp.matmul(a, b, out=out)
+
+    # -- convolution -----------------------------------------------------------------------------
+    def conv2d_plan(self, g, weight_shape):
+        """How this backend computes a convolution of geometry g with weights of weight_shape (Co, C/groups,
+        kh, kw): chosen once, when the layer is built, and passed to every forward and backward."""
+        raise NotImplementedError(f"{type(self).__name__} has no convolution")
+
+    def conv2d_forward(self, x, w, plan, keep=True):
+        """y = conv(x, w): x (N, C, H, W) -> y (N, Co, Ho, Wo). Returns (y, ctx): what backward needs
+        (None when keep is false)."""
+        raise NotImplementedError(f"{type(self).__name__} has no convolution")
+
+    def conv2d_backward(self, dy, w, ctx, plan, need_dx=True):
+        """(dx or None, dw) of conv2d_forward for upstream dy (N, Co, Ho, Wo)."""
+        raise NotImplementedError(f"{type(self).__name__} has no convolution")
+
+    def bias_forward(self, y, b):
+        """y (N, C, H, W) += b (C,) per channel, in place."""
+        y += b.reshape(1, -1, 1, 1)
+
+    def bias_backward(self, dy, out):
+        """out (C,) = dy (N, C, H, W) summed over samples and pixels."""
+        dy.sum(axis=(0, 2, 3), out=out)
+
+    # -- pooling ---------------------------------------------------------------------------------
+    def maxpool2d_forward(self, x, g, keep=True):
+        """Max over windows, padding as -inf: (y, ctx), ctx locating each window's first maximum."""
+        raise NotImplementedError(f"{type(self).__name__} has no pooling")
+
+    def maxpool2d_backward(self, dy, ctx, g):
+        """dx: each window's dy at its first maximum."""
+        raise NotImplementedError(f"{type(self).__name__} has no pooling")
+
+    def avgpool2d_forward(self, x, g, keep=True):
+        """Mean over windows, zero padding counted in the divisor: (y, ctx)."""
+        raise NotImplementedError(f"{type(self).__name__} has no pooling")
+
+    def avgpool2d_backward(self, dy, ctx, g):
+        """dx: each window's dy shared out over the window."""
+        raise NotImplementedError(f"{type(self).__name__} has no pooling")
+
+    # -- ReLU ------------------------------------------------------------------------------------
+    def relu_forward(self, x):
+        """y = max(x, 0); NaN goes through."""
+        return self.xp.maximum(x, x.dtype.type(0))
+
+    def relu_backward(self, dy, y):
+        """dy where y > 0, else 0."""
+        return dy * (y > 0)
+
+    # -- batch normalization -------------------------------------------------------------------
+    # Per channel c of x (N, C) or (N, C, H, W), with m = N*H*W values per channel:
+    #   forward  y = a*x + b,  a = weight / sqrt(var + eps),  b = bias - mean*a
+    #   backward dx = k1*dy + k2*x + k0 (coefficients from the sums below)
+    def channel_sums(self, a):
+        """Per-channel sum of a, float64 (C,)."""
+        return a.reshape(a.shape[0], a.shape[1], -1).sum(axis=(0, 2), dtype=np.float64)
+
+    def channel_centered_dot(self, a, x, mean):
+        """Per-channel sum of a * (x - mean), float64 (C,); a is x itself for the variance."""
+        xc = x - self._per_channel(mean, x)
+        other = xc if a is x else a
+        r = lambda t: t.reshape(t.shape[0], t.shape[1], -1)  # noqa: E731
+        return self.xp.einsum("ncl,ncl->nc", r(other), r(xc)).sum(axis=0, dtype=np.float64)
+
+    def channel_moments(self, x):
+        """(mean, biased variance, m): this batch's per-channel statistics in float64, and the count."""
+        m = x.size // x.shape[1]
+        mean = self.channel_sums(x) / m
+        return mean, self.channel_centered_dot(x, x, mean) / m, m
+
+    def channel_affine(self, x, a, b=None):
+        """y = a * x + b (b None: a * x) with per-channel a, b (float64 (C,), applied in x's dtype)."""
+        y = self.xp.multiply(x, self._per_channel(a, x))
+        if b is not None:
+            y += self._per_channel(b, x)
+        return y
+
+    def channel_affine_dx(self, dy, x, k1, k2, k0):
+        """dx = k1 * dy + k2 * x + k0 with per-channel coefficients (float64 (C,))."""
+        dx = self.xp.multiply(x, self._per_channel(k2, dy))
+        dx += self._per_channel(k0, dy)
+        dx += dy * self._per_channel(k1, dy)
+        return dx
+
+    def batchnorm_forward(self, x, weight, bias, eps):
+        """Training-mode batch normalization on this batch's statistics: (y, mean, var), the biased
+        variance, both float64 (C,)."""
+        mean, var, _ = self.channel_moments(x)
+        a = weight * (1 / self.xp.sqrt(var + eps))
+        return self.channel_affine(x, a, bias - mean * a), mean, var
+
+    def batchnorm_backward(self, dy, x, mean, inv_std, weight):
+        """Gradients of batchnorm_forward: (dx, dbias, dweight), the last two float64 (C,)."""
+        db = self.channel_sums(dy)
+        dw = self.channel_centered_dot(dy, x, mean) * inv_std  # sum(dy * xhat)
+        m = dy.size // dy.shape[1]
+        return self.channel_affine_dx(dy, x, *batchnorm_dx_coefficients(weight, mean, inv_std, db / m, dw / m)), db, dw
+
+    def _per_channel(self, v, like):
+        """v (C,) in like's dtype, shaped to broadcast against like (N, C) or (N, C, H, W)."""
+        shape = (1, -1) + (1,) * (like.ndim - 2)
+        return v.astype(like.dtype).reshape(shape)
+
+    # -- dropout ---------------------------------------------------------------------------------
+    def dropout_mask(self, shape, rate, dtype):
+        """Mask of 0 (probability rate) and 1/(1-rate), drawn from this backend's Generator."""
+        keep = self.rng.random(shape, dtype=np.float32) >= rate  # float32 draws: half the bytes
+        return self.asarray(keep.astype(dtype) * np.dtype(dtype).type(1 / (1 - rate)))
+
+    # -- optimizer updates ---------------------------------------------------------------------
+    def sgd_update(self, p, g, buf, tmp, lr, weight_decay, momentum, dampening, nesterov, first):
+        """One SGD step of p in place (torch.optim.SGD). With d = g + weight_decay * p:
+        buf = d on the first step, else momentum * buf + (1 - dampening) * d (with momentum > 0);
+        p -= lr * (d + momentum * buf if nesterov else buf if momentum else d).
+        tmp: two scratch arrays shaped like p."""
+        xp = self.xp
+        d = g
+        if weight_decay:
+            d = xp.multiply(p, weight_decay, out=tmp[0])
+            d += g
+        if momentum:
+            if first:
+                buf[...] = d
+            else:
+                buf *= momentum
+                buf += d if dampening == 0 else xp.multiply(d, 1 - dampening, out=tmp[1])
+            if nesterov:
+                d_next = xp.multiply(buf, momentum, out=tmp[1])
+                d_next += d
+                d = d_next
+            else:
+                d = buf
+        p -= xp.multiply(d, lr, out=tmp[0])
+
+    def adam_moments(self, p, g, m, v, tmp, lr, beta1, beta2, weight_decay, decoupled):
+        """Adam's first half, shared with Nadam: weight decay (decoupled: p *= 1 - lr * weight_decay;
+        else L2, d = g + weight_decay * p), then m += (1 - beta1) * (d - m) (torch's lerp) and
+        v = beta2 * v + (1 - beta2) * d * d in place. Returns d (g or tmp[0])."""
+        xp = self.xp
+        d = g
+        if weight_decay and decoupled:
+            p *= 1 - lr * weight_decay
+        elif weight_decay:
+            d = xp.multiply(p, weight_decay, out=tmp[0])
+            d += g
+        s = tmp[1]
+        xp.subtract(d, m, out=s)
+        s *= 1 - beta1
+        m += s
+        v *= beta2
+        xp.multiply(d, d, out=s)
+        s *= 1 - beta2
+        v += s
+        return d
+
+    def adam_update(self, p, g, m, v, tmp, lr, beta1, beta2, eps, weight_decay, decoupled, step):
+        """One Adam (decoupled=False) or AdamW (decoupled=True) step of p in place (torch.optim.Adam /
+        AdamW): adam_moments, then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)."""
+        xp = self.xp
+        self.adam_moments(p, g, m, v, tmp, lr, beta1, beta2, weight_decay, decoupled)
+        s = xp.sqrt(v, out=tmp[1])
+        s /= (1 - beta2**step) ** 0.5
+        s += eps
+        xp.divide(m, s, out=s)
+        s *= lr / (1 - beta1**step)
+        p -= s
+
+
+def batchnorm_dx_coefficients(weight, mean, inv_std, mean_dy, mean_dy_xhat):
+    """(k1, k2, k0) of dx = k1*dy + k2*x + k0 = scale * (dy - mean_dy - xhat * mean_dy_xhat), with
+    scale = weight * inv_std and xhat = (x - mean) * inv_std: per channel, float64."""
+    scale = weight * inv_std
+    k2 = -scale * inv_std * mean_dy_xhat
+    return scale, k2, -scale * mean_dy - k2 * mean

@@ -1,0 +1,200 @@
+"""CPUBackend: the Backend contract (backends/base.py) on NumPy, with compiled Numba kernels where they win.
+
+Every method here picks an implementation and hands it this backend, which carries what they share:
+`kernels` ('numba' or 'numpy'), `tuning` (tuning.py), the scratch `pool` (scratch.py) and the thread
+split (`split`, `split_compiled`; threads.py). The algorithms live one family per file:
+conv_plan.py chooses, conv_gemm / conv_pointwise / conv_depthwise / conv_direct compute; pooling.py,
+normalization.py, elementwise.py, updates.py; kernels/ holds the compiled kernels.
+"""
+
+import importlib.util
+
+import numpy as np
+
+from pydtnn import env
+from pydtnn.backends.base import Backend
+from pydtnn.backends.cpu import (
+    conv_depthwise,
+    conv_direct,
+    conv_gemm,
+    conv_plan,
+    conv_pointwise,
+    elementwise,
+    normalization,
+    pooling,
+    threads,
+    updates,
+)
+from pydtnn.backends.cpu import tuning as tuning_module
+from pydtnn.backends.cpu.scratch import ScratchPool
+from pydtnn.backends.geometry import ConvGeometry
+
+KERNELS = ("auto", "numba", "numpy")
+
+_CONV = {  # algorithm -> (forward(b, x, w, g, keep), backward(b, dy, w, ctx, g, need_dx))
+    "direct": (conv_direct.forward, conv_direct.backward),
+    "depthwise": (conv_depthwise.forward, conv_depthwise.backward),
+    "pointwise": (conv_pointwise.forward, conv_pointwise.backward),
+    "gemm": (conv_gemm.forward, conv_gemm.backward),
+}
+
+
+def numba_installed():
+    return importlib.util.find_spec("numba") is not None
+
+
+def resolve_kernels(kernels=None):
+    """'numba' or 'numpy': the kernels asked for (default: $PYDTNN_CPU_KERNELS, else 'auto', which is
+    'numba' when Numba is installed). Finding Numba does not import it: the first compiled kernel a
+    layer uses does."""
+    choice = kernels if kernels is not None else env.cpu_kernels()
+    if choice not in KERNELS:
+        raise ValueError(f"CPU kernels must be one of {', '.join(KERNELS)}, got {choice!r}")
+    if choice == "numba" and not numba_installed():
+        raise ValueError("CPU kernels 'numba' asked for, but numba is not installed; pip install numba, or use 'numpy'")
+    if choice == "auto":
+        return "numba" if numba_installed() else "numpy"
+    return choice
+
+
+class CPUBackend(Backend):
+    """NumPy backend. One per model, passed down explicitly to every layer.
+
+    dtype: default floating dtype of parameters and activations (float32 or float64).
+    seed: seeds the Generator used for initialization and dropout masks.
+    kernels: 'auto' (default: $PYDTNN_CPU_KERNELS, else Numba's compiled kernels when numba is
+    installed), 'numba' or 'numpy' (the pure-NumPy path, the reference and fallback).
+    tuning: a Tuning (tuning.py); default tuning.DEFAULT.
+
+    Making one changes nothing outside it: thread count, BLAS threads and malloc are process-wide
+    settings of pydtnn.runtime.configure, which the trainer and the command line call.
+    """
+
+    name = "cpu"
+
+    def __init__(self, dtype=np.float32, seed=0, kernels=None, tuning=None):
+        super().__init__(np, dtype, seed)
+        if self.dtype not in (np.float32, np.float64):
+            raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
+        self.kernels = resolve_kernels(kernels)
+        self.tuning = tuning if tuning is not None else tuning_module.DEFAULT
+        self.pool = ScratchPool()
+
+    def __repr__(self):
+        return f"CPUBackend(dtype={self.dtype.name}, seed={self.seed}, kernels={self.kernels})"
+
+    # -- what the algorithms share ---------------------------------------------------------------
+    def split(self, n, fn, nbytes=None):
+        """fn(lo, hi) over [0, n) split over the threads (threads.split)."""
+        threads.split(n, fn, nbytes, self.tuning.split_min_bytes)
+
+    def split_compiled(self, kernel, chunks, n, args, nbytes=None):
+        """A compiled kernel over [0, n) split over Numba's threads (threads.split_compiled)."""
+        threads.split_compiled(kernel, chunks, n, args, nbytes, self.tuning.split_min_bytes)
+
+    def gemm_bytes(self, flops, *arrays):
+        """A GEMM's work in bytes for the split rule: its FLOPs over tuning.gemm_flops_per_byte plus its operands."""
+        return flops // self.tuning.gemm_flops_per_byte + sum(a.nbytes for a in arrays)
+
+    # -- dense -----------------------------------------------------------------------------------
+    def matmul(self, a, b, out=None):
+        """a (M, K) @ b (K, N), into out when given; split over the columns of the product, so each
+        thread reads only its own columns of b (Dense's weight, the large operand each way)."""
+        if out is None:
+            out = np.empty((a.shape[0], b.shape[1]), np.result_type(a, b))
+
+        def columns(lo, hi):
+            np.matmul(a, b[:, lo:hi], out=out[:, lo:hi])
+
+        self.split(b.shape[1], columns, self.gemm_bytes(2 * a.shape[0] * a.shape[1] * b.shape[1], a, b, out))
+        return out
+
+    # -- convolution -------------------------------------------------------------------------------
+    def conv2d_plan(self, g, weight_shape):
+        """The algorithm for this layer (conv_plan.py)."""
+        return conv_plan.choose(g, weight_shape[0], self.kernels, self.tuning)
+
+    def _plan(self, plan, w):
+        return self.conv2d_plan(plan, w.shape) if isinstance(plan, ConvGeometry) else plan
+
+    def conv2d_forward(self, x, w, plan, keep=True):
+        """y = conv(x, w): x (N, C, H, W), w (Co, C/groups, kh, kw) -> y (N, Co, Ho, Wo). Returns (y, ctx);
+        ctx holds what backward needs (the im2col matrix, or x) when keep is true. plan: from
+        conv2d_plan (a ConvGeometry is planned on the spot)."""
+        plan = self._plan(plan, w)
+        x = np.asarray(x, dtype=w.dtype)  # the layer's dtype: no silent upcast, and the kernels assume one dtype
+        if plan.algorithm == "direct_stride2":
+            return conv_direct.forward_stride2(self, x, w, plan.geometry, plan.run, keep)
+        return _CONV[plan.algorithm][0](self, x, w, plan.geometry, keep)
+
+    def conv2d_backward(self, dy, w, ctx, plan, need_dx=True):
+        """(dx or None, dw) for upstream dy (N, Co, Ho, Wo)."""
+        if ctx is None or ctx.array is None:
+            raise RuntimeError(
+                "conv2d_backward: no saved forward state; run forward(x, training=True) before each backward"
+            )
+        plan = self._plan(plan, w)
+        dy = np.asarray(dy, dtype=w.dtype)
+        if plan.algorithm == "direct_stride2":
+            return conv_direct.backward_stride2(self, dy, w, ctx, plan.geometry, plan.run, need_dx)
+        return _CONV[plan.algorithm][1](self, dy, w, ctx, plan.geometry, need_dx)
+
+    def bias_forward(self, y, b):
+        elementwise.bias_forward(self, y, b)
+
+    def bias_backward(self, dy, out):
+        elementwise.bias_backward(self, dy, out)
+
+    # -- pooling ---------------------------------------------------------------------------------
+    def maxpool2d_forward(self, x, g, keep=True):
+        return pooling.maxpool_forward(self, x, g, keep)
+
+    def maxpool2d_backward(self, dy, ctx, g):
+        return pooling.maxpool_backward(self, dy, ctx, g)
+
+    def avgpool2d_forward(self, x, g, keep=True):
+        return pooling.avgpool_forward(self, x, g, keep)
+
+    def avgpool2d_backward(self, dy, ctx, g):
+        return pooling.avgpool_backward(self, dy, g)
+
+    # -- ReLU ------------------------------------------------------------------------------------
+    def relu_forward(self, x):
+        return elementwise.relu_forward(self, x)
+
+    def relu_backward(self, dy, y):
+        return elementwise.relu_backward(self, dy, y)
+
+    # -- batch normalization -------------------------------------------------------------------
+    def channel_sums(self, a):
+        return normalization.sums(self, a)
+
+    def channel_centered_dot(self, a, x, mean):
+        return normalization.centered_dot(self, a, x, mean)
+
+    def channel_affine(self, x, a, b=None):
+        return normalization.affine(self, x, a, b)
+
+    def channel_affine_dx(self, dy, x, k1, k2, k0):
+        return normalization.affine_dx(self, dy, x, k1, k2, k0)
+
+    def batchnorm_forward(self, x, weight, bias, eps):
+        if self.kernels == "numba":
+            return normalization.compiled_forward(self, x, weight, bias, eps)
+        return super().batchnorm_forward(x, weight, bias, eps)
+
+    def batchnorm_backward(self, dy, x, mean, inv_std, weight):
+        if self.kernels == "numba":
+            return normalization.compiled_backward(self, dy, x, mean, inv_std, weight)
+        return super().batchnorm_backward(dy, x, mean, inv_std, weight)
+
+    # -- optimizer updates ---------------------------------------------------------------------
+    def sgd_update(self, p, g, buf, tmp, lr, weight_decay, momentum, dampening, nesterov, first):
+        if updates.compiled(self, p):
+            return updates.sgd(self, p, g, buf, lr, weight_decay, momentum, dampening, nesterov, first)
+        return super().sgd_update(p, g, buf, tmp, lr, weight_decay, momentum, dampening, nesterov, first)
+
+    def adam_update(self, p, g, m, v, tmp, lr, beta1, beta2, eps, weight_decay, decoupled, step):
+        if updates.compiled(self, p):
+            return updates.adam(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, decoupled, step)
+        return super().adam_update(p, g, m, v, tmp, lr, beta1, beta2, eps, weight_decay, decoupled, step)

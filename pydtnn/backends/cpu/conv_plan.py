@@ -1,0 +1,76 @@
+"""Which algorithm computes a convolution on the CPU: chosen once per layer, when it is built.
+
+    direct          compiled direct 3x3 stride-1 kernels (conv_direct.py): depthwise layers, and one-group
+                    layers at least tuning.direct_min_width outputs wide (twice that from
+                    tuning.direct_narrow_max_channels input channels on)
+    direct_stride2  a stride-2 depthwise 3x3 layer computed at stride 1 by the compiled kernels: 4x the
+                    multiply-adds of the strided layer, but compiled and on all threads
+    depthwise       NumPy depthwise convolution on the wide grid (conv_depthwise.py)
+    pointwise       one-group 1x1 stride-1 layers: one GEMM per sample on x and dy as they lie
+                    (conv_pointwise.py)
+    gemm            im2col + GEMM, everything else (conv_gemm.py)
+"""
+
+from dataclasses import dataclass, replace
+
+from pydtnn.backends.geometry import ConvGeometry
+
+ALGORITHMS = ("direct", "direct_stride2", "depthwise", "pointwise", "gemm")
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """geometry: the layer's; algorithm: one of ALGORITHMS; run: the geometry the algorithm computes
+    (the stride-1 twin for direct_stride2, else geometry)."""
+
+    geometry: ConvGeometry
+    algorithm: str
+    run: ConvGeometry
+
+
+def direct_ok(g, co):
+    """Whether the compiled direct kernels compute geometry g with co output channels: 3x3, stride 1,
+    one group or depthwise (one input and one output channel per group), and padding at most the
+    kernel's reach on every side (so that dx, a convolution of dy, is padded too)."""
+    eh, ew = 2 * g.dh, 2 * g.dw
+    return (
+        (g.kh, g.kw, g.sh, g.sw) == (3, 3, 1, 1)
+        and (g.groups == 1 or g.groups == g.c == co)
+        and 0 <= min(g.pt, g.pb) <= max(g.pt, g.pb) <= eh
+        and 0 <= min(g.pl, g.pr) <= max(g.pl, g.pr) <= ew
+    )
+
+
+def pointwise_ok(g, co, tuning):
+    """A one-group 1x1 convolution, stride 1, no padding, with at least tuning.gemm_min_columns pixels,
+    whose weight (co x c) is at most half the size of one sample's x and dy together. Its weight
+    gradient adds a weight-sized product per sample; past that size those additions cost more than
+    regrouping x and dy for im2col (512 -> 512 at 16x16, batch 64, one thread: 375 against 330 ms a
+    forward and backward)."""
+    p = g.ho * g.wo
+    return (
+        (g.kh, g.kw, g.sh, g.sw, g.groups) == (1, 1, 1, 1, 1)
+        and not g.padded
+        and p >= tuning.gemm_min_columns
+        and 2 * co * g.c <= p * (g.c + co)
+    )
+
+
+def choose(g, co, kernels, tuning):
+    """The ConvPlan of geometry g with co output channels, for kernels 'numba' or 'numpy'."""
+    compiled = kernels == "numba"
+    if compiled and (g.sh, g.sw) == (2, 2) and g.groups == g.c == co:
+        g1 = replace(g, sh=1, sw=1)
+        if direct_ok(g1, co):
+            return ConvPlan(g, "direct_stride2", g1)
+    if compiled and direct_ok(g, co):
+        wide = g.wo >= tuning.direct_min_width and (
+            g.wo >= 2 * tuning.direct_min_width or g.c < tuning.direct_narrow_max_channels
+        )
+        if g.groups > 1 or wide:
+            return ConvPlan(g, "direct", g)
+    if g.c == g.groups and g.sh == g.sw:
+        return ConvPlan(g, "depthwise", g)
+    if pointwise_ok(g, co, tuning):
+        return ConvPlan(g, "pointwise", g)
+    return ConvPlan(g, "gemm", g)

@@ -1,0 +1,61 @@
+"""The convolution bias and ReLU on the CPU: compiled one-pass kernels (kernels/elementwise.py) split over
+the threads in contiguous runs, or NumPy."""
+
+import numpy as np
+
+
+def bias_forward(b, y, bias):
+    """y (N, C, H, W) += bias (C,) in place: from tuning.bias_compiled_min_bytes on by a compiled kernel
+    (a C-contiguous y), else NumPy's broadcast add."""
+    if b.kernels != "numba" or y.nbytes < b.tuning.bias_compiled_min_bytes or not y.flags.c_contiguous:
+        y += bias.reshape(1, -1, 1, 1)
+        return
+    from pydtnn.backends.cpu.kernels import elementwise
+
+    n, c, h, w = y.shape
+    b.split_compiled(elementwise.bias_add, elementwise.bias_add_chunks, n, (y.reshape(n, c, h * w), bias), y.nbytes)
+
+
+def bias_backward(b, dy, out):
+    """out (C,) = dy summed over samples and pixels: float32 from tuning.bias_compiled_min_bytes on by a
+    compiled kernel split over channels, accumulated in float64; else (and float64, which NumPy's
+    pairwise sum adds more accurately) NumPy's sum."""
+    if b.kernels != "numba" or dy.nbytes < b.tuning.bias_compiled_min_bytes or dy.dtype != np.float32:
+        dy.sum(axis=(0, 2, 3), out=out)
+        return
+    from pydtnn.backends.cpu.kernels import elementwise
+
+    n, c, h, w = dy.shape
+    args = (np.ascontiguousarray(dy).reshape(n, c, h * w), out)
+    b.split_compiled(elementwise.bias_grad, elementwise.bias_grad_chunks, c, args, dy.nbytes)
+
+
+def relu_forward(b, x):
+    """max(x, 0): one compiled pass; in NumPy, against a contiguous sample of zeros (NumPy's maximum
+    against a scalar runs an unvectorized loop, against a contiguous array it is about twice as fast)."""
+    if b.kernels != "numba":
+        per_sample = x[0].size if x.shape[0] else 0
+        key, zeros = b.pool.take("relu_zeros", (per_sample,), x.dtype)  # never written: stays zero
+        y = np.maximum(x.reshape(x.shape[0], per_sample), zeros).reshape(x.shape)
+        b.pool.give(key, zeros)
+        return y
+    from pydtnn.backends.cpu.kernels import elementwise
+
+    x = np.ascontiguousarray(x)
+    y = np.empty_like(x)
+    args = (x.reshape(-1), y.reshape(-1))
+    b.split_compiled(elementwise.relu_forward, elementwise.relu_forward_chunks, x.size, args, 2 * x.nbytes)
+    return y
+
+
+def relu_backward(b, dy, y):
+    """dy where y > 0, else 0."""
+    if b.kernels != "numba":
+        return dy * (y > 0)
+    from pydtnn.backends.cpu.kernels import elementwise
+
+    dy, y = np.ascontiguousarray(dy), np.ascontiguousarray(y)
+    dx = np.empty_like(dy)
+    args = (dy.reshape(-1), y.reshape(-1), dx.reshape(-1))
+    b.split_compiled(elementwise.relu_backward, elementwise.relu_backward_chunks, dy.size, args, 3 * dy.nbytes)
+    return dx

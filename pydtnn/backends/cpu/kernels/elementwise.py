@@ -1,0 +1,74 @@
+"""The convolution bias (added to y, summed from dy) and ReLU (one pass each way, no boolean temporaries)."""
+
+import numba
+
+from pydtnn.backends.cpu.kernels.jit import exact as _exact
+from pydtnn.backends.cpu.kernels.jit import jit as _jit
+from pydtnn.backends.cpu.kernels.jit import parallel as _pjit
+
+
+@_exact
+def bias_add(y, b, lo, hi):
+    """y[n, c] += b[c] for samples lo..hi-1 of y (N, C, P)."""
+    for n in range(lo, hi):
+        for c in range(y.shape[1]):
+            row, v = y[n, c], b[c]
+            for k in range(row.shape[0]):
+                row[k] += v
+
+
+@_pjit
+def bias_add_chunks(n, t, y, b):
+    for i in numba.prange(t):
+        bias_add(y, b, n * i // t, n * (i + 1) // t)
+
+
+@_jit
+def bias_grad(dy, out, lo, hi):
+    """out[c] = sum of dy[:, c] (N, C, P) for channels lo..hi-1 of float32 dy, in float64 (vectorized:
+    fastmath lets LLVM keep several partial sums). The order of the additions depends on N and P
+    only, so the bits do not depend on which thread sums a channel."""
+    for c in range(lo, hi):
+        acc = 0.0
+        for n in range(dy.shape[0]):
+            row = dy[n, c]
+            for k in range(row.shape[0]):
+                acc += row[k]
+        out[c] = acc
+
+
+@_pjit
+def bias_grad_chunks(n, t, dy, out):
+    for i in numba.prange(t):
+        bias_grad(dy, out, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def relu_forward(x, y, lo, hi):
+    """y = max(x, 0) over the flat elements lo..hi-1; NaN goes through, as in np.maximum."""
+    z = x.dtype.type(0)
+    xr, yr = x[lo:hi], y[lo:hi]
+    for i in range(xr.shape[0]):  # from 0: no negative-index wraparound to stop the vectorizer
+        v = xr[i]
+        yr[i] = z if v < z else v  # noqa: FURB136 (max() would not let NaN through)
+
+
+@_pjit
+def relu_forward_chunks(n, t, x, y):
+    for i in numba.prange(t):
+        relu_forward(x, y, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def relu_backward(dy, y, dx, lo, hi):
+    """dx = dy where y > 0, else 0 (PyTorch's threshold_backward), over the flat elements lo..hi-1."""
+    z = dy.dtype.type(0)
+    gr, yr, dr = dy[lo:hi], y[lo:hi], dx[lo:hi]
+    for i in range(gr.shape[0]):
+        dr[i] = gr[i] if yr[i] > z else z
+
+
+@_pjit
+def relu_backward_chunks(n, t, dy, y, dx):
+    for i in numba.prange(t):
+        relu_backward(dy, y, dx, n * i // t, n * (i + 1) // t)
