@@ -1,7 +1,7 @@
 """Backends: the array module, dtype, RNG and per-device operations of one model.
 
 base.py writes the contract (Backend) once, with generic implementations; `CPUBackend` (backends/cpu/,
-NumPy + Numba) is always available. The GPU backend (gpu.py, CuPy + cuDNN) is imported only when asked
+NumPy + Numba) is always available. The GPU backend (gpu/, CuPy + cuDNN) is imported only when asked
 for, so `import pydtnn` never imports CuPy.
 """
 
@@ -39,7 +39,7 @@ def backend_for(a):
 
 def get_backend(name="cpu", dtype="float32", seed=0, **options):
     """Backend by name: 'cpu' (options: kernels, tuning; see backends/cpu), or 'gpu' (CuPy + cuDNN;
-    options: device; see backends/gpu.py)."""
+    options: device; see backends/gpu/)."""
     if name == "cpu":
         return CPUBackend(dtype=dtype, seed=seed, **options)
     if name == "gpu":

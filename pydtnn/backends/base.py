@@ -29,7 +29,7 @@ import numpy as np
 
 
 class Backend:
-    """Generic backend over an array module. Subclasses: CPUBackend (backends/cpu), GPUBackend (backends/gpu.py)."""
+    """Generic backend over an array module. Subclasses: CPUBackend (backends/cpu), GPUBackend (backends/gpu/)."""
 
     name = "generic"
 

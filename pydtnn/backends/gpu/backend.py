@@ -1,0 +1,214 @@
+"""GPUBackend: the Backend contract on one GPU (see this package's __init__.py for what runs where and why)."""
+
+import dataclasses
+
+import numpy as np
+
+from pydtnn.backends.base import Backend
+from pydtnn.backends.gpu.conv_graphs import ConvGraphs
+from pydtnn.backends.gpu.device import local_rank, require_cupy
+from pydtnn.backends.gpu.kernels import DROPOUT_SRC, POOL_SRC, update_kernels
+from pydtnn.errors import ConfigError
+
+
+class GPUBackend(Backend):
+    """CuPy backend on one GPU: device = local rank modulo visible GPUs (or `device`).
+
+    dtype: float32 (cuDNN's convolution engines are float32/half; float64 is refused).
+    cuDNN may use TF32 tensor cores for float32 convolutions (faster, ~1e-3 relative error):
+    pydtnn.runtime.configure(tf32=False) before the first CUDA call of the process turns TF32 off in
+    every CUDA library. CuPy's matmul (Dense) uses TF32 only when CUPY_TF32=1 is set.
+    """
+
+    name = "gpu"
+
+    def __init__(self, dtype=np.float32, seed=0, device=None):
+        if np.dtype(dtype) != np.float32:
+            raise ConfigError(f"the GPU backend computes in float32; got dtype {np.dtype(dtype).name}")
+        cp = require_cupy()
+        super().__init__(cp, dtype, seed)
+        self.cupy = cp
+        count = cp.cuda.runtime.getDeviceCount()
+        self.device_id = (local_rank() if device is None else int(device)) % count
+        self.device = cp.cuda.Device(self.device_id)
+        self.device.use()
+        self.convs = ConvGraphs(self)
+        self._pool = cp.RawModule(code=POOL_SRC)
+        self._dropout = cp.ElementwiseKernel("uint64 seed, float32 rate, float32 scale", "T mask", DROPOUT_SRC,
+                                             "pydtnn_dropout_mask")
+        self._pinned = {}
+
+    def __repr__(self):
+        return f"GPUBackend(device={self.device_id}, dtype={self.dtype.name}, seed={self.seed})"
+
+    # -- host <-> device -------------------------------------------------------------------
+    def asarray(self, a, dtype=None):
+        """Array on this GPU (a synchronous copy from the host; see batch_to_device for batches)."""
+        cp = self.cupy
+        if isinstance(a, cp.ndarray):
+            return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+        return cp.asarray(np.asarray(a, dtype=dtype))
+
+    def batch_to_device(self, a):
+        """A training batch on this GPU. Host arrays of 64 KB and more are copied asynchronously through
+        page-locked buffers, two per shape used in turn: the host waits only for the copy out of the
+        buffer it is about to refill (two batches back), not for the computation queued since, so it
+        prepares the next step while the GPU runs this one. Only batches take this path, so page-locked
+        memory stays at two batches per shape (at most 8 shapes)."""
+        cp = self.cupy
+        if isinstance(a, cp.ndarray):
+            return a
+        a = np.asarray(a)
+        if a.nbytes < (1 << 16) or not a.flags.c_contiguous:
+            return cp.asarray(a)
+        key = (a.shape, a.dtype.str)
+        slots = self._pinned.get(key)
+        if slots is None:
+            import cupyx
+
+            if len(self._pinned) >= 8:  # batches come in a few shapes; anything else is not kept forever
+                for _, done in self._pinned.pop(next(iter(self._pinned))):
+                    if done is not None:
+                        done.synchronize()
+            slots = self._pinned[key] = [[cupyx.empty_pinned(a.shape, a.dtype), None] for _ in range(2)]
+        slots.append(slots.pop(0))  # round robin
+        slot = slots[-1]
+        host, done = slot
+        if done is not None:
+            done.synchronize()  # the copy that last read this buffer is over
+        host[...] = a
+        stream = cp.cuda.get_current_stream()
+        out = cp.empty(a.shape, a.dtype)
+        out.set(host, stream=stream)
+        slot[1] = cp.cuda.Event(disable_timing=True)
+        slot[1].record(stream)
+        return out
+
+    def to_numpy(self, a):
+        return a.get() if isinstance(a, self.cupy.ndarray) else np.asarray(a)
+
+    def matmul(self, a, b, out=None):
+        """a @ b (cuBLAS), into out when given."""
+        return self.cupy.matmul(a, b, out=out)
+
+    def synchronize(self):
+        self.cupy.cuda.get_current_stream().synchronize()
+
+    # -- convolution -----------------------------------------------------------------------
+    @staticmethod
+    def _unpadded(g):
+        """For uneven padding (top != bottom or left != right, e.g. 'same' with an even kernel), the
+        geometry of the convolution of the explicitly padded input; None when padding is even, which
+        cuDNN's engines take as it is."""
+        if g.pt == g.pb and g.pl == g.pr:
+            return None
+        return dataclasses.replace(g, h=g.h + g.pt + g.pb, w=g.w + g.pl + g.pr, pt=0, pb=0, pl=0, pr=0)
+
+    def conv2d_plan(self, g, weight_shape):
+        """The geometry itself: cuDNN graphs are built per batch size, on first use (ConvGraphs)."""
+        return g
+
+    def conv2d_forward(self, x, w, g, keep=True):
+        cp = self.cupy
+        x = cp.ascontiguousarray(x)
+        gp = self._unpadded(g)
+        if gp is not None:
+            x, g = cp.pad(x, ((0, 0), (0, 0), (g.pt, g.pb), (g.pl, g.pr))), gp
+        y = cp.empty((x.shape[0], w.shape[0], g.ho, g.wo), x.dtype)
+        self.convs.run("fprop", x.shape[0], g, w.shape, {"X": x, "W": w, "Y": y})
+        return y, (x if keep else None)
+
+    def conv2d_backward(self, dy, w, ctx, g, need_dx=True):
+        cp = self.cupy
+        x = ctx  # the padded input when padding is uneven
+        g0, gp = g, self._unpadded(g)
+        g = g if gp is None else gp
+        dy = cp.ascontiguousarray(dy)
+        n = dy.shape[0]
+        dw = cp.empty(w.shape, w.dtype)
+        self.convs.run("wgrad", n, g, w.shape, {"X": x, "DY": dy, "DW": dw})
+        if not need_dx:
+            return None, dw
+        dx = cp.empty((n, g.c, g.h, g.w), dy.dtype)
+        self.convs.run("dgrad", n, g, w.shape, {"DY": dy, "W": w, "DX": dx})
+        if gp is not None:
+            dx = cp.ascontiguousarray(dx[:, :, g0.pt : g0.pt + g0.h, g0.pl : g0.pl + g0.w])
+        return dx, dw
+
+    # -- convolution bias ------------------------------------------------------------------
+    @staticmethod
+    def bias_forward(y, b):
+        """y (N, C, H, W) += b (C,) per channel, in place."""
+        y += b.reshape(1, -1, 1, 1)
+
+    @staticmethod
+    def bias_backward(dy, out):
+        """out (C,) = dy (N, C, H, W) summed over samples and pixels."""
+        dy.sum(axis=(0, 2, 3), out=out)
+
+    # -- pooling ---------------------------------------------------------------------------
+    def _launch(self, name, total, *args):
+        threads = 256
+        blocks = (total + threads - 1) // threads
+        if blocks:
+            self._pool.get_function(name)((blocks,), (threads,), args)
+
+    def _pool_args(self, g):
+        i32 = np.int32
+        return (i32(g.h), i32(g.w), i32(g.ho), i32(g.wo), i32(g.kh), i32(g.kw), i32(g.sh), i32(g.sw),
+                i32(g.pt), i32(g.pl))
+
+    def maxpool2d_forward(self, x, g, keep=True):
+        cp = self.cupy
+        x = cp.ascontiguousarray(x)
+        n = x.shape[0]
+        y = cp.empty((n, g.c, g.ho, g.wo), x.dtype)
+        arg = cp.empty(y.shape, cp.int32)  # index of each maximum within its (n, c) plane
+        self._launch("maxpool_fwd", y.size, x, y, arg, np.int64(y.size), *self._pool_args(g))
+        return y, (arg if keep else None)
+
+    def maxpool2d_backward(self, dy, ctx, g):
+        cp = self.cupy
+        dy = cp.ascontiguousarray(dy)
+        dx = cp.empty((dy.shape[0], g.c, g.h, g.w), dy.dtype)
+        self._launch("maxpool_bwd", dx.size, dy, ctx, dx, np.int64(dx.size), *self._pool_args(g))
+        return dx
+
+    def avgpool2d_forward(self, x, g, keep=True):
+        cp = self.cupy
+        x = cp.ascontiguousarray(x)
+        y = cp.empty((x.shape[0], g.c, g.ho, g.wo), x.dtype)
+        self._launch("avgpool_fwd", y.size, x, y, np.int64(y.size), *self._pool_args(g))
+        return y, None
+
+    def avgpool2d_backward(self, dy, ctx, g):
+        cp = self.cupy
+        dy = cp.ascontiguousarray(dy)
+        dx = cp.empty((dy.shape[0], g.c, g.h, g.w), dy.dtype)
+        self._launch("avgpool_bwd", dx.size, dy, dx, np.int64(dx.size), *self._pool_args(g))
+        return dx
+
+    # -- dropout ---------------------------------------------------------------------------
+    def dropout_mask(self, shape, rate, dtype):
+        """Mask of 0 and 1/(1-rate), drawn from a seed taken from the host Generator."""
+        seed = np.uint64(self.rng.integers(0, 2**63))
+        mask = self.cupy.empty(shape, dtype)
+        self._dropout(seed, np.float32(rate), np.float32(1 / (1 - rate)), mask)
+        return mask
+
+    # -- optimizer updates ---------------------------------------------------------------------
+    def sgd_update(self, p, g, buf, tmp, lr, weight_decay, momentum, dampening, nesterov, first):
+        t = p.dtype.type
+        plain, with_momentum, _ = update_kernels()
+        if not momentum:
+            plain(g, t(lr), t(weight_decay), p)
+            return
+        with_momentum(g, t(lr), t(weight_decay), t(momentum), t(1 - dampening), nesterov, first, p, buf)
+
+    def adam_update(self, p, g, m, v, tmp, lr, beta1, beta2, eps, weight_decay, decoupled, step):
+        t = p.dtype.type
+        decay = 1 - lr * weight_decay if decoupled else 1.0
+        wd = 0.0 if decoupled else weight_decay
+        # 1 - beta taken in float64 and then rounded, as the generic code's Python scalars are
+        update_kernels()[2](g, t(lr / (1 - beta1**step)), t(1 - beta1), t(beta2), t(1 - beta2), t(eps), t(wd),
+                             t(decay), t((1 - beta2**step) ** 0.5), p, m, v)
