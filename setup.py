@@ -33,6 +33,7 @@ setup(
         "onnx": ["onnx>=1.15"],
     },
     entry_points={"console_scripts": ["pydtnn-train=pydtnn.cli:main", "pydtnn-plot=pydtnn.plot:main",
-                                        "pydtnn-export=pydtnn.export:main"]},
+                                        "pydtnn-export=pydtnn.export:main",
+                                        "pydtnn-perfmodel=pydtnn.perfmodel.cli:main"]},
     classifiers=["Programming Language :: Python :: 3"],
 )

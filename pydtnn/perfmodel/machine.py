@@ -1,0 +1,267 @@
+"""A machine description: what the performance model knows about the hardware.
+
+Units: rates in FLOP/s and bytes/s, latencies in seconds, all per process (one MPI rank). The file
+layout (YAML or JSON, same keys):
+
+    name: 2-core x86 VM
+    cores: 2
+    processes_per_node: 2
+    rates: {gemm: 4.0e+10, direct3x3: 1.5e+10, depthwise: 2.0e+9, elementwise: 1.0e+9}  # FLOP/s, one thread
+    thread_scaling: {1: 1.0, 2: 1.8}          # speed-up over one thread
+    memory_bandwidth: 1.0e+10                 # bytes/s
+    reduce_rate: 3.0e+9                       # bytes/s at which two buffers are added (1/gamma)
+    links:
+      intra: {latency_s: 2.0e-6, bandwidth_bytes_per_s: 5.0e+9}    # processes on one node
+      inter: {latency_s: 5.0e-5, bandwidth_bytes_per_s: 1.25e+8}   # a node's link to the others
+"""
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+import types
+
+from pydtnn.errors import ConfigError
+
+KERNEL_CLASSES = ("gemm", "direct3x3", "depthwise", "elementwise")
+LEVELS = ("intra", "inter")
+FIELDS = ("name", "cores", "processes_per_node", "rates", "thread_scaling", "memory_bandwidth", "reduce_rate",
+          "links")
+LINK_FIELDS = ("latency_s", "bandwidth_bytes_per_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One network level: a message of n bytes takes latency_s + n / bandwidth_bytes_per_s seconds."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self):
+        _check_number("latency_s", self.latency_s, allow_zero=True)
+        _check_number("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+
+    @property
+    def beta(self):
+        """Seconds per byte."""
+        return 1.0 / self.bandwidth_bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """A machine, per process: rates[kernel class] in FLOP/s on one thread, thread_scaling[threads] the
+    speed-up over one thread, memory_bandwidth and reduce_rate in bytes/s, links[level] a Link for
+    "intra" (same node) and "inter" (between nodes). Every field is checked when it is made (ConfigError)."""
+
+    name: str
+    cores: int
+    processes_per_node: int
+    rates: dict
+    thread_scaling: dict
+    memory_bandwidth: float
+    reduce_rate: float
+    links: dict
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError(f"machine field name = {self.name!r} is invalid; expected a non-empty string")
+        _check_count("cores", self.cores)
+        _check_count("processes_per_node", self.processes_per_node)
+        _check_mapping("rates", self.rates)
+        for kernel, rate in self.rates.items():
+            if not isinstance(kernel, str):
+                raise ConfigError(f"machine field rates has key {kernel!r}; expected kernel class names "
+                                  f"({', '.join(KERNEL_CLASSES)})")
+            _check_number(f"rates[{kernel!r}]", rate, "FLOP/s per process, one thread")
+        missing = [k for k in KERNEL_CLASSES if k not in self.rates]
+        if missing:
+            raise ConfigError(f"machine field rates lacks {', '.join(map(repr, missing))}; expected a rate in "
+                              f"FLOP/s for each of {', '.join(KERNEL_CLASSES)}")
+        _check_mapping("thread_scaling", self.thread_scaling)
+        for threads, factor in self.thread_scaling.items():
+            _check_count(f"thread_scaling key {threads!r}", threads)
+            _check_number(f"thread_scaling[{threads}]", factor, "a speed-up factor")
+        if self.thread_scaling.get(1) != 1.0:
+            raise ConfigError(f"machine field thread_scaling = {dict(self.thread_scaling)} is invalid; expected "
+                              "1: 1.0 among its entries (the speed-up of one thread over itself)")
+        _check_number("memory_bandwidth", self.memory_bandwidth, "bytes/s")
+        _check_number("reduce_rate", self.reduce_rate, "bytes/s")
+        _check_mapping("links", self.links)
+        if sorted(self.links) != sorted(LEVELS):
+            raise ConfigError(f"machine field links has levels {sorted(map(str, self.links))}; expected exactly "
+                              f"{', '.join(LEVELS)}")
+        for level, link in self.links.items():
+            if not isinstance(link, Link):
+                raise ConfigError(f"machine field links[{level!r}] = {link!r} is invalid; expected a Link")
+        # read-only views, so that a frozen Machine cannot be changed through its dicts
+        for field in ("rates", "thread_scaling", "links"):
+            object.__setattr__(self, field, types.MappingProxyType(dict(getattr(self, field))))
+
+    @property
+    def gamma(self):
+        """Seconds per byte reduced (adding two buffers)."""
+        return 1.0 / self.reduce_rate
+
+    def link(self, level):
+        """The Link of `level` ("intra" or "inter")."""
+        _check_level(level)
+        return self.links[level]
+
+    def with_link(self, level, bandwidth=None, latency=None):
+        """A copy with link `level` given a new bandwidth (bytes/s) and/or latency (s); None keeps a value."""
+        old = self.link(level)
+        new = Link(old.latency_s if latency is None else latency,
+                   old.bandwidth_bytes_per_s if bandwidth is None else bandwidth)
+        return dataclasses.replace(self, links={**self.links, level: new})
+
+
+def to_dict(machine):
+    """The plain-data layout of the file (the inverse of from_dict)."""
+    return {"name": machine.name, "cores": machine.cores, "processes_per_node": machine.processes_per_node,
+            "rates": {k: float(v) for k, v in machine.rates.items()},
+            "thread_scaling": {int(k): float(v) for k, v in machine.thread_scaling.items()},
+            "memory_bandwidth": float(machine.memory_bandwidth), "reduce_rate": float(machine.reduce_rate),
+            "links": {level: {"latency_s": float(link.latency_s),
+                              "bandwidth_bytes_per_s": float(link.bandwidth_bytes_per_s)}
+                      for level, link in machine.links.items()}}
+
+
+def from_dict(data, source="machine description"):
+    """A Machine from the file's layout; any missing, unknown or bad field raises one ConfigError that
+    names `source`, the field, the value and what is expected."""
+    try:
+        _check_mapping("", data, what=f"{source} is {type(data).__name__}; expected a mapping of fields")
+        _check_keys("", data, FIELDS)
+        _check_mapping("links", data["links"])
+        links = {}
+        for level, link in data["links"].items():
+            _check_mapping(f"links[{level!r}]", link)
+            _check_keys(f"links[{level!r}]", link, LINK_FIELDS)
+            try:
+                links[level] = Link(*(_number(link[f]) for f in LINK_FIELDS))
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("machine field ", f"machine field links[{level!r}].", 1)) from None
+        _check_mapping("rates", data["rates"])
+        _check_mapping("thread_scaling", data["thread_scaling"])
+        return Machine(
+            name=data["name"], cores=data["cores"], processes_per_node=data["processes_per_node"],
+            rates={k: _number(v) for k, v in data["rates"].items()},
+            thread_scaling={_threads(k): _number(v) for k, v in data["thread_scaling"].items()},
+            memory_bandwidth=_number(data["memory_bandwidth"]), reduce_rate=_number(data["reduce_rate"]),
+            links=links)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load(path):
+    """The Machine described by YAML or JSON file `path` (JSON when it ends in .json)."""
+    from pydtnn.files import read_bytes
+
+    path = os.fspath(path)
+    try:
+        text = read_bytes(path, "machine file", limit=1 << 20).decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"machine file {path} does not exist; `pydtnn-perfmodel calibrate --out {path}` "
+                          "writes one") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"machine file {path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+    if path.lower().endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"machine file {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"machine file {path} is not valid YAML{where}: "
+                              f"{getattr(e, 'problem', None) or e}") from None
+    return from_dict(data, source=f"machine file {path}")
+
+
+def save(machine, path):
+    """Write `machine` to `path` atomically: JSON when it ends in .json, YAML otherwise. Returns path."""
+    from pydtnn.files import write_atomic
+
+    path = os.fspath(path)
+    data = to_dict(machine)
+    if path.lower().endswith(".json"):
+        text = json.dumps(data, indent=2) + "\n"
+    else:
+        import yaml
+
+        text = yaml.safe_dump(data, sort_keys=False)
+    write_atomic(path, text.encode("utf-8"))
+    return path
+
+
+def _check_level(level):
+    if level not in LEVELS:
+        raise ConfigError(f"unknown link level {level!r}; expected one of {', '.join(LEVELS)}")
+
+
+def _check_count(field, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"machine field {field} = {value!r} is invalid; expected an integer >= 1")
+
+
+def _check_number(field, value, unit=None, allow_zero=False):
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+          and (value >= 0 if allow_zero else value > 0))
+    if not ok:
+        unit = f" ({unit})" if unit else ""
+        raise ConfigError(f"machine field {field} = {value!r} is invalid; expected a finite number "
+                          f"{'>= 0' if allow_zero else '> 0'}{unit}")
+
+
+def _check_mapping(field, value, what=None):
+    if not isinstance(value, (dict, types.MappingProxyType)):
+        raise ConfigError(what or f"machine field {field} = {value!r} is invalid; expected a mapping")
+
+
+def _check_keys(field, data, expected):
+    where = f" of {field}" if field else ""
+    missing = [k for k in expected if k not in data]
+    if missing:
+        raise ConfigError(f"machine field{'s' if len(missing) > 1 else ''} {', '.join(missing)}{where} "
+                          f"missing; expected all of {', '.join(expected)}")
+    unknown = [k for k in data if k not in expected]
+    if unknown:
+        raise ConfigError(f"unknown machine field {unknown[0]!r}{where}; expected only {', '.join(expected)}")
+
+
+def _number(value):
+    """A number as written: YAML 1.1 reads 3.0e10 (no sign in the exponent) as text, so such text is taken."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # left for the field's check, which names it
+    return value
+
+
+def _threads(key):
+    """A thread count from a key: JSON keys are always text ("2")."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return key
+
+
+# Plausible values for a 2-core x86 VM with 1 Gbit/s Ethernet between nodes; `pydtnn-perfmodel calibrate`
+# measures the real ones on the machine at hand.
+DEFAULT = Machine(
+    name="2-core x86 VM (defaults, not measured)",
+    cores=2,
+    processes_per_node=2,
+    rates={"gemm": 4.0e10, "direct3x3": 1.5e10, "depthwise": 2.0e9, "elementwise": 1.0e9},
+    thread_scaling={1: 1.0, 2: 1.8},
+    memory_bandwidth=1.0e10,
+    reduce_rate=3.0e9,
+    links={"intra": Link(latency_s=2.0e-6, bandwidth_bytes_per_s=5.0e9),
+           "inter": Link(latency_s=5.0e-5, bandwidth_bytes_per_s=1.25e8)},
+)

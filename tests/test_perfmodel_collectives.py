@@ -1,0 +1,358 @@
+"""The collective cost models against hand-computed values, the machine file, and pydtnn-perfmodel collective."""
+
+import itertools
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from pydtnn.errors import ConfigError
+from pydtnn.perfmodel import collectives as C
+from pydtnn.perfmodel.cli import main
+from pydtnn.perfmodel.machine import DEFAULT, Link, Machine, from_dict, load, save, to_dict
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ALPHA, BETA, GAMMA = 1e-5, 1e-9, 5e-10  # 10 us, 1 GB/s, 2 GB/s reduced
+N = 1e6
+
+
+def machine(ppn=1, intra=(ALPHA, 1 / BETA), inter=(ALPHA, 1 / BETA), reduce_rate=1 / GAMMA):
+    return Machine(name="test", cores=4, processes_per_node=ppn,
+                   rates={"gemm": 1e10, "direct3x3": 5e9, "depthwise": 1e9, "elementwise": 5e8},
+                   thread_scaling={1: 1.0, 2: 1.9}, memory_bandwidth=1e10, reduce_rate=reduce_rate,
+                   links={"intra": Link(*intra), "inter": Link(*inter)})
+
+
+# Each value written out for p = 4 (lg p = L = 2, p2 = 4, (p-1)/p = 0.75), n = 1e6 bytes:
+# n beta = 1e-3 s, n gamma = 5e-4 s.
+HAND_P4 = {
+    ("allreduce", "ring"): 2 * 3 * 1e-5 + 2 * 0.75 * 1e-3 + 0.75 * 5e-4,           # 1.935e-3
+    ("allreduce", "recursive_doubling"): 2 * (1e-5 + 1e-3 + 5e-4),                 # 3.02e-3
+    ("allreduce", "rabenseifner"): 2 * 2 * 1e-5 + 2 * 0.75 * 1e-3 + 0.75 * 5e-4,   # 1.915e-3
+    ("allreduce", "binomial_tree"): 2 * (1e-5 + 1e-3 + 5e-4) + 2 * (1e-5 + 1e-3),  # reduce + bcast, 5.04e-3
+    ("allgather", "ring"): 3 * 1e-5 + 0.75 * 1e-3,                                 # 7.8e-4
+    ("allgather", "recursive_doubling"): 2 * 1e-5 + 0.75 * 1e-3,                   # 7.7e-4
+    ("allgather", "binomial_tree"): (2 * 1e-5 + 0.75 * 1e-3) + 2 * (1e-5 + 1e-3),  # gather + bcast, 2.79e-3
+    ("reduce_scatter", "ring"): 3 * 1e-5 + 0.75 * (1e-3 + 5e-4),                   # 1.155e-3
+    ("reduce_scatter", "recursive_halving"): 2 * 1e-5 + 0.75 * (1e-3 + 5e-4),      # 1.145e-3
+    ("reduce_scatter", "recursive_doubling"): 2 * 1e-5 + (2 - 0.75) * (1e-3 + 5e-4),  # 1.895e-3
+    ("reduce_scatter", "binomial_tree"): 2 * (1e-5 + 1e-3 + 5e-4) + (2 * 1e-5 + 0.75 * 1e-3),  # 3.79e-3
+    ("broadcast", "binomial_tree"): 2 * (1e-5 + 1e-3),                             # 2.02e-3
+    ("broadcast", "ring"): (2 + 3) * 1e-5 + 2 * 0.75 * 1e-3,                       # scatter + ring allgather
+    ("broadcast", "recursive_doubling"): (2 * 1e-5 + 0.75 * 1e-3) * 2,             # scatter + RD allgather
+}
+# p = 6: L = 2, p2 = 4, r = 2 processes fold in and out; lg p = 3; (p-1)/p = 5/6.
+HAND_P6 = {
+    ("allreduce", "ring"): 2 * 5 * 1e-5 + 2 * 5 / 6 * 1e-3 + 5 / 6 * 5e-4,
+    ("allreduce", "recursive_doubling"): 2 * (1e-5 + 1e-3 + 5e-4) + (1e-5 + 1e-3 + 5e-4) + (1e-5 + 1e-3),
+    ("allreduce", "rabenseifner"): (4 * 1e-5 + 1.5e-3 + 3.75e-4) + (1e-5 + 1e-3 + 5e-4) + (1e-5 + 1e-3),
+    ("allreduce", "binomial_tree"): 3 * (2 * 1e-5 + 2 * 1e-3 + 5e-4),
+    ("allgather", "recursive_doubling"): (2 * 1e-5 + 0.75 * 1e-3) + (1e-5 + 1e-3 / 6) + (1e-5 + 1e-3),
+    ("reduce_scatter", "recursive_halving"): (2 * 1e-5 + 0.75 * 1.5e-3) + (1e-5 + 1.5e-3) + (1e-5 + 1e-3 / 6),
+    ("reduce_scatter", "recursive_doubling"): (2 * 1e-5 + 1.25 * 1.5e-3) + (1e-5 + 1.5e-3) + (1e-5 + 1e-3 / 6),
+    ("broadcast", "binomial_tree"): 3 * (1e-5 + 1e-3),
+    ("broadcast", "ring"): (3 + 5) * 1e-5 + 2 * 5 / 6 * 1e-3,
+}
+
+
+def test_every_formula_has_a_hand_value():
+    assert set(HAND_P4) == {(op, a) for op in C.OPS for a in C.FORMULAS[op]}
+
+
+@pytest.mark.parametrize("p,hand", [(4, HAND_P4), (6, HAND_P6)], ids=["p4", "p6"])
+def test_formulas_match_hand_values(p, hand):
+    m = machine()
+    for (op, algorithm), expected in hand.items():
+        formula = C.FORMULAS[op][algorithm]
+        assert formula(N, p, ALPHA, BETA, GAMMA) == pytest.approx(expected, rel=1e-12), (op, algorithm)
+        assert C.seconds(op, algorithm, N, p, m, level="inter") == pytest.approx(expected, rel=1e-12), (op, algorithm)
+
+
+def test_textbook_allreduce_of_the_ancestor_example():
+    """25M fp32 values over 16 processes at 1 Gbit/s (reference, section 3): the long-message term is
+    2 (p-1)/p n beta = 2 * 15/16 * 1e8 B * 8e-9 s/B = 1.5 s."""
+    m = machine(inter=(0.0, 1.25e8), reduce_rate=float("1e300"))
+    assert C.seconds("allreduce", "rabenseifner", 25_000_000 * 4, 16, m, level="inter") == pytest.approx(1.5)
+    assert C.seconds("allreduce", "ring", 25_000_000 * 4, 16, m, level="inter") == pytest.approx(1.5)
+
+
+def test_hierarchical_by_hand():
+    """8 processes, 4 per node (2 nodes). Intra: alpha 1e-6, beta 1e-10; inter: alpha 1e-5, beta 1e-9."""
+    m = machine(ppn=4, intra=(1e-6, 1e10), inter=(1e-5, 1e9))
+    rs_intra = 3 * 1e-6 + 0.75 * 1e6 * (1e-10 + 5e-10)          # ring reduce-scatter, 4 processes: 4.53e-4
+    ar_inter = 2 * 1e-5 + 2 * 0.5 * 1e-3 + 0.5 * 1e6 * 5e-10 / 4  # ring allreduce, 2 nodes, gamma / 4: 1.0825e-3
+    ag_intra = 3 * 1e-6 + 0.75 * 1e6 * 1e-10                      # ring allgather, 4 processes: 7.8e-5
+    assert C.seconds("allreduce", "hierarchical", N, 8, m) == pytest.approx(rs_intra + ar_inter + ag_intra, rel=1e-12)
+    assert C.seconds("allreduce", "hierarchical", N, 8, m) == pytest.approx(1.6135e-3, rel=1e-12)
+    rs_inter = 1e-5 + 0.5 * 1e6 * (1e-9 + 5e-10 / 4)              # ring reduce-scatter, 2 nodes, gamma / 4
+    assert C.seconds("reduce_scatter", "hierarchical", N, 8, m) == pytest.approx(rs_intra + rs_inter, rel=1e-12)
+    ag_inter = 1e-5 + 0.5 * 1e-3                                  # ring allgather, 2 nodes
+    assert C.seconds("allgather", "hierarchical", N, 8, m) == pytest.approx(ag_inter + ag_intra, rel=1e-12)
+    bcast = (1 + 1) * 1e-5 + 2 * 0.5 * 1e-3 + 2 * (1e-6 + 1e6 * 1e-10)  # vdG among 2 leaders + binomial in a node
+    assert C.seconds("broadcast", "hierarchical", N, 8, m) == pytest.approx(bcast, rel=1e-12)
+    # a partly filled node costs as a full one: 6 processes on 4 + 2 cost as 8 on 4 + 4
+    assert C.seconds("allreduce", "hierarchical", N, 6, m) == C.seconds("allreduce", "hierarchical", N, 8, m)
+    # the inner algorithm is the one named: Rabenseifner among 2 nodes, 2 alpha + 2 * 0.5 n beta + 0.5 n gamma/4
+    ar_rab = 2 * 1e-5 + 2 * 0.5 * 1e-3 + 0.5 * 1e6 * 5e-10 / 4
+    assert C.seconds("allreduce", "hierarchical", N, 8, m, inner="rabenseifner") == pytest.approx(
+        rs_intra + ar_rab + ag_intra, rel=1e-12)
+
+
+@pytest.mark.parametrize("op", C.OPS)
+@pytest.mark.parametrize("p", [2, 3, 4, 7, 16])
+def test_hierarchical_with_one_process_per_node_is_the_flat_algorithm(op, p):
+    m = machine(ppn=1, intra=(1e-7, 1e11), inter=(3e-5, 2e8))
+    for inner in C.FORMULAS[op]:
+        flat = C.seconds(op, inner, N, p, m, level="inter")
+        assert C.seconds(op, "hierarchical", N, p, m, inner=inner) == pytest.approx(flat, rel=1e-12), inner
+        assert flat > 0
+
+
+@pytest.mark.parametrize("op", C.OPS)
+def test_one_process_costs_nothing(op):
+    m = machine(ppn=2)
+    for algorithm in C.algorithms(op):
+        assert C.seconds(op, algorithm, N, 1, m) == 0.0, algorithm
+    assert C.best(op, N, 1, m)[1] == 0.0
+
+
+@pytest.mark.parametrize("op", C.OPS)
+def test_monotonic_in_bytes_and_processes(op):
+    m = machine(ppn=2, intra=(1e-6, 1e10), inter=(1e-5, 1e9))
+    for algorithm in C.algorithms(op):
+        by_size = [C.seconds(op, algorithm, n, 8, m) for n in (0, 1, 1e3, 1e6, 1e9)]
+        assert all(a < b for a, b in itertools.pairwise(by_size)), (algorithm, by_size)
+        # powers of two: every algorithm grows with p (between powers, recursive doubling pays a fold)
+        by_p = [C.seconds(op, algorithm, N, p, m, level="inter") if algorithm != "hierarchical"
+                else C.seconds(op, algorithm, N, p, m) for p in (1, 2, 4, 8, 16, 64)]
+        assert all(a < b for a, b in itertools.pairwise(by_p)), (algorithm, by_p)
+    for algorithm in ("ring", "binomial_tree"):  # trees and rings grow with every added process
+        by_p = [C.seconds(op, algorithm, N, p, m, level="inter") for p in range(1, 40)]
+        assert all(a <= b for a, b in itertools.pairwise(by_p)), (algorithm, by_p)
+    # a non-power of two pays the fold: 5 processes cost more than 8 for recursive doubling
+    rd5, rd8 = (C.seconds(op, "recursive_doubling", N, p, m, level="inter") for p in (5, 8))
+    assert rd5 > rd8
+
+
+def test_level_picks_the_link():
+    m = machine(ppn=4, intra=(1e-6, 1e10), inter=(1e-5, 1e9))
+    intra = 2 * 3 * 1e-6 + 2 * 0.75 * 1e6 * 1e-10 + 0.75 * 5e-4
+    assert C.seconds("allreduce", "ring", N, 4, m) == pytest.approx(intra)  # 4 processes fit on one node
+    assert C.seconds("allreduce", "ring", N, 4, m, level="inter") == pytest.approx(HAND_P4["allreduce", "ring"])
+    inter5 = C.seconds("allreduce", "ring", N, 5, m, level="inter")
+    assert C.seconds("allreduce", "ring", N, 5, m) == pytest.approx(inter5)
+    assert C.seconds("allreduce", "ring", N, 4, m.with_link("intra", bandwidth=1e9, latency=1e-5)) == pytest.approx(
+        HAND_P4["allreduce", "ring"])
+
+
+def test_best_picks_the_cheapest():
+    m = machine(ppn=1)
+    # 1 MB on 4 processes: Rabenseifner (1.915e-3) beats ring (1.935e-3) and recursive doubling (3.02e-3)
+    assert C.best("allreduce", N, 4, m) == ("rabenseifner", pytest.approx(HAND_P4["allreduce", "rabenseifner"]))
+    # 8 bytes: latency rules, recursive doubling's 2 alpha beats ring's 6 alpha and Rabenseifner's 4 alpha
+    name, cost = C.best("allreduce", 8, 4, m)
+    assert name == "recursive_doubling" and cost == pytest.approx(2 * (1e-5 + 8e-9 + 4e-9))
+    # 1 MB on 6: the fold makes Rabenseifner (4.435e-3) lose to ring (2.18e-3)
+    assert C.best("allreduce", N, 6, m)[0] == "ring"
+    assert C.best("broadcast", N, 4, m, level="inter")[0] == "recursive_doubling"
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda m: C.seconds("broadcast", "rabenseifner", N, 4, m), ["'rabenseifner'", "broadcast", "binomial_tree"]),
+    (lambda m: C.seconds("allreduce", "recursive_halving", N, 4, m), ["'recursive_halving'", "rabenseifner"]),
+    (lambda m: C.seconds("allreduce", "rign", N, 4, m), ["unknown algorithm 'rign'", "did you mean 'ring'"]),
+    (lambda m: C.seconds("alltoall", "ring", N, 4, m), ["'alltoall'", "allreduce, allgather"]),
+    (lambda m: C.seconds("allreduce", "ring", -1, 4, m), ["-1", ">= 0"]),
+    (lambda m: C.seconds("allreduce", "ring", N, 0, m), ["processes 0", ">= 1"]),
+    (lambda m: C.seconds("allreduce", "ring", N, 2.0, m), ["processes 2.0", "integer"]),
+    (lambda m: C.seconds("allreduce", "ring", N, 4, m, level="rack"), ["'rack'", "intra, inter"]),
+    (lambda m: C.seconds("allreduce", "hierarchical", N, 4, m, level="intra"), ["'intra'", "leave the level out"]),
+    (lambda m: C.seconds("allreduce", "hierarchical", N, 4, m, inner="hierarchical"), ["'hierarchical'", "ring"]),
+    (lambda m: C.seconds("broadcast", "hierarchical", N, 4, m, inner="rabenseifner"), ["'rabenseifner'", "broadcast"]),
+])
+def test_refused_combinations_name_the_value_and_the_choices(call, words):
+    with pytest.raises(ConfigError) as e:
+        call(machine())
+    for word in words:
+        assert word in str(e.value)
+
+
+# --- the machine description ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_machine_round_trip(tmp_path, suffix):
+    m = machine(ppn=3, intra=(2e-6, 7.5e9), inter=(4.5e-5, 1.1e8))
+    path = tmp_path / f"m{suffix}"
+    save(m, path)
+    assert load(path) == m
+    assert load(path).thread_scaling[2] == 1.9 and load(path).links["inter"].bandwidth_bytes_per_s == 1.1e8
+    assert not list(tmp_path.glob("*.tmp"))
+    save(DEFAULT, path)
+    assert load(path) == DEFAULT
+
+
+def test_machine_is_read_only_and_with_link_copies():
+    m = machine()
+    with pytest.raises(TypeError):
+        m.rates["gemm"] = 1.0
+    faster = m.with_link("inter", bandwidth=1e10)
+    assert faster.links["inter"] == Link(ALPHA, 1e10) and m.links["inter"] == Link(ALPHA, 1 / BETA)
+    assert faster.links["intra"] == m.links["intra"] and faster.rates == m.rates
+    assert m.with_link("intra", latency=0.0).links["intra"] == Link(0.0, 1 / BETA)
+
+
+def test_yaml_exponent_without_sign_is_a_number(tmp_path):
+    """YAML 1.1 reads 1.25e8 (no sign in the exponent) as text; a user writes it that way."""
+    (tmp_path / "n.yaml").write_text(
+        "name: x\ncores: 2\nprocesses_per_node: 1\nrates: {gemm: 1.0e10, direct3x3: 1.0e9, depthwise: 1.0e9, "
+        "elementwise: 1.0e9}\nthread_scaling: {1: 1.0}\nmemory_bandwidth: 1.0e10\nreduce_rate: 2.0e9\n"
+        "links: {intra: {latency_s: 1.0e-6, bandwidth_bytes_per_s: 5.0e9}, "
+        "inter: {latency_s: 5.0e-5, bandwidth_bytes_per_s: 1.25e8}}\n")
+    m = load(tmp_path / "n.yaml")
+    assert m.rates["gemm"] == 1e10 and m.links["inter"].bandwidth_bytes_per_s == 1.25e8 and m.reduce_rate == 2e9
+
+
+def _with(**changes):
+    data = to_dict(machine())
+    for key, value in changes.items():
+        target = data
+        *path, last = key.split("__")
+        for part in path:
+            target = target[part]
+        if value is KeyError:
+            del target[last]
+        else:
+            target[last] = value
+    return data
+
+
+BAD_MACHINES = [
+    (_with(cores=0), ["cores", "0", "integer >= 1"]),
+    (_with(cores="two"), ["cores", "'two'", "integer >= 1"]),
+    (_with(processes_per_node=1.5), ["processes_per_node", "1.5", "integer"]),
+    (_with(name=""), ["name", "non-empty string"]),
+    (_with(rates__gemm=-1.0), ["rates['gemm']", "-1.0", "> 0", "FLOP/s"]),
+    (_with(rates__depthwise=KeyError), ["rates lacks 'depthwise'", "gemm, direct3x3, depthwise, elementwise"]),
+    (_with(rates=[1, 2]), ["rates", "[1, 2]", "mapping"]),
+    (_with(thread_scaling={2: 1.8}), ["thread_scaling", "1: 1.0"]),
+    (_with(thread_scaling={1: 1.0, 0: 0.5}), ["thread_scaling key 0", "integer >= 1"]),
+    (_with(memory_bandwidth=float("inf")), ["memory_bandwidth", "inf", "finite"]),
+    (_with(reduce_rate=0), ["reduce_rate", "0", "> 0", "bytes/s"]),
+    (_with(links__inter__bandwidth_bytes_per_s=0.0), ["links['inter'].bandwidth_bytes_per_s", "0.0", "> 0"]),
+    (_with(links__intra__latency_s=-1e-6), ["links['intra'].latency_s", "-1e-06", ">= 0"]),
+    (_with(links__intra__speed=1), ["unknown machine field 'speed' of links['intra']", "latency_s"]),
+    (_with(links__inter=KeyError), ["links has levels ['intra']", "intra, inter"]),
+    (_with(links__rack={"latency_s": 1.0, "bandwidth_bytes_per_s": 1.0}), ["'rack'", "intra, inter"]),
+    (_with(memory_bandwidth=KeyError), ["memory_bandwidth missing", "expected all of"]),
+    (_with(flops=1), ["unknown machine field 'flops'", "expected only"]),
+    ([1, 2], ["is list", "mapping of fields"]),
+]
+
+
+@pytest.mark.parametrize("data,words", BAD_MACHINES, ids=[", ".join(w[:1]) for _, w in BAD_MACHINES])
+def test_bad_machine_fields_name_field_value_and_expectation(data, words):
+    with pytest.raises(ConfigError) as e:
+        from_dict(data, source="machine file m.yaml")
+    message = str(e.value)
+    assert message.startswith("machine file m.yaml: ")
+    for word in words:
+        assert word in message, message
+
+
+def test_bad_machine_files(tmp_path):
+    (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
+    (tmp_path / "bad.json").write_text("{\"name\": }")
+    for name, words in [("bad.yaml", ["not valid YAML", "line"]), ("bad.json", ["not valid JSON", "line 1"]),
+                        ("absent.yaml", ["does not exist", "calibrate"])]:
+        with pytest.raises(ConfigError) as e:
+            load(tmp_path / name)
+        assert all(w in str(e.value) for w in words), str(e.value)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load(tmp_path)
+
+
+# --- pydtnn-perfmodel collective -----------------------------------------------------------------------
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "pydtnn.perfmodel.cli", *map(str, args)], check=False,
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_cli_json_schema(tmp_path):
+    path = tmp_path / "m.yaml"
+    save(machine(ppn=1), path)
+    r = run_cli("collective", "--op", "allreduce", "--algorithm", "ring", "--bytes", "1e6", "--np", 4,
+                "--machine", path, "--json")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert set(out) == {"seconds", "op", "algorithm", "bytes", "np"}
+    assert out["op"] == "allreduce" and out["algorithm"] == "ring" and out["bytes"] == 1_000_000 and out["np"] == 4
+    assert isinstance(out["bytes"], int) and isinstance(out["np"], int)
+    assert out["seconds"] == pytest.approx(HAND_P4["allreduce", "ring"], rel=1e-12)
+
+
+def test_cli_line_and_level(tmp_path, capsys):
+    path = tmp_path / "m.json"
+    save(machine(ppn=4, intra=(1e-6, 1e10)), path)
+    assert main(["collective", "--op", "broadcast", "--algorithm", "binomial_tree", "--bytes", "1000000", "--np", "4",
+                 "--machine", str(path), "--level", "inter"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert len(line.splitlines()) == 1
+    assert "broadcast binomial_tree" in line and "1,000,000 bytes" in line and "inter link" in line
+    assert f"{HAND_P4['broadcast', 'binomial_tree'] * 1e3:.6g} ms" in line
+    assert main(["collective", "--op", "allreduce", "--algorithm", "hierarchical", "--inner", "rabenseifner",
+                 "--bytes", "8", "--np", "8", "--machine", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["algorithm"] == "hierarchical"
+
+
+def _bad_file(tmp_path):
+    data = to_dict(machine())
+    data["links"]["inter"]["bandwidth_bytes_per_s"] = -5
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+CLI_ERRORS = [
+    (["--op", "broadcast", "--algorithm", "rabenseifner"], ["'rabenseifner' does not model broadcast"]),
+    (["--op", "allreduc", "--algorithm", "ring"], ["--op", "did you mean 'allreduce'"]),
+    (["--op", "allreduce", "--algorithm", "ring", "--level", "rack"], ["--level", "'rack'"]),
+    (["--op", "allreduce", "--algorithm", "hierarchical", "--level", "intra"], ["leave the level out"]),
+    (["--op", "allreduce", "--algorithm", "hierarchical", "--inner", "tree"], ["inner algorithm 'tree'"]),
+    (["--op", "allreduce", "--algorithm", "ring", "--machine", "BAD"],
+     ["links['inter'].bandwidth_bytes_per_s = -5", "> 0"]),
+    (["--op", "allreduce", "--algorithm", "ring", "--machine", "ABSENT"], ["does not exist"]),
+]
+
+
+@pytest.mark.parametrize("flags,words", CLI_ERRORS, ids=[w[0] for _, w in CLI_ERRORS])
+def test_cli_user_errors_exit_2_with_one_line(tmp_path, flags, words):
+    flags = [str(_bad_file(tmp_path)) if f == "BAD" else str(tmp_path / "absent.yaml") if f == "ABSENT" else f
+             for f in flags]
+    r = run_cli("collective", "--bytes", "1e6", "--np", 4, *flags)
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pydtnn-perfmodel: error: "), r.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("argv,words", [
+    ([], ["required", "COMMAND"]),
+    (["collective", "--op", "allreduce", "--algorithm", "ring", "--bytes", "-1", "--np", "4"], ["--bytes", "'-1'"]),
+    (["collective", "--op", "allreduce", "--algorithm", "ring", "--bytes", "1.5", "--np", "4"], ["--bytes", "'1.5'"]),
+    (["collective", "--op", "allreduce", "--algorithm", "ring", "--bytes", "8", "--np", "0"], ["--np", "'0'"]),
+    (["collective", "--op", "allreduce", "--algorithm", "ring", "--bytes", "8"], ["--np"]),
+    (["sweep"], ["invalid choice: 'sweep'"]),
+])
+def test_cli_flag_errors(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pydtnn-perfmodel: error: ")
+    for word in words:
+        assert word in err[0], err[0]
