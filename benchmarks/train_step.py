@@ -107,6 +107,7 @@ def time_steps(step, warmup, steps):
 def pydtnn_worker(args):
     from threadpoolctl import threadpool_limits
 
+    import pydtnn
     from pydtnn import losses, models, optim
     from pydtnn.backends import CPUBackend
     from pydtnn.trainer import Trainer
@@ -120,18 +121,19 @@ def pydtnn_worker(args):
     trainer = Trainer(model, losses.SoftmaxCrossEntropy(), opt, progress=False)
     data = synthetic_batches(args.batch, model.input_shape, model.output_shape[0])
     blas_threads = args.threads
-    try:  # pydtnn's thread pool, BLAS at one thread inside each chunk (older checkouts: backends/threads.py)
+    # pydtnn's thread pool, BLAS at one thread inside each chunk: runtime.configure, or in checkouts older
+    # than pydtnn/runtime.py, backends/threads.py (asked by file: an editable install of another checkout
+    # would otherwise lend its own pydtnn.runtime)
+    package = os.path.dirname(os.path.abspath(pydtnn.__file__))
+    if os.path.exists(os.path.join(package, "runtime.py")):
         from pydtnn import runtime
 
         blas_threads = runtime.configure(threads=args.threads)["blas_threads"]
-    except ImportError:
-        try:
-            from pydtnn.backends import threads
+    elif os.path.exists(os.path.join(package, "backends", "threads.py")):
+        from pydtnn.backends import threads
 
-            threads.set_threads(args.threads)
-            blas_threads = getattr(threads, "BLAS_THREADS", blas_threads)
-        except ImportError:
-            pass
+        threads.set_threads(args.threads)
+        blas_threads = getattr(threads, "BLAS_THREADS", blas_threads)
     with threadpool_limits(blas_threads):
         times, foreign = time_steps(lambda i: trainer.train_step(*data[i % 3]), args.warmup, args.steps)
     return record(args, times, foreign, import_mb)
