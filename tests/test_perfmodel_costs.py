@@ -1,0 +1,276 @@
+"""Per-layer costs of a training step: hand-computed FLOPs and bytes for each kind of layer, the backend's
+own algorithm choice, every zoo model's forward FLOPs against Layer.flops(), blocks present, the first
+layer's backward, and the order gradients become ready."""
+
+import numpy as np
+import pytest
+
+from pydtnn import models
+from pydtnn.backends import CPUBackend
+from pydtnn.layers import (
+    AdditionBlock,
+    BatchNorm,
+    ConcatenationBlock,
+    Container,
+    Conv2D,
+    Dense,
+    Flatten,
+    Layer,
+    MaxPool2D,
+    ReLU,
+)
+from pydtnn.model import Model
+from pydtnn.perfmodel.costs import LayerCost, PhaseCost, gradient_ready_order, layer_costs, parameter_bytes, totals
+
+F32 = 4  # bytes per float32
+
+
+def only(layers, input_shape, kernels="numba", need_dx_first=False, batch=2):
+    """The LayerCost of the first layer of a model built from `layers`, and the layer."""
+    model = Model(layers, input_shape, backend=CPUBackend(kernels=kernels))
+    _, layer = model.layers()[0]
+    return layer_costs(model, batch, need_dx_first)[0], layer
+
+
+# -- hand-computed layers -------------------------------------------------------------------------
+
+
+def test_dense():
+    # batch 2, 5 -> 3, bias: x 10, y 6 elements, W 15
+    c, _ = only([Dense(3)], (5,))
+    assert (c.kind, c.algorithm, c.kernel_class) == ("Dense", None, "gemm")
+    assert c.forward == PhaseCost(2 * 2 * 5 * 3 + 6, (10 + 15 + 6) * F32 + 2 * 6 * F32)
+    assert c.backward_weights == PhaseCost(2 * 2 * 5 * 3 + 6, (6 + 10 + 15) * F32 + 6 * F32)
+    assert c.backward_data == PhaseCost(0, 0) and not c.need_dx  # the model's input wants no gradient
+    assert (c.params, c.param_bytes, c.activation_bytes) == (18, 18 * F32, 6 * F32)
+    c, _ = only([Dense(3)], (5,), need_dx_first=True)
+    assert c.need_dx and c.backward_data == PhaseCost(2 * 2 * 5 * 3, (6 + 15 + 10) * F32)
+
+
+def test_second_dense_computes_dx():
+    model = Model([Dense(4), Dense(3)], (5,))
+    first, second = layer_costs(model, 2)
+    assert (first.need_dx, second.need_dx) == (False, True)
+    assert second.backward_data == PhaseCost(2 * 2 * 4 * 3, (6 + 12 + 8) * F32)
+
+
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+def test_gemm_conv_3x3_stride2_padding1(kernels):
+    # (3, 8, 8) -> 4 x (4, 4), batch 2: K = 27, P = 16; x 384, y 128, cols 3*9*2*16 = 864 elements.
+    # Rows (and columns) each kernel offset covers: 3, 4, 4 (offset 0 reads the top padding at row 0),
+    # so fill_cols writes 3 * 2 * 11 * 11 entries. P < 128: each block of samples is reordered (2 * y).
+    c, layer = only([Conv2D(4, 3, stride=2, padding=1)], (3, 8, 8), kernels, need_dx_first=True)
+    assert c.algorithm == layer.plan.algorithm == "gemm" and c.kernel_class == "gemm"
+    x, y, cols, cols_w, w = 384, 128, 864, 3 * 2 * 11 * 11, 4 * 27 * F32
+    macs = 2 * 4 * 16 * 27
+    assert c.forward == PhaseCost(2 * macs + y, (x + cols_w + cols + y + 2 * y) * F32 + w + 2 * y * F32)
+    assert c.forward.flops == 2 * layer.flops()
+    # dy regrouped (read, written), dyk and cols read by the dW GEMM, dW written, copied to grads, db
+    assert c.backward_weights == PhaseCost(2 * macs + y, (3 * y + cols) * F32 + w + 2 * w + y * F32)
+    # dcols = W^T dy (written whole), then col2im into dx: compiled reads dcols and writes dx; NumPy
+    # zeroes dx, then per kernel offset reads and writes dx's view and reads dcols'
+    dcols = 2 * 3 * 9 * 16
+    scatter = dcols + x if kernels == "numba" else x + 3 * cols_w
+    assert c.backward_data == PhaseCost(2 * macs + cols_w, (y + dcols + scatter) * F32 + w)
+
+
+def test_pointwise_conv():
+    # 4 -> 8 channels 1x1 on 16x16, batch 2, no bias: P = 256, x 2048, y 4096 elements, W 32 (128 bytes)
+    c, layer = only([Conv2D(8, 1, use_bias=False)], (4, 16, 16), need_dx_first=True)
+    assert c.algorithm == layer.plan.algorithm == "pointwise" and c.kernel_class == "gemm"
+    gemm, w = 2 * 2 * 8 * 4 * 256, 32 * F32
+    assert c.forward == PhaseCost(gemm, (2048 + 4096) * F32 + w)
+    # per-sample products written and added into one partial sum (one block of 8 samples)
+    assert c.backward_weights == PhaseCost(gemm + 2 * 32, (2048 + 4096) * F32 + (4 * 2 + 2 * 1 + 1) * w + 2 * w)
+    assert c.backward_data == PhaseCost(gemm, (4096 + 2048) * F32 + w)
+
+
+def test_depthwise_3x3_direct():
+    # 4 channels, groups 4, 8x8, padding 1, batch 2, no bias: x = y = 512 elements, W 36 (144 bytes)
+    c, layer = only([Conv2D(4, 3, padding=1, groups=4, use_bias=False)], (4, 8, 8), need_dx_first=True)
+    assert c.algorithm == layer.plan.algorithm == "direct" and c.kernel_class == "depthwise"
+    flops, w = 2 * 2 * 4 * 64 * 9, 36 * F32
+    assert c.forward == PhaseCost(flops, (512 + 512) * F32 + w)
+    assert c.backward_weights == PhaseCost(flops, (512 + 512) * F32 + w + 2 * w)
+    assert c.backward_data == PhaseCost(flops, (512 + 512) * F32 + 3 * w)  # W flipped: read, written, read
+
+
+def test_depthwise_3x3_numpy():
+    # The wide grid: padded 10 x 10, L = Ho * Wp = 80 columns per channel, the flat padded input 102
+    # per channel (the last offset 22 plus 80); xf 2*4*102, yw 2*4*80, wk 9*4*80 elements
+    c, layer = only([Conv2D(4, 3, padding=1, groups=4, use_bias=False)], (4, 8, 8), "numpy", need_dx_first=True)
+    assert c.algorithm == layer.plan.algorithm == "depthwise" and c.kernel_class == "depthwise"
+    flops, w, x = 2 * 2 * 4 * 64 * 9, 36 * F32, 512
+    xf, yw, wk = 816, 640, 2880
+    assert c.forward == PhaseCost(flops, (2 * x + 2 * wk + xf + yw + 2 * x) * F32 + w)
+    assert c.backward_weights == PhaseCost(flops, (2 * x + 9 * (yw + 640)) * F32 + 2 * w)
+    assert c.backward_data == PhaseCost(flops, (xf + 2 * wk + yw + 2 * xf + 2 * x) * F32 + w)
+
+
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+def test_maxpool_2x2(kernels):
+    # (3, 8, 8) -> (3, 4, 4), batch 2: x 384, y 96 elements, uint8 indices
+    c, _ = only([MaxPool2D(2)], (3, 8, 8), kernels)
+    assert c.kernel_class == "elementwise" and c.forward.flops == 96 * 4
+    if kernels == "numba":
+        assert c.algorithm == "compiled_2x2"
+        assert c.forward.bytes == 384 * F32 + 96 * F32 + 96
+        assert c.backward_data == PhaseCost(0, 96 * F32 + 96 + 384 * F32)
+    else:
+        # y from the first window offset (read, written), the index zeroed, then per other offset
+        # x's view read twice, y's read twice and written, a bool mask, the index updated: 96*(5*4 + 2 + 4)
+        assert c.algorithm == "numpy"
+        assert c.forward.bytes == 96 + 2 * 96 * F32 + 3 * 96 * (5 * F32 + 2 + 4)
+        # dx zeroed, then per offset the index compared and dy copied where it won
+        assert c.backward_data == PhaseCost(0, 384 * F32 + 4 * 96 * (1 + 1 + 2 * F32 + 1))
+    assert c.backward_weights == PhaseCost(0, 0)
+
+
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+def test_batchnorm(kernels):
+    # (4, 8, 8), batch 2: E = 512 elements
+    c, _ = only([BatchNorm()], (4, 8, 8), kernels)
+    passes = (4, 2) if kernels == "numba" else (6, 3)  # compiled: every pass per channel in one kernel
+    assert c.forward == PhaseCost(4 * 512, passes[0] * 512 * F32)
+    assert c.backward_weights == PhaseCost(4 * 512, passes[1] * 512 * F32)
+    assert c.backward_data == PhaseCost(4 * 512, 3 * 512 * F32)  # computed even for the model's input
+    assert (c.params, c.param_bytes) == (8, 8 * F32)
+
+
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+def test_relu(kernels):
+    c, _ = only([ReLU()], (4, 8, 8), kernels)
+    assert c.forward == PhaseCost(512, 2 * 512 * F32)
+    assert c.backward_data == PhaseCost(512, 3 * 512 * F32 + (0 if kernels == "numba" else 2 * 512))
+    assert c.backward_weights == PhaseCost(0, 0) and c.params == 0
+
+
+def test_blocks_cost_their_additions_and_copies():
+    model = Model(
+        [
+            Conv2D(4, 3, padding=1),
+            AdditionBlock([Conv2D(4, 3, padding=1), ReLU()], []),
+            ConcatenationBlock([Conv2D(2, 1)], [Conv2D(3, 1)]),
+        ],
+        (3, 8, 8),
+    )
+    costs = layer_costs(model, 2)
+    assert [c.name for c in costs] == ["0", "1.0.0", "1.0.1", "1", "2.0.0", "2.1.0", "2"]
+    add, cat = costs[3], costs[6]
+    y = 2 * 4 * 64
+    assert add.kind == "AdditionBlock" and add.forward == PhaseCost(y, 3 * y * F32)  # path + identity
+    assert add.backward_data == PhaseCost(y, 3 * y * F32)  # the two paths' dx summed
+    assert cat.kind == "ConcatenationBlock" and cat.forward == PhaseCost(0, 2 * 2 * 5 * 64 * F32)
+    assert cat.backward_data == PhaseCost(2 * 4 * 64, 2 * 2 * 5 * 64 * F32 + 3 * 2 * 4 * 64 * F32)
+
+
+# -- the backend's choices, blocks, the first layer -----------------------------------------------
+
+
+def test_algorithm_is_the_backends_own_choice():
+    model = models.create("mobilenetv1_cifar10")
+    costs = {c.name: c for c in layer_costs(model, 1)}
+    convs = [(p, l) for p, l in model.layers() if isinstance(l, Conv2D)]
+    assert convs and all(costs[p].algorithm == l.plan.algorithm for p, l in convs)
+    assert {costs[p].algorithm for p, _ in convs} >= {"direct", "direct_stride2", "pointwise"}
+
+
+def test_resnet20_counts_every_layer_inside_its_blocks():
+    model = models.create("resnet20_cifar10")
+    costs = layer_costs(model, 8)
+    leaves = [p for p, l in model.layers() if not isinstance(l, Container)]
+    assert [c.name for c in costs if c.kind != "AdditionBlock"] == leaves
+    n_conv = sum(isinstance(l, Conv2D) for _, l in model.layers())
+    assert sum(c.kind == "Conv2D" for c in costs) == n_conv > 19
+    n_add = sum(isinstance(l, AdditionBlock) for _, l in model.layers())
+    assert sum(c.kind == "AdditionBlock" for c in costs) == n_add == 9
+    t = totals(costs)
+    assert t.forward.flops == 8 * model.flops() + sum(c.forward.flops for c in costs if c.kind == "AdditionBlock")
+    assert t.params == model.count_params()
+    assert sum(parameter_bytes(model).values()) == t.param_bytes == 4 * model.count_params()
+    for c in costs:
+        if c.kind in ("MaxPool2D", "AvgPool2D", "BatchNorm", "ReLU", "AdditionBlock", "GlobalAvgPool2D"):
+            assert c.forward.bytes > 0 and c.backward.bytes > 0, c
+
+
+def test_first_layer_backward():
+    model = models.create("simplecnn")
+    first = layer_costs(model, 4)[0]
+    assert first.kind == "Conv2D" and not first.need_dx
+    assert first.backward_weights.flops > 0 and first.backward_weights.bytes > 0
+    assert first.backward_data == PhaseCost(0, 0)
+    first = layer_costs(model, 4, need_dx_first=True)[0]
+    assert first.need_dx and first.backward_data.flops > 0
+
+
+def test_layercost_is_frozen():
+    c, _ = only([ReLU()], (4,))
+    assert isinstance(c, LayerCost)
+    with pytest.raises(AttributeError):
+        c.name = "other"
+
+
+def test_a_layer_without_a_formula_is_named():
+    class Mystery(Layer):
+        def forward(self, x, training=True):
+            return x
+
+    with pytest.raises(TypeError, match="Mystery"):
+        layer_costs(Model([Mystery()], (3,)), 1)
+
+
+# -- forward FLOPs of the zoo against Layer.flops() -----------------------------------------------
+
+
+def check_forward_flops(name):
+    model = models.create(name)
+    costs = {c.name: c for c in layer_costs(model, 1)}
+    checked = 0
+    for path, layer in model.layers():
+        if isinstance(layer, Container) or type(layer).flops is Layer.flops:
+            continue
+        expected = layer.flops()
+        if isinstance(layer, Conv2D) and layer.plan.algorithm == "direct_stride2":
+            g1 = layer.plan.run  # computed at stride 1, then every other row and column kept
+            c_out, ho, wo = layer.output_shape
+            expected = 2 * c_out * g1.ho * g1.wo * 9 + (c_out * ho * wo if layer.use_bias else 0)
+        assert costs[path].forward.flops == expected, (name, path, layer)
+        checked += 1
+    assert checked > 0
+
+
+SMALL = ["simplecnn", "simplemlp", "lenet5", "resnet20_cifar10", "mobilenetv1_cifar10", "vgg11bn_cifar10"]
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_forward_flops_match_layer_flops(name):
+    check_forward_flops(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in models.names() if n not in SMALL])
+def test_forward_flops_match_layer_flops_whole_zoo(name):
+    check_forward_flops(name)
+
+
+# -- gradient-ready order -------------------------------------------------------------------------
+
+
+def test_gradient_ready_order_of_a_chain_is_reverse_layer_order():
+    model = Model([Conv2D(4, 3, padding=1), ReLU(), Flatten(), Dense(10)], (1, 8, 8))
+    before = model.params_sha256()
+    assert gradient_ready_order(model) == ["3.weight", "3.bias", "0.weight", "0.bias"]
+    assert model.params_sha256() == before
+
+
+def test_gradient_ready_order_of_resnet20_leaves_the_model_as_it_was():
+    model = models.create("resnet20_cifar10")
+    state = {k: v.copy() for k, v in model.state_dict().items()}
+    rng = model.backend.rng.bit_generator.state
+    order = gradient_ready_order(model)
+    names = [n for n, _, _ in model.parameters()]
+    assert sorted(order) == sorted(names)
+    first = next(layer for _, layer in model.layers() if layer.params)
+    assert order[-len(first.params):] == names[: len(first.params)]  # the first layer's gradients come last
+    assert all(np.array_equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert model.backend.rng.bit_generator.state == rng
