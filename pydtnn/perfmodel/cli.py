@@ -1,6 +1,7 @@
 """`pydtnn-perfmodel`: the performance model from the command line, one subcommand per question.
 
   collective  seconds of one collective operation (allreduce, allgather, ...) by algorithm
+  predict     predicted time of one training step, per layer and split into compute, memory and communication
 
 Each subcommand is an add_<name>(subparsers) that declares its flags and a run_<name>(args) that
 returns the exit code. Exit codes: 0 success, 2 user error (one line `pydtnn-perfmodel: error: ...`).
@@ -76,6 +77,66 @@ def run_collective(args):
     return 0
 
 
+def add_predict(subparsers):
+    from pydtnn.cli import positive_int
+    from pydtnn.perfmodel.collectives import algorithms
+    from pydtnn.perfmodel.predict import PARALLEL, PROGRESS, REDUCTIONS, UPDATE_PASSES
+
+    p = subparsers.add_parser("predict", allow_abbrev=False, help="predicted time of one training step",
+                              description="Predicted time of one training step, per layer and in total.")
+    p.add_argument("--model", required=True, help="a model of the zoo (pydtnn-train --list_models)")
+    p.add_argument("--batch_size", required=True, type=positive_int, help="samples per process and step")
+    p.add_argument("--np", type=positive_int, default=1, help="number of processes (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="threads per process (default 1)")
+    p.add_argument("--parallel", choices=("data", "model", "hybrid"), default="data",
+                   help=f"parallelism (modelled: {', '.join(PARALLEL)})")
+    p.add_argument("--reduction", choices=REDUCTIONS, default="bucketed", help="gradient reduction (default bucketed)")
+    p.add_argument("--algorithm", default="ring", choices=("best",) + algorithms("allreduce"),
+                   help="allreduce algorithm (default ring; best: the cheapest)")
+    p.add_argument("--progress", choices=PROGRESS, default="test",
+                   help="when MPI progresses a started collective (default test: only inside MPI calls)")
+    p.add_argument("--optimizer", choices=tuple(UPDATE_PASSES), default="sgd_momentum",
+                   help="the update's passes over the parameters (default sgd_momentum)")
+    p.add_argument("--input_shape", help="C,H,W of the model's input (default: the model's own)")
+    p.add_argument("--num_classes", type=positive_int, help="classes of the last layer (default: the model's own)")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--machine", help="machine description, YAML or JSON (default: built-in 2-core VM values)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=run_predict)
+
+
+def build_model(name, input_shape=None, num_classes=None, dtype="float32"):
+    """A zoo model on a CPU backend: the model the prediction is about (its layers and their plans)."""
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+
+    options = {}
+    if input_shape is not None:
+        try:
+            options["input_shape"] = tuple(int(v) for v in str(input_shape).split(","))
+        except ValueError:
+            options["input_shape"] = ()
+        if len(options["input_shape"]) != 3 or min(options["input_shape"]) < 1:
+            from pydtnn.errors import ConfigError
+
+            raise ConfigError(f"--input_shape {input_shape!r}; expected C,H,W, three positive integers")
+    if num_classes is not None:
+        options["num_classes"] = num_classes
+    return models.create(name, backend=CPUBackend(dtype), **options)
+
+
+def run_predict(args):
+    from pydtnn.perfmodel.predict import predict, table
+
+    machine = machine_from(args)
+    model = build_model(args.model, args.input_shape, args.num_classes, args.dtype)
+    p = predict(model, args.batch_size, args.np, machine, reduction=args.reduction, threads=args.threads,
+                algorithm=args.algorithm, progress=args.progress, optimizer=args.optimizer, parallel=args.parallel,
+                name=args.model)
+    print(json.dumps(p.to_dict()) if args.json else table(p))
+    return 0
+
+
 def build_parser():
     from pydtnn.cli import Parser
 
@@ -83,6 +144,7 @@ def build_parser():
                     description="The pydtnn performance model: predicted costs of collectives and training steps.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_collective(subparsers)
+    add_predict(subparsers)
     return parser
 
 

@@ -1,0 +1,217 @@
+"""Predicted time of one training step: the layers' costs (costs.py) on a machine (machine.py), plus the
+gradient reduction the trainer really runs (collectives.py), step by step as the trainer takes it.
+
+    p = predict(model, batch_size=64, np=4, machine=machine.load("vm.yaml"), reduction="bucketed")
+    p.step_s, p.compute_s, p.memory_s, p.comm_s, p.exposed_comm_s; p.layers (per-layer times)
+
+Compute. Each phase of each layer (forward, backward-data, backward-weights) takes the longer of its
+FLOPs at the rate of its kernel class and its bytes at the memory bandwidth (a roofline per phase),
+both scaled by the machine's thread speed-up; the phase counts as compute- or memory-bound by which
+was longer. The optimizer update is memory-bound: SGD with momentum reads p, g and its buffer and
+writes p and the buffer (5 passes over the parameters' bytes), Adam 7, SGD without momentum 3.
+When the processes of a node ask for more threads than it has cores, compute slows by that ratio.
+
+Communication (data parallelism). Every gradient is summed over the np processes by allreduce, with
+the named algorithm (or the cheapest, "best") on the link the processes share: intra-node while they
+fit on one node, inter-node otherwise, or both with "hierarchical". The reducers:
+- blocking: after the whole backward, the gradient buffer in pieces of PIECE_BYTES, one after another;
+- per_layer: one allreduce per gradient, started when its layer's backward ends;
+- bucketed: gradients packed in reverse parameter order into buckets (the first one small), each
+  started when its last gradient is ready.
+An MPI library progresses a non-blocking collective only inside MPI calls, and the reducers call
+test() between layers only: with progress="test" (the default, what MPICH does here) a collective's
+transfer does not advance during a layer's computation, so the reduction is as exposed as a blocking
+one and the strategies differ by their messages' count and sizes. progress="background" models a
+library (or network) that progresses on its own: collectives run one after another from the moment
+each is started, overlapping the rest of backward; exposed communication is what remains after it.
+"""
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from pydtnn.distributed.reducers.base import PIECE_BYTES
+from pydtnn.errors import ConfigError
+from pydtnn.perfmodel import collectives
+from pydtnn.perfmodel.costs import layer_costs
+
+PARALLEL = ("data",)
+REDUCTIONS = ("blocking", "per_layer", "bucketed")
+PROGRESS = ("test", "background")
+UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer's predicted seconds per phase and what bounds each (compute or memory)."""
+
+    name: str
+    kind: str
+    algorithm: str | None
+    forward_s: float
+    backward_data_s: float
+    backward_weights_s: float
+    bound: str
+    grad_bytes: int
+
+    @property
+    def total_s(self):
+        return self.forward_s + self.backward_data_s + self.backward_weights_s
+
+
+@dataclass
+class Prediction:
+    """A predicted training step. step_s = compute_s + memory_s + exposed_comm_s (the update is in memory_s)."""
+
+    model: str
+    batch_size: int
+    np: int
+    threads: int
+    parallel: str
+    reduction: str
+    algorithm: str
+    progress: str
+    machine: str
+    step_s: float
+    compute_s: float
+    memory_s: float
+    update_s: float
+    comm_s: float
+    exposed_comm_s: float
+    messages: int
+    layers: list = field(default_factory=list)
+
+    def to_dict(self):
+        d = asdict(self)
+        d["layers"] = [{**asdict(t), "total_s": t.total_s} for t in self.layers]
+        return d
+
+
+def thread_speedup(machine, threads):
+    """The machine's speed-up at `threads` threads over one: its thread_scaling, and past the largest
+    count it holds, that speed-up (more threads than were measured gain nothing predicted)."""
+    if threads in machine.thread_scaling:
+        return float(machine.thread_scaling[threads])
+    below = [t for t in machine.thread_scaling if t <= threads]
+    return float(machine.thread_scaling[max(below)]) if below else 1.0
+
+
+def phase_seconds(phase, kernel_class, machine, speed):
+    """(seconds, bound) of one phase: the longer of its FLOPs at its class's rate and its bytes at the
+    memory bandwidth, both times `speed` (thread speed-up over any oversubscription)."""
+    compute = phase.flops / (machine.rates[kernel_class] * speed)
+    memory = phase.bytes / (machine.memory_bandwidth * speed)
+    return (compute, "compute") if compute >= memory else (memory, "memory")
+
+
+def allreduce_seconds(nbytes, p, machine, algorithm):
+    if p <= 1 or nbytes == 0:
+        return 0.0
+    if algorithm == "best":
+        return collectives.best("allreduce", nbytes, p, machine)[1]
+    return collectives.seconds("allreduce", algorithm, nbytes, p, machine)
+
+
+def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
+            optimizer="sgd_momentum", bucket_mb=25.0, first_bucket_mb=1.0, parallel="data", name=None):
+    """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
+    process over np processes, each with `threads` threads, on `machine`."""
+    if parallel not in PARALLEL:
+        raise ConfigError(f"parallel={parallel!r}: the performance model covers {', '.join(PARALLEL)} parallelism; "
+                          "model and hybrid parallelism are predicted once the trainer runs them")
+    for what, value, allowed in (("reduction", reduction, REDUCTIONS), ("progress", progress, PROGRESS),
+                                 ("optimizer", optimizer, tuple(UPDATE_PASSES))):
+        if value not in allowed:
+            raise ConfigError(f"{what}={value!r}; expected one of {', '.join(allowed)}")
+    if algorithm != "best" and algorithm not in collectives.algorithms("allreduce"):
+        raise ConfigError(f"algorithm={algorithm!r}; expected best or one of "
+                          f"{', '.join(collectives.algorithms('allreduce'))}")
+    for what, value in (("batch_size", batch_size), ("np", np), ("threads", threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{what}={value!r}; expected a positive integer")
+
+    per_node = min(np, machine.processes_per_node)
+    speed = thread_speedup(machine, threads) / max(1.0, per_node * threads / machine.cores)
+    costs = layer_costs(model, batch_size)
+    grads = _grad_bytes(model)
+    times, compute_s, memory_s = [], 0.0, 0.0
+    for c in costs:
+        parts = [phase_seconds(ph, c.kernel_class, machine, speed) for ph in (c.forward, c.backward_data,
+                                                                             c.backward_weights)]
+        for s, bound in parts:
+            compute_s += s if bound == "compute" else 0.0
+            memory_s += s if bound == "memory" else 0.0
+        heavier = max(parts, key=lambda t: t[0])[1]
+        times.append(LayerTime(c.name, c.kind, c.algorithm, *(s for s, _ in parts), heavier, grads.get(c.name, 0)))
+
+    forward_s = sum(t.forward_s for t in times)
+    backward_s = sum(t.backward_data_s + t.backward_weights_s for t in times)
+    param_bytes = sum(grads.values())
+    update_s = UPDATE_PASSES[optimizer] * param_bytes / (machine.memory_bandwidth * speed)
+    messages = _messages(model, times, forward_s, reduction, bucket_mb, first_bucket_mb)
+    durations = [allreduce_seconds(n, np, machine, algorithm) for _, n in messages]
+    comm_s = sum(durations)
+    end_of_backward = forward_s + backward_s
+    if progress == "test" or reduction == "blocking":
+        exposed = comm_s
+    else:
+        done = 0.0
+        for (ready, _), d in zip(messages, durations):
+            done = max(done, ready) + d
+        exposed = max(0.0, done - end_of_backward)
+    return Prediction(
+        model=name or getattr(model, "name", "model"), batch_size=batch_size, np=np, threads=threads, parallel=parallel,
+        reduction=reduction, algorithm=algorithm, progress=progress, machine=machine.name,
+        step_s=compute_s + memory_s + update_s + exposed, compute_s=compute_s, memory_s=memory_s + update_s,
+        update_s=update_s, comm_s=comm_s, exposed_comm_s=exposed, messages=len(messages) if np > 1 else 0,
+        layers=times,
+    )
+
+
+def _grad_bytes(model):
+    """{layer path: bytes of its gradients}."""
+    return {path: sum(int(p.nbytes) for p in layer.params.values()) for path, layer in model.layers() if layer.params}
+
+
+def _messages(model, times, forward_s, reduction, bucket_mb, first_bucket_mb):
+    """[(seconds into the step when the message can start, bytes)] in the order the reducer starts them."""
+    ready, t = {}, forward_s
+    for lt in reversed(times):  # backward runs the layers in reverse order
+        t += lt.backward_data_s + lt.backward_weights_s
+        ready[lt.name] = t
+    params = [(name, g.nbytes) for name, _, g in model.parameters()]
+    layer_of = {name: name.rsplit(".", 1)[0] for name, _ in params}
+    if reduction == "blocking":
+        total = sum(n for _, n in params)
+        end = t
+        pieces = [PIECE_BYTES] * (total // PIECE_BYTES) + ([total % PIECE_BYTES] if total % PIECE_BYTES else [])
+        return [(end, n) for n in pieces]
+    order = sorted(params, key=lambda p: ready.get(layer_of[p[0]], t))  # as backward makes them ready
+    if reduction == "per_layer":
+        return [(ready.get(layer_of[n], t), b) for n, b in order]
+    messages, cap, current, size = [], first_bucket_mb * 2**20, [], 0  # bucketed: reversed parameter order
+    for n, b in reversed(params):
+        if current and size + b > cap:
+            messages.append((max(ready.get(layer_of[m], t) for m in current), size))
+            cap, current, size = bucket_mb * 2**20, [], 0
+        current.append(n)
+        size += b
+    if current:
+        messages.append((max(ready.get(layer_of[m], t) for m in current), size))
+    return sorted(messages)
+
+
+def table(p):
+    """The per-layer table and the step's split, as text."""
+    ms = lambda s: f"{1e3 * s:9.3f}"  # noqa: E731
+    lines = [f"{p.model}: batch {p.batch_size} per process, {p.np} process(es) x {p.threads} thread(s), {p.parallel} "
+             f"parallel, {p.reduction} reduction ({p.algorithm}, progress {p.progress}) on {p.machine}",
+             f"{'layer':32s} {'kind':18s} {'algorithm':14s} {'fwd ms':>9s} {'bwd ms':>9s} {'bound':>7s}"]
+    for t in p.layers:
+        lines.append(f"{t.name[:32]:32s} {t.kind[:18]:18s} {str(t.algorithm or '')[:14]:14s} {ms(t.forward_s)} "
+                     f"{ms(t.backward_data_s + t.backward_weights_s)} {t.bound:>7s}")
+    lines += ["", f"step {ms(p.step_s).strip()} ms = compute {ms(p.compute_s).strip()} + memory-bound "
+                  f"{ms(p.memory_s).strip()} (update {ms(p.update_s).strip()}) + exposed communication "
+                  f"{ms(p.exposed_comm_s).strip()} (of {ms(p.comm_s).strip()} in {p.messages} allreduce(s))"]
+    if not math.isfinite(p.step_s):
+        lines.append("the prediction is not finite: check the machine's rates")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The step prediction: compute from the layers' costs, communication from the reducer's real messages."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pydtnn import models
+from pydtnn.backends import CPUBackend
+from pydtnn.errors import ConfigError
+from pydtnn.layers import Dense, Flatten, ReLU
+from pydtnn.model import Model
+from pydtnn.perfmodel import machine as machines
+from pydtnn.perfmodel.costs import layer_costs
+from pydtnn.perfmodel.machine import Link
+from pydtnn.perfmodel.predict import predict, table
+
+ALPHA, BETA, GAMMA = 1e-5, 1e-9, 5e-10  # the link's latency and seconds per byte, the reduction's seconds per byte
+
+
+def machine(**changes):
+    base = dataclasses.replace(
+        machines.DEFAULT, name="test", cores=4, processes_per_node=4,
+        rates={"gemm": 1e9, "direct3x3": 1e9, "depthwise": 1e9, "elementwise": 1e9}, thread_scaling={1: 1.0, 2: 2.0},
+        memory_bandwidth=1e15, reduce_rate=1 / GAMMA,
+        links={"intra": Link(ALPHA, 1 / BETA), "inter": Link(10 * ALPHA, 0.1 / BETA)})
+    return dataclasses.replace(base, **changes)
+
+
+def mlp(widths=(300, 200, 10)):
+    layers = [Flatten()]
+    for w in widths[:-1]:
+        layers += [Dense(w), ReLU()]
+    return Model(layers + [Dense(widths[-1])], (1, 8, 8), CPUBackend(kernels="numpy"))
+
+
+def test_compute_is_every_phase_at_its_rate_when_memory_is_free():
+    """With unlimited bandwidth, each phase takes its FLOPs at 1 GFLOP/s: Dense(64 -> 300) forward at batch 8 is
+    8 * 64 * 300 multiply-adds (2 FLOPs) plus the bias add, 0.3096 ms."""
+    model = mlp()
+    p = predict(model, 8, 1, machine())
+    first = next(t for t in p.layers if t.kind == "Dense")
+    assert first.forward_s == pytest.approx((2 * 8 * 64 * 300 + 8 * 300) / 1e9, rel=0.02)
+    flops = sum(c.forward.flops + c.backward.flops for c in layer_costs(model, 8))
+    assert p.compute_s == pytest.approx(flops / 1e9) and p.memory_s == pytest.approx(p.update_s)
+    assert p.comm_s == p.exposed_comm_s == 0 and p.messages == 0
+    assert p.step_s == pytest.approx(p.compute_s + p.memory_s)
+
+
+def test_a_second_thread_halves_compute_and_oversubscribed_cores_slow_it():
+    model = mlp()
+    one, two = predict(model, 8, 1, machine()), predict(model, 8, 1, machine(), threads=2)
+    assert two.compute_s == pytest.approx(one.compute_s / 2)
+    crowded = predict(model, 8, 8, machine(processes_per_node=8, cores=4))  # 8 processes on 4 cores
+    assert crowded.compute_s == pytest.approx(2 * one.compute_s)
+
+
+def test_blocking_reduction_is_one_ring_allreduce_of_all_gradients_by_hand():
+    model = mlp()
+    n = sum(g.nbytes for _, _, g in model.parameters())
+    p = predict(model, 8, 4, machine(), reduction="blocking")
+    ring = 2 * 3 * ALPHA + 2 * 3 / 4 * n * BETA + 3 / 4 * n * GAMMA  # 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
+    assert p.messages == 1 and p.comm_s == pytest.approx(ring) and p.exposed_comm_s == pytest.approx(ring)
+    assert p.step_s == pytest.approx(p.compute_s + p.memory_s + ring)
+
+
+def test_blocking_pieces_follow_the_reducer():
+    model = Model([Flatten(), Dense(3000)], (3, 32, 32), CPUBackend(kernels="numpy"))  # 36.9 MB of gradients
+    assert predict(model, 2, 2, machine(), reduction="blocking").messages == 3  # 16 + 16 + 4.9 MB
+
+
+def test_per_layer_sends_one_message_per_gradient_and_bucketed_packs_them():
+    model = mlp((300, 200, 100, 10))
+    assert predict(model, 8, 4, machine(), reduction="per_layer").messages == len(model.parameters())
+    assert predict(model, 8, 4, machine(), reduction="bucketed", first_bucket_mb=1e9).messages == 1
+    # reversed parameter order, bytes: 40, 4000, 400, 80000, 800, 240000, 1200, 76800; the first bucket closes
+    # past 0.01 MB (4440 bytes), then 0.5 MB holds the rest (398800), or 0.2 MB cuts it 80800 | 240000 | 1200 + 76800
+    for bucket_mb, count in ((0.5, 2), (0.2, 4)):
+        p = predict(model, 8, 4, machine(), reduction="bucketed", bucket_mb=bucket_mb, first_bucket_mb=0.01)
+        assert p.messages == count, bucket_mb
+
+
+def test_background_progress_hides_communication_behind_backward_and_test_progress_does_not():
+    model = mlp((300, 200, 100, 10))
+    slow = machine(links={"intra": Link(ALPHA, 1e9), "inter": Link(ALPHA, 1e9)})
+    hidden = predict(model, 64, 4, slow, reduction="per_layer", progress="background")
+    exposed = predict(model, 64, 4, slow, reduction="per_layer", progress="test")
+    assert hidden.comm_s == pytest.approx(exposed.comm_s)
+    assert exposed.exposed_comm_s == pytest.approx(exposed.comm_s)
+    assert 0 <= hidden.exposed_comm_s < hidden.comm_s
+    blocking = predict(model, 64, 4, slow, reduction="blocking", progress="background")
+    assert blocking.exposed_comm_s == pytest.approx(blocking.comm_s)  # started after backward: nothing to hide behind
+
+
+def test_processes_beyond_a_node_pay_the_inter_node_link():
+    model = mlp()
+    inside = predict(model, 8, 4, machine(processes_per_node=4), reduction="blocking")
+    across = predict(model, 8, 4, machine(processes_per_node=2), reduction="blocking")
+    assert across.comm_s > 5 * inside.comm_s
+
+
+@pytest.mark.parametrize("bad,match", [({"parallel": "model"}, "parallel='model'"),
+                                       ({"reduction": "tree"}, "reduction='tree'"),
+                                       ({"algorithm": "magic"}, "algorithm='magic'"),
+                                       ({"threads": 0}, "threads=0")])
+def test_bad_choices_name_the_value(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        predict(mlp(), 8, 2, machine(), **bad)
+
+
+def test_the_command_prints_a_table_and_json_with_the_documented_keys():
+    run = [sys.executable, "-m", "pydtnn.perfmodel.cli", "predict", "--model", "simplecnn", "--batch_size", "16",
+           "--np", "2"]
+    r = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for key in ("step_s", "compute_s", "memory_s", "comm_s", "exposed_comm_s", "layers"):
+        assert key in d
+    assert d["layers"] and {"name", "kind", "algorithm", "forward_s", "total_s"} <= set(d["layers"][0])
+    assert d["step_s"] == pytest.approx(d["compute_s"] + d["memory_s"] + d["exposed_comm_s"])
+    r = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "exposed communication" in r.stdout and "Conv2D" in r.stdout
+    r = subprocess.run(run + ["--parallel", "hybrid"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "parallel='hybrid'" in r.stderr
+
+
+def test_table_names_every_layer():
+    p = predict(mlp(), 8, 2, machine())
+    text = table(p)
+    assert all(t.name in text for t in p.layers)
+
+
+@pytest.mark.slow
+def test_every_zoo_model_is_predicted():
+    for name in models.names():
+        model = models.create(name, backend=CPUBackend())
+        p = predict(model, 2, 4, machines.DEFAULT, reduction="bucketed", algorithm="best")
+        assert np.isfinite(p.step_s) and p.step_s > 0 and p.comm_s > 0, name
+        assert len(p.layers) >= sum(1 for _, layer in model.layers() if layer.params), name
