@@ -30,6 +30,7 @@ PYDTNN = {
     "dtype": "PyDTNN accepted any NumPy dtype name",
     "metrics_file": "new", "checkpoint_dir": "new", "resume": "new", "overwrite": "new", "config": "new", "seed": "new (PyDTNN fixed 0)",
     "list_models": "new", "summary": "new", "progress": "new", "cosine_min_factor": "new", "download": "new",
+    "simulate": "new; PyDTNN's performance model had no command", "machine": "new", "np": "new",
 }
 
 

@@ -208,6 +208,14 @@ def build_parser(suppress_defaults=False):
     f(g, "threads_per_process", type=non_negative_int, default=1,
       help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice)")
 
+    g = p.add_argument_group("performance model")
+    f(g, "simulate", type=parse_bool, default=False,
+      help="print the performance model's prediction of this run (per layer, compute, communication) and exit "
+           "without training or MPI (docs/perfmodel.md)")
+    f(g, "machine", default=None, help="--simulate: machine description from pydtnn-perfmodel calibrate "
+                                       "(default: built-in 2-core VM values)")
+    f(g, "np", type=positive_int, default=1, help="--simulate: processes of the simulated run (default 1)")
+
     g = p.add_argument_group("GPU")
     f(g, "enable_gpu", type=parse_bool, default=False,
       help="compute on an NVIDIA GPU, one per process (CuPy + cuDNN frontend; pip install -e '.[gpu-cuda13]')")
@@ -337,6 +345,11 @@ def main(argv=None):
     try:
         launch.start()  # MPI up before anything can fail, so that a failure can end every rank
         args = parse_args(argv)
+        if args.simulate:
+            from pydtnn.perfmodel.simulate import simulate
+
+            simulate(args)
+            return 0
         from pydtnn.run import run
 
         if args.profile:

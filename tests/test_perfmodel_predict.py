@@ -140,3 +140,15 @@ def test_every_zoo_model_is_predicted():
         p = predict(model, 2, 4, machines.DEFAULT, reduction="bucketed", algorithm="best")
         assert np.isfinite(p.step_s) and p.step_s > 0 and p.comm_s > 0, name
         assert len(p.layers) >= sum(1 for _, layer in model.layers() if layer.params), name
+
+
+def test_train_simulate_prints_the_prediction_and_trains_nothing(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pydtnn", "--simulate", "--np", "4", "--model", "resnet20",
+                        "--dataset", "cifar10", "--batch_size", "32", "--metrics_file", str(tmp_path / "m.jsonl")],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "resnet20_cifar10: batch 32 per process, 4 process(es)" in r.stdout
+    assert "simulated, nothing trained" in r.stdout and list(tmp_path.iterdir()) == []
+    r = subprocess.run([sys.executable, "-m", "pydtnn", "--simulate", "--model", "resnet20", "--dataset", "synthetic"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and "needs the images' shape" in r.stderr and r.stderr.count("\n") == 1
