@@ -75,10 +75,7 @@ def forward(b, x, w, g, keep):
     b.pool.give(wkey, wk)
     y = np.empty((n, co, g.ho, g.wo), x.dtype)
     y[...] = yw.reshape(n, co, g.ho, wp)[..., : g.wo]
-    if not keep:
-        b.pool.give(key, xf)
-        return y, None
-    return y, b.pool.loan(key, xf)
+    return y, b.pool.keep_if(keep, key, xf)
 
 
 def backward(b, dy, w, ctx, g, need_dx):

@@ -95,10 +95,7 @@ def forward(b, x, w, g, keep):
     n, co = x.shape[0], w.shape[0]
     y = np.empty((n, co, g.ho, g.wo), x.dtype)
     key, cols = conv_gemm(b, x, w.reshape(g.groups, co // g.groups, -1), g, y, "cols")
-    if not keep:
-        b.pool.give(key, cols)
-        return y, None
-    return y, b.pool.loan(key, cols)
+    return y, b.pool.keep_if(keep, key, cols)
 
 
 def backward(b, dy, w, ctx, g, need_dx):

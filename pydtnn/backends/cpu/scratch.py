@@ -24,6 +24,13 @@ class ScratchPool:
         """a, kept by a forward for its backward: back to the pool when released (see Loan)."""
         return Loan(self.free, key, a)
 
+    def keep_if(self, keep, key, a):
+        """A forward's context: a lent to backward when `keep`, else a back in the pool now and None."""
+        if keep:
+            return self.loan(key, a)
+        self.give(key, a)
+        return None
+
 
 class Loan:
     """A pooled array that a forward keeps for its backward.
