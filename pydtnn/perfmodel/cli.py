@@ -2,6 +2,7 @@
 
   collective  seconds of one collective operation (allreduce, allgather, ...) by algorithm
   predict     predicted time of one training step, per layer and split into compute, memory and communication
+  sweep       throughput and exposed communication along five axes (batch, rate, bandwidth, link, nodes)
 
 Each subcommand is an add_<name>(subparsers) that declares its flags and a run_<name>(args) that
 returns the exit code. Exit codes: 0 success, 2 user error (one line `pydtnn-perfmodel: error: ...`).
@@ -137,6 +138,76 @@ def run_predict(args):
     return 0
 
 
+def name_list(text):
+    """argparse type: a comma list of names ("vgg16_imagenet,resnet50_imagenet")."""
+    names = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of names, got {text!r}")
+    return names
+
+
+def add_sweep(subparsers):
+    from pydtnn.cli import positive_int
+    from pydtnn.perfmodel.collectives import algorithms
+    from pydtnn.perfmodel.predict import PROGRESS, REDUCTIONS
+    from pydtnn.perfmodel.sweep import AXES
+
+    p = subparsers.add_parser("sweep", allow_abbrev=False, help="throughput along the five axes, as PNGs",
+                              description="Predicted training throughput and exposed communication along batch size, "
+                                          "node arithmetic rate, node memory bandwidth, link bandwidth and number "
+                                          "of nodes, one axis at a time around a baseline: one PNG per model "
+                                          "(pydtnn/perfmodel/sweep.py says what each axis varies).")
+    p.add_argument("--model", type=name_list, default=["vgg16_imagenet", "resnet50_imagenet"],
+                   help="comma list of zoo models (default vgg16_imagenet,resnet50_imagenet)")
+    p.add_argument("--machine", help="machine description, YAML or JSON (default: built-in 2-core VM values)")
+    p.add_argument("--out_dir", default="docs", help="folder of the PNGs, perfmodel_<model>.png (default docs)")
+    p.add_argument("--axes", type=name_list, default=list(AXES), help=f"comma list of axes (default {','.join(AXES)})")
+    p.add_argument("--nodes", type=positive_int, default=64, help="baseline number of nodes (default 64)")
+    p.add_argument("--batch_size", type=positive_int, default=32, help="baseline samples per process (default 32)")
+    p.add_argument("--points", type=positive_int, help="at most this many values per axis (default: the whole grid)")
+    p.add_argument("--reduction", choices=REDUCTIONS, default="bucketed", help="gradient reduction (default bucketed)")
+    p.add_argument("--algorithm", default="ring", choices=("best",) + algorithms("allreduce"),
+                   help="allreduce algorithm (default ring; best: the cheapest)")
+    p.add_argument("--progress", choices=PROGRESS, default="test",
+                   help="when MPI progresses a started collective (default test: only inside MPI calls)")
+    p.add_argument("--json", help="file to write every point to, as JSON")
+    p.set_defaults(run=run_sweep)
+
+
+def run_sweep(args):
+    import dataclasses
+    import os
+
+    from tqdm import tqdm
+
+    from pydtnn.files import write_atomic
+    from pydtnn.perfmodel import sweep
+    from pydtnn.perfmodel.machine import to_dict
+
+    machine = machine_from(args)
+    axes = sweep.check_axes(args.axes)
+    baseline = sweep.Baseline(nodes=args.nodes, batch_size=args.batch_size)
+    options = {"reduction": args.reduction, "algorithm": args.algorithm, "progress": args.progress}
+    total = len(args.model) * sweep.count(machine, baseline, axes, args.points)
+    points = []
+    with tqdm(total=total, unit="point", file=sys.stderr, disable=not sys.stderr.isatty(), leave=False) as bar:
+        for name in args.model:
+            bar.set_description(name)
+            model = build_model(name)  # built once per model, then dropped: ImageNet models are large
+            mine = sweep.sweep(model, name, machine, baseline, axes, points=args.points, on_point=bar.update, **options)
+            del model
+            path = sweep.plot(mine, os.path.join(args.out_dir, f"perfmodel_{name}.png"), machine, baseline, **options)
+            bar.write(f"wrote {path}", file=sys.stdout)
+            points += mine
+    print("\n".join(sweep.summary(points)))
+    if args.json:
+        data = {"machine": to_dict(machine), "baseline": dataclasses.asdict(baseline), "schemes": list(sweep.SCHEMES),
+                **options, "points": [p.to_dict() for p in points]}
+        write_atomic(args.json, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser():
     from pydtnn.cli import Parser
 
@@ -145,6 +216,7 @@ def build_parser():
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_collective(subparsers)
     add_predict(subparsers)
+    add_sweep(subparsers)
     return parser
 
 

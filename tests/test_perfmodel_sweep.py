@@ -1,0 +1,84 @@
+"""`pydtnn-perfmodel sweep`: the five axes around a baseline, as PNGs and JSON."""
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pydtnn.perfmodel import machine as machines
+from pydtnn.perfmodel.cli import build_model, main
+from pydtnn.perfmodel.predict import predict
+from pydtnn.perfmodel.sweep import AXES, Baseline, axis_values, crossovers
+
+PNG = b"\x89PNG\r\n\x1a\n"
+MODEL, NODES, BATCH = "simplecnn", 4, 8
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """A 3-point sweep of every axis of a small model: (the JSON it wrote, the folder of its PNG)."""
+    out = tmp_path_factory.mktemp("sweep")
+    code = main(["sweep", "--model", MODEL, "--points", "3", "--nodes", str(NODES), "--batch_size", str(BATCH),
+                 "--out_dir", str(out), "--json", str(out / "sweep.json")])
+    assert code == 0
+    with open(out / "sweep.json") as f:
+        return json.load(f), out
+
+
+def line(data, axis):
+    return sorted((p for p in data["points"] if p["axis"] == axis), key=lambda p: p["value"])
+
+
+def test_writes_a_png_and_every_point_as_json(swept):
+    data, out = swept
+    with open(out / f"perfmodel_{MODEL}.png", "rb") as f:
+        assert f.read(8) == PNG
+    assert {p["axis"] for p in data["points"]} == set(AXES)
+    assert all(len(line(data, a)) == 3 for a in AXES)
+    assert data["baseline"] == {"nodes": NODES, "batch_size": BATCH} and data["schemes"] == ["data"]
+    for p in data["points"]:
+        assert p["scheme"] == "data" and p["model"] == MODEL and p["processes"] == 2 * p["nodes"]
+        assert p["throughput"] == pytest.approx(p["batch_size"] * p["processes"] / p["step_s"])
+        assert 0 <= p["exposed_share"] <= 1
+
+
+def test_throughput_rises_with_the_node_rate_and_the_link(swept):
+    data, _ = swept
+    for axis in ("rate", "link"):
+        ys = [p["throughput"] for p in line(data, axis)]
+        assert ys[-1] > ys[0], axis
+        assert all(b >= a for a, b in itertools.pairwise(ys)), f"{axis}: {ys}"
+
+
+def test_the_baseline_of_every_axis_is_a_direct_prediction(swept):
+    data, _ = swept
+    model = build_model(MODEL)
+    direct = predict(model, BATCH, NODES * machines.DEFAULT.processes_per_node, machines.DEFAULT, reduction="bucketed")
+    base = Baseline(NODES, BATCH)
+    for axis, value in (("batch", BATCH), ("rate", 1.0), ("bandwidth", 1.0),
+                        ("link", machines.DEFAULT.link("inter").bandwidth_bytes_per_s), ("nodes", NODES)):
+        assert value in axis_values(axis, machines.DEFAULT, base, points=3)
+        (point,) = [p for p in line(data, axis) if p["value"] == value]
+        for key in ("step_s", "compute_s", "memory_s", "comm_s", "exposed_comm_s"):
+            assert point[key] == getattr(direct, key), (axis, key)
+
+
+def test_crossover_is_read_between_the_points_that_straddle_the_share():
+    from pydtnn.perfmodel.sweep import Point
+
+    def point(value, exposed):
+        return Point("m", "data", "nodes", value, value, 2 * value, 8, 1.0, 1.0, 1e9, 1.0, 0.5, 0.1, exposed, exposed)
+
+    found = crossovers([point(1, 0.2), point(4, 0.3), point(16, 0.7)])
+    assert found[("data", "nodes")] == [pytest.approx(8.0)]  # 0.5 is halfway from 4 to 16 in log2: 2^3
+
+
+def test_a_bad_axis_is_one_line_and_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pydtnn.perfmodel.cli", "sweep", "--model", MODEL, "--axes",
+                        "rate,noodes", "--out_dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "noodes" in r.stderr and "nodes" in r.stderr
+    assert r.stderr.startswith("pydtnn-perfmodel: error:") and not list(tmp_path.iterdir())
