@@ -2,6 +2,7 @@
 
   collective  seconds of one collective operation (allreduce, allgather, ...) by algorithm
   predict     predicted time of one training step, per layer and split into compute, memory and communication
+  calibrate   measure this machine (kernel rates, bandwidths, one network level) into a machine file
   sweep       throughput and exposed communication along five axes (batch, rate, bandwidth, link, nodes)
 
 Each subcommand is an add_<name>(subparsers) that declares its flags and a run_<name>(args) that
@@ -138,6 +139,64 @@ def run_predict(args):
     return 0
 
 
+def thread_list(text):
+    """argparse type: a comma list of thread counts that includes 1 ("1,2")."""
+    try:
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of thread counts >= 1 (1,2), got {text!r}")
+    if values[0] != 1:
+        raise argparse.ArgumentTypeError(f"expected 1 among the thread counts (rates are per thread), got {text!r}")
+    return values
+
+
+def add_calibrate(subparsers):
+    from pydtnn.cli import positive_float, positive_int
+    from pydtnn.perfmodel.machine import LEVELS
+
+    p = subparsers.add_parser("calibrate", allow_abbrev=False, help="measure this machine into a machine file",
+                              description="Measure kernel rates, thread scaling, memory bandwidth, reduction "
+                                          "rate and one network level here (under 3 minutes) and write a "
+                                          "machine file (pydtnn/perfmodel/calibrate.py says how).")
+    p.add_argument("--out", required=True, help="machine file to write, YAML (JSON when it ends in .json)")
+    p.add_argument("--quick", action="store_true", help="one layer per kernel class, fewer repeats and sizes")
+    p.add_argument("--threads", type=thread_list, default=[1, 2], help="thread counts to time (default 1,2)")
+    p.add_argument("--np", type=positive_int, default=2, help="MPI processes of the probe (default 2, at least 2)")
+    p.add_argument("--level", choices=LEVELS, default="intra",
+                   help="network level the probe measures (default intra; inter: run under benchmarks/netem.py)")
+    p.add_argument("--base", help="machine file whose unmeasured fields are kept (default: built-in values)")
+    p.add_argument("--name", help="machine name (default: the CPU model and core count)")
+    p.add_argument("--no_mpi", "--no-mpi", action="store_true", help="skip the MPI probe, keep the base's links")
+    p.add_argument("--mpi_timeout", "--mpi-timeout", type=positive_float, default=120.0,
+                   help="seconds the MPI probe may take (default 120)")
+    p.set_defaults(run=run_calibrate)
+
+
+def run_calibrate(args):
+    from pydtnn.errors import ConfigError
+    from pydtnn.perfmodel import calibrate, machine
+
+    if args.np < 2 and not args.no_mpi:
+        raise ConfigError(f"--np {args.np}: the ping-pong needs at least 2 processes")
+    base = machine.DEFAULT if args.base is None else machine.load(args.base)
+    missing = None if args.no_mpi else calibrate.mpi_missing()
+    if missing:
+        raise ConfigError(f"cannot measure the {args.level} link: {missing}; pass --no_mpi to keep the base's links")
+
+    def progress(line):
+        print(f"calibrate: {line}", file=sys.stderr, flush=True)
+
+    m, report = calibrate.calibrate(threads=args.threads, np_=args.np, level=args.level, base=base, name=args.name,
+                                    quick=args.quick, mpi=not args.no_mpi, mpi_timeout=args.mpi_timeout,
+                                    progress=progress)
+    machine.save(m, args.out)
+    print("\n".join(calibrate.summary(m, report, args.base or "the built-in defaults")))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def name_list(text):
     """argparse type: a comma list of names ("vgg16_imagenet,resnet50_imagenet")."""
     names = [s.strip() for s in str(text).split(",") if s.strip()]
@@ -216,6 +275,7 @@ def build_parser():
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_collective(subparsers)
     add_predict(subparsers)
+    add_calibrate(subparsers)
     add_sweep(subparsers)
     return parser
 

@@ -1,0 +1,433 @@
+"""Measure a Machine on the machine at hand: `pydtnn-perfmodel calibrate --out machine.yaml`.
+
+    machine, report = calibrate(threads=(1, 2), np_=2, level="intra", base=DEFAULT, quick=False)
+    alpha, beta = fit_alpha_beta([8, 1024, 1 << 20], [2e-6, 2.2e-6, 2.1e-4])
+
+What is measured, and how each figure agrees with the rest of the model:
+- rates[kernel class], FLOP/s on one thread: small real layers built on the CPU backend, timed forward
+  plus backward (need_dx on, as for every layer but a model's first): the median of all timed runs,
+  taken in ROUNDS interleaved visits per shape and thread count, each after WARM_UP untimed runs. A shape's rate is the FLOPs that
+  costs.layer_costs assigns to those three phases over that time, so a prediction that divides the
+  same FLOPs by the rate gives back the measured time: the counts agree by construction, and each
+  measurement is filed under the kernel_class costs.py gives the layer. A class's rate is the MEDIAN
+  of its shapes' rates (the mean of the middle two for an even count). "elementwise" (ReLU,
+  BatchNorm) is memory-bound: its bytes per second (costs.py's bytes over the same time) are
+  reported next to its FLOP/s.
+- thread_scaling {t: s}: the same layers at t threads (runtime.configure(threads=t)); s is the median
+  over the kernel classes of each class's rate at t threads over its rate at one. Thread counts not
+  measured keep the base's entries.
+- memory_bandwidth: np.copyto between two 64 MiB float32 arrays on one thread, bytes read plus bytes
+  written over the median time.
+- reduce_rate: np.add(a, b, out=a) on 64 MiB float32 buffers on one thread, bytes of a over the
+  median time (the 1/gamma of collectives.py: seconds per byte reduced).
+- links[level]: `mpiexec -n NP python -m pydtnn.perfmodel.mpi_probe` (a subprocess with a timeout)
+  times ping-pong between ranks 0 and 1 from 8 bytes to 16 MiB; fit_alpha_beta gives latency and
+  bandwidth. Its allreduce times over the same sizes are printed (a Machine has no field for them).
+  The other level is the base's, unchanged. On this one machine the probe's ranks share memory, which
+  is the intra-node link. The inter-node link is calibrated under benchmarks/netem.py, which runs a
+  command in a network namespace whose loopback (or veth pair, with --nodes 2) is capped by tc and
+  forces MPICH onto TCP, so the probe measures the emulated link:
+      python benchmarks/netem.py --rate 1gbit -- pydtnn-perfmodel calibrate --level inter \\
+          --base machine.yaml --out machine_1gbit.yaml
+- cores: the cores this process may run on (os.sched_getaffinity). processes_per_node: NP with
+  --level intra (the probe's ranks all ran on this node, which is what was measured); the base's with
+  --level inter or without MPI (the probe then measures one link, not how ranks are placed).
+- name: --name, else the CPU model from /proc/cpuinfo and the core count.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from pydtnn.errors import PydtnnError
+from pydtnn.perfmodel.machine import KERNEL_CLASSES, LEVELS, Link, Machine
+
+STREAM_BYTES = 64 << 20  # each of the two arrays of the copy and of the reduction
+WARM_UP = 2  # untimed runs of a shape each time it is visited (the first visit loads the compiled kernels)
+ROUNDS = 3  # visits of every (shape, thread count), interleaved, so that a load that comes and goes on a
+            # shared machine falls on every thread count alike (2 with quick)
+REPEATS = 3  # timed runs per visit at least, more for shapes under MIN_VISIT_S
+MIN_VISIT_S = 0.25  # a visit times a shape for about this long at least (0.05 s with quick)
+STREAM_REPEATS = 10  # timed copies and additions (5 with quick)
+MPI_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One layer to time: label, a factory for the (unbuilt) layer, input shape (C, H, W), batch size."""
+
+    label: str
+    make: object
+    input_shape: tuple
+    batch: int
+
+
+def shapes(quick=False):
+    """The layers timed, each expected to fall in a kernel class (the comment): one per class with quick."""
+    from pydtnn.layers import BatchNorm, Conv2D, Dense, ReLU
+
+    every = [
+        Shape("conv 3x3 s2 32->64 32x32", lambda: Conv2D(64, 3, stride=2, padding=1), (32, 32, 32), 32),  # gemm
+        Shape("conv 1x1 64->128 16x16", lambda: Conv2D(128, 1), (64, 16, 16), 32),  # gemm (pointwise)
+        Shape("conv 3x3 128->128 4x4", lambda: Conv2D(128, 3, padding=1), (128, 4, 4), 64),  # gemm
+        Shape("dense 1024->512", lambda: Dense(512), (1024,), 64),  # gemm
+        Shape("conv 3x3 16->16 32x32", lambda: Conv2D(16, 3, padding=1), (16, 32, 32), 32),  # direct3x3
+        Shape("conv 3x3 32->32 16x16", lambda: Conv2D(32, 3, padding=1), (32, 16, 16), 32),  # direct3x3
+        Shape("conv 3x3 64->64 16x16", lambda: Conv2D(64, 3, padding=1), (64, 16, 16), 16),  # direct3x3
+        Shape("depthwise 3x3 64 32x32", lambda: Conv2D(64, 3, padding=1, groups=64), (64, 32, 32), 32),  # depthwise
+        Shape("depthwise 3x3 s2 128 16x16", lambda: Conv2D(128, 3, stride=2, padding=1, groups=128),
+              (128, 16, 16), 32),  # depthwise (direct_stride2)
+        Shape("relu 16x32x32", lambda: ReLU(), (16, 32, 32), 64),  # elementwise
+        Shape("batchnorm 16x32x32", lambda: BatchNorm(), (16, 32, 32), 64),  # elementwise
+    ]
+    if quick:
+        keep = ("conv 3x3 s2 32->64 32x32", "conv 3x3 32->32 16x16", "depthwise 3x3 64 32x32", "relu 16x32x32")
+        return [s for s in every if s.label in keep]
+    return every
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One shape timed: its kernel class and algorithm (from costs.py), FLOPs and bytes of forward +
+    backward, and the median seconds of one forward + backward."""
+
+    label: str
+    kernel_class: str
+    algorithm: object
+    flops: int
+    bytes: int
+    seconds: float
+
+    @property
+    def rate(self):
+        return self.flops / self.seconds
+
+    @property
+    def bandwidth(self):
+        return self.bytes / self.seconds
+
+
+class Probe:
+    """A layer built alone on a float32 CPUBackend, ready to be timed forward and backward."""
+
+    def __init__(self, shape):
+        from pydtnn.backends import CPUBackend
+        from pydtnn.model import Model
+        from pydtnn.perfmodel.costs import layer_costs
+
+        self.shape = shape
+        model = Model([shape.make()], shape.input_shape, backend=CPUBackend(np.float32, seed=0))
+        (_, self.layer), = model.root.children
+        self.layer.need_dx = True  # as every layer but a model's first: dx is computed and counted
+        cost, = layer_costs(model, shape.batch)
+        self.cost = cost
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((shape.batch,) + shape.input_shape).astype(np.float32)
+        self.dy = rng.standard_normal((shape.batch,) + tuple(self.layer.output_shape)).astype(np.float32)
+
+    def step(self):
+        self.layer.forward(self.x, training=True)
+        self.layer.backward(self.dy)
+
+    def visit(self, repeats, min_seconds):
+        """Seconds of at least `repeats` forward + backward runs (more until min_seconds), after the warm-up."""
+        for _ in range(WARM_UP):
+            self.step()
+        samples = []
+        while len(samples) < repeats or (sum(samples) < min_seconds and len(samples) < 100):
+            start = time.perf_counter()
+            self.step()
+            samples.append(time.perf_counter() - start)
+        return samples
+
+    def timing(self, samples):
+        """The Timing of this layer whose forward + backward took the median of `samples` seconds."""
+        c = self.cost
+        work = c.forward + c.backward_data + c.backward_weights
+        return Timing(self.shape.label, c.kernel_class, c.algorithm, work.flops, work.bytes,
+                      statistics.median(samples))
+
+
+def kernel_timings(probes, threads, quick=False, progress=None):
+    """{t: [Timing] of every probe with the CPU backend at t threads} for t in `threads`, visited in
+    interleaved rounds (every thread count in turn, every probe in turn)."""
+    from pydtnn import runtime
+
+    progress = progress or (lambda line: None)
+    rounds, repeats, min_seconds = (2, REPEATS, 0.05) if quick else (ROUNDS, REPEATS, MIN_VISIT_S)
+    samples = {(t, i): [] for t in threads for i in range(len(probes))}
+    for r in range(rounds):
+        for t in threads:
+            progress(f"round {r + 1} of {rounds}, {t} thread{'s' if t > 1 else ''}")
+            runtime.configure(threads=t)
+            for i, probe in enumerate(probes):
+                samples[t, i] += probe.visit(repeats, min_seconds)
+    out = {t: [probe.timing(samples[t, i]) for i, probe in enumerate(probes)] for t in threads}
+    for t in threads:
+        for probe, timing in zip(probes, out[t]):
+            extra = f", {timing.bandwidth / 1e9:.2f} GB/s" if timing.kernel_class == "elementwise" else ""
+            progress(f"{timing.kernel_class:<11} {timing.label} ({timing.algorithm or type(probe.layer).__name__}), "
+                     f"{t} thread{'s' if t > 1 else ''}: {timing.seconds * 1e3:.2f} ms, "
+                     f"{timing.rate / 1e9:.2f} GFLOP/s{extra}")
+    return out
+
+
+def class_rates(timings):
+    """{kernel class: median FLOP/s over its shapes}; every class of KERNEL_CLASSES must have one."""
+    by_class = {k: [t.rate for t in timings if t.kernel_class == k] for k in KERNEL_CLASSES}
+    missing = [k for k, rates in by_class.items() if not rates]
+    if missing:
+        raise RuntimeError(f"calibrate: no shape fell in kernel class {', '.join(missing)}; the CPU backend's "
+                           "algorithm choices changed (conv_plan.py): update calibrate.shapes()")
+    return {k: statistics.median(rates) for k, rates in by_class.items()}
+
+
+def memory_bandwidth(nbytes=STREAM_BYTES, repeats=STREAM_REPEATS):
+    """Bytes/s of np.copyto between two nbytes float32 arrays: 2*nbytes (read + written) over the median time."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.zeros_like(src)  # written once, so the timed copies touch no fresh pages
+    return 2 * nbytes / _median_seconds(lambda: np.copyto(dst, src), repeats)
+
+
+def reduce_rate(nbytes=STREAM_BYTES, repeats=STREAM_REPEATS):
+    """Bytes/s of np.add(a, b, out=a) on nbytes float32 buffers: nbytes over the median time."""
+    a = np.zeros(nbytes // 4, np.float32)
+    b = np.ones_like(a)
+    return nbytes / _median_seconds(lambda: np.add(a, b, out=a), repeats)
+
+
+def _median_seconds(fn, repeats):
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+# -- network ------------------------------------------------------------------------------------------
+
+
+def fit_alpha_beta(sizes, seconds):
+    """(alpha, beta) of one-way time = alpha + n*beta by least squares over (n bytes, seconds) pairs.
+
+    The residuals are relative (each divided by its measured time), so that the microsecond times of
+    small messages set alpha as much as the millisecond ones of large messages set beta; with plain
+    residuals a 1% error at 16 MiB outweighs every small message. A negative alpha (noise) is fitted
+    again with alpha = 0. Raises ValueError unless there are two distinct sizes, every time is
+    positive and beta comes out positive."""
+    n = np.asarray(sizes, np.float64)
+    t = np.asarray(seconds, np.float64)
+    if n.ndim != 1 or n.shape != t.shape:
+        raise ValueError(f"fit_alpha_beta: {n.shape[0] if n.ndim else 0} sizes and {t.size} times; expected "
+                         "two lists of the same length")
+    if len(np.unique(n)) < 2:
+        raise ValueError(f"fit_alpha_beta: sizes {n.tolist()}; expected at least two distinct sizes")
+    if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(n >= 0)):
+        raise ValueError(f"fit_alpha_beta: times {t.tolist()}, sizes {n.tolist()}; expected times > 0, sizes >= 0")
+    w = 1.0 / t
+    (alpha, beta), *_ = np.linalg.lstsq(np.column_stack([w, n * w]), np.ones_like(t), rcond=None)
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.sum(n * w) / np.sum((n * w) ** 2))
+    if not beta > 0:
+        raise ValueError(f"fit_alpha_beta: the times {t.tolist()} do not grow with the sizes {n.tolist()} "
+                         f"(fitted beta {beta:.3g} s/byte); expected bandwidth-bound large messages")
+    return float(alpha), float(beta)
+
+
+def mpiexec_path():
+    """The mpiexec next to the Python in use (pip's mpich puts it there), else the first on PATH, else None."""
+    mine = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return mine if os.access(mine, os.X_OK) else shutil.which("mpiexec")
+
+
+def mpi_missing():
+    """Why the probe cannot run here (one sentence), or None."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install mpi4py mpich)"
+    if mpiexec_path() is None:
+        return f"no mpiexec next to {sys.executable} or on PATH (pip install mpich)"
+    return None
+
+
+def run_mpi_probe(np_, quick=False, timeout=MPI_TIMEOUT_S):
+    """The probe's result ({"np", "pingpong", "allreduce"}) from `mpiexec -n np_`; PydtnnError when it
+    fails or runs past `timeout` seconds (its whole process group is then ended)."""
+    cmd = [mpiexec_path(), "-n", str(np_), sys.executable, "-m", "pydtnn.perfmodel.mpi_probe"]
+    cmd += ["--quick"] if quick else []
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    shown = " ".join(cmd[:3]) + " python -m pydtnn.perfmodel.mpi_probe"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_group(proc)
+        raise PydtnnError(f"the MPI probe ({shown}) did not finish in {timeout:g} s: MPI hangs or is very slow "
+                          "here (under benchmarks/netem.py: is the burst at least 64 KiB?); raise --mpi_timeout "
+                          "or pass --no_mpi to keep the base's links") from None
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        raise PydtnnError(f"the MPI probe ({shown}) failed with exit code {proc.returncode}: {last}")
+    result = json.loads(lines[-1])
+    if result["np"] != np_:
+        raise PydtnnError(f"the MPI probe ran with {result['np']} processes under {shown}; the mpiexec found "
+                          "belongs to another MPI than mpi4py's")
+    return result
+
+
+def _end_group(proc):
+    """SIGTERM to the probe's process group (its own session), SIGKILL after 3 s."""
+    for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 3)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# -- the machine ----------------------------------------------------------------------------------------
+
+
+def cpu_model():
+    """The CPU model named in /proc/cpuinfo, or None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                    return " ".join(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclasses.dataclass
+class Report:
+    """What calibrate measured, beyond the Machine: every shape's timing per thread count, the
+    per-class rates per thread count, the probe's raw result and the level it measured."""
+
+    timings: dict  # threads -> [Timing]
+    rates: dict  # threads -> {kernel class: FLOP/s}
+    probe: object  # the probe's result, or None
+    level: str
+    memory_bandwidth: float
+    reduce_rate: float
+
+
+def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=False, mpi=True,
+              mpi_timeout=MPI_TIMEOUT_S, progress=None):
+    """(Machine, Report) measured here; see the module docstring. base: the Machine whose unmeasured
+    fields are kept (default machine.DEFAULT); mpi=False keeps the base's links."""
+    from pydtnn import runtime
+    from pydtnn.perfmodel import machine as machine_module
+
+    progress = progress or (lambda line: None)
+    base = base or machine_module.DEFAULT
+    threads = sorted({int(t) for t in threads})
+    if threads[0] != 1:
+        raise ValueError(f"calibrate: threads {threads}; expected 1 among them (rates are per thread)")
+    if level not in LEVELS:
+        raise ValueError(f"calibrate: level {level!r}; expected one of {', '.join(LEVELS)}")
+    previous = runtime.configured()
+    repeats = STREAM_REPEATS // 2 if quick else STREAM_REPEATS
+
+    links, probe = dict(base.links), None  # the probe first: a broken MPI fails before minutes of timing
+    processes_per_node = base.processes_per_node
+    if mpi:
+        progress(f"MPI probe: mpiexec -n {np_} ({level} link)")
+        probe = run_mpi_probe(np_, quick=quick, timeout=mpi_timeout)
+        sizes, seconds = zip(*probe["pingpong"])
+        try:
+            alpha, beta = fit_alpha_beta(sizes, seconds)
+        except ValueError as e:
+            raise PydtnnError(f"the MPI probe's ping-pong times give no {level} link: {e}") from None
+        links[level] = Link(latency_s=alpha, bandwidth_bytes_per_s=1.0 / beta)
+        progress(f"{level} link: latency {alpha * 1e6:.2f} us, bandwidth {1 / beta / 1e9:.3f} GB/s")
+        if level == "intra":
+            processes_per_node = np_
+
+    runtime.configure(threads=1)
+    progress(f"building {len(shapes(quick))} layers")
+    probes = [Probe(s) for s in shapes(quick)]
+    try:
+        timings = kernel_timings(probes, threads, quick, progress)
+        rates = {t: class_rates(timings[t]) for t in threads}
+        runtime.configure(threads=1)
+        bandwidth = memory_bandwidth(repeats=repeats)
+        progress(f"memory bandwidth (copy, 1 thread): {bandwidth / 1e9:.2f} GB/s")
+        gamma_rate = reduce_rate(repeats=repeats)
+        progress(f"reduce rate (np.add, 1 thread): {gamma_rate / 1e9:.2f} GB/s")
+    finally:
+        if previous is not None:
+            runtime.configure(threads=previous["threads"])
+
+    scaling = dict(base.thread_scaling)
+    for t in threads:
+        scaling[t] = 1.0 if t == 1 else statistics.median(rates[t][k] / rates[1][k] for k in KERNEL_CLASSES)
+
+    n_cores = cores()
+    model_name = cpu_model()
+    name = name or (f"{model_name} ({n_cores} cores)" if model_name else f"{n_cores}-core machine")
+    machine = Machine(name=name, cores=n_cores, processes_per_node=processes_per_node, rates=rates[1],
+                      thread_scaling=scaling, memory_bandwidth=bandwidth, reduce_rate=gamma_rate, links=links)
+    return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate)
+
+
+def summary(machine, report, base_name):
+    """The lines printed after calibrating: rates per class and thread count, bandwidths, links, allreduce."""
+    threads = sorted(report.rates)
+    head = f"{'kernel class':<12} {'GFLOP/s':>9} {'shapes':>6}" + "".join(f" {f'x{t} thr':>7}" for t in threads[1:])
+    lines = [f"machine: {machine.name}, {machine.cores} cores, {machine.processes_per_node} processes per node",
+             head]
+    for k in KERNEL_CLASSES:
+        count = sum(t.kernel_class == k for t in report.timings[1])
+        row = f"{k:<12} {report.rates[1][k] / 1e9:>9.2f} {count:>6}"
+        row += "".join(f" {report.rates[t][k] / report.rates[1][k]:>7.2f}" for t in threads[1:])
+        if k == "elementwise":
+            moved = statistics.median(t.bandwidth for t in report.timings[1] if t.kernel_class == k)
+            row += f"   ({moved / 1e9:.2f} GB/s moved)"
+        lines.append(row)
+    lines.append("thread scaling: " + ", ".join(f"{t}: {s:.2f}" for t, s in sorted(machine.thread_scaling.items())))
+    lines.append(f"memory bandwidth {machine.memory_bandwidth / 1e9:.2f} GB/s, reduce rate "
+                 f"{machine.reduce_rate / 1e9:.2f} GB/s")
+    for level in LEVELS:
+        link = machine.links[level]
+        how = "measured" if report.probe is not None and level == report.level else f"from {base_name}"
+        lines.append(f"link {level:<5} latency {link.latency_s * 1e6:8.2f} us, bandwidth "
+                     f"{link.bandwidth_bytes_per_s / 1e9:8.3f} GB/s ({how})")
+    if report.probe is not None:
+        lines.append(f"allreduce over {report.probe['np']} processes (not kept in the machine file):")
+        lines.append("  " + ", ".join(f"{_bytes(n)} {t * 1e6:.1f} us" for n, t in report.probe["allreduce"]))
+    return lines
+
+
+def _bytes(n):
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"

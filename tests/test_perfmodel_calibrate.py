@@ -1,0 +1,127 @@
+"""pydtnn-perfmodel calibrate: the alpha-beta fit on known data, a quick calibration that writes a
+machine file within physical bounds, the MPI probe's timeout, and bad arguments as one line and exit 2."""
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pydtnn.errors import PydtnnError
+from pydtnn.perfmodel import calibrate
+from pydtnn.perfmodel.cli import main
+from pydtnn.perfmodel.machine import DEFAULT, KERNEL_CLASSES, Link, load, save
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SIZES = [8 * 4**k for k in range(12)] + [16 << 20]
+
+
+def test_fit_alpha_beta_recovers_exact_line():
+    alpha, beta = 4e-6, 1 / 3e9  # 4 us, 3 GB/s
+    times = [alpha + n * beta for n in SIZES]
+    got = calibrate.fit_alpha_beta(SIZES, times)
+    assert got == pytest.approx((alpha, beta), rel=1e-9)
+
+
+def test_fit_alpha_beta_with_noise_keeps_the_small_messages_latency():
+    alpha, beta = 2e-5, 1 / 1.25e8  # 20 us, 1 Gbit/s
+    noise = np.random.default_rng(0).uniform(0.97, 1.03, len(SIZES))
+    got_alpha, got_beta = calibrate.fit_alpha_beta(SIZES, [(alpha + n * beta) * e for n, e in zip(SIZES, noise)])
+    assert got_alpha == pytest.approx(alpha, rel=0.05)
+    assert got_beta == pytest.approx(beta, rel=0.05)
+
+
+def test_fit_alpha_beta_clamps_a_negative_latency_to_zero():
+    beta = 1e-9
+    times = [n * beta * (0.8 if n == 8 else 1.0) for n in SIZES]  # the smallest message faster than the line
+    alpha, got_beta = calibrate.fit_alpha_beta(SIZES, times)
+    assert alpha == 0.0
+    assert got_beta == pytest.approx(beta, rel=0.05)
+
+
+@pytest.mark.parametrize("sizes,times,match", [
+    ([8, 8, 8], [1e-6, 1e-6, 1e-6], "two distinct sizes"),
+    ([8, 64], [1e-6, 0.0], "times > 0"),
+    ([8, 64, 512], [1e-6, 1e-6], "same length"),
+    ([8, 1 << 20], [1e-3, 1e-6], "do not grow"),
+])
+def test_fit_alpha_beta_rejects_bad_data(sizes, times, match):
+    with pytest.raises(ValueError, match=match):
+        calibrate.fit_alpha_beta(sizes, times)
+
+
+def test_every_kernel_class_has_a_shape_in_quick_and_full():
+    for quick in (True, False):
+        classes = {calibrate.Probe(s).cost.kernel_class for s in calibrate.shapes(quick)}
+        assert classes == set(KERNEL_CLASSES)
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "pydtnn.perfmodel.cli", "calibrate", *args], check=False,
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_quick_calibration_writes_a_plausible_machine(tmp_path):
+    base = DEFAULT.with_link("inter", bandwidth=3.0e8, latency=7e-5)
+    save(base, tmp_path / "base.yaml")
+    out = tmp_path / "machine.yaml"
+    r = run_cli("--quick", "--out", str(out), "--base", str(tmp_path / "base.yaml"), "--name", "test box")
+    assert r.returncode == 0, r.stderr
+    m = load(out)
+    assert m.name == "test box"
+    for kernel in KERNEL_CLASSES:
+        assert 1e7 < m.rates[kernel] < 1e12, (kernel, m.rates[kernel])
+    assert 1e8 < m.rates["gemm"] < 1e12
+    assert 1e8 < m.memory_bandwidth < 1e12
+    assert 1e8 < m.reduce_rate < 1e12
+    assert m.thread_scaling[1] == 1.0 and 0.05 < m.thread_scaling[2] < 4
+    intra = m.links["intra"]
+    assert 0 <= intra.latency_s < 1e-3 and 1e7 < intra.bandwidth_bytes_per_s < 1e12
+    assert m.links["inter"] == Link(7e-5, 3.0e8)  # the level not measured is the base's
+    assert m.processes_per_node == 2 and m.cores >= 1
+    assert "calibrate: MPI probe" in r.stderr and "allreduce over 2 processes" in r.stdout
+
+
+def test_no_mpi_keeps_the_base_links_and_one_thread_keeps_its_scaling(tmp_path):
+    out = tmp_path / "machine.json"
+    r = run_cli("--quick", "--no_mpi", "--threads", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    m = load(out)
+    assert dict(m.links) == dict(DEFAULT.links)
+    assert dict(m.thread_scaling) == dict(DEFAULT.thread_scaling)
+    assert m.processes_per_node == DEFAULT.processes_per_node
+    assert "MPI probe" not in r.stderr
+
+
+def test_a_hanging_probe_fails_with_a_clear_error():
+    if calibrate.mpi_missing():
+        pytest.skip(calibrate.mpi_missing())
+    with pytest.raises(PydtnnError, match=r"did not finish in 0.2 s"):
+        calibrate.run_mpi_probe(2, quick=True, timeout=0.2)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--out", "m.yaml", "--threads", "2"], "expected 1 among the thread counts"),
+    (["--out", "m.yaml", "--threads", "one"], "comma list of thread counts"),
+    (["--out", "m.yaml", "--level", "rack"], "invalid choice"),
+    (["--out", "m.yaml", "--np", "1"], "at least 2 processes"),
+    (["--quick"], "--out"),
+    (["--out", "m.yaml", "--base", "no/such/file.yaml"], "does not exist"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, match, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(calibrate, "calibrate", lambda **kw: pytest.fail("measured despite a bad argument"))
+    assert main(["calibrate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pydtnn-perfmodel: error: ") and match in err, err
+    assert not (tmp_path / "m.yaml").exists()
+
+
+def test_missing_mpi_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(calibrate, "mpi_missing", lambda: "mpi4py is not installed (pip install mpi4py mpich)")
+    monkeypatch.setattr(calibrate, "calibrate", lambda **kw: pytest.fail("measured without MPI"))
+    assert main(["calibrate", "--out", "m.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "mpi4py is not installed" in err and "--no_mpi" in err, err
