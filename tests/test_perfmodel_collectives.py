@@ -348,7 +348,7 @@ def test_cli_user_errors_exit_2_with_one_line(tmp_path, flags, words):
     (["collective", "--op", "allreduce", "--algorithm", "ring", "--bytes", "1.5", "--np", "4"], ["--bytes", "'1.5'"]),
     (["collective", "--op", "allreduce", "--algorithm", "ring", "--bytes", "8", "--np", "0"], ["--np", "'0'"]),
     (["collective", "--op", "allreduce", "--algorithm", "ring", "--bytes", "8"], ["--np"]),
-    (["sweep"], ["invalid choice: 'sweep'"]),
+    (["simulate"], ["invalid choice: 'simulate'"]),
 ])
 def test_cli_flag_errors(argv, words, capsys):
     assert main(argv) == 2
