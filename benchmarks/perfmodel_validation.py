@@ -61,6 +61,8 @@ sys.path.insert(0, HERE)
 from netem import parse_rate
 from train_step import busy_seconds, own_seconds, wait_idle
 
+from pydtnn.perfmodel.calibrate import cores, cpu_model, mpiexec_path
+
 NETEM = os.path.join(HERE, "netem.py")
 MODELS = ("simplecnn", "resnet20_cifar10", "vgg11bn_cifar10", "mobilenetv1_cifar10")
 REDUCERS = ("blocking", "per_layer", "bucketed")
@@ -70,6 +72,7 @@ MIN_LAYER_SHARE = 0.01  # layers below this share of the measured step are left 
 TARGETS = {"median_step": 10.0, "worst_step": 25.0, "median_layer": 20.0}  # % (issue 22)
 BUSY = 0.25  # cores used by other processes above which a run is measured again (--retries)
 RUN_TIMEOUT_S = 600
+LINK_BYTES = 1 << 20  # the allreduce the link probe times under each emulated rate
 LR = "0.001"  # small enough that no model diverges on random data in a few steps; the rate costs no time
 
 
@@ -209,15 +212,10 @@ def command(config, trace, warmup, steps, python=sys.executable):
              "--learning_rate", LR, "--tracing", "--tracer_output", trace, "--progress", "false",
              "--threads_per_process", str(config.threads)]
     if config.np > 1:
-        train = [mpiexec(), "-n", str(config.np), *train, "--reduction", config.reduction]
+        train = [mpiexec_path(), "-n", str(config.np), *train, "--reduction", config.reduction]
     if config.network != "unlimited":
         train = [python, NETEM, "--rate", config.network, "--", *train]
     return train
-
-
-def mpiexec():
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.access(beside, os.X_OK) else "mpiexec"
 
 
 def thread_env(threads):
@@ -257,44 +255,22 @@ def measure(config, warmup, steps, wait_s, retries, tmp):
     return best
 
 
-# One-way time of an 8-byte ping-pong (latency) and a 1 MiB allreduce's time, slowest rank, medians.
-LINK_PROBE = """
-import json, statistics, sys, time
-import numpy as np
-from mpi4py import MPI
-comm = MPI.COMM_WORLD
-small, big = np.zeros(8, np.uint8), np.ones(1 << 18, np.float32)
-def pingpong(k):
-    comm.Barrier(); t = time.perf_counter()
-    for _ in range(k):
-        if comm.rank == 0: comm.Send(small, dest=1); comm.Recv(small, source=1)
-        elif comm.rank == 1: comm.Recv(small, source=0); comm.Send(small, dest=0)
-    return (time.perf_counter() - t) / (2 * k)
-def allreduce():
-    comm.Barrier(); t = time.perf_counter()
-    comm.Allreduce(MPI.IN_PLACE, big, op=MPI.SUM)
-    return comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
-pingpong(20); allreduce()
-lat = statistics.median(pingpong(200) for _ in range(5))
-red = statistics.median(allreduce() for _ in range(5))
-if comm.rank == 0:
-    print(json.dumps({"np": comm.size, "latency_s": lat, "allreduce_bytes": big.nbytes, "allreduce_s": red}))
-"""
-
-
 def probe_link(rate, nps=(2, 4)):
     """Under netem at `rate`: {"rate", "bandwidth_bytes_per_s" (the whole loopback's, from the rate),
-    "latency_s" (measured, np 2), "allreduce": [{np, bytes, seconds}]}."""
+    "latency_s" (an 8-byte ping-pong's one-way time, np 2), "allreduce": [{np, bytes, seconds}] (1 MiB)},
+    measured by calibrate's own MPI probe (pydtnn/perfmodel/mpi_probe.py)."""
     out = {"rate": rate, "bandwidth_bytes_per_s": parse_rate(rate) / 8, "allreduce": []}
     for n in nps:
-        proc = subprocess.run([sys.executable, NETEM, "--rate", rate, "--", mpiexec(), "-n", str(n), sys.executable,
-                               "-c", LINK_PROBE], capture_output=True, text=True, timeout=300, check=False)
+        proc = subprocess.run([sys.executable, NETEM, "--rate", rate, "--", mpiexec_path(), "-n", str(n),
+                               sys.executable, "-m", "pydtnn.perfmodel.mpi_probe", "--max_bytes", str(LINK_BYTES)],
+                              capture_output=True, text=True, timeout=300, check=False)
         if proc.returncode:
             raise RuntimeError(f"link probe at {rate}, np {n}: exit status {proc.returncode}: "
                                f"{proc.stderr.strip().splitlines()[-1:] or ''}")
         rec = json.loads(proc.stdout.strip().splitlines()[-1])
-        out.setdefault("latency_s", rec["latency_s"])
-        out["allreduce"].append({"np": n, "bytes": rec["allreduce_bytes"], "seconds": rec["allreduce_s"]})
+        out.setdefault("latency_s", rec["pingpong"][0][1])
+        size, seconds = rec["allreduce"][-1]
+        out["allreduce"].append({"np": n, "bytes": size, "seconds": seconds})
     return out
 
 
@@ -506,15 +482,7 @@ def commit():
 
 
 def host():
-    import platform
-
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return f"{model or platform.machine()}, {os.cpu_count()} cores"
+    return f"{cpu_model() or os.uname().machine}, {cores()} cores"
 
 
 def load_machine(path, quick):

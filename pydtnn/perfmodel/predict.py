@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pydtnn.distributed.reducers.base import PIECE_BYTES
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives
-from pydtnn.perfmodel.costs import layer_costs
+from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 
 PARALLEL = ("data",)
 REDUCTIONS = ("blocking", "per_layer", "bucketed")
@@ -132,7 +132,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     per_node = min(np, machine.processes_per_node)
     speed = thread_speedup(machine, threads) / max(1.0, per_node * threads / machine.cores)
     costs = layer_costs(model, batch_size)
-    grads = _grad_bytes(model)
+    grads = parameter_bytes(model)
     times, compute_s, memory_s = [], 0.0, 0.0
     for c in costs:
         parts = [phase_seconds(ph, c.kernel_class, machine, speed) for ph in (c.forward, c.backward_data,
@@ -165,11 +165,6 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         update_s=update_s, comm_s=comm_s, exposed_comm_s=exposed, messages=len(messages) if np > 1 else 0,
         layers=times,
     )
-
-
-def _grad_bytes(model):
-    """{layer path: bytes of its gradients}."""
-    return {path: sum(int(p.nbytes) for p in layer.params.values()) for path, layer in model.layers() if layer.params}
 
 
 def _messages(model, times, forward_s, reduction, bucket_mb, first_bucket_mb):
