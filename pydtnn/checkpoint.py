@@ -52,18 +52,27 @@ _GENERIC_NAME = "model"  # Model's default name: says nothing about the architec
 
 
 # -- saving ------------------------------------------------------------------------------------
-def save(directory, model, optimizer=None, meta=None):
+def save(directory, model, optimizer=None, meta=None, write=True):
     """Write a checkpoint of `model` (and `optimizer`) into `directory`, creating it; crash-safe.
 
     meta: the caller's JSON-serialisable dict, returned by load() (NumPy scalars and arrays are
     converted to numbers and lists). Raises ConfigError when the directory cannot be written.
     Returns the manifest written as meta.json.
+
+    A model split over ranks (model parallelism) is saved whole, as one process holds it: every rank
+    of its group calls save (the state is gathered), and only the one with `write` writes.
     """
     directory = os.fspath(directory)
     to_numpy = model.backend.to_numpy
+    state = model.whole_state_dict()
+    arrays = optimizer.state_dict()["arrays"] if optimizer is not None else {}
+    if model.sharding is not None:
+        arrays = {k: model.sharding.gather(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
+    if not write:
+        return None
     blobs = {
-        MODEL_FILE: _serialize(model.state_dict(), to_numpy),
-        OPTIMIZER_FILE: _serialize(optimizer.state_dict()["arrays"] if optimizer is not None else {}, to_numpy),
+        MODEL_FILE: _serialize(state, to_numpy),
+        OPTIMIZER_FILE: _serialize(arrays, to_numpy),
     }
     manifest = {
         "format": FORMAT,
@@ -77,7 +86,7 @@ def save(directory, model, optimizer=None, meta=None):
             "dtype": np.dtype(model.backend.dtype).name,
             "input_shape": list(model.input_shape),
             "state": fingerprint(model),
-            "params_sha256": model.params_sha256(),
+            "params_sha256": model.params_sha256(whole=state),
         },
         "optimizer": None if optimizer is None else {"kind": optimizer.kind,
                                                      "scalars": optimizer.state_dict()["scalars"]},
@@ -111,7 +120,7 @@ def save(directory, model, optimizer=None, meta=None):
 
 def fingerprint(model):
     """[[name, shape, dtype], ...] of the model's state dict, in state-dict order."""
-    return [[name, list(a.shape), np.dtype(a.dtype).name] for name, a in model.state_dict().items()]
+    return [[name, list(shape), dtype.name] for name, (shape, dtype) in model.state_layout().items()]
 
 
 def write_json_atomic(path, obj):
@@ -190,9 +199,9 @@ def load(directory, model, optimizer=None, check_meta=None):
     state = _tensors(found[MODEL_FILE][1], where)
     _check_fingerprint(manifest["model"], state, meta_path, where)
     _check_model(manifest["model"], state, model, meta_path, where)
-    own = model.state_dict()
+    own = model.state_layout()
     for name, t in state.items():
-        _check_values(name, t, own[name].dtype, where)
+        _check_values(name, t, own[name][1], where)
     if optimizer is not None:
         saved = manifest["optimizer"]
         if saved is None:
@@ -203,6 +212,8 @@ def load(directory, model, optimizer=None, check_meta=None):
         scalars = _check_scalars(saved.get("scalars"), meta_path)
         opt_where = os.path.join(directory, OPTIMIZER_FILE)
         arrays = _tensors(found[OPTIMIZER_FILE][1], opt_where)
+        if model.sharding is not None:  # whole in the file; this rank holds its slices
+            arrays = {k: model.sharding.cut(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
         own_arrays = optimizer.state_dict()["arrays"]
         for name, t in arrays.items():
             if name in own_arrays:  # names the optimizer lacks: its load_state_dict says which
@@ -384,12 +395,12 @@ def _check_model(entry, state, model, path, where):
 
 def _architecture_difference(state, model):
     """The first state-dict entry where `state` and the model differ, in words; None if they agree."""
-    own = model.state_dict()
-    for name, a in own.items():
+    own = {name: shape for name, (shape, _) in model.state_layout().items()}
+    for name, shape in own.items():
         if name not in state:
-            return f"it has no {name!r}, which model {model.name!r} has with shape {tuple(a.shape)}"
-        if tuple(state[name].shape) != tuple(a.shape):
-            return f"{name!r} has shape {tuple(state[name].shape)}, model {model.name!r} has {tuple(a.shape)}"
+            return f"it has no {name!r}, which model {model.name!r} has with shape {shape}"
+        if tuple(state[name].shape) != shape:
+            return f"{name!r} has shape {tuple(state[name].shape)}, model {model.name!r} has {shape}"
     extra = [k for k in state if k not in own]
     if extra:
         return (f"it has {extra[0]!r} {tuple(state[extra[0]].shape)}, which model {model.name!r} lacks "

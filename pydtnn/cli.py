@@ -186,8 +186,12 @@ def build_parser(suppress_defaults=False):
     f(g, "model_checkpoint_save_freq", type=positive_int, default=1, help="epochs between checkpoints (default 1)")
 
     g = p.add_argument_group("parallel")
-    f(g, "parallel", choices=("sequential", "data"), default=None,
-      help="data-parallel over MPI when launched with several processes (default: data if so, else sequential)")
+    f(g, "parallel", choices=("sequential", "data", "model", "hybrid"), default=None,
+      help="over MPI when launched with several processes: data (each process a model replica, the default), "
+           "model (every Conv2D and Dense split by output channels over all processes) or hybrid (groups of "
+           "--model_parallel_size processes split the model, data parallel across groups); docs/parallelism.md")
+    f(g, "model_parallel_size", type=positive_int, default=None,
+      help="--parallel hybrid: processes per model replica (a divisor of the process count)")
     f(g, "non_blocking_mpi", type=parse_bool, default=False, help="overlap gradient allreduces with backward")
     f(g, "reduction", choices=("blocking", "per_layer", "bucketed"), default=None,
       help="gradient reduction: one allreduce after backward, one per gradient as layers finish "

@@ -35,8 +35,15 @@ class Model:
         self.output_shape = self.root.output_shape
         self.training = True
         self._hooks = []
+        self.sharding = None  # set by distributed.model_parallel.partition: which state arrays are slices
+        self.reindex()
+
+    def reindex(self):
+        """Index the layer tree again: paths, gradient hooks, parameter names, the gradient buffer.
+        Run after the tree is rewritten (model parallelism inserts layers and rebuilds slices)."""
         self._param_names = {}  # id(layer) -> full names of its parameters
         for path, layer in self.root.named_layers():
+            layer.path = path or None
             if isinstance(layer, Container):
                 layer.grad_hook = self._grads_ready
             if layer.params:
@@ -44,7 +51,7 @@ class Model:
         names = [n for n, _ in self.named_state()]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
-            raise ShapeError(f"{name}: state names are not unique: {dup}; give children distinct names")
+            raise ShapeError(f"{self.name}: state names are not unique: {dup}; give children distinct names")
         self._flatten_grads()
 
     def _flatten_grads(self):
@@ -132,6 +139,19 @@ class Model:
         """{name: array} of parameters and buffers (live arrays, not copies)."""
         return dict(self.named_state())
 
+    def whole_state_dict(self):
+        """{name: NumPy array} of parameters and buffers, whole: gathered from every rank of a model-parallel
+        group (a collective there: every rank of the group calls it), copies of the own arrays otherwise."""
+        if self.sharding is None:
+            return {k: np.array(self.backend.to_numpy(v)) for k, v in self.named_state()}
+        return {k: self.sharding.gather(k, v) for k, v in self.named_state()}
+
+    def state_layout(self):
+        """{name: (shape, dtype)} of the whole state dict (what a one-process model holds; no communication)."""
+        cut = self.sharding
+        return {k: (tuple(v.shape) if cut is None else cut.whole_shape(k, v.shape), np.dtype(v.dtype))
+                for k, v in self.named_state()}
+
     def load_state_dict(self, state, strict=True):
         """Copy arrays into the model's own (memory stays where it is). Names and shapes must match.
 
@@ -139,6 +159,8 @@ class Model:
         either way, since they mean a different architecture.
         """
         own = self.state_dict()
+        if self.sharding is not None:  # whole arrays (a checkpoint, another layout) are cut to this rank's slices
+            state = {k: self.sharding.cut(k, v) for k, v in state.items()}
         extra = sorted(set(state) - set(own))
         missing = sorted(set(own) - set(state))
         if extra or (strict and missing):
@@ -153,17 +175,23 @@ class Model:
             own[k][...] = self.backend.asarray(v, dtype=own[k].dtype)
 
     def count_params(self):
-        """Number of trainable scalars."""
-        return sum(int(np.prod(p.shape)) for _, p, _ in self.parameters())
+        """Number of trainable scalars (of the whole model, when it is split over ranks)."""
+        layout = self.state_layout()
+        return sum(int(np.prod(layout[name][0])) for name, _, _ in self.parameters())
 
     def flops(self):
         """Forward FLOPs per sample."""
         return self.root.flops()
 
-    def params_sha256(self):
-        """SHA-256 over all parameters in state-dict order, as little-endian bytes of their dtype."""
+    def params_sha256(self, whole=None):
+        """SHA-256 over all parameters in state-dict order, as little-endian bytes of their dtype; of the
+        whole model when it is split over ranks (a collective then), or of `whole` (whole_state_dict())."""
         h = hashlib.sha256()
-        for _, p, _ in self.parameters():
+        for name, p, _ in self.parameters():
+            if whole is not None:
+                p = whole[name]
+            elif self.sharding is not None:
+                p = self.sharding.gather(name, p)
             a = np.ascontiguousarray(self.backend.to_numpy(p))
             h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
         return h.hexdigest()

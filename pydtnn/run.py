@@ -14,7 +14,7 @@ import time
 from pydtnn import checkpoint, data, losses, models, optim
 from pydtnn.backends import CPUBackend, get_backend
 from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
-from pydtnn.distributed import launch, reducers
+from pydtnn.distributed import launch, model_parallel, reducers
 from pydtnn.distributed.consistency import broadcast_state
 from pydtnn.errors import ConfigError, DataError
 from pydtnn.files import write_atomic
@@ -85,15 +85,18 @@ def run(args):
     check_combinations(args)
     comm = launch.init(args.threads_per_process, args.stall_timeout, args.debug_collectives)
     launch.install_abort_handler(comm)
-    world = comm.size
     say = log if comm.rank == 0 else (lambda msg: None)
-    if world > 1 and args.parallel == "sequential":
-        raise ConfigError(f"--parallel sequential, but {world} processes were launched; use --parallel data or one process")
-    if args.parallel == "data" and world == 1:
-        say("pydtnn: --parallel data with one process trains sequentially")
+    if comm.size > 1 and args.parallel == "sequential":
+        raise ConfigError(f"--parallel sequential, but {comm.size} processes were launched; use --parallel data, "
+                          f"model or hybrid, or one process")
+    if args.parallel in ("data", "model") and comm.size == 1:
+        say(f"pydtnn: --parallel {args.parallel} with one process trains sequentially")
+    group, replicas, mp_size = model_parallel.layout(comm, args.parallel, args.model_parallel_size)
+    world = replicas.size  # model replicas: the batch, the learning rate and the reduction follow them
     if args.global_batch_size is not None:
         if args.global_batch_size % world:
-            raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by {world} processes")
+            raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by {world} "
+                              f"{'model replicas' if mp_size > 1 else 'processes'}")
         args.batch_size = args.global_batch_size // world
     check_outputs(args, comm)
     # the flags as given (None: "the default for this model and optimizer"), saved as the run's
@@ -114,11 +117,13 @@ def run(args):
     fill_defaults(args, choice.name)
     if args.weights_and_bias_filename and not args.resume:  # a resumed run takes every weight from its checkpoint
         checkpoint.load_weights(args.weights_and_bias_filename, model)
-    grad_comm = comm
+    if group is not None:
+        model_parallel.partition(model, group)
+    grad_comm = replicas
     if args.enable_gpu:  # collectives that take device arrays; gradients over NCCL when asked
         from pydtnn.distributed.gpu_comm import DeviceComm, NcclComm
 
-        comm = grad_comm = DeviceComm(comm)
+        comm = replicas = grad_comm = DeviceComm(comm)
         if args.enable_nccl:
             try:
                 grad_comm = NcclComm(comm)
@@ -141,11 +146,11 @@ def run(args):
         reducer = reducers.create(strategy, grad_comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,
-                      log=log, comm=comm, reducer=reducer)
+                      log=log, comm=replicas, reducer=reducer, is_root=comm.rank == 0)
     trainer.accumulation_steps = args.accumulation_steps
     if args.sync_batchnorm:
         trainer.sync_batchnorm()
-    effective = effective_values(args, choice, options, world, schedules, strategy)
+    effective = effective_values(args, choice, options, world, schedules, strategy, mp_size)
     trainer.callbacks = build_callbacks(args, trainer, config, effective)
 
     start_epoch = 0
@@ -153,7 +158,7 @@ def run(args):
         start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,
                              scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
     check_agreement(comm, args, model, (train, val, test), start_epoch)
-    broadcast_state(comm, model, optimizer)
+    broadcast_state(replicas, model, optimizer)
     for line in header(args, choice, model, (train, val, test), effective, lr_note, data_shape):
         say(line)
     if args.summary and comm.rank == 0:
@@ -163,6 +168,8 @@ def run(args):
 
         trainer.tracer = Tracer(pid=comm.rank, name=f"pydtnn {args.model} rank {comm.rank}")
         model.set_tracer(trainer.tracer)
+        if model.sharding is not None:
+            model.sharding.group.tracer = trainer.tracer
         if reducer is not None:
             reducer.tracer = trainer.tracer
 
@@ -247,11 +254,14 @@ def reduction_strategy(args, world):
     return args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
 
 
-def effective_values(args, choice, options, world, schedules, strategy):
+def effective_values(args, choice, options, world, schedules, strategy, mp_size=1):
     """What the run computes with, after defaults, family resolution, scaling and warm-up: saved in
-    config.json under "effective" and summarized in the header."""
+    config.json under "effective" and summarized in the header. world: model replicas; mp_size: the
+    processes of each (model parallelism)."""
+    parallel = ("hybrid" if world > 1 else "model") if mp_size > 1 else ("data" if world > 1 else "sequential")
     out = {"model": choice.name, "input_shape": list(choice.input_shape), "num_classes": choice.num_classes,
-           "adapted": list(choice.notes), "processes": world, "parallel": "data" if world > 1 else "sequential",
+           "adapted": list(choice.notes), "processes": world * mp_size, "parallel": parallel,
+           "model_parallel_size": mp_size, "replicas": world,
            "reduction": strategy, "batch_size_per_process": args.batch_size,
            "global_batch_size": args.batch_size * world, "num_epochs": args.num_epochs,
            "lr_schedulers": _chosen(args),
@@ -274,7 +284,15 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
     dataset = "synthetic" if args.use_synthetic_data else args.dataset
     yield (f"pydtnn: data {dataset}: {len(train):,} train, {len(val) if val else 0:,} validation, "
            f"{len(test) if test else 0:,} test; {'x'.join(map(str, data_shape))} images, {train.num_classes} classes")
-    if eff["processes"] > 1:
+    if eff["model_parallel_size"] > 1:
+        each = f"split over {eff['model_parallel_size']} processes by output channels"
+        if eff["replicas"] > 1:
+            yield (f"pydtnn: {eff['processes']} processes, hybrid parallel: {eff['replicas']} model replicas, each "
+                   f"{each}; {eff['reduction']} gradient reduction, batch {args.batch_size} per replica "
+                   f"({eff['global_batch_size']} global)")
+        else:
+            yield f"pydtnn: {eff['processes']} processes, model parallel: every layer {each}; batch {args.batch_size}"
+    elif eff["processes"] > 1:
         yield (f"pydtnn: {eff['processes']} processes, data parallel, {eff['reduction']} gradient reduction, "
                f"batch {args.batch_size} per process ({eff['global_batch_size']} global)")
     else:
@@ -475,8 +493,9 @@ def build_callbacks(args, trainer, config, effective=None):
         out.append(StopAtThreshold(args.stop_at_loss_metric, args.stop_at_loss_threshold))
     if args.history_file and trainer.is_root:
         out.append(HistoryCSV(args.history_file, made=args.checkpoint_dir))
-    if ("model_checkpoint" in chosen or args.checkpoint_dir) and trainer.is_root:
-        # rank 0 writes; parameters are identical on every rank
+    if ("model_checkpoint" in chosen or args.checkpoint_dir) and (trainer.is_root or trainer.model.sharding):
+        # rank 0 writes; parameters are identical on every rank, or (model parallelism) gathered from
+        # every rank of its group, which all take part
         out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config, effective),
                                    args.model_checkpoint_save_freq))
     return out
@@ -495,7 +514,9 @@ def save_checkpoint(directory, trainer, epoch, config, effective=None):
         "callbacks": [getattr(c, "state_dict", dict)() for c in trainer.callbacks],
         "history": trainer.history,
     }
-    checkpoint.save(directory, trainer.model, trainer.optimizer, meta)
+    checkpoint.save(directory, trainer.model, trainer.optimizer, meta, write=trainer.is_root)
+    if not trainer.is_root:
+        return
     # a readable copy of the configuration, written with the checkpoint (never before a run has one); it
     # is a valid --config file: load_config_file skips the "effective" values computed from the flags
     checkpoint.write_json_atomic(os.path.join(directory, "config.json"), {**config, "effective": effective or {}})

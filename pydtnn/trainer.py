@@ -68,7 +68,9 @@ class Trainer:
     Data parallelism: pass a communicator (pydtnn.distributed.launch.init()) and a reducer
     (pydtnn.distributed.reducers.create(...)). batch_size is then per process: each step takes a
     global batch of batch_size * world_size samples and gives each rank its share. Metrics are
-    reduced once per epoch; only rank 0 shows progress and writes files.
+    reduced once per epoch; only rank 0 shows progress and writes files. With model parallelism
+    (pydtnn.distributed.model_parallel) comm is the data-parallel communicator, whose ranks are the
+    model replicas, and is_root says which process of all shows progress and writes files.
 
     prefetch: assemble the next training batch (read, decode, augment) in a background thread while
     the current step computes. Batches depend only on (seed, epoch, step, rank), so the result is
@@ -79,7 +81,8 @@ class Trainer:
     """
 
     def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
-                 callbacks=(), schedules=(), log=None, comm=None, reducer=None, prefetch=True, epoch_lines=None):
+                 callbacks=(), schedules=(), log=None, comm=None, reducer=None, prefetch=True, epoch_lines=None,
+                 is_root=None):
         runtime.ensure_configured()
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
@@ -92,7 +95,8 @@ class Trainer:
             from pydtnn.distributed.comm import SingleProcess
 
             comm = SingleProcess()
-        self.comm, self.world_size, self.is_root = comm, comm.size, comm.rank == 0
+        self.comm, self.world_size = comm, comm.size
+        self.is_root = comm.rank == 0 if is_root is None else bool(is_root)
         self.reducer = reducer.attach(model) if reducer is not None else None
         # bars only on a terminal (redirected to a file they would fill it with carriage returns);
         # the one summary line per epoch is on wherever progress is, or as epoch_lines says

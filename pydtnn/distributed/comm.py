@@ -50,6 +50,14 @@ class SingleProcess:
     def allgather_obj(self, obj):
         return [obj]
 
+    def allgatherv(self, send, recv, counts, label=""):
+        recv[...] = send.reshape(recv.shape)
+        return recv
+
+    def reduce_scatterv(self, send, recv, counts, label=""):
+        recv[...] = send.reshape(recv.shape)
+        return recv
+
     def allreduce_sum(self, values):
         """Sum of a small float vector over ranks (a new array)."""
         return np.array(values, dtype=np.float64)
@@ -133,6 +141,32 @@ class MPIComm:
         self._enter("allreduce", buf, label)
         msg, op = self._sum_of(buf)
         return _MPIRequest(self, self.comm.Iallreduce(self.MPI.IN_PLACE, msg, op=op), self.current)
+
+    def allgatherv(self, send, recv, counts, label=""):
+        """recv (flat, contiguous) = every rank's `send` in rank order; rank r sends counts[r] elements."""
+        self._enter("allgatherv", recv, label)
+        counts = [int(c) for c in counts]
+        if not self.stall_timeout:
+            self.comm.Allgatherv(send, [recv, counts])
+        else:
+            self._wait(self.comm.Iallgatherv(send, [recv, counts]), self.current)
+        return recv
+
+    def reduce_scatterv(self, send, recv, counts, label=""):
+        """recv = rank r's block (counts[r] elements, rank order) of the sum over ranks of `send`."""
+        self._enter("reduce_scatterv", send, label)
+        counts = [int(c) for c in counts]
+        if not self.stall_timeout:
+            self.comm.Reduce_scatter(send, recv, counts, op=self.MPI.SUM)
+        else:
+            self._wait(self.comm.Ireduce_scatter(send, recv, counts, op=self.MPI.SUM), self.current)
+        return recv
+
+    def split(self, color, key):
+        """The communicator of the ranks that give the same `color`, ranked by `key`, with this one's
+        stall_timeout and debug settings (a collective over this communicator)."""
+        self._enter("split", None)
+        return MPIComm(self.comm.Split(int(color), int(key)), self.stall_timeout, self.debug)
 
     def _sum_of(self, buf):
         """(message, op) summing `buf`; float16, which MPI cannot add, travels as 16-bit words."""

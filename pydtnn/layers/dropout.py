@@ -15,6 +15,7 @@ class Dropout(Layer):
         if not 0 <= rate < 1:
             raise ValueError(f"Dropout rate must be in [0, 1), got {rate}")
         self.rate = float(rate)
+        self.channels = None  # (whole C, lo, hi): this layer sees channels [lo, hi) of a C-channel tensor
 
     def describe(self):
         return f"Dropout({self.rate})"
@@ -23,7 +24,11 @@ class Dropout(Layer):
         if not training or self.rate == 0:
             self.mask = None
             return x
-        self.mask = self.backend.dropout_mask(x.shape, self.rate, x.dtype)
+        if self.channels is None:
+            self.mask = self.backend.dropout_mask(x.shape, self.rate, x.dtype)
+        else:  # the whole tensor's mask, cut: the same draws as the whole layer's (model parallelism)
+            whole, lo, hi = self.channels
+            self.mask = self.backend.dropout_mask((x.shape[0], whole) + x.shape[2:], self.rate, x.dtype)[:, lo:hi]
         return x * self.mask
 
     def backward(self, dy):

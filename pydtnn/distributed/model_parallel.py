@@ -1,0 +1,352 @@
+"""Model parallelism: every Conv2D and Dense split by output channels over the ranks of a group.
+
+    model = models.create("vgg11bn_cifar10", backend=backend)    # built whole, as on one process
+    model_parallel.partition(model, group)                       # group: a communicator (MPIComm.split)
+
+partition() rewrites the built model in place. Each rank keeps the slice [lo, hi) of the output
+channels (neurons) of every Conv2D and Dense, and of every layer that acts on channels one by one
+after it. A tensor is then either whole (every rank holds the same copy) or split (each rank holds its
+channels). The rules, per layer, in the order the forward pass meets them (docs/parallelism.md):
+
+- Conv2D (one group) and Dense: whole input, split output, no communication forward; backward,
+  each rank's dx is its channels' share of the sum, so the shares are summed over the group
+  (allreduce, or reduce-scatter when the input was split just before: see Gather).
+- BatchNorm, activations (but Softmax), max/average/global pooling, Dropout and depthwise Conv2D:
+  channel by channel, so they act on the split tensor with their parameters sliced the same way.
+  Dropout draws the whole tensor's mask and keeps its slice, so masks equal one process's.
+- anything else (Flatten, Softmax, grouped Conv2D, blocks, layers this module does not know): a
+  whole input. A split tensor is gathered before it (allgather over the channel axis); backward,
+  each rank keeps its channels of dy. When the layer after the gather is split by channels, the
+  gather's backward sums the dx shares and scatters them in one reduce-scatter.
+- Residual and concatenation blocks take a whole input; each path ends whole (gathered).
+- The model's output is whole: the loss and the metrics see what one process sees.
+
+Every rank of a group sees the same batch, so the ranks of a group draw the same dropout masks
+(the trainer seeds them by the data-parallel rank). Parameters, gradients and optimizer state exist
+only as slices; Sharding gathers them whole for checkpoints and hashes, and cuts whole arrays.
+"""
+
+import time
+
+import numpy as np
+
+from pydtnn.distributed.sampler import shard_bounds
+from pydtnn.errors import ConfigError
+from pydtnn.layers.activation import LeakyReLU, ReLU, ReLU6, Sigmoid, Tanh
+from pydtnn.layers.base import Layer, _join
+from pydtnn.layers.blocks import Container, Sequential
+from pydtnn.layers.conv import Conv2D
+from pydtnn.layers.dense import Dense
+from pydtnn.layers.dropout import Dropout
+from pydtnn.layers.norm import BatchNorm
+from pydtnn.layers.pool import AdaptiveAvgPool2D, AvgPool2D, GlobalAvgPool2D, MaxPool2D
+
+CHANNELWISE = (BatchNorm, ReLU, ReLU6, LeakyReLU, Sigmoid, Tanh, MaxPool2D, AvgPool2D, GlobalAvgPool2D,
+               AdaptiveAvgPool2D, Dropout)
+
+
+def kind_of(layer):
+    """'split' (Conv2D with one group, Dense), 'channelwise', 'block' or 'whole' (needs the whole input)."""
+    if isinstance(layer, Dense) or (isinstance(layer, Conv2D) and layer.groups == 1):
+        return "split"
+    if isinstance(layer, Conv2D) and layer.groups == layer.filters == layer.input_shape[0]:
+        return "channelwise"  # depthwise, one filter per channel
+    if isinstance(layer, CHANNELWISE):
+        return "channelwise"
+    if isinstance(layer, Sequential):
+        return "sequential"
+    if isinstance(layer, Container):
+        return "block"
+    return "whole"
+
+
+class Group:
+    """The model-parallel communicator as the inserted layers use it: collectives over the channel
+    axis (axis 1), each traced when a tracer is set."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
+        self.tracer = None
+
+    def _traced(self, op, label, nbytes, fn):
+        start = time.perf_counter_ns()
+        out = fn()
+        if self.tracer is not None:
+            self.tracer.add(f"{op} {label}", op, start, time.perf_counter_ns(), tid=2, bytes=int(nbytes))
+        return out
+
+    def allgather(self, x, bounds, label):
+        """(N, C, ...) from every rank's (N, c_r, ...) block, bounds[r]:bounds[r + 1] being rank r's channels."""
+        xp, n, rest = _xp(x), x.shape[0], x.shape[2:]
+        inner = int(np.prod(rest, dtype=np.int64))
+        counts = [n * (b - a) * inner for a, b in zip(bounds[:-1], bounds[1:])]
+        flat = xp.empty(sum(counts), x.dtype)
+        send = xp.ascontiguousarray(x).reshape(-1)
+        self._traced("allgather", label, flat.nbytes, lambda: self.comm.allgatherv(send, flat, counts, label))
+        out = xp.empty((n, bounds[-1]) + rest, x.dtype)
+        off = 0
+        for (a, b), c in zip(zip(bounds[:-1], bounds[1:]), counts):
+            out[:, a:b] = flat[off : off + c].reshape((n, b - a) + rest)
+            off += c
+        return out
+
+    def reduce_scatter(self, dy, bounds, label):
+        """This rank's channels of the sum over ranks of dy (N, C, ...)."""
+        xp, n, rest = _xp(dy), dy.shape[0], dy.shape[2:]
+        blocks = [dy[:, a:b].reshape(-1) for a, b in zip(bounds[:-1], bounds[1:])]
+        send = xp.concatenate(blocks)
+        counts = [b.size for b in blocks]
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        out = xp.empty((n, hi - lo) + rest, dy.dtype)
+        self._traced("reduce_scatter", label, send.nbytes,
+                     lambda: self.comm.reduce_scatterv(send, out.reshape(-1), counts, label))
+        return out
+
+    def allreduce(self, a, label):
+        a = _xp(a).ascontiguousarray(a)
+        return self._traced("allreduce", label, a.nbytes, lambda: self.comm.allreduce(a, label))
+
+    def gather_rows(self, a, bounds):
+        """Whole array (axis 0 = bounds[-1]) from every rank's rows [bounds[r], bounds[r + 1]) (NumPy)."""
+        a = np.ascontiguousarray(a)
+        inner = int(np.prod(a.shape[1:], dtype=np.int64))
+        counts = [(b - c) * inner for c, b in zip(bounds[:-1], bounds[1:])]
+        out = np.empty((bounds[-1],) + a.shape[1:], a.dtype)
+        self.comm.allgatherv(a.reshape(-1), out.reshape(-1), counts, "state")
+        return out
+
+
+def _xp(a):
+    from pydtnn.backends import array_module
+
+    return array_module(a)
+
+
+class Gather(Layer):
+    """Split -> whole over the channel axis. Backward keeps this rank's channels of dy; with
+    `reduce_grad` (the next layer is split by channels) it first sums dy over the group
+    (reduce-scatter): dy then holds each rank's share of dL/dx, not dL/dx itself."""
+
+    def __init__(self, group, bounds, reduce_grad):
+        super().__init__()
+        self.group, self.bounds, self.reduce_grad = group, list(bounds), reduce_grad
+
+    def describe(self):
+        return f"Gather({self.bounds[-1]} channels{', reduce-scatter dx' if self.reduce_grad else ''})"
+
+    def build(self, input_shape, dtype=np.float32, backend=None):
+        super().build(input_shape, dtype, backend)
+        self.output_shape = (self.bounds[-1],) + self.input_shape[1:]
+
+    def forward(self, x, training=True):
+        return self.group.allgather(x, self.bounds, self.path or "gather")
+
+    def backward(self, dy):
+        if self.reduce_grad:
+            return self.group.reduce_scatter(dy, self.bounds, self.path or "gather")
+        lo, hi = self.bounds[self.group.rank], self.bounds[self.group.rank + 1]
+        return self.xp.ascontiguousarray(dy[:, lo:hi])
+
+
+class SumGrad(Layer):
+    """Whole -> whole: the identity forward; backward sums dy over the group (allreduce). Placed before a
+    layer split by channels whose input is whole: each rank's dx is only its channels' share."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def describe(self):
+        return "SumGrad()"
+
+    def forward(self, x, training=True):
+        return x
+
+    def backward(self, dy):
+        return self.group.allreduce(dy, self.path or "sum dx")
+
+
+class Sharding:
+    """Which state arrays are sliced, and how to make them whole or cut them again.
+
+    slices: {state name: (lo, hi, whole length)} along axis 0, for parameters and buffers. Every
+    rank of the group must call gather() and full_state() together: they are collectives.
+    """
+
+    def __init__(self, group, slices):
+        self.group, self.slices = group, slices
+
+    def bounds(self, name):
+        return shard_bounds(self.slices[name][2], self.group.size)
+
+    def whole_shape(self, name, shape):
+        return (self.slices[name][2],) + tuple(shape[1:]) if name in self.slices else tuple(shape)
+
+    def gather(self, name, a):
+        """The whole array of state `name` (NumPy); `a` is this rank's slice (returned as is if unsliced)."""
+        a = np.asarray(a) if not hasattr(a, "get") else a.get()
+        return a if name not in self.slices else self.group.gather_rows(a, self.bounds(name))
+
+    def cut(self, name, a):
+        """This rank's slice of the whole array `a` of state `name` (a itself if unsliced or already cut)."""
+        if name not in self.slices:
+            return a
+        lo, hi, whole = self.slices[name]
+        return a[lo:hi] if a.shape[0] == whole and hi - lo != whole else a
+
+    def param_of_slot(self, slot_name):
+        """'features.0.weight' of an optimizer array named 'features.0.weight.momentum_buffer'."""
+        return slot_name.rsplit(".", 1)[0]
+
+
+def partition(model, comm):
+    """Split `model` (built whole, on every rank alike) over the ranks of `comm`; returns its Sharding.
+
+    The slices are cut from the whole parameters, so the result starts exactly where one process does.
+    """
+    if comm.size == 1:
+        return None
+    if model.backend.name != "cpu":
+        raise ConfigError(f"--parallel model runs on the CPU backend; got {model.backend.name}")
+    group = Group(comm)
+    owners = {}  # id(layer) -> (lo, hi, whole)
+    rng = model.backend.rng
+    state = rng.bit_generator.state  # rebuilding slices draws initial values: leave the Generator as it was
+    form = _walk(model.root, None, group, owners)
+    if form is not None:
+        _append(model.root, "output:allgather", Gather(group, form, reduce_grad=False), model.root.output_shape)
+    rng.bit_generator.state = state
+    slices = {}
+    for path, layer in model.root.named_layers():
+        if id(layer) in owners:
+            for k in list(layer.params) + list(layer.buffers):
+                slices[_join(path, k)] = owners[id(layer)]
+    model.reindex()
+    model.sharding = Sharding(group, slices)
+    return model.sharding
+
+
+def _walk(seq, form, group, owners):
+    """Rewrite the children of Sequential `seq`, entered with `form` (None: whole; else the channel
+    bounds of a split tensor); returns the form it leaves with."""
+    out = []
+    for name, child in seq.children:
+        kind = kind_of(child)
+        if kind == "sequential":
+            form = _walk(child, form, group, owners)
+        elif kind == "split":
+            if form is not None:
+                out.append((f"{name}:allgather", _built(Gather(group, form, reduce_grad=child.need_dx),
+                                                        _split_shape(child.input_shape, form, group), child)))
+            elif child.need_dx:
+                out.append((f"{name}:sum_dx", _built(SumGrad(group), child.input_shape, child)))
+            form = shard_bounds(_channels(child), group.size)
+            _slice(child, form, group, owners, split_input=False)
+        elif kind == "channelwise":
+            if form is not None:
+                _slice(child, form, group, owners, split_input=True)
+        else:
+            if form is not None:
+                out.append((f"{name}:allgather", _built(Gather(group, form, reduce_grad=False),
+                                                        _split_shape(child.input_shape, form, group), child)))
+                form = None
+            if kind == "block":
+                child.children = [(n, _as_sequential(p)) for n, p in child.children]
+                for _, path in child.children:
+                    end = _walk(path, None, group, owners)
+                    if end is not None:
+                        _append(path, "output:allgather", Gather(group, end, reduce_grad=False), path.output_shape)
+        out.append((name, child))
+    seq.children = out
+    return form
+
+
+def _as_sequential(layer):
+    """A block's path as a Sequential (a built single layer is wrapped without a name: its state keeps
+    its names), so that a gather can follow it."""
+    if isinstance(layer, Sequential):
+        return layer
+    seq = Sequential({"": layer})
+    seq.input_shape, seq.output_shape, seq.need_dx = layer.input_shape, layer.output_shape, layer.need_dx
+    seq.backend, seq.dtype = layer.backend, layer.dtype
+    return seq
+
+
+def _channels(layer):
+    return layer.units if isinstance(layer, Dense) else layer.filters
+
+
+def _split_shape(shape, bounds, group):
+    return (bounds[group.rank + 1] - bounds[group.rank],) + tuple(shape[1:])
+
+
+def _built(layer, input_shape, like):
+    layer.need_dx = True
+    layer.build(input_shape, like.dtype, like.backend)
+    return layer
+
+
+def _append(seq, name, layer, whole_shape):
+    layer.need_dx = True
+    bounds = layer.bounds
+    layer.build((bounds[layer.group.rank + 1] - bounds[layer.group.rank],) + tuple(whole_shape[1:]),
+                seq.dtype, seq.backend)
+    seq.children.append((name, layer))
+
+
+def _slice(layer, bounds, group, owners, split_input):
+    """Rebuild `layer` for this rank's channels [lo, hi) and copy the slices of its whole state."""
+    lo, hi = bounds[group.rank], bounds[group.rank + 1]
+    to_numpy = layer.backend.to_numpy
+    whole = {k: to_numpy(v).copy() for k, v in list(layer.params.items()) + list(layer.buffers.items())}
+    shape = layer.input_shape
+    if isinstance(layer, Conv2D) and split_input:  # depthwise
+        layer.filters = layer.groups = hi - lo
+    elif isinstance(layer, Conv2D):
+        layer.filters = hi - lo
+    elif isinstance(layer, Dense):
+        layer.units = hi - lo
+    if isinstance(layer, Dropout):
+        layer.channels = (bounds[-1], lo, hi)
+    if split_input:
+        shape = (hi - lo,) + tuple(shape[1:])
+    layer.build(shape, layer.dtype, layer.backend)
+    for k, v in whole.items():
+        own = layer.params.get(k, layer.buffers.get(k))
+        own[...] = layer.backend.asarray(v[lo:hi], dtype=own.dtype)
+    if whole:
+        owners[id(layer)] = (lo, hi, bounds[-1])
+
+
+def layout(comm, parallel, model_parallel_size):
+    """(group, replicas, M): the model-parallel group of this rank, the data-parallel communicator of the
+    replicas (ranks with the same place in their groups) and the group size M, from the flags.
+
+    Groups are consecutive ranks (0..M-1, M..2M-1, ...), which launchers place on one node, so the
+    model-parallel collectives, the most frequent, stay on the fastest links. With M = 1 (data
+    parallelism) there is no group and the replicas are every rank.
+    """
+    from pydtnn.distributed.comm import SingleProcess
+
+    world = comm.size
+    if parallel not in ("model", "hybrid"):
+        if model_parallel_size not in (None, 1):
+            raise ConfigError(f"--model_parallel_size {model_parallel_size} needs --parallel hybrid (or model); "
+                              f"got --parallel {parallel or 'data'}")
+        return None, comm, 1
+    m = model_parallel_size
+    if parallel == "model":
+        if m not in (None, world):
+            raise ConfigError(f"--parallel model splits every layer over all {world} processes, but "
+                              f"--model_parallel_size is {m}; use --parallel hybrid --model_parallel_size {m}")
+        m = world
+    elif m is None:
+        raise ConfigError("--parallel hybrid needs --model_parallel_size M (processes per model replica)")
+    if world % m:
+        raise ConfigError(f"--model_parallel_size {m} does not divide the {world} processes; "
+                          f"expected a divisor of {world}")
+    if m == 1:
+        return None, comm, 1
+    group = comm.split(comm.rank // m, comm.rank)
+    replicas = comm.split(comm.rank % m, comm.rank) if world > m else SingleProcess()
+    return group, replicas, m

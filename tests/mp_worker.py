@@ -1,0 +1,96 @@
+"""Worker launched by tests/test_model_parallel.py under mpiexec (or plain python for one process).
+
+    python tests/mp_worker.py OUT_FILE [--model_parallel_size M] [--dtype float64] [--steps 10]
+
+Trains a small network with every kind of layer model parallelism treats differently (channel counts
+that do not divide by 2 or 3, BatchNorm, a residual and a concatenation block, a depthwise
+convolution, dropout after a Dense) for --steps steps of SGD with momentum, M-way model parallel inside
+groups of M ranks and data parallel across the groups (synchronized BatchNorm). Rank 0 saves the
+whole parameters to OUT_FILE (safetensors).
+"""
+
+import argparse
+import os
+import signal
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from pydtnn import data
+from pydtnn.backends import CPUBackend
+from pydtnn.distributed import launch, model_parallel, reducers
+from pydtnn.distributed.comm import SingleProcess
+from pydtnn.layers import (AdditionBlock, BatchNorm, ConcatenationBlock, Conv2D, Dense, Dropout, Flatten,
+                           MaxPool2D, ReLU)
+from pydtnn.losses import SoftmaxCrossEntropy
+from pydtnn.model import Model
+from pydtnn.optim import SGD
+from pydtnn.trainer import Trainer
+
+
+def network(backend, dropout):
+    layers = [
+        Conv2D(5, 3, padding=1, use_bias=False), BatchNorm(), ReLU(), MaxPool2D(2),
+        Conv2D(7, 3, padding=1, use_bias=False), BatchNorm(), ReLU(),
+        AdditionBlock([Conv2D(7, 3, padding=1, use_bias=False), BatchNorm()], []),
+        ReLU(),
+        ConcatenationBlock([Conv2D(3, 1)], [Conv2D(4, 3, padding=1), ReLU()]),
+        Conv2D(7, 3, padding=1, groups=7, use_bias=False), BatchNorm(), ReLU(), MaxPool2D(2),
+        Flatten(), Dense(11), ReLU(), Dropout(dropout), Dense(10),
+    ]
+    return Model(layers, (1, 28, 28), backend=backend, name="mp-test")
+
+
+class Killer:
+    """A layer's forward that kills its process in the given call, mid-step (no clean exit, no abort)."""
+
+    def __init__(self, forward, at):
+        self.forward, self.at, self.calls = forward, at, 0
+
+    def __call__(self, x, training=True):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.forward(x, training)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--model_parallel_size", type=int, default=0, help="0: every process (pure model parallelism)")
+    p.add_argument("--dtype", default="float64")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch", type=int, default=12, help="global batch")
+    p.add_argument("--dropout", type=float, default=0.3, help="(data-parallel ranks draw their own masks)")
+    p.add_argument("--kill_at", type=int, default=0, help="rank 1 kills itself (SIGKILL) in this step's forward")
+    args = p.parse_args()
+    world = launch.init(stall_timeout=120)
+    launch.install_abort_handler(world)
+    m = args.model_parallel_size or world.size
+    if world.size > 1:
+        group = world.split(world.rank // m, world.rank)
+        replicas = world.split(world.rank % m, world.rank)
+    else:
+        group = replicas = SingleProcess()
+    model = network(CPUBackend(args.dtype, seed=3), args.dropout)
+    if group.size > 1:
+        model_parallel.partition(model, group)
+    if args.kill_at and world.rank == 1:
+        model.root.children[6][1].forward = Killer(model.root.children[6][1].forward, args.kill_at)
+    train, _ = data.load("mnist5k")
+    train = train.subset(np.arange(args.steps * args.batch) * 7)
+    reducer = reducers.create("bucketed", replicas) if replicas.size > 1 else None
+    comm = replicas if replicas.size > 1 else SingleProcess()
+    optimizer = SGD(model.parameters(), lr=0.05, momentum=0.9, backend=model.backend)
+    trainer = Trainer(model, SoftmaxCrossEntropy(), optimizer, progress=False, comm=comm, reducer=reducer, is_root=world.rank == 0)
+    if comm.size > 1:
+        trainer.sync_batchnorm()
+    trainer.fit(train, epochs=1, batch_size=args.batch // comm.size)
+    state = model.whole_state_dict()
+    if world.rank == 0:
+        save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, args.out)
+        print("sha", trainer.final["params_sha256"])
+
+
+if __name__ == "__main__":
+    main()
