@@ -1,5 +1,6 @@
 """The collective cost models against hand-computed values, the machine file, and pydtnn-perfmodel collective."""
 
+import dataclasses
 import itertools
 import json
 import pathlib
@@ -203,6 +204,26 @@ def test_machine_is_read_only_and_with_link_copies():
     assert m.with_link("intra", latency=0.0).links["intra"] == Link(0.0, 1 / BETA)
 
 
+def test_fixed_costs_and_class_scaling_round_trip_and_default_to_none(tmp_path):
+    from pydtnn.perfmodel.machine import Overheads
+
+    m = dataclasses.replace(machine(), overheads=Overheads(layer_forward_s=2e-5, step_s=4e-4),
+                            thread_scaling_by_class={"gemm": {1: 1.0, 2: 1.5}})
+    for suffix in (".yaml", ".json"):
+        save(m, tmp_path / f"m{suffix}")
+        assert load(tmp_path / f"m{suffix}") == m
+    assert m.overheads.layer_backward_s == 0.0 and m.overheads.parameter_s == 0.0
+    # the class's own scaling where it has one, the machine's otherwise; the largest count measured beyond
+    assert m.thread_speedup(2, "gemm") == 1.5 and m.thread_speedup(2, "depthwise") == 1.9
+    assert m.thread_speedup(8, "gemm") == 1.5 and m.thread_speedup(2) == 1.9
+    old = to_dict(machine())  # a file written before these fields existed
+    del old["overheads"], old["thread_scaling_by_class"]
+    loaded = from_dict(old)
+    assert loaded.overheads == Overheads() and dict(loaded.thread_scaling_by_class) == {}
+    partial = from_dict({**old, "overheads": {"parameter_s": "5e-6"}})
+    assert partial.overheads == Overheads(parameter_s=5e-6)
+
+
 def test_yaml_exponent_without_sign_is_a_number(tmp_path):
     """YAML 1.1 reads 1.25e8 (no sign in the exponent) as text; a user writes it that way."""
     (tmp_path / "n.yaml").write_text(
@@ -247,6 +268,11 @@ BAD_MACHINES = [
     (_with(links__rack={"latency_s": 1.0, "bandwidth_bytes_per_s": 1.0}), ["'rack'", "intra, inter"]),
     (_with(memory_bandwidth=KeyError), ["memory_bandwidth missing", "expected all of"]),
     (_with(flops=1), ["unknown machine field 'flops'", "expected only"]),
+    (_with(overheads__step_s=-1e-3), ["overheads.step_s", "-0.001", ">= 0", "seconds"]),
+    (_with(overheads__layer_s=1e-5), ["unknown machine field 'layer_s' of overheads", "layer_forward_s"]),
+    (_with(overheads=[1]), ["overheads", "[1]", "mapping"]),
+    (_with(thread_scaling_by_class={"conv": {1: 1.0}}), ["thread_scaling_by_class", "'conv'", "gemm, direct3x3"]),
+    (_with(thread_scaling_by_class={"gemm": {2: 1.5}}), ["thread_scaling_by_class['gemm']", "1: 1.0"]),
     ([1, 2], ["is list", "mapping of fields"]),
 ]
 

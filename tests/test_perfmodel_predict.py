@@ -58,6 +58,41 @@ def test_a_second_thread_halves_compute_and_oversubscribed_cores_slow_it():
     assert crowded.compute_s == pytest.approx(2 * one.compute_s)
 
 
+def test_fixed_costs_add_per_layer_call_per_parameter_and_per_step_by_hand():
+    """mlp(): Flatten, Dense, ReLU, Dense, ReLU, Dense: 6 layers and 6 parameter tensors (3 weights, 3 biases).
+    Each layer adds 10 us to its forward and 20 us to its backward, each tensor 3 us, the step 400 us:
+    6 * 30 + 6 * 3 + 400 = 598 us."""
+    model = mlp()
+    fixed = machines.Overheads(layer_forward_s=1e-5, layer_backward_s=2e-5, parameter_s=3e-6, step_s=4e-4)
+    bare, p = predict(model, 8, 1, machine()), predict(model, 8, 1, machine(overheads=fixed))
+    assert len(p.layers) == 6 and len(model.parameters()) == 6
+    assert p.overhead_s == pytest.approx(598e-6, rel=1e-12) and bare.overhead_s == 0.0
+    assert p.step_s == pytest.approx(bare.step_s + 598e-6, rel=1e-12)
+    assert p.compute_s == pytest.approx(bare.compute_s) and p.memory_s == pytest.approx(bare.memory_s)
+    first, first_bare = p.layers[1], bare.layers[1]  # Dense(64 -> 300)
+    assert first.forward_s == pytest.approx(first_bare.forward_s + 1e-5, rel=1e-12)
+    assert first.backward_data_s == pytest.approx(first_bare.backward_data_s + 2e-5, rel=1e-12)
+    assert first.backward_weights_s == first_bare.backward_weights_s
+    assert p.layers[0].forward_s == pytest.approx(1e-5)  # Flatten: no arithmetic, only the call
+    # threads do not shrink fixed costs; 8 processes on 4 cores double them, as they double compute
+    assert predict(model, 8, 1, machine(overheads=fixed), threads=2).overhead_s == pytest.approx(598e-6, rel=1e-12)
+    crowded = predict(model, 8, 8, machine(overheads=fixed, processes_per_node=8, cores=4))
+    assert crowded.overhead_s == pytest.approx(2 * 598e-6, rel=1e-12)
+
+
+def test_each_kernel_class_scales_with_threads_by_its_own_factor():
+    """gemm (the Dense layers) gains 1.25x at 2 threads, the rest the machine's 2x: every phase of a Dense
+    layer takes 1/1.25 of its one-thread time, every ReLU phase half."""
+    model = mlp()
+    m = machine(thread_scaling_by_class={"gemm": {1: 1.0, 2: 1.25}})
+    one, two = predict(model, 8, 1, m), predict(model, 8, 1, m, threads=2)
+    for a, b in zip(one.layers, two.layers):
+        factor = {"Dense": 1.25, "ReLU": 2.0}.get(a.kind)
+        if factor:
+            assert b.forward_s == pytest.approx(a.forward_s / factor, rel=1e-12), a.name
+            assert b.backward_weights_s == pytest.approx(a.backward_weights_s / factor, rel=1e-12), a.name
+
+
 def test_blocking_reduction_is_one_ring_allreduce_of_all_gradients_by_hand():
     model = mlp()
     n = sum(g.nbytes for _, _, g in model.parameters())
@@ -114,16 +149,16 @@ def test_bad_choices_name_the_value(bad, match):
 def test_the_command_prints_a_table_and_json_with_the_documented_keys():
     run = [sys.executable, "-m", "pydtnn.perfmodel.cli", "predict", "--model", "simplecnn", "--batch_size", "16",
            "--np", "2"]
-    r = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(run + ["--json"], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     for key in ("step_s", "compute_s", "memory_s", "comm_s", "exposed_comm_s", "layers"):
         assert key in d
     assert d["layers"] and {"name", "kind", "algorithm", "forward_s", "total_s"} <= set(d["layers"][0])
-    assert d["step_s"] == pytest.approx(d["compute_s"] + d["memory_s"] + d["exposed_comm_s"])
-    r = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert d["step_s"] == pytest.approx(d["compute_s"] + d["memory_s"] + d["overhead_s"] + d["exposed_comm_s"])
+    r = subprocess.run(run, check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "exposed communication" in r.stdout and "Conv2D" in r.stdout
-    r = subprocess.run(run + ["--parallel", "hybrid"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(run + ["--parallel", "hybrid"], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "parallel='hybrid'" in r.stderr
 
 
@@ -145,10 +180,10 @@ def test_every_zoo_model_is_predicted():
 def test_train_simulate_prints_the_prediction_and_trains_nothing(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pydtnn", "--simulate", "--np", "4", "--model", "resnet20",
                         "--dataset", "cifar10", "--batch_size", "32", "--metrics_file", str(tmp_path / "m.jsonl")],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                       check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "resnet20_cifar10: batch 32 per process, 4 process(es)" in r.stdout
     assert "simulated, nothing trained" in r.stdout and list(tmp_path.iterdir()) == []
     r = subprocess.run([sys.executable, "-m", "pydtnn", "--simulate", "--model", "resnet20", "--dataset", "synthetic"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                       check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 2 and "needs the images' shape" in r.stderr and r.stderr.count("\n") == 1

@@ -13,6 +13,13 @@ layout (YAML or JSON, same keys):
     links:
       intra: {latency_s: 2.0e-6, bandwidth_bytes_per_s: 5.0e+9}    # processes on one node
       inter: {latency_s: 5.0e-5, bandwidth_bytes_per_s: 1.25e+8}   # a node's link to the others
+    # optional (older files without them load with the defaults):
+    thread_scaling_by_class: {gemm: {2: 1.9}, depthwise: {2: 1.3}}  # per kernel class; default thread_scaling
+    overheads:                                # seconds, fixed costs outside the layers' arithmetic (default 0)
+      layer_forward_s: 2.0e-5                 # one layer's forward call (dispatch, output allocation, launch)
+      layer_backward_s: 2.5e-5                # one layer's backward call
+      parameter_s: 5.0e-6                     # per parameter tensor and step (the optimizer's loop)
+      step_s: 4.0e-4                          # per step: data, loss, the trainer's bookkeeping
 """
 
 import dataclasses
@@ -28,7 +35,25 @@ KERNEL_CLASSES = ("gemm", "direct3x3", "depthwise", "elementwise")
 LEVELS = ("intra", "inter")
 FIELDS = ("name", "cores", "processes_per_node", "rates", "thread_scaling", "memory_bandwidth", "reduce_rate",
           "links")
+OPTIONAL_FIELDS = ("thread_scaling_by_class", "overheads")
 LINK_FIELDS = ("latency_s", "bandwidth_bytes_per_s")
+OVERHEAD_FIELDS = ("layer_forward_s", "layer_backward_s", "parameter_s", "step_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Overheads:
+    """Fixed seconds outside the layers' arithmetic, on one process: per layer call (forward, backward),
+    per parameter tensor and step (the optimizer's loop over the parameters), and per step (data, loss,
+    the trainer's bookkeeping). All default to 0, the pure roofline."""
+
+    layer_forward_s: float = 0.0
+    layer_backward_s: float = 0.0
+    parameter_s: float = 0.0
+    step_s: float = 0.0
+
+    def __post_init__(self):
+        for f in OVERHEAD_FIELDS:
+            _check_number(f"overheads.{f}", getattr(self, f), "seconds", allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +77,9 @@ class Link:
 class Machine:
     """A machine, per process: rates[kernel class] in FLOP/s on one thread, thread_scaling[threads] the
     speed-up over one thread, memory_bandwidth and reduce_rate in bytes/s, links[level] a Link for
-    "intra" (same node) and "inter" (between nodes). Every field is checked when it is made (ConfigError)."""
+    "intra" (same node) and "inter" (between nodes); thread_scaling_by_class[kernel class][threads] the
+    speed-up of that class where it differs from thread_scaling; overheads the fixed costs outside the
+    arithmetic. Every field is checked when it is made (ConfigError)."""
 
     name: str
     cores: int
@@ -62,6 +89,8 @@ class Machine:
     memory_bandwidth: float
     reduce_rate: float
     links: dict
+    thread_scaling_by_class: dict = dataclasses.field(default_factory=dict)
+    overheads: Overheads = dataclasses.field(default_factory=lambda: Overheads())
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.strip():
@@ -78,13 +107,15 @@ class Machine:
         if missing:
             raise ConfigError(f"machine field rates lacks {', '.join(map(repr, missing))}; expected a rate in "
                               f"FLOP/s for each of {', '.join(KERNEL_CLASSES)}")
-        _check_mapping("thread_scaling", self.thread_scaling)
-        for threads, factor in self.thread_scaling.items():
-            _check_count(f"thread_scaling key {threads!r}", threads)
-            _check_number(f"thread_scaling[{threads}]", factor, "a speed-up factor")
-        if self.thread_scaling.get(1) != 1.0:
-            raise ConfigError(f"machine field thread_scaling = {dict(self.thread_scaling)} is invalid; expected "
-                              "1: 1.0 among its entries (the speed-up of one thread over itself)")
+        _check_scaling("thread_scaling", self.thread_scaling)
+        _check_mapping("thread_scaling_by_class", self.thread_scaling_by_class)
+        for kernel, scaling in self.thread_scaling_by_class.items():
+            if kernel not in KERNEL_CLASSES:
+                raise ConfigError(f"machine field thread_scaling_by_class has key {kernel!r}; expected kernel class "
+                                  f"names ({', '.join(KERNEL_CLASSES)})")
+            _check_scaling(f"thread_scaling_by_class[{kernel!r}]", scaling)
+        if not isinstance(self.overheads, Overheads):
+            raise ConfigError(f"machine field overheads = {self.overheads!r} is invalid; expected Overheads")
         _check_number("memory_bandwidth", self.memory_bandwidth, "bytes/s")
         _check_number("reduce_rate", self.reduce_rate, "bytes/s")
         _check_mapping("links", self.links)
@@ -97,6 +128,18 @@ class Machine:
         # read-only views, so that a frozen Machine cannot be changed through its dicts
         for field in ("rates", "thread_scaling", "links"):
             object.__setattr__(self, field, types.MappingProxyType(dict(getattr(self, field))))
+        object.__setattr__(self, "thread_scaling_by_class", types.MappingProxyType(
+            {k: types.MappingProxyType(dict(v)) for k, v in self.thread_scaling_by_class.items()}))
+
+    def thread_speedup(self, threads, kernel_class=None):
+        """The speed-up at `threads` threads over one, of `kernel_class` where the machine has one for it,
+        else thread_scaling's; past the largest count measured, that count's (more threads gain nothing
+        predicted), and 1.0 below the smallest."""
+        scaling = self.thread_scaling_by_class.get(kernel_class, self.thread_scaling)
+        if threads in scaling:
+            return float(scaling[threads])
+        below = [t for t in scaling if t <= threads]
+        return float(scaling[max(below)]) if below else 1.0
 
     @property
     def gamma(self):
@@ -124,7 +167,10 @@ def to_dict(machine):
             "memory_bandwidth": float(machine.memory_bandwidth), "reduce_rate": float(machine.reduce_rate),
             "links": {level: {"latency_s": float(link.latency_s),
                               "bandwidth_bytes_per_s": float(link.bandwidth_bytes_per_s)}
-                      for level, link in machine.links.items()}}
+                      for level, link in machine.links.items()},
+            "thread_scaling_by_class": {k: {int(t): float(s) for t, s in v.items()}
+                                        for k, v in machine.thread_scaling_by_class.items()},
+            "overheads": {f: float(getattr(machine.overheads, f)) for f in OVERHEAD_FIELDS}}
 
 
 def from_dict(data, source="machine description"):
@@ -132,7 +178,7 @@ def from_dict(data, source="machine description"):
     names `source`, the field, the value and what is expected."""
     try:
         _check_mapping("", data, what=f"{source} is {type(data).__name__}; expected a mapping of fields")
-        _check_keys("", data, FIELDS)
+        _check_keys("", data, FIELDS, optional=OPTIONAL_FIELDS)
         _check_mapping("links", data["links"])
         links = {}
         for level, link in data["links"].items():
@@ -144,12 +190,21 @@ def from_dict(data, source="machine description"):
                 raise ConfigError(str(e).replace("machine field ", f"machine field links[{level!r}].", 1)) from None
         _check_mapping("rates", data["rates"])
         _check_mapping("thread_scaling", data["thread_scaling"])
+        by_class = data.get("thread_scaling_by_class") or {}
+        _check_mapping("thread_scaling_by_class", by_class)
+        for kernel, scaling in by_class.items():
+            _check_mapping(f"thread_scaling_by_class[{kernel!r}]", scaling)
+        overheads = data.get("overheads") or {}
+        _check_mapping("overheads", overheads)
+        _check_keys("overheads", overheads, (), optional=OVERHEAD_FIELDS)
         return Machine(
             name=data["name"], cores=data["cores"], processes_per_node=data["processes_per_node"],
             rates={k: _number(v) for k, v in data["rates"].items()},
             thread_scaling={_threads(k): _number(v) for k, v in data["thread_scaling"].items()},
             memory_bandwidth=_number(data["memory_bandwidth"]), reduce_rate=_number(data["reduce_rate"]),
-            links=links)
+            links=links,
+            thread_scaling_by_class={k: {_threads(t): _number(s) for t, s in v.items()} for k, v in by_class.items()},
+            overheads=Overheads(**{k: _number(v) for k, v in overheads.items()}))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
@@ -224,15 +279,27 @@ def _check_mapping(field, value, what=None):
         raise ConfigError(what or f"machine field {field} = {value!r} is invalid; expected a mapping")
 
 
-def _check_keys(field, data, expected):
+def _check_keys(field, data, expected, optional=()):
     where = f" of {field}" if field else ""
     missing = [k for k in expected if k not in data]
     if missing:
         raise ConfigError(f"machine field{'s' if len(missing) > 1 else ''} {', '.join(missing)}{where} "
                           f"missing; expected all of {', '.join(expected)}")
-    unknown = [k for k in data if k not in expected]
+    unknown = [k for k in data if k not in expected and k not in optional]
     if unknown:
-        raise ConfigError(f"unknown machine field {unknown[0]!r}{where}; expected only {', '.join(expected)}")
+        raise ConfigError(f"unknown machine field {unknown[0]!r}{where}; expected only "
+                          f"{', '.join((*expected, *optional))}")
+
+
+def _check_scaling(field, scaling):
+    """{threads: speed-up}, with 1: 1.0 among its entries."""
+    _check_mapping(field, scaling)
+    for threads, factor in scaling.items():
+        _check_count(f"{field} key {threads!r}", threads)
+        _check_number(f"{field}[{threads}]", factor, "a speed-up factor")
+    if scaling.get(1) != 1.0:
+        raise ConfigError(f"machine field {field} = {dict(scaling)} is invalid; expected "
+                          "1: 1.0 among its entries (the speed-up of one thread over itself)")
 
 
 def _number(value):

@@ -6,10 +6,17 @@ gradient reduction the trainer really runs (collectives.py), step by step as the
 
 Compute. Each phase of each layer (forward, backward-data, backward-weights) takes the longer of its
 FLOPs at the rate of its kernel class and its bytes at the memory bandwidth (a roofline per phase),
-both scaled by the machine's thread speed-up; the phase counts as compute- or memory-bound by which
-was longer. The optimizer update is memory-bound: SGD with momentum reads p, g and its buffer and
-writes p and the buffer (5 passes over the parameters' bytes), Adam 7, SGD without momentum 3.
-When the processes of a node ask for more threads than it has cores, compute slows by that ratio.
+both scaled by the thread speed-up of the layer's kernel class; the phase counts as compute- or
+memory-bound by which was longer. The optimizer update is memory-bound: SGD with momentum reads p, g
+and its buffer and writes p and the buffer (5 passes over the parameters' bytes), Adam 7, SGD without
+momentum 3. When the processes of a node ask for more threads than it has cores, compute slows by that
+ratio.
+
+Fixed costs (machine.overheads), which threads do not speed up (oversubscribed cores slow them like the
+rest): every layer's forward call adds layer_forward_s (counted in its forward_s) and its backward call
+layer_backward_s (counted in its backward_data_s, since the call happens even where backward-data is
+skipped); every parameter tensor adds parameter_s (the optimizer's loop), and every step step_s (data,
+loss, the trainer's bookkeeping). Their sum is overhead_s.
 
 Communication (data parallelism). Every gradient is summed over the np processes by allreduce, with
 the named algorithm (or the cheapest, "best") on the link the processes share: intra-node while they
@@ -60,7 +67,8 @@ class LayerTime:
 
 @dataclass
 class Prediction:
-    """A predicted training step. step_s = compute_s + memory_s + exposed_comm_s (the update is in memory_s)."""
+    """A predicted training step. step_s = compute_s + memory_s + overhead_s + exposed_comm_s (the update is in
+    memory_s; the layers' fixed costs, the per-parameter and the per-step ones in overhead_s)."""
 
     model: str
     batch_size: int
@@ -78,6 +86,7 @@ class Prediction:
     comm_s: float
     exposed_comm_s: float
     messages: int
+    overhead_s: float = 0.0
     layers: list = field(default_factory=list)
 
     def to_dict(self):
@@ -86,18 +95,15 @@ class Prediction:
         return d
 
 
-def thread_speedup(machine, threads):
-    """The machine's speed-up at `threads` threads over one: its thread_scaling, and past the largest
-    count it holds, that speed-up (more threads than were measured gain nothing predicted)."""
-    if threads in machine.thread_scaling:
-        return float(machine.thread_scaling[threads])
-    below = [t for t in machine.thread_scaling if t <= threads]
-    return float(machine.thread_scaling[max(below)]) if below else 1.0
+def thread_speedup(machine, threads, kernel_class=None):
+    """The machine's speed-up at `threads` threads over one (of `kernel_class` where it has its own);
+    see Machine.thread_speedup."""
+    return machine.thread_speedup(threads, kernel_class)
 
 
 def phase_seconds(phase, kernel_class, machine, speed):
     """(seconds, bound) of one phase: the longer of its FLOPs at its class's rate and its bytes at the
-    memory bandwidth, both times `speed` (thread speed-up over any oversubscription)."""
+    memory bandwidth, both times `speed` (the class's thread speed-up over any oversubscription)."""
     compute = phase.flops / (machine.rates[kernel_class] * speed)
     memory = phase.bytes / (machine.memory_bandwidth * speed)
     return (compute, "compute") if compute >= memory else (memory, "memory")
@@ -130,23 +136,31 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
             raise ConfigError(f"{what}={value!r}; expected a positive integer")
 
     per_node = min(np, machine.processes_per_node)
-    speed = thread_speedup(machine, threads) / max(1.0, per_node * threads / machine.cores)
+    crowding = max(1.0, per_node * threads / machine.cores)  # how much slower shared cores make everything
     costs = layer_costs(model, batch_size)
     grads = parameter_bytes(model)
+    fixed = machine.overheads
+    call_fwd, call_bwd = fixed.layer_forward_s * crowding, fixed.layer_backward_s * crowding
     times, compute_s, memory_s = [], 0.0, 0.0
     for c in costs:
+        speed = thread_speedup(machine, threads, c.kernel_class) / crowding
         parts = [phase_seconds(ph, c.kernel_class, machine, speed) for ph in (c.forward, c.backward_data,
                                                                              c.backward_weights)]
         for s, bound in parts:
             compute_s += s if bound == "compute" else 0.0
             memory_s += s if bound == "memory" else 0.0
         heavier = max(parts, key=lambda t: t[0])[1]
-        times.append(LayerTime(c.name, c.kind, c.algorithm, *(s for s, _ in parts), heavier, grads.get(c.name, 0)))
+        (fwd, _), (bwd_data, _), (bwd_weights, _) = parts
+        times.append(LayerTime(c.name, c.kind, c.algorithm, fwd + call_fwd, bwd_data + call_bwd, bwd_weights, heavier,
+                               grads.get(c.name, 0)))
 
     forward_s = sum(t.forward_s for t in times)
     backward_s = sum(t.backward_data_s + t.backward_weights_s for t in times)
     param_bytes = sum(grads.values())
-    update_s = UPDATE_PASSES[optimizer] * param_bytes / (machine.memory_bandwidth * speed)
+    update_s = UPDATE_PASSES[optimizer] * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
+                                                         / crowding)
+    overhead_s = (len(times) * (call_fwd + call_bwd) + len(model.parameters()) * fixed.parameter_s * crowding
+                  + fixed.step_s * crowding)
     messages = _messages(model, times, forward_s, reduction, bucket_mb, first_bucket_mb)
     durations = [allreduce_seconds(n, np, machine, algorithm) for _, n in messages]
     comm_s = sum(durations)
@@ -161,9 +175,9 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     return Prediction(
         model=name or getattr(model, "name", "model"), batch_size=batch_size, np=np, threads=threads, parallel=parallel,
         reduction=reduction, algorithm=algorithm, progress=progress, machine=machine.name,
-        step_s=compute_s + memory_s + update_s + exposed, compute_s=compute_s, memory_s=memory_s + update_s,
-        update_s=update_s, comm_s=comm_s, exposed_comm_s=exposed, messages=len(messages) if np > 1 else 0,
-        layers=times,
+        step_s=compute_s + memory_s + update_s + overhead_s + exposed, compute_s=compute_s,
+        memory_s=memory_s + update_s, update_s=update_s, comm_s=comm_s, exposed_comm_s=exposed,
+        messages=len(messages) if np > 1 else 0, overhead_s=overhead_s, layers=times,
     )
 
 
@@ -197,16 +211,17 @@ def _messages(model, times, forward_s, reduction, bucket_mb, first_bucket_mb):
 
 def table(p):
     """The per-layer table and the step's split, as text."""
-    ms = lambda s: f"{1e3 * s:9.3f}"  # noqa: E731
-    lines = [f"{p.model}: batch {p.batch_size} per process, {p.np} process(es) x {p.threads} thread(s), {p.parallel} "
-             f"parallel, {p.reduction} reduction ({p.algorithm}, progress {p.progress}) on {p.machine}",
+    ms = lambda s: f"{1e3 * s:9.3f}"
+    lines = [(f"{p.model}: batch {p.batch_size} per process, {p.np} process(es) x {p.threads} thread(s), {p.parallel} "
+             f"parallel, {p.reduction} reduction ({p.algorithm}, progress {p.progress}) on {p.machine}"),
              f"{'layer':32s} {'kind':18s} {'algorithm':14s} {'fwd ms':>9s} {'bwd ms':>9s} {'bound':>7s}"]
     for t in p.layers:
         lines.append(f"{t.name[:32]:32s} {t.kind[:18]:18s} {str(t.algorithm or '')[:14]:14s} {ms(t.forward_s)} "
                      f"{ms(t.backward_data_s + t.backward_weights_s)} {t.bound:>7s}")
-    lines += ["", f"step {ms(p.step_s).strip()} ms = compute {ms(p.compute_s).strip()} + memory-bound "
-                  f"{ms(p.memory_s).strip()} (update {ms(p.update_s).strip()}) + exposed communication "
-                  f"{ms(p.exposed_comm_s).strip()} (of {ms(p.comm_s).strip()} in {p.messages} allreduce(s))"]
+    lines += ["", (f"step {ms(p.step_s).strip()} ms = compute {ms(p.compute_s).strip()} + memory-bound "
+                  f"{ms(p.memory_s).strip()} (update {ms(p.update_s).strip()}) + fixed costs "
+                  f"{ms(p.overhead_s).strip()} + exposed communication "
+                  f"{ms(p.exposed_comm_s).strip()} (of {ms(p.comm_s).strip()} in {p.messages} allreduce(s))")]
     if not math.isfinite(p.step_s):
         lines.append("the prediction is not finite: check the machine's rates")
     return "\n".join(lines)
