@@ -51,6 +51,37 @@ def test_fit_alpha_beta_rejects_bad_data(sizes, times, match):
         calibrate.fit_alpha_beta(sizes, times)
 
 
+def _span(name, cat, ts, dur, tid):
+    return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "tid": tid, "pid": 0}
+
+
+def test_fixed_costs_from_a_trace_by_hand():
+    """Two layers, 4 parameter tensors, one warm-up step then two steps of 1000 and 1200 us. Step 1: layer a
+    forward 10 / backward 30, b 20 / 40, optimizer 40; step 2: a 14 / 34, b 20 / 40, optimizer 48. Per call:
+    forward mean(median(10, 14), 20) = 16 us, backward mean(32, 40) = 36 us; per tensor median(40, 48) / 4 =
+    11 us; per step median(1000 - 140, 1200 - 156) = 952 us. The warm-up step and its 5000 us span count nowhere."""
+    events = [_span("step 1", "step", 0, 9000, 0), _span("a", "forward", 10, 5000, 0)]
+    for start, (af, ab, bf, bb, opt, dur) in ((10000, (10, 30, 20, 40, 40, 1000)), (20000, (14, 34, 20, 40, 48, 1200))):
+        events += [_span("step", "step", start, dur, 0), _span("a", "forward", start + 1, af, 0),
+                   _span("b", "forward", start + 50, bf, 0), _span("b", "backward", start + 100, bb, 0),
+                   _span("a", "backward", start + 200, ab, 0), _span("optimizer", "optimizer", start + 300, opt, 1),
+                   _span("data", "data", start, 5, 1)]  # the trainer's phases other than the optimizer: the rest
+    fixed, detail = calibrate.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=1)
+    assert fixed.layer_forward_s == pytest.approx(16e-6) and fixed.layer_backward_s == pytest.approx(36e-6)
+    assert fixed.parameter_s == pytest.approx(11e-6) and fixed.step_s == pytest.approx(952e-6)
+    assert detail["steps"] == 2 and detail["step_s"] == pytest.approx(1100e-6)
+    with pytest.raises(RuntimeError, match="0 steps after 3 warm-up"):
+        calibrate.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=3)
+
+
+def test_a_rate_leaves_out_the_fixed_cost_of_the_calls():
+    """1e6 FLOPs in 1.1 ms, of which 0.1 ms are the two calls: 1e6 / 1e-3 = 1 GFLOP/s."""
+    t = calibrate.Timing("x", "gemm", None, flops=10**6, bytes=2 * 10**6, seconds=1.1e-3, call_s=1e-4)
+    assert t.rate == pytest.approx(1e9) and t.bandwidth == pytest.approx(2e9)
+    with pytest.raises(RuntimeError, match="no more than the fixed cost"):
+        calibrate.Timing("y", "gemm", None, 1, 1, seconds=1e-5, call_s=2e-5)
+
+
 def test_every_kernel_class_has_a_shape_in_quick_and_full():
     for quick in (True, False):
         classes = {calibrate.Probe(s).cost.kernel_class for s in calibrate.shapes(quick)}
@@ -76,6 +107,11 @@ def test_quick_calibration_writes_a_plausible_machine(tmp_path):
     assert 1e8 < m.memory_bandwidth < 1e12
     assert 1e8 < m.reduce_rate < 1e12
     assert m.thread_scaling[1] == 1.0 and 0.05 < m.thread_scaling[2] < 4
+    assert set(m.thread_scaling_by_class) == set(KERNEL_CLASSES)
+    assert all(s[1] == 1.0 and 0.05 < s[2] < 4 for s in m.thread_scaling_by_class.values())
+    o = m.overheads  # a layer call costs microseconds, a step of the tiny model less than a second
+    assert 1e-7 < o.layer_forward_s < 1e-2 and 1e-7 < o.layer_backward_s < 1e-2 and 0 < o.parameter_s < 1e-2
+    assert 0 <= o.step_s < 1.0 and "fixed costs: layer call" in r.stdout
     intra = m.links["intra"]
     assert 0 <= intra.latency_s < 1e-3 and 1e7 < intra.bandwidth_bytes_per_s < 1e12
     assert m.links["inter"] == Link(7e-5, 3.0e8)  # the level not measured is the base's

@@ -13,9 +13,18 @@ What is measured, and how each figure agrees with the rest of the model:
   of its shapes' rates (the mean of the middle two for an even count). "elementwise" (ReLU,
   BatchNorm) is memory-bound: its bytes per second (costs.py's bytes over the same time) are
   reported next to its FLOP/s.
+- overheads, seconds: the fixed costs outside the arithmetic, from pydtnn's own Trainer running
+  FIXED_STEPS traced steps (after FIXED_WARM_UP) of tiny_model() at batch 1 on one thread, where every
+  layer's arithmetic takes well under a microsecond. layer_forward_s and layer_backward_s: the mean over
+  the model's layers of each layer's median forward (backward) span; parameter_s: the median optimizer
+  span over the number of parameter tensors; step_s: the median of the step span less its layer spans
+  and its optimizer span (data, loss, the trainer's and the containers' bookkeeping). They are measured
+  first, and each shape's rate above is its FLOPs over its median time LESS one forward and one backward
+  call (predict adds them back), so a prediction still gives back the measured time.
 - thread_scaling {t: s}: the same layers at t threads (runtime.configure(threads=t)); s is the median
   over the kernel classes of each class's rate at t threads over its rate at one. Thread counts not
-  measured keep the base's entries.
+  measured keep the base's entries. thread_scaling_by_class[k] {t: s}: class k's own ratio, which
+  predict uses for the layers of that class.
 - memory_bandwidth: np.copyto between two 64 MiB float32 arrays on one thread, bytes read plus bytes
   written over the median time.
 - reduce_rate: np.add(a, b, out=a) on 64 MiB float32 buffers on one thread, bytes of a over the
@@ -35,6 +44,7 @@ What is measured, and how each figure agrees with the rest of the model:
 - name: --name, else the CPU model from /proc/cpuinfo and the core count.
 """
 
+import bisect
 import dataclasses
 import importlib.util
 import json
@@ -58,6 +68,7 @@ ROUNDS = 3  # visits of every (shape, thread count), interleaved, so that a load
 REPEATS = 3  # timed runs per visit at least, more for shapes under MIN_VISIT_S
 MIN_VISIT_S = 0.25  # a visit times a shape for about this long at least (0.05 s with quick)
 STREAM_REPEATS = 10  # timed copies and additions (5 with quick)
+FIXED_WARM_UP, FIXED_STEPS = 30, 200  # trainer steps of tiny_model(): untimed, then timed (10 and 60 with quick)
 MPI_TIMEOUT_S = 120.0
 
 
@@ -98,7 +109,8 @@ def shapes(quick=False):
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """One shape timed: its kernel class and algorithm (from costs.py), FLOPs and bytes of forward +
-    backward, and the median seconds of one forward + backward."""
+    backward, the median seconds of one forward + backward, and the fixed seconds of those two calls
+    (the machine's layer_forward_s + layer_backward_s), which the rate leaves out."""
 
     label: str
     kernel_class: str
@@ -106,14 +118,21 @@ class Timing:
     flops: int
     bytes: int
     seconds: float
+    call_s: float = 0.0
+
+    def __post_init__(self):
+        if not self.seconds > self.call_s:
+            raise RuntimeError(f"calibrate: {self.label} took {self.seconds * 1e6:.1f} us, no more than the fixed "
+                               f"cost of its calls ({self.call_s * 1e6:.1f} us); expected a shape large enough to time "
+                               "its arithmetic: enlarge it in calibrate.shapes()")
 
     @property
     def rate(self):
-        return self.flops / self.seconds
+        return self.flops / (self.seconds - self.call_s)
 
     @property
     def bandwidth(self):
-        return self.bytes / self.seconds
+        return self.bytes / (self.seconds - self.call_s)
 
 
 class Probe:
@@ -149,17 +168,19 @@ class Probe:
             samples.append(time.perf_counter() - start)
         return samples
 
-    def timing(self, samples):
-        """The Timing of this layer whose forward + backward took the median of `samples` seconds."""
+    def timing(self, samples, call_s=0.0):
+        """The Timing of this layer whose forward + backward took the median of `samples` seconds, of which
+        call_s are the calls' fixed cost."""
         c = self.cost
         work = c.forward + c.backward_data + c.backward_weights
         return Timing(self.shape.label, c.kernel_class, c.algorithm, work.flops, work.bytes,
-                      statistics.median(samples))
+                      statistics.median(samples), call_s)
 
 
-def kernel_timings(probes, threads, quick=False, progress=None):
+def kernel_timings(probes, threads, quick=False, progress=None, call_s=0.0):
     """{t: [Timing] of every probe with the CPU backend at t threads} for t in `threads`, visited in
-    interleaved rounds (every thread count in turn, every probe in turn)."""
+    interleaved rounds (every thread count in turn, every probe in turn); call_s: the fixed seconds of a
+    forward and a backward call, left out of the rates."""
     from pydtnn import runtime
 
     progress = progress or (lambda line: None)
@@ -171,7 +192,7 @@ def kernel_timings(probes, threads, quick=False, progress=None):
             runtime.configure(threads=t)
             for i, probe in enumerate(probes):
                 samples[t, i] += probe.visit(repeats, min_seconds)
-    out = {t: [probe.timing(samples[t, i]) for i, probe in enumerate(probes)] for t in threads}
+    out = {t: [probe.timing(samples[t, i], call_s) for i, probe in enumerate(probes)] for t in threads}
     for t in threads:
         for probe, timing in zip(probes, out[t]):
             extra = f", {timing.bandwidth / 1e9:.2f} GB/s" if timing.kernel_class == "elementwise" else ""
@@ -189,6 +210,87 @@ def class_rates(timings):
         raise RuntimeError(f"calibrate: no shape fell in kernel class {', '.join(missing)}; the CPU backend's "
                            "algorithm choices changed (conv_plan.py): update calibrate.shapes()")
     return {k: statistics.median(rates) for k, rates in by_class.items()}
+
+
+def tiny_model():
+    """The layers a network is built of, on a (2, 4, 4) input, with a few hundred FLOPs each at batch 1: a
+    direct and an im2col 3x3 convolution, a depthwise and a pointwise one, BatchNorm, ReLU, max pooling,
+    Flatten and two Dense layers (15 layers, 16 parameter tensors)."""
+    from pydtnn.backends import CPUBackend
+    from pydtnn.layers import BatchNorm, Conv2D, Dense, Flatten, MaxPool2D, ReLU
+    from pydtnn.model import Model
+
+    layers = [Conv2D(4, 3, padding=1), BatchNorm(), ReLU(), Conv2D(4, 3, stride=2, padding=1), BatchNorm(), ReLU(),
+              Conv2D(4, 3, padding=1, groups=4), Conv2D(8, 1), BatchNorm(), ReLU(), MaxPool2D(2), Flatten(),
+              Dense(8), ReLU(), Dense(2)]
+    return Model(layers, (2, 4, 4), backend=CPUBackend(np.float32, seed=0))
+
+
+def fixed_costs(quick=False):
+    """(Overheads, detail) from the Trainer's traced steps of tiny_model() at batch 1 (see the module
+    docstring and fixed_costs_from_trace), at the threads configured now."""
+    from pydtnn import losses, optim
+    from pydtnn.data.synthetic import SyntheticDataset
+    from pydtnn.profiling import Tracer
+    from pydtnn.trainer import Trainer
+
+    warm_up, steps = (10, 60) if quick else (FIXED_WARM_UP, FIXED_STEPS)
+    model = tiny_model()
+    optimizer = optim.create("sgd", model.parameters(), backend=model.backend, lr=1e-3, momentum=0.9)
+    trainer = Trainer(model, losses.create("categorical_cross_entropy"), optimizer, progress=False,
+                      epoch_lines=False)
+    tracer = Tracer()
+    trainer.tracer = tracer
+    model.set_tracer(tracer)
+    data = SyntheticDataset(warm_up + steps, model.input_shape, 2, seed=0)
+    trainer.fit(data, epochs=1, batch_size=1, steps_per_epoch=warm_up + steps)
+    return fixed_costs_from_trace(tracer.events, [name for name, _ in model.layers()], len(model.parameters()),
+                                  warm_up)
+
+
+def fixed_costs_from_trace(events, layers, tensors, warm_up):
+    """(Overheads, {"layers", "parameters", "steps", "step_s", "optimizer_s"}) from a Trainer's trace
+    (Chrome-trace events, times in µs) of a model whose arithmetic is negligible, after `warm_up` steps:
+    layer_forward_s (layer_backward_s) the mean over `layers` (their span names) of each one's median
+    forward (backward) span per step; parameter_s the median optimizer span over `tensors` parameter
+    tensors; step_s the median over the steps of the step span less the layer and optimizer spans in it."""
+    from pydtnn.perfmodel.machine import Overheads
+
+    step_spans = sorted((e for e in events if e["cat"] == "step"), key=lambda e: e["ts"])[warm_up:]
+    if not step_spans or not layers or tensors < 1:
+        raise RuntimeError(f"calibrate: {len(step_spans)} steps after {warm_up} warm-up steps, {len(layers)} layers, "
+                           f"{tensors} parameter tensors in the tiny model's trace; expected at least one of each")
+    n = len(step_spans)
+    starts = [e["ts"] for e in step_spans]
+    layer_s = {(phase, name): [0.0] * n for phase in ("forward", "backward") for name in layers}
+    optimizer_s, inside = [0.0] * n, [0.0] * n
+    for e in events:
+        if e["cat"] == "step" or e.get("ph") != "X":
+            continue
+        i = _step_of(e["ts"], starts)
+        if i is None:
+            continue
+        if e["tid"] == 0 and (e["cat"], e["name"]) in layer_s:
+            layer_s[e["cat"], e["name"]][i] += e["dur"] / 1e6
+            inside[i] += e["dur"] / 1e6
+        elif e["tid"] == 1 and e["cat"] == "optimizer":
+            optimizer_s[i] += e["dur"] / 1e6
+            inside[i] += e["dur"] / 1e6
+    call = {phase: statistics.mean(statistics.median(layer_s[phase, name]) for name in layers)
+            for phase in ("forward", "backward")}
+    rest = statistics.median(e["dur"] / 1e6 - s for e, s in zip(step_spans, inside))
+    fixed = Overheads(layer_forward_s=call["forward"], layer_backward_s=call["backward"],
+                      parameter_s=statistics.median(optimizer_s) / tensors, step_s=max(0.0, rest))
+    detail = {"layers": len(layers), "parameters": tensors, "steps": n,
+              "step_s": statistics.median(e["dur"] / 1e6 for e in step_spans),
+              "optimizer_s": statistics.median(optimizer_s)}
+    return fixed, detail
+
+
+def _step_of(ts, starts):
+    """The index of the step whose span starts last at or before `ts` (µs), or None before the first."""
+    i = bisect.bisect_right(starts, ts) - 1
+    return i if i >= 0 else None
 
 
 def memory_bandwidth(nbytes=STREAM_BYTES, repeats=STREAM_REPEATS):
@@ -337,6 +439,7 @@ class Report:
     level: str
     memory_bandwidth: float
     reduce_rate: float
+    fixed: dict = dataclasses.field(default_factory=dict)  # fixed_costs()'s detail
 
 
 def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=False, mpi=True,
@@ -372,10 +475,15 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
             processes_per_node = np_
 
     runtime.configure(threads=1)
+    progress("fixed costs: trainer steps of a tiny model at batch 1, 1 thread")
+    fixed, fixed_detail = fixed_costs(quick)
+    progress(f"fixed costs: layer call {fixed.layer_forward_s * 1e6:.1f} us forward, "
+             f"{fixed.layer_backward_s * 1e6:.1f} us backward; {fixed.parameter_s * 1e6:.1f} us per parameter "
+             f"tensor; {fixed.step_s * 1e6:.0f} us per step")
     progress(f"building {len(shapes(quick))} layers")
     probes = [Probe(s) for s in shapes(quick)]
     try:
-        timings = kernel_timings(probes, threads, quick, progress)
+        timings = kernel_timings(probes, threads, quick, progress, fixed.layer_forward_s + fixed.layer_backward_s)
         rates = {t: class_rates(timings[t]) for t in threads}
         runtime.configure(threads=1)
         bandwidth = memory_bandwidth(repeats=repeats)
@@ -387,15 +495,20 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
             runtime.configure(threads=previous["threads"])
 
     scaling = dict(base.thread_scaling)
+    by_class = {k: dict(v) for k, v in base.thread_scaling_by_class.items()}
     for t in threads:
         scaling[t] = 1.0 if t == 1 else statistics.median(rates[t][k] / rates[1][k] for k in KERNEL_CLASSES)
+        if t > 1:
+            for k in KERNEL_CLASSES:
+                by_class.setdefault(k, {1: 1.0})[t] = rates[t][k] / rates[1][k]
 
     n_cores = cores()
     model_name = cpu_model()
     name = name or (f"{model_name} ({n_cores} cores)" if model_name else f"{n_cores}-core machine")
     machine = Machine(name=name, cores=n_cores, processes_per_node=processes_per_node, rates=rates[1],
-                      thread_scaling=scaling, memory_bandwidth=bandwidth, reduce_rate=gamma_rate, links=links)
-    return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate)
+                      thread_scaling=scaling, memory_bandwidth=bandwidth, reduce_rate=gamma_rate, links=links,
+                      thread_scaling_by_class=by_class, overheads=fixed)
+    return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate, fixed_detail)
 
 
 def summary(machine, report, base_name):
@@ -413,6 +526,9 @@ def summary(machine, report, base_name):
             row += f"   ({moved / 1e9:.2f} GB/s moved)"
         lines.append(row)
     lines.append("thread scaling: " + ", ".join(f"{t}: {s:.2f}" for t, s in sorted(machine.thread_scaling.items())))
+    o = machine.overheads
+    lines.append(f"fixed costs: layer call {o.layer_forward_s * 1e6:.1f} us forward, {o.layer_backward_s * 1e6:.1f} us "
+                 f"backward; {o.parameter_s * 1e6:.1f} us per parameter tensor; {o.step_s * 1e6:.0f} us per step")
     lines.append(f"memory bandwidth {machine.memory_bandwidth / 1e9:.2f} GB/s, reduce rate "
                  f"{machine.reduce_rate / 1e9:.2f} GB/s")
     for level in LEVELS:
