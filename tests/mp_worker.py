@@ -12,6 +12,7 @@ whole parameters to OUT_FILE (safetensors).
 import argparse
 import os
 import signal
+import time
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -41,16 +42,21 @@ def network(backend, dropout):
     return Model(layers, (1, 28, 28), backend=backend, name="mp-test")
 
 
-class Killer:
-    """A layer's forward that kills its process in the given call, mid-step (no clean exit, no abort)."""
+class Misbehave:
+    """A layer's forward that, in its `at`-th call, mid-step: kills its process (no clean exit, no abort),
+    raises, or stops for 120 s."""
 
-    def __init__(self, forward, at):
-        self.forward, self.at, self.calls = forward, at, 0
+    def __init__(self, forward, at, how):
+        self.forward, self.at, self.how, self.calls = forward, at, how, 0
 
     def __call__(self, x, training=True):
         self.calls += 1
         if self.calls == self.at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "raise":
+                raise RuntimeError(f"deliberate failure in call {self.at}")
+            time.sleep(120)
         return self.forward(x, training)
 
 
@@ -63,8 +69,11 @@ def main():
     p.add_argument("--batch", type=int, default=12, help="global batch")
     p.add_argument("--dropout", type=float, default=0.3, help="(data-parallel ranks draw their own masks)")
     p.add_argument("--kill_at", type=int, default=0, help="rank 1 kills itself (SIGKILL) in this step's forward")
+    p.add_argument("--raise_at", type=int, default=0, help="rank 1 raises in this step's forward")
+    p.add_argument("--stall_at", type=int, default=0, help="rank 1 sleeps 120 s in this step's forward")
+    p.add_argument("--stall_timeout", type=float, default=120.0)
     args = p.parse_args()
-    world = launch.init(stall_timeout=120)
+    world = launch.init(stall_timeout=args.stall_timeout)
     launch.install_abort_handler(world)
     m = args.model_parallel_size or world.size
     if world.size > 1:
@@ -75,8 +84,10 @@ def main():
     model = network(CPUBackend(args.dtype, seed=3), args.dropout)
     if group.size > 1:
         model_parallel.partition(model, group)
-    if args.kill_at and world.rank == 1:
-        model.root.children[6][1].forward = Killer(model.root.children[6][1].forward, args.kill_at)
+    how = "kill" if args.kill_at else "raise" if args.raise_at else "stall" if args.stall_at else None
+    if how and world.rank == 1:
+        layer = dict(model.root.children)["6"]  # a BatchNorm between two gathers
+        layer.forward = Misbehave(layer.forward, args.kill_at or args.raise_at or args.stall_at, how)
     train, _ = data.load("mnist5k")
     train = train.subset(np.arange(args.steps * args.batch) * 7)
     reducer = reducers.create("bucketed", replicas) if replicas.size > 1 else None

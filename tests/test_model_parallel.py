@@ -78,6 +78,20 @@ def test_a_killed_rank_ends_a_model_parallel_job(tmp_path):
     assert not (tmp_path / "k.st").exists()
 
 
+def test_an_exception_on_one_rank_ends_a_model_parallel_job(tmp_path):
+    r = launch(3, tmp_path / "e.st", "--raise_at", "3", timeout=60)
+    assert r.returncode != 0
+    assert "deliberate failure" in r.stderr
+
+
+def test_a_stalled_rank_of_a_group_is_reported_by_the_watchdog(tmp_path):
+    start = time.monotonic()
+    r = launch(2, tmp_path / "s.st", "--stall_at", "3", "--stall_timeout", "3", timeout=90)
+    assert r.returncode != 0
+    assert "stalled" in r.stderr and "allgather" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - start < 60
+
+
 # -- the command line: layouts, checkpoints, traces ----------------------------------------------------------
 def cli(n, *args, cwd, timeout=180):
     cmd = ([MPIEXEC, "-n", str(n)] if n > 1 else []) + [sys.executable, "-m", "pydtnn", *args]
@@ -118,7 +132,7 @@ def test_a_checkpoint_resumes_at_another_layout(uninterrupted, tmp_path, first, 
 
 def test_model_parallel_collectives_are_traced_and_rank_0_alone_writes(tmp_path):
     r = cli(2, *BASE, "--parallel", "model", "--num_epochs", "1", "--tracing", "true", "--tracer_output",
-            "t.json", "--metrics_file", "m.jsonl", cwd=tmp_path)
+            "t.json", "--metrics_file", "m.jsonl", "--debug_collectives", "true", "--stall_timeout", "60", cwd=tmp_path)
     assert "model parallel" in r.stderr
     events = json.load(open(tmp_path / "t.rank1.json"))
     events = events["traceEvents"] if isinstance(events, dict) else events
