@@ -3,7 +3,7 @@
     python benchmarks/perfmodel_validation.py [--machine docs/machine_vm.yaml] [--out docs/perfmodel_validation]
                                               [--warmup 3] [--steps 8] [--wait_idle 10] [--only TEXT]
     python benchmarks/perfmodel_validation.py --quick          # 3 configurations, under a minute (smoke test)
-    python benchmarks/perfmodel_validation.py --from_json docs/perfmodel_validation.json   # table and plot again
+    python benchmarks/perfmodel_validation.py --from_json docs/perfmodel_validation.json   # predict again, report
 
 A configuration is a model, a batch size per process, threads per process, a process count, a reducer
 (blocking, per_layer, bucketed; np > 1) and a network: "unlimited" (plain mpiexec: MPICH over shared
@@ -36,6 +36,10 @@ median one-way time of an 8-byte ping-pong over TCP), and the allreduce of 1 MiB
 next to its prediction, as a check of the bandwidth rule. The two-namespace mode (--nodes 2) is not
 used: its NP = 4 runs mix shared memory and TCP, where MPICH runs node-aware collectives that none of
 the flat algorithms describes.
+
+--from_json FILE keeps FILE's measurements (steps, layers, the emulated links' latencies) and predicts every
+configuration again with the code and the --machine file at hand, so a change to the model is judged
+without measuring again; --keep_predictions reports FILE's own predictions instead.
 
 Outputs: OUT.json (every point: configuration, prediction with its split, measurement with its phases
 and layers), OUT.png (predicted vs measured, steps and layers, log-log) and the markdown report on
@@ -361,7 +365,9 @@ def report(run):
     points, s = run["points"], run["summary"]
     ms = lambda v: f"{1e3 * v:.1f}" if v >= 0.01 else f"{1e3 * v:.2f}"
     lines = [(f"Machine: {run['machine']['name']} (`{run['machine_file']}`); {run['host']}; "
-             f"pydtnn {run['commit']}; {len(points)} configurations, script wall time {run['wall_s']:.0f} s."), "",
+             f"pydtnn {run['commit']}"
+             + (f" (predicted again at {run['predicted_at']})" if run.get("predicted_at") else "")
+             + f"; {len(points)} configurations, script wall time {run['wall_s']:.0f} s."), "",
              ("| model | batch | threads | np | reduction | network | predicted ms | of which comm. | measured ms "
              "| error % | other cores |"),
              "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -495,6 +501,29 @@ def load_machine(path, quick):
     return machine.load(path)
 
 
+def repredict(run, base, machine_file):
+    """`run` (a saved run's layout) with every prediction made again on machine `base`: the configurations'
+    steps and layers, and the emulated links' allreduces, from the links' measured latencies."""
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.perfmodel import collectives
+    from pydtnn.perfmodel.machine import to_dict
+
+    links = run.get("links") or {}
+    for link in links.values():
+        for a in link["allreduce"]:
+            a["predicted_s"] = collectives.best("allreduce", a["bytes"], a["np"], machine_for(base, a["np"], link))[1]
+    built, points = {}, []
+    for point in run["points"]:
+        config = Config(**point["config"])
+        if config.model not in built:
+            built[config.model] = models.create(config.model, backend=CPUBackend(seed=0))
+        pred = predicted(config, built[config.model], machine_for(base, config.np, links.get(config.network)))
+        points.append(make_point(config, pred, point["measured"]))
+    return {**run, "points": points, "machine": to_dict(base), "machine_file": machine_file,
+            "predicted_at": commit(), "summary": summarize(points)}
+
+
 def drive(args):
     from pydtnn import models
     from pydtnn.backends import CPUBackend
@@ -578,7 +607,9 @@ def main(argv=None):
     p.add_argument("--wait_idle", type=float, default=10.0, help="seconds to wait for a quiet machine before a run")
     p.add_argument("--retries", type=int, default=1, help="runs again while other processes used > 0.25 cores")
     p.add_argument("--only", help="only the configurations whose label contains this text")
-    p.add_argument("--from_json", help="report and plot a saved run instead of measuring")
+    p.add_argument("--from_json", help="predict a saved run's configurations again (its measurements kept), report "
+                                       "and plot, instead of measuring")
+    p.add_argument("--keep_predictions", action="store_true", help="with --from_json: report the saved predictions")
     args = p.parse_args(argv)
     if args.quick and args.steps == 8 and args.warmup == 3:
         args.warmup, args.steps = 2, 4
@@ -588,7 +619,11 @@ def main(argv=None):
     if args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             run = json.load(f)
-        run["summary"] = summarize(run["points"])
+        if args.keep_predictions:
+            run["summary"] = summarize(run["points"])
+        else:
+            run = repredict(run, load_machine(args.machine, False),
+                            os.path.relpath(os.path.abspath(args.machine), ROOT))
         output(run, args.out, args.md)
         return 0
     output(drive(args), args.out, args.md)

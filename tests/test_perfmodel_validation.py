@@ -1,6 +1,7 @@
 """benchmarks/perfmodel_validation.py: the trace reading, the error figures and the report, on made-up numbers;
 and one --quick run end to end (slow)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -97,6 +98,29 @@ def test_report_and_plot_from_a_saved_run(tmp_path):
     assert "| median absolute step error <= 10% | 10.0% | met |" in text
     pv.plot(run, str(tmp_path / "v.png"))
     assert (tmp_path / "v.png").stat().st_size > 10_000
+
+
+def test_from_json_predicts_again_and_keeps_the_measurements(tmp_path):
+    """A saved simplecnn point predicted again on a machine with a 1 ms fixed cost per step: the predicted step
+    grows by exactly 1 ms, the measurement stays, and the error is recomputed from the two."""
+    config = pv.Config("simplecnn", 16, 1, 2, "blocking", "1gbit")
+    measured = {"step_s": 0.04, "layers": {"0": {"forward_s": 1e-4, "backward_s": 2e-4}}}
+    link = {"rate": "1gbit", "bandwidth_bytes_per_s": 1.25e8, "latency_s": 1e-5,
+            "allreduce": [{"np": 2, "bytes": 1 << 20, "seconds": 0.017, "predicted_s": 0.0}]}
+    run = {"machine_file": "old.yaml", "machine": machine.to_dict(machine.DEFAULT), "host": "h", "commit": "c",
+           "wall_s": 1.0, "links": {"1gbit": link},
+           "points": [{"label": config.label, "config": dict(config.__dict__), "measured": measured,
+                       "predicted": {"step_s": 1.0}, "error_pct": 0.0}]}
+    bare = pv.repredict(json.loads(json.dumps(run)), machine.DEFAULT, "m.yaml")
+    slower = dataclasses.replace(machine.DEFAULT, overheads=machine.Overheads(step_s=1e-3))
+    again = pv.repredict(json.loads(json.dumps(run)), slower, "m.yaml")
+    (b,), (a,) = bare["points"], again["points"]
+    assert a["predicted"]["step_s"] == pytest.approx(b["predicted"]["step_s"] + 1e-3, rel=1e-12)
+    assert a["measured"] == measured and b["predicted"]["step_s"] != 1.0
+    assert a["error_pct"] == pytest.approx(100 * (a["predicted"]["step_s"] - 0.04) / 0.04)
+    assert again["summary"]["configurations"] == 1 and again["machine"]["overheads"]["step_s"] == 1e-3
+    # the emulated link's 1 MiB allreduce is predicted again (from its latency and rate), not left at 0
+    assert again["links"]["1gbit"]["allreduce"][0]["predicted_s"] > 0.01
 
 
 @pytest.mark.slow
