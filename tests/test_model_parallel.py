@@ -92,6 +92,19 @@ def test_a_stalled_rank_of_a_group_is_reported_by_the_watchdog(tmp_path):
     assert time.monotonic() - start < 60
 
 
+ZOO = ("lenet5", "simplecnn", "simplemlp", "alexnet_cifar10", "vgg11bn_cifar10", "resnet20_cifar10",
+       "mobilenetv1_cifar10", "densenet_cifar10", "googlenet_cifar10")
+
+
+def test_every_zoo_family_split_over_3_processes_computes_what_it_computes_whole():
+    """One model of every family (residual, concatenation and dense blocks, depthwise convolutions, dropout):
+    output and gradients of one training step equal the whole model's (tests/mp_zoo_worker.py)."""
+    cmd = [MPIEXEC, "-n", "3", sys.executable, os.path.join(HERE, "mp_zoo_worker.py"), *ZOO]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert [line.split(":")[0] for line in r.stdout.splitlines()] == list(ZOO)
+
+
 # -- the command line: layouts, checkpoints, traces ----------------------------------------------------------
 def cli(n, *args, cwd, timeout=180):
     cmd = ([MPIEXEC, "-n", str(n)] if n > 1 else []) + [sys.executable, "-m", "pydtnn", *args]
