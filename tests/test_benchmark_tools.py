@@ -126,3 +126,49 @@ def test_train_step_rounds_keep_each_sides_median_round_and_report_every_pair():
     assert "ours/torch per round" in text and "alternating" in text
     single = dict(run, records=[bench.median_round([rec("pydtnn", 10.0)]), bench.median_round([rec("torch", 20.0)])])
     assert "per round" not in bench.report(single)
+
+
+def test_parallelism_benchmark_tables_and_redraws_a_saved_run_without_mpi(tmp_path, capsys):
+    """benchmarks/parallelism.py: the commands it launches, the communication it reads from a trace's
+    measurement, and the table and plot of a saved run (--from_json), on made-up numbers."""
+    import dataclasses
+    import json
+
+    import parallelism as bench
+
+    hybrid = bench.Config("resnet20_cifar10", 128, 4, "hybrid", "1gbit")
+    argv = bench.command(hybrid, "t.json", 2, 5, python="py")
+    assert argv[:5] == ["py", bench.validation.NETEM, "--rate", "1gbit", "--"] and argv[6:8] == ["-n", "4"]
+    assert argv[argv.index("--parallel") + 1] == "hybrid" and argv[argv.index("--model_parallel_size") + 1] == "2"
+    assert argv[argv.index("--global_batch_size") + 1] == "128" and argv[argv.index("--steps_per_epoch") + 1] == "7"
+    assert "--model_parallel_size" not in bench.command(bench.Config("simplecnn", 32, 2, "model"), "t", 1, 1)
+    assert (hybrid.group, hybrid.replica_batch) == (2, 64)
+    assert bench.Config("simplecnn", 32, 2, "model").replica_batch == 32
+    assert bench.Config("simplecnn", 32, 4, "data").replica_batch == 8
+
+    measured = {"layers": {"3": {"forward_s": 1.0, "backward_s": 2.0}, "3:allgather": {"forward_s": 0.25},
+                           "block.1:sum_dx": {"forward_s": 0.0, "backward_s": 0.5}},
+                "phases_s": {"forward": 4.0, "wait": 0.125, "blocking": 0.0625}}
+    assert bench.communication(measured) == (0.75, 0.1875)
+
+    def point(np_, layout, step_s, mp=0.0, wait=0.0, predicted=None, network="unlimited"):
+        config = bench.Config("simplecnn", 32, np_, layout, network)
+        return {"label": config.label, "config": dataclasses.asdict(config), "predicted": predicted,
+                "measured": {"step_s": step_s, "mp_comm_s": mp, "reduce_wait_s": wait, "foreign_cores": 0.05}}
+
+    points = [point(2, "data", 0.020, wait=0.002, predicted={"step_s": 0.018}), point(2, "model", 0.040, mp=0.015),
+              point(4, "hybrid", 0.010, mp=0.003, wait=0.001, network="1gbit")]
+    rows = [line for line in bench.table(points).splitlines() if line.startswith("| simplecnn")]
+    assert rows[0] == "| simplecnn | 32 | unlimited | 2 | data | 16 | 20.0 | 1600.0 | 1.00 |  | 2.00 | 18.0 | 0.05 |"
+    assert rows[1] == "| simplecnn | 32 | unlimited | 2 | model | 32 | 40.0 | 800.0 | 0.50 | 15.0 |  |  | 0.05 |"
+    # no data point at np 4 on 1 Gbit/s: no ratio; no prediction for hybrid
+    assert rows[2] == "| simplecnn | 32 | 1gbit | 4 | hybrid 2x2 | 16 | 10.0 | 3200.0 |  | 3.00 | 1.00 |  | 0.05 |"
+
+    run = {"host": "AMD EPYC, 2 cores", "commit": "abc1234", "wall_s": 12.0, "points": points,
+           "settings": {"warmup": 2, "steps": 5}}
+    saved, png = tmp_path / "run.json", tmp_path / "run.png"
+    saved.write_text(json.dumps(run))
+    assert bench.main(["--from_json", str(saved), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "3 configurations, 2 warm-up + 5 timed steps" in out and rows[1] in out
+    assert png.stat().st_size > 10_000

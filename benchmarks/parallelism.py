@@ -1,0 +1,352 @@
+"""Data, model and hybrid parallelism side by side: the training step of each layout on the same global batch.
+
+    python benchmarks/parallelism.py [--out docs/parallelism_benchmark.json] [--plot docs/benchmarks_parallelism.png]
+                                     [--warmup 2] [--steps 5] [--only TEXT]        # about 12 minutes
+    python benchmarks/parallelism.py --quick          # 3 small configurations, about 20 s (smoke test)
+    python benchmarks/parallelism.py --from_json docs/parallelism_benchmark.json   # table and plot again
+
+A configuration is a model, a global batch (samples per step over all processes), a process count, a
+layout and a network. Layouts: `data` (each process a replica on global/np samples), `model` (every
+Conv2D and Dense split by output channels over all np processes, which all see the whole batch) and, at
+np 4, `hybrid` (two groups of two processes each split the model, data parallel across the groups, each
+group on half the batch). Networks: "unlimited" (plain mpiexec: MPICH over shared memory) or a rate that
+benchmarks/netem.py emulates in one-node mode (every rank in one network namespace whose loopback is
+capped, MPICH over TCP; all ranks share the rate).
+
+Measured: each configuration in fresh processes (`python -m pydtnn --parallel LAYOUT --global_batch_size B`
+under `mpiexec -n NP`, under netem.py for an emulated rate) on synthetic data, one thread per process,
+with --tracing: WARMUP + STEPS steps of one epoch. A step's time is its slowest rank's span; the
+configuration's is the median over the timed steps (perfmodel_validation.py's trace reading). From the
+same trace: the model-parallel collectives (the spans of the gathers and dx sums partition() inserts,
+waiting included; per step, averaged over ranks) and the gradient reduction's exposed wait (the
+reducer's wait and blocking spans, slowest rank). The run's end (the trainer evaluates the synthetic
+test set) is not timed.
+
+Predicted: pydtnn.perfmodel.predict for the data layout only (the bucketed reducer, the trainer's
+default; algorithm "best", progress inside MPI calls; every rank on this one machine, so an emulated
+rate becomes the intra-node link with rate / np per rank, as in perfmodel_validation.py, its latency
+measured under the cap by calibrate's MPI probe). The performance model has no model or hybrid
+parallelism yet: their "predicted" is empty.
+
+Outputs: the JSON (every configuration with its measurement, and the prediction where there is one),
+the PNG (step time per layout, one panel per model and global batch, grouped by network) and the
+markdown table on stdout.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import perfmodel_validation as validation
+from train_step import busy_seconds, own_seconds, wait_idle
+
+from pydtnn.perfmodel.calibrate import mpiexec_path
+
+MODELS = ("vgg11bn_cifar10", "resnet20_cifar10", "simplecnn")
+NETWORKS = ("unlimited", "1gbit", "200mbit")
+LAYOUTS = ((2, "data"), (2, "model"), (4, "data"), (4, "model"), (4, "hybrid"))  # (np, layout), in table order
+HYBRID_GROUP = 2  # processes per model replica in the hybrid layout (2x2 at np 4)
+MP_COMM = (":allgather", ":sum_dx")  # names of the layers model_parallel.partition() inserts end so
+RUN_TIMEOUT_S = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One measured configuration; `batch` is the global batch of a step."""
+
+    model: str
+    batch: int
+    np: int
+    layout: str  # data, model or hybrid
+    network: str = "unlimited"
+
+    @property
+    def group(self):
+        """Processes per model replica."""
+        return {"data": 1, "model": self.np, "hybrid": HYBRID_GROUP}[self.layout]
+
+    @property
+    def replica_batch(self):
+        """Samples each model replica (a process in `data`, a group otherwise) computes per step."""
+        return self.batch // (self.np // self.group)
+
+    @property
+    def label(self):
+        return f"{self.model} B{self.batch} np{self.np} {layout_name(self.np, self.layout)} {self.network}"
+
+
+def layout_name(np_, layout):
+    return f"hybrid {HYBRID_GROUP}x{np_ // HYBRID_GROUP}" if layout == "hybrid" else layout
+
+
+def full_configs(batches=(32, 128)):
+    """Every model, both global batches and every layout on shared memory and at 1 Gbit/s; at 200 Mbit/s the
+    ResNet-20 and simplecnn only (the VGG's 112.6 MB of gradients would take about 9 s a step at np 2)."""
+    out = []
+    for network in NETWORKS:
+        for model in MODELS:
+            if network == "200mbit" and model == "vgg11bn_cifar10":
+                continue
+            for batch in batches:
+                out += [Config(model, batch, np_, layout, network) for np_, layout in LAYOUTS]
+    return out
+
+
+def quick_configs(emulate):
+    """Three small configurations: data and model at np 2 on shared memory, hybrid 2x2 at 1 Gbit/s (where
+    netem may run)."""
+    return [Config("simplecnn", 32, 2, "data"), Config("simplecnn", 32, 2, "model"),
+            Config("simplecnn", 32, 4, "hybrid", "1gbit" if emulate else "unlimited")]
+
+
+# ----------------------------------------------------------------------------------------------
+# measurement and prediction
+# ----------------------------------------------------------------------------------------------
+def command(config, trace, warmup, steps, python=sys.executable):
+    """The argv that trains `config` for warmup + steps steps, writing its traces to `trace`."""
+    train = [python, "-m", "pydtnn", "--model", config.model, "--global_batch_size", str(config.batch),
+             "--parallel", config.layout, "--use_synthetic_data", "--steps_per_epoch", str(warmup + steps),
+             "--num_epochs", "1", "--learning_rate", validation.LR, "--tracing", "--tracer_output", trace,
+             "--progress", "false", "--threads_per_process", "1"]
+    if config.layout == "hybrid":
+        train += ["--model_parallel_size", str(HYBRID_GROUP)]
+    train = [mpiexec_path(), "-n", str(config.np), *train]
+    if config.network != "unlimited":
+        train = [python, validation.NETEM, "--rate", config.network, "--", *train]
+    return train
+
+
+def communication(measured):
+    """(model-parallel collectives, exposed gradient reduction) in seconds per step, from combine_ranks' result:
+    the inserted gather and dx-sum layers' forward + backward (rank-averaged medians), and the reducer's
+    wait and blocking spans (slowest rank's median)."""
+    mp = sum(t.get("forward_s", 0.0) + t.get("backward_s", 0.0) for name, t in measured["layers"].items()
+             if name.endswith(MP_COMM))
+    phases = measured["phases_s"]
+    return mp, phases.get("wait", 0.0) + phases.get("blocking", 0.0)
+
+
+def measure(config, warmup, steps, wait_s, tmp):
+    """Train `config` once in fresh processes; the step, its phases, its communication and the cores other
+    processes used meanwhile (None where /proc/stat is missing)."""
+    from pydtnn.profiling.tracer import trace_paths
+
+    trace = os.path.join(tmp, "trace.json")
+    wait_idle(wait_s)
+    t0, b0, c0 = time.perf_counter(), busy_seconds(), own_seconds(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(command(config, trace, warmup, steps), env=validation.thread_env(1), cwd=tmp,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(f"{config.label}: exit status {proc.returncode}\n{tail}")
+    foreign = None
+    if b0 is not None:
+        foreign = max(0.0, (busy_seconds() - b0 - (own_seconds(resource.RUSAGE_CHILDREN) - c0)) / wall)
+    per_rank = []
+    for path in trace_paths(trace, config.np):
+        with open(path, encoding="utf-8") as f:
+            per_rank.append(validation.rank_timings(json.load(f)["traceEvents"], warmup))
+    m = validation.combine_ranks(per_rank)
+    mp_comm, reduce_wait = communication(m)
+    return {"step_s": m["step_s"], "steps_s": m["steps_s"], "phases_s": m["phases_s"], "mp_comm_s": mp_comm,
+            "reduce_wait_s": reduce_wait, "warmup": warmup, "steps": steps, "wall_s": wall, "foreign_cores": foreign}
+
+
+def predicted(config, model, machine):
+    """The performance model's step for a data-parallel configuration ({"step_s", "comm_s", "exposed_comm_s"}),
+    None for model and hybrid parallelism, which it does not cover."""
+    if config.layout != "data":
+        return None
+    from pydtnn.perfmodel.predict import predict
+
+    p = predict(model, config.batch // config.np, config.np, machine, reduction="bucketed", threads=1,
+                algorithm="best", progress="test", optimizer="sgd_momentum")
+    return {"step_s": p.step_s, "comm_s": p.comm_s, "exposed_comm_s": p.exposed_comm_s}
+
+
+# ----------------------------------------------------------------------------------------------
+# the table and the plot
+# ----------------------------------------------------------------------------------------------
+def speedups(points):
+    """{label: data step / this step} at the same model, batch, np and network (None without a data point)."""
+    data = {(c["model"], c["batch"], c["np"], c["network"]): p["measured"]["step_s"]
+            for p in points for c in [p["config"]] if c["layout"] == "data"}
+    out = {}
+    for p in points:
+        c = p["config"]
+        ref = data.get((c["model"], c["batch"], c["np"], c["network"]))
+        out[p["label"]] = None if ref is None else ref / p["measured"]["step_s"]
+    return out
+
+
+def table(points):
+    """The markdown table of a run's points, in measuring order."""
+    ms = lambda v: "" if v is None else (f"{1e3 * v:.1f}" if v >= 0.01 else f"{1e3 * v:.2f}")
+    ratio = speedups(points)
+    lines = [("| model | global batch | network | np | layout | batch per replica | step ms | samples/s | "
+              "data step / this | model-parallel comm. ms | gradient wait ms | predicted ms | other cores |"),
+             "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in points:
+        c, m, pr = Config(**p["config"]), p["measured"], p["predicted"]
+        foreign, r = m.get("foreign_cores"), ratio[p["label"]]
+        lines.append(f"| {c.model} | {c.batch} | {c.network} | {c.np} | {layout_name(c.np, c.layout)} | "
+                     f"{c.replica_batch} | {ms(m['step_s'])} | {c.batch / m['step_s']:.1f} | "
+                     f"{'' if r is None else f'{r:.2f}'} | {ms(m['mp_comm_s']) if c.group > 1 else ''} | "
+                     f"{ms(m['reduce_wait_s']) if c.group < c.np else ''} | {ms(pr['step_s']) if pr else ''} | "
+                     f"{'' if foreign is None else f'{foreign:.2f}'} |")
+    return "\n".join(lines)
+
+
+def report(run):
+    """The markdown report: one line on the run, the table, the columns."""
+    s = run["settings"]
+    head = (f"{run['host']}; pydtnn {run['commit']}; {len(run['points'])} configurations, {s['warmup']} warm-up + "
+            f"{s['steps']} timed steps each, 1 thread per process; script wall time {run['wall_s']:.0f} s.")
+    notes = ("step ms: median over the timed steps of the slowest rank's step. data step / this: the data layout's "
+             "step at the same model, batch, np and network over this one (above 1: faster than data). "
+             "model-parallel comm.: the inserted gathers and dx sums per step (waiting included). gradient wait: "
+             "the reducer's exposed wait per step. predicted: pydtnn.perfmodel.predict, data parallelism only. "
+             "other cores: CPU used by other processes during the run.")
+    return "\n".join([head, "", table(run["points"]), "", notes])
+
+
+LAYOUT_COLORS = {(2, "data"): "#9ecae1", (2, "model"): "#fdae6b", (4, "data"): "#3182bd", (4, "model"): "#e6550d",
+                 (4, "hybrid"): "#31a354"}
+
+
+def plot(run, path):
+    """Step time (log scale) per layout: one panel per model (columns) and global batch (rows), bars grouped by
+    network; the data layout's prediction as a black tick over its bar."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    points = run["points"]
+    models = [m for m in MODELS if any(p["config"]["model"] == m for p in points)]
+    models += sorted({p["config"]["model"] for p in points} - set(models))
+    batches = sorted({p["config"]["batch"] for p in points})
+    by_key = {(c["model"], c["batch"], c["network"], c["np"], c["layout"]): p for p in points for c in [p["config"]]}
+    fig = Figure(figsize=(4.6 * len(models), 3.6 * len(batches)), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(batches), len(models), squeeze=False)
+    width = 0.8 / len(LAYOUTS)
+    for row, batch in enumerate(batches):
+        for col, model in enumerate(models):
+            ax = axes[row][col]
+            networks = [n for n in NETWORKS if any((model, batch, n, *lay) in by_key for lay in LAYOUTS)]
+            for g, network in enumerate(networks):
+                for i, lay in enumerate(LAYOUTS):
+                    p = by_key.get((model, batch, network, *lay))
+                    if p is None:
+                        continue
+                    x = g + (i - (len(LAYOUTS) - 1) / 2) * width
+                    ax.bar(x, 1e3 * p["measured"]["step_s"], width, color=LAYOUT_COLORS[lay], edgecolor="black",
+                           linewidth=0.4)
+                    if p["predicted"]:
+                        ax.plot([x - width / 2, x + width / 2], [1e3 * p["predicted"]["step_s"]] * 2, color="black",
+                                lw=1.6)
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(networks)), [n if n != "unlimited" else "shared memory" for n in networks])
+            ax.set_title(f"{model}, global batch {batch}", fontsize=10)
+            ax.set_ylabel("step ms (log)")
+            ax.grid(True, axis="y", which="both", alpha=0.25)
+    handles = [Patch(color=LAYOUT_COLORS[lay], label=f"np {lay[0]} {layout_name(*lay)}") for lay in LAYOUTS]
+    handles.append(Patch(color="black", label="predicted (data only)"))
+    axes[0][0].legend(handles=handles, fontsize=7, loc="upper left")
+    fig.suptitle(f"Training step by parallel layout, same global batch ({run['host']})", fontsize=11)
+    fig.savefig(path, dpi=100)
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+# ----------------------------------------------------------------------------------------------
+def drive(args):
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.perfmodel import machine
+
+    t_start = time.perf_counter()
+    base = machine.load(args.machine)
+    refusal = validation.netem_refusal()
+    if refusal:
+        print(f"parallelism: emulated networks skipped: {refusal}", file=sys.stderr)
+    configs = quick_configs(refusal is None) if args.quick else full_configs()
+    configs = [c for c in configs if (refusal is None or c.network == "unlimited")
+               and (not args.only or args.only in c.label)]
+    links = {}
+    for rate in sorted({c.network for c in configs if c.network != "unlimited" and c.layout == "data"},
+                       key=NETWORKS.index):
+        print(f"link probe at {rate}", file=sys.stderr, flush=True)
+        links[rate] = validation.probe_link(rate, nps=(2,))
+    built, points = {}, []
+    with tempfile.TemporaryDirectory(prefix="parallelism-") as tmp:
+        for i, config in enumerate(configs):
+            if config.layout == "data" and config.model not in built:
+                built[config.model] = models.create(config.model, backend=CPUBackend(seed=0))
+            on = validation.machine_for(base, config.np, links.get(config.network))
+            pred = predicted(config, built.get(config.model), on)
+            meas = measure(config, args.warmup, args.steps, args.wait_idle, tmp)
+            points.append({"label": config.label, "config": dataclasses.asdict(config), "measured": meas,
+                           "predicted": pred})
+            foreign = "?" if meas["foreign_cores"] is None else f"{meas['foreign_cores']:.2f}"
+            print(f"[{i + 1}/{len(configs)}] {config.label}: {1e3 * meas['step_s']:.1f} ms"
+                  + (f" (predicted {1e3 * pred['step_s']:.1f})" if pred else "")
+                  + f", run {meas['wall_s']:.1f} s, other cores {foreign}", file=sys.stderr, flush=True)
+    return {"host": validation.host(), "commit": validation.commit(),
+            "machine_file": os.path.relpath(os.path.abspath(args.machine), ROOT), "netem": refusal or "used",
+            "links": links, "points": points, "wall_s": time.perf_counter() - t_start,
+            "settings": {"warmup": args.warmup, "steps": args.steps, "threads": 1, "learning_rate": validation.LR,
+                         "reduction": "bucketed (default)", "hybrid_group": HYBRID_GROUP}}
+
+
+def output(run, out, plot_path):
+    """Write the JSON and the PNG where asked; print the markdown report."""
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(validation.rounded(run), f, separators=(",", ":"))
+            f.write("\n")
+    if plot_path:
+        plot(run, plot_path)
+    print(report(run))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="the JSON of every measurement (default docs/parallelism_benchmark.json; "
+                                 "with --quick, none)")
+    p.add_argument("--plot", help="the PNG (default docs/benchmarks_parallelism.png; with --quick, none)")
+    p.add_argument("--machine", default=os.path.join(ROOT, "docs", "machine_vm.yaml"),
+                   help="machine description the predictions use (default docs/machine_vm.yaml)")
+    p.add_argument("--quick", action="store_true", help="3 small configurations (smoke test)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    p.add_argument("--wait_idle", type=float, default=0.0,
+                   help="seconds to wait, before each run, for other processes to leave the cores (default 0)")
+    p.add_argument("--only", help="only the configurations whose label contains this text")
+    p.add_argument("--from_json", help="table and plot of a saved run instead of measuring")
+    args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            run = json.load(f)
+        output(run, args.out, args.plot)
+        return 0
+    if not args.quick:
+        args.out = args.out or os.path.join(ROOT, "docs", "parallelism_benchmark.json")
+        args.plot = args.plot or os.path.join(ROOT, "docs", "benchmarks_parallelism.png")
+    output(drive(args), args.out, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
