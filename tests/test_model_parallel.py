@@ -190,6 +190,34 @@ def test_partition_splits_by_output_channels_and_gathers_where_a_whole_tensor_is
     assert model.grad_buffer.size == sum(g.size for _, _, g in model.parameters())
 
 
+@pytest.mark.parametrize("name", ["resnet20_cifar10", "googlenet_cifar10", "vgg11bn_cifar10"])
+def test_plan_lists_what_partition_does(name):
+    """plan() (the performance model's input) names every collective partition() inserts, in order, with
+    the whole tensor's size, and every leaf layer with the share rank 0 computes."""
+    from pydtnn import models
+
+    model = models.create(name)
+    steps = model_parallel.plan(model, 4)
+    filters = {path: layer.filters for path, layer in model.layers() if isinstance(layer, Conv2D)}
+    model_parallel.partition(model, FakeGroup(0, 4))
+    inserted = [(type(layer).__name__, int(np.prod(layer.output_shape if isinstance(layer, model_parallel.Gather)
+                                                   else layer.input_shape)))
+                for _, layer in model.root.named_layers()
+                if isinstance(layer, model_parallel.Gather | model_parallel.SumGrad)]
+    planned = [("Gather" if s["op"] == "allgather" else "SumGrad", s["elements"]) for s in steps if "op" in s]
+    assert planned == inserted
+    shares = {s["layer"]: s["fraction"] for s in steps if "kind" in s}
+    for path, layer in model.layers():  # rank 0 keeps ceil(C / 4) of C channels
+        if isinstance(layer, Conv2D):
+            assert shares[path] == -(-filters[path] // 4) / filters[path] and layer.filters == -(-filters[path] // 4)
+
+
+def test_a_group_larger_than_a_layer_is_refused():
+    model = Model([Flatten(), Dense(3), ReLU(), Dense(2)], (1, 4, 4))
+    with pytest.raises(ConfigError, match="Dense '3' has 2 output channels, fewer than the 3 processes"):
+        model_parallel.plan(model, 3)
+
+
 def test_the_layout_flags_are_checked():
     comm = SingleProcess()
     with pytest.raises(ConfigError, match="needs --model_parallel_size"):

@@ -208,57 +208,131 @@ def partition(model, comm):
         return None
     if model.backend.name != "cpu":
         raise ConfigError(f"--parallel model runs on the CPU backend; got {model.backend.name}")
-    group = Group(comm)
-    owners = {}  # id(layer) -> (lo, hi, whole)
+    rewrite = _Rewrite(Group(comm), apply=True)
     rng = model.backend.rng
     state = rng.bit_generator.state  # rebuilding slices draws initial values: leave the Generator as it was
-    form = _walk(model.root, None, group, owners)
-    if form is not None:
-        _append(model.root, "output:allgather", Gather(group, form, reduce_grad=False), model.root.output_shape)
+    rewrite.run(model)
     rng.bit_generator.state = state
     slices = {}
     for path, layer in model.root.named_layers():
-        if id(layer) in owners:
+        if id(layer) in rewrite.owners:
             for k in list(layer.params) + list(layer.buffers):
-                slices[_join(path, k)] = owners[id(layer)]
+                slices[_join(path, k)] = rewrite.owners[id(layer)]
     model.reindex()
-    model.sharding = Sharding(group, slices)
+    model.sharding = Sharding(rewrite.group, slices)
     return model.sharding
 
 
-def _walk(seq, form, group, owners):
-    """Rewrite the children of Sequential `seq`, entered with `form` (None: whole; else the channel
-    bounds of a split tensor); returns the form it leaves with."""
-    out = []
-    for name, child in seq.children:
-        kind = kind_of(child)
-        if kind == "sequential":
-            form = _walk(child, form, group, owners)
-        elif kind == "split":
-            if form is not None:
-                out.append((f"{name}:allgather", _built(Gather(group, form, reduce_grad=child.need_dx),
-                                                        _split_shape(child.input_shape, form, group), child)))
-            elif child.need_dx:
-                out.append((f"{name}:sum_dx", _built(SumGrad(group), child.input_shape, child)))
-            form = shard_bounds(_channels(child), group.size)
-            _slice(child, form, group, owners, split_input=False)
-        elif kind == "channelwise":
-            if form is not None:
-                _slice(child, form, group, owners, split_input=True)
-        else:
-            if form is not None:
-                out.append((f"{name}:allgather", _built(Gather(group, form, reduce_grad=False),
-                                                        _split_shape(child.input_shape, form, group), child)))
-                form = None
-            if kind == "block":
-                child.children = [(n, _as_sequential(p)) for n, p in child.children]
-                for _, path in child.children:
-                    end = _walk(path, None, group, owners)
-                    if end is not None:
-                        _append(path, "output:allgather", Gather(group, end, reduce_grad=False), path.output_shape)
-        out.append((name, child))
-    seq.children = out
-    return form
+def plan(model, size):
+    """What partition() would do to `model` over `size` ranks, without doing it (the performance model's
+    input): one dict per step of the forward pass, in order.
+
+    {"layer": path, "kind": "split" | "channelwise" | "whole", "fraction": f} for each leaf layer, f being
+    the share of its channels that rank 0 (which holds the most) computes (1.0: the whole layer);
+    {"layer": path, "op": "allgather", "elements": E, "backward": "slice" | "reduce_scatter"} for a gather
+    before layer `path` ("output" at a path's or the model's end) of E whole elements per sample;
+    {"layer": path, "op": "sum_dx", "elements": E} for an allreduce of dx in backward.
+    """
+    rewrite = _Rewrite(_Ranks(0, size), apply=False)
+    rewrite.run(model)
+    return rewrite.steps
+
+
+class _Ranks:
+    """Rank `rank` of `size`, for a rewrite that is planned, not applied."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+class _Rewrite:
+    """The walk over a model's layers that partition() applies and plan() records."""
+
+    def __init__(self, group, apply):
+        self.group, self.apply = group, apply
+        self.owners = {}  # id(layer) -> (lo, hi, whole)
+        self.steps = []
+
+    def run(self, model):
+        form = self.walk(model.root, None)
+        if form is not None:
+            self.append(model.root, form, model.root.output_shape)
+
+    def walk(self, seq, form):
+        """Rewrite the children of Sequential `seq`, entered with `form` (None: whole; else the channel
+        bounds of a split tensor); returns the form it leaves with."""
+        out, size = [], self.group.size
+        for name, child in seq.children:
+            kind = kind_of(child)
+            if kind == "sequential":
+                form = self.walk(child, form)
+            elif kind == "split":
+                if _channels(child) < size:
+                    raise ConfigError(f"{child.name} has {_channels(child)} output channels, fewer than the {size} "
+                                      f"processes it would be split over; expected a model-parallel size of at most "
+                                      f"{_channels(child)}")
+                if form is not None:
+                    out.append(self.gather(name, child, form, reduce_grad=child.need_dx))
+                elif child.need_dx:
+                    self.steps.append({"layer": child.path, "op": "sum_dx", "elements": _count(child.input_shape)})
+                    if self.apply:
+                        out.append((f"{name}:sum_dx", _built(SumGrad(self.group), child.input_shape, child)))
+                form = shard_bounds(_channels(child), size)
+                self.slice(child, form, split_input=False)
+            elif kind == "channelwise":
+                if form is not None:
+                    self.slice(child, form, split_input=True)
+                else:
+                    self.steps.append({"layer": child.path, "kind": kind, "fraction": 1.0})
+            else:
+                if form is not None:
+                    out.append(self.gather(name, child, form, reduce_grad=False))
+                    form = None
+                if kind == "block":
+                    if self.apply:
+                        child.children = [(n, _as_sequential(p)) for n, p in child.children]
+                    for _, path in child.children:
+                        end = self.walk(path, None) if isinstance(path, Sequential) else self.leaf(path)
+                        if end is not None:
+                            self.append(path, end, path.output_shape)
+                else:
+                    self.steps.append({"layer": child.path, "kind": "whole", "fraction": 1.0})
+            out.append((name, child))
+        if self.apply:
+            seq.children = out
+        return form
+
+    def leaf(self, layer):
+        """A block path that is one layer (plan() only: partition() makes every path a Sequential)."""
+        seq = Sequential({"": layer})
+        seq.input_shape, seq.output_shape, seq.need_dx = layer.input_shape, layer.output_shape, layer.need_dx
+        return self.walk(seq, None)
+
+    def gather(self, name, child, form, reduce_grad):
+        self.steps.append({"layer": child.path, "op": "allgather", "elements": _count(child.input_shape),
+                           "backward": "reduce_scatter" if reduce_grad else "slice"})
+        if not self.apply:
+            return None
+        return (f"{name}:allgather", _built(Gather(self.group, form, reduce_grad=reduce_grad),
+                                            _split_shape(child.input_shape, form, self.group), child))
+
+    def append(self, seq, form, whole_shape):
+        """A gather at the end of Sequential `seq` (a block's path, or the model)."""
+        where = f"{seq.path}.output" if seq.path else "output"
+        self.steps.append({"layer": where, "op": "allgather", "elements": _count(whole_shape), "backward": "slice"})
+        if self.apply:
+            _append(seq, "output:allgather", Gather(self.group, form, reduce_grad=False), whole_shape)
+
+    def slice(self, layer, bounds, split_input):
+        lo, hi = bounds[self.group.rank], bounds[self.group.rank + 1]
+        self.steps.append({"layer": layer.path, "kind": "split" if not split_input else "channelwise",
+                           "fraction": (hi - lo) / bounds[-1]})
+        if self.apply:
+            _slice(layer, bounds, self.group, self.owners, split_input)
+
+
+def _count(shape):
+    return int(np.prod(shape, dtype=np.int64))
 
 
 def _as_sequential(layer):
