@@ -1,8 +1,8 @@
 """Data, model and hybrid parallelism side by side: the training step of each layout on the same global batch.
 
     python benchmarks/parallelism.py [--out docs/parallelism_benchmark.json] [--plot docs/benchmarks_parallelism.png]
-                                     [--warmup 2] [--steps 5] [--only TEXT]        # about 12 minutes
-    python benchmarks/parallelism.py --quick          # 3 small configurations, about 20 s (smoke test)
+                                     [--warmup 2] [--steps 5] [--only TEXT]        # 70 runs, about 10 minutes
+    python benchmarks/parallelism.py --quick          # 3 small configurations, about 10 s (smoke test)
     python benchmarks/parallelism.py --from_json docs/parallelism_benchmark.json   # table and plot again
 
 A configuration is a model, a global batch (samples per step over all processes), a process count, a
@@ -14,13 +14,17 @@ benchmarks/netem.py emulates in one-node mode (every rank in one network namespa
 capped, MPICH over TCP; all ranks share the rate).
 
 Measured: each configuration in fresh processes (`python -m pydtnn --parallel LAYOUT --global_batch_size B`
-under `mpiexec -n NP`, under netem.py for an emulated rate) on synthetic data, one thread per process,
-with --tracing: WARMUP + STEPS steps of one epoch. A step's time is its slowest rank's span; the
+under `mpiexec -n NP`, under netem.py for an emulated rate), one thread per process, with --tracing:
+WARMUP + STEPS steps of one epoch, on random images written as a small file dataset in the model's input
+shape (CIFAR-10 binary files for 3x32x32, MNIST IDX files for 1x28x28): just the training samples the
+steps use and TEST_SAMPLES test samples. --use_synthetic_data would do as well for the steps, but its
+2,000 test samples, which the trainer evaluates at the end of every run, cost more than the steps (a
+13 s run of the VGG at np 2 on shared memory spent 3 s in its 7 steps), and a model-parallel evaluation
+gathers every test sample's activations over the emulated network. A step's time is its slowest rank's span; the
 configuration's is the median over the timed steps (perfmodel_validation.py's trace reading). From the
 same trace: the model-parallel collectives (the spans of the gathers and dx sums partition() inserts,
 waiting included; per step, averaged over ranks) and the gradient reduction's exposed wait (the
-reducer's wait and blocking spans, slowest rank). The run's end (the trainer evaluates the synthetic
-test set) is not timed.
+reducer's wait and blocking spans, slowest rank). The run's start and end are not timed.
 
 Predicted: pydtnn.perfmodel.predict for the data layout only (the bucketed reducer, the trainer's
 default; algorithm "best", progress inside MPI calls; every rank on this one machine, so an emulated
@@ -38,6 +42,7 @@ import dataclasses
 import json
 import os
 import resource
+import struct
 import subprocess
 import sys
 import tempfile
@@ -46,6 +51,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import numpy as np
 import perfmodel_validation as validation
 from train_step import busy_seconds, own_seconds, wait_idle
 
@@ -57,6 +63,7 @@ LAYOUTS = ((2, "data"), (2, "model"), (4, "data"), (4, "model"), (4, "hybrid")) 
 HYBRID_GROUP = 2  # processes per model replica in the hybrid layout (2x2 at np 4)
 MP_COMM = (":allgather", ":sum_dx")  # names of the layers model_parallel.partition() inserts end so
 RUN_TIMEOUT_S = 300
+TEST_SAMPLES = 8  # the test set the trainer evaluates at the end of a run: small, so that it costs nothing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,15 +95,20 @@ def layout_name(np_, layout):
     return f"hybrid {HYBRID_GROUP}x{np_ // HYBRID_GROUP}" if layout == "hybrid" else layout
 
 
+# global batches measured on an emulated network where not every batch is: the others' steps take seconds
+EMULATED_BATCHES = {("1gbit", "vgg11bn_cifar10"): (32,), ("200mbit", "vgg11bn_cifar10"): (),
+                    ("200mbit", "resnet20_cifar10"): (32,)}
+
+
 def full_configs(batches=(32, 128)):
-    """Every model, both global batches and every layout on shared memory and at 1 Gbit/s; at 200 Mbit/s the
-    ResNet-20 and simplecnn only (the VGG's 112.6 MB of gradients would take about 9 s a step at np 2)."""
+    """Every model, both global batches and every layout on shared memory; on the emulated networks the same
+    but for EMULATED_BATCHES: the VGG at global batch 32 only at 1 Gbit/s (at 128 its np 4 steps take 5 s)
+    and not at all at 200 Mbit/s (112.6 MB of gradients: about 9 s a data-parallel step at np 2), ResNet-20 at
+    batch 32 only at 200 Mbit/s (at 128 its model-parallel step at np 2 takes 11 s)."""
     out = []
     for network in NETWORKS:
         for model in MODELS:
-            if network == "200mbit" and model == "vgg11bn_cifar10":
-                continue
-            for batch in batches:
+            for batch in EMULATED_BATCHES.get((network, model), batches):
                 out += [Config(model, batch, np_, layout, network) for np_, layout in LAYOUTS]
     return out
 
@@ -111,10 +123,40 @@ def quick_configs(emulate):
 # ----------------------------------------------------------------------------------------------
 # measurement and prediction
 # ----------------------------------------------------------------------------------------------
-def command(config, trace, warmup, steps, python=sys.executable):
-    """The argv that trains `config` for warmup + steps steps, writing its traces to `trace`."""
+def write_dataset(directory, input_shape, num_classes, train_samples, test_samples=TEST_SAMPLES, seed=0):
+    """Random uint8 images and labels as a dataset pydtnn reads: CIFAR-10 binary files for (3, 32, 32), MNIST IDX
+    files for (1, 28, 28). Returns the flags that select it (--dataset NAME --dataset_train_path directory)."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    images = rng.integers(0, 256, (train_samples + test_samples, *input_shape), dtype=np.uint8)
+    labels = rng.integers(0, num_classes, train_samples + test_samples, dtype=np.uint8)
+    splits = {"train": (images[:train_samples], labels[:train_samples]),
+              "test": (images[train_samples:], labels[train_samples:])}
+    if tuple(input_shape) == (3, 32, 32) and num_classes <= 256:
+        files = {"train": [f"data_batch_{i}.bin" for i in range(1, 6)], "test": ["test_batch.bin"]}
+        for split, (x, y) in splits.items():
+            records = np.concatenate([y[:, None], x.reshape(len(x), -1)], axis=1)
+            for name, part in zip(files[split], np.array_split(records, len(files[split]))):
+                with open(os.path.join(directory, name), "wb") as f:
+                    f.write(part.tobytes())
+        return ["--dataset", "cifar10", "--dataset_train_path", directory]
+    if len(input_shape) == 3 and input_shape[0] == 1 and num_classes <= 256:
+        for split, stem in (("train", "train"), ("test", "t10k")):
+            x, y = splits[split]
+            with open(os.path.join(directory, f"{stem}-images-idx3-ubyte"), "wb") as f:
+                f.write(struct.pack(">4B3I", 0, 0, 8, 3, *x.shape[:1], *x.shape[2:]) + x.tobytes())
+            with open(os.path.join(directory, f"{stem}-labels-idx1-ubyte"), "wb") as f:
+                f.write(struct.pack(">4BI", 0, 0, 8, 1, len(y)) + y.tobytes())
+        return ["--dataset", "mnist", "--dataset_train_path", directory]
+    raise ValueError(f"no file layout for input shape {tuple(input_shape)} with {num_classes} classes; expected "
+                     f"(3, 32, 32) (CIFAR-10 files) or (1, H, W) (MNIST IDX files), at most 256 classes")
+
+
+def command(config, trace, warmup, steps, dataset, python=sys.executable):
+    """The argv that trains `config` for warmup + steps steps on `dataset` (write_dataset's flags), writing its
+    traces to `trace`."""
     train = [python, "-m", "pydtnn", "--model", config.model, "--global_batch_size", str(config.batch),
-             "--parallel", config.layout, "--use_synthetic_data", "--steps_per_epoch", str(warmup + steps),
+             "--parallel", config.layout, *dataset, "--steps_per_epoch", str(warmup + steps),
              "--num_epochs", "1", "--learning_rate", validation.LR, "--tracing", "--tracer_output", trace,
              "--progress", "false", "--threads_per_process", "1"]
     if config.layout == "hybrid":
@@ -138,12 +180,15 @@ def communication(measured):
 def measure(config, warmup, steps, wait_s, tmp):
     """Train `config` once in fresh processes; the step, its phases, its communication and the cores other
     processes used meanwhile (None where /proc/stat is missing)."""
+    from pydtnn import models
     from pydtnn.profiling.tracer import trace_paths
 
     trace = os.path.join(tmp, "trace.json")
+    dataset = write_dataset(os.path.join(tmp, f"{config.model}-{config.batch}"), *models.defaults(config.model),
+                            train_samples=(warmup + steps) * config.batch)
     wait_idle(wait_s)
     t0, b0, c0 = time.perf_counter(), busy_seconds(), own_seconds(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(command(config, trace, warmup, steps), env=validation.thread_env(1), cwd=tmp,
+    proc = subprocess.run(command(config, trace, warmup, steps, dataset), env=validation.thread_env(1), cwd=tmp,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     wall = time.perf_counter() - t0
     if proc.returncode:
@@ -306,6 +351,7 @@ def drive(args):
             "machine_file": os.path.relpath(os.path.abspath(args.machine), ROOT), "netem": refusal or "used",
             "links": links, "points": points, "wall_s": time.perf_counter() - t_start,
             "settings": {"warmup": args.warmup, "steps": args.steps, "threads": 1, "learning_rate": validation.LR,
+                         "data": f"random images in files, {TEST_SAMPLES} test samples",
                          "reduction": "bucketed (default)", "hybrid_group": HYBRID_GROUP}}
 
 

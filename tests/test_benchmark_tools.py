@@ -129,19 +129,30 @@ def test_train_step_rounds_keep_each_sides_median_round_and_report_every_pair():
 
 
 def test_parallelism_benchmark_tables_and_redraws_a_saved_run_without_mpi(tmp_path, capsys):
-    """benchmarks/parallelism.py: the commands it launches, the communication it reads from a trace's
-    measurement, and the table and plot of a saved run (--from_json), on made-up numbers."""
+    """benchmarks/parallelism.py: the datasets it writes, the commands it launches, the communication it reads
+    from a trace's measurement, and the table and plot of a saved run (--from_json), on made-up numbers."""
     import dataclasses
     import json
 
     import parallelism as bench
 
+    from pydtnn import data
+
+    for shape, name in (((3, 32, 32), "cifar10"), ((1, 28, 28), "mnist")):
+        flags = bench.write_dataset(str(tmp_path / name), shape, 10, train_samples=21, test_samples=3)
+        assert flags == ["--dataset", name, "--dataset_train_path", str(tmp_path / name)]
+        train, test = data.load(name, flags[3])
+        assert (len(train), len(test), tuple(train.input_shape)) == (21, 3, shape)
+    with pytest.raises(ValueError, match=r"\(3, 64, 64\)"):
+        bench.write_dataset(str(tmp_path / "x"), (3, 64, 64), 10, 4)
+
     hybrid = bench.Config("resnet20_cifar10", 128, 4, "hybrid", "1gbit")
-    argv = bench.command(hybrid, "t.json", 2, 5, python="py")
+    argv = bench.command(hybrid, "t.json", 2, 5, ["--dataset", "cifar10"], python="py")
     assert argv[:5] == ["py", bench.validation.NETEM, "--rate", "1gbit", "--"] and argv[6:8] == ["-n", "4"]
     assert argv[argv.index("--parallel") + 1] == "hybrid" and argv[argv.index("--model_parallel_size") + 1] == "2"
     assert argv[argv.index("--global_batch_size") + 1] == "128" and argv[argv.index("--steps_per_epoch") + 1] == "7"
-    assert "--model_parallel_size" not in bench.command(bench.Config("simplecnn", 32, 2, "model"), "t", 1, 1)
+    assert argv[argv.index("--dataset") + 1] == "cifar10"
+    assert "--model_parallel_size" not in bench.command(bench.Config("simplecnn", 32, 2, "model"), "t", 1, 1, [])
     assert (hybrid.group, hybrid.replica_batch) == (2, 64)
     assert bench.Config("simplecnn", 32, 2, "model").replica_batch == 32
     assert bench.Config("simplecnn", 32, 4, "data").replica_batch == 8
