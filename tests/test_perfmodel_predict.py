@@ -137,7 +137,9 @@ def test_processes_beyond_a_node_pay_the_inter_node_link():
     assert across.comm_s > 5 * inside.comm_s
 
 
-@pytest.mark.parametrize("bad,match", [({"parallel": "model"}, "parallel='model'"),
+@pytest.mark.parametrize("bad,match", [({"parallel": "pipeline"}, "parallel='pipeline'"),
+                                       ({"parallel": "hybrid"}, "needs model_parallel_size"),
+                                       ({"parallel": "hybrid", "model_parallel_size": 3}, "does not divide np"),
                                        ({"reduction": "tree"}, "reduction='tree'"),
                                        ({"algorithm": "magic"}, "algorithm='magic'"),
                                        ({"threads": 0}, "threads=0")])
@@ -159,7 +161,12 @@ def test_the_command_prints_a_table_and_json_with_the_documented_keys():
     r = subprocess.run(run, check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "exposed communication" in r.stdout and "Conv2D" in r.stdout
     r = subprocess.run(run + ["--parallel", "hybrid"], check=False, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "parallel='hybrid'" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "needs model_parallel_size" in r.stderr
+    r = subprocess.run(run + ["--parallel", "hybrid", "--model_parallel_size", "2", "--json"], check=False,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["parallel"] == "hybrid" and d["model_parallel_size"] == 2 and d["group_comm_s"] > 0
 
 
 def test_table_names_every_layer():
@@ -187,3 +194,43 @@ def test_train_simulate_prints_the_prediction_and_trains_nothing(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pydtnn", "--simulate", "--model", "resnet20", "--dataset", "synthetic"],
                        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 2 and "needs the images' shape" in r.stderr and r.stderr.count("\n") == 1
+
+
+# -- model and hybrid parallelism ---------------------------------------------------------------------------------
+def test_model_parallel_communication_is_the_schemes_collectives_by_hand():
+    """[Flatten, Dense(4), ReLU, Dense(2)] over 2 processes, batch 3, float64 (docs/parallelism.md): an allreduce
+    of Dense(4)'s dx (3 x 64 elements: its input), an allgather before Dense(2) of 3 x 4 elements and its
+    reduce-scatter back, and the output's allgather of 3 x 2; ring algorithms on the intra link."""
+    model = Model([Flatten(), Dense(4), ReLU(), Dense(2)], (1, 8, 8), CPUBackend("float64", kernels="numpy"))
+    p = predict(model, 3, 2, machine(), parallel="model")
+    b = 8  # bytes per element
+    allreduce = 2 * ALPHA + 2 * 0.5 * (3 * 64 * b) * BETA + 0.5 * (3 * 64 * b) * GAMMA
+    gather = ALPHA + 0.5 * (3 * 4 * b) * BETA
+    scatter = ALPHA + 0.5 * (3 * 4 * b) * (BETA + GAMMA)
+    output = ALPHA + 0.5 * (3 * 2 * b) * BETA
+    assert p.group_comm_s == pytest.approx(allreduce + gather + scatter + output)
+    assert p.comm_s == p.exposed_comm_s == pytest.approx(p.group_comm_s)  # one replica: no gradient reduction
+    assert p.messages == 4 and p.model_parallel_size == 2
+
+
+def test_each_process_computes_its_share_and_replicas_reduce_only_their_slices():
+    model = mlp((300, 200, 10))
+    whole = predict(model, 8, 1, machine())
+    split = predict(model, 8, 2, machine(), parallel="model")
+    dense = [t for t in whole.layers if t.kind == "Dense"]
+    halves = [t for t in split.layers if t.kind == "Dense"]
+    for w, h in zip(dense, halves):  # 300, 200, 10 outputs: rank 0 holds exactly half of each
+        assert h.backward_weights_s == pytest.approx(w.backward_weights_s / 2, rel=1e-3)
+    hybrid = predict(model, 8, 4, machine(), parallel="hybrid", model_parallel_size=2, reduction="blocking")
+    data = predict(model, 8, 2, machine(), reduction="blocking")
+    # hybrid: two replicas reduce half of the gradients each; data: two processes reduce all of them
+    assert hybrid.comm_s - hybrid.group_comm_s < 0.6 * data.comm_s
+
+
+@pytest.mark.parametrize("name", ["vgg11bn_cifar10", "resnet20_cifar10", "googlenet_cifar10", "mobilenetv1_cifar10"])
+def test_model_and_hybrid_predictions_for_zoo_models(name):
+    model = models.create(name)
+    for parallel, np_, m in (("model", 2, None), ("model", 4, None), ("hybrid", 4, 2), ("hybrid", 8, 4)):
+        p = predict(model, 16, np_, machine(processes_per_node=4), parallel=parallel, model_parallel_size=m)
+        assert np.isfinite(p.step_s) and p.group_comm_s > 0 and p.step_s > p.group_comm_s
+        assert json.loads(json.dumps(p.to_dict()))["model_parallel_size"] == (m or np_)

@@ -27,8 +27,8 @@ def swept(tmp_path_factory):
         return json.load(f), out
 
 
-def line(data, axis):
-    return sorted((p for p in data["points"] if p["axis"] == axis), key=lambda p: p["value"])
+def line(data, axis, scheme="data"):
+    return sorted((p for p in data["points"] if (p["axis"], p["scheme"]) == (axis, scheme)), key=lambda p: p["value"])
 
 
 def test_writes_a_png_and_every_point_as_json(swept):
@@ -36,10 +36,12 @@ def test_writes_a_png_and_every_point_as_json(swept):
     with open(out / f"perfmodel_{MODEL}.png", "rb") as f:
         assert f.read(8) == PNG
     assert {p["axis"] for p in data["points"]} == set(AXES)
-    assert all(len(line(data, a)) == 3 for a in AXES)
-    assert data["baseline"] == {"nodes": NODES, "batch_size": BATCH} and data["schemes"] == ["data"]
+    assert all(len(line(data, a, s)) == 3 for a in AXES for s in ("data", "hybrid"))
+    assert data["baseline"] == {"nodes": NODES, "batch_size": BATCH} and data["schemes"] == ["data", "model", "hybrid"]
+    # simplecnn's classifier has 10 outputs: model parallelism over the 16 processes of 8 nodes cannot run
+    assert [p["nodes"] for p in line(data, "nodes", "model")] == [1, 4]
     for p in data["points"]:
-        assert p["scheme"] == "data" and p["model"] == MODEL and p["processes"] == 2 * p["nodes"]
+        assert p["model"] == MODEL and p["processes"] == 2 * p["nodes"]
         assert p["throughput"] == pytest.approx(p["batch_size"] * p["processes"] / p["step_s"])
         assert 0 <= p["exposed_share"] <= 1
 
@@ -63,6 +65,31 @@ def test_the_baseline_of_every_axis_is_a_direct_prediction(swept):
         (point,) = [p for p in line(data, axis) if p["value"] == value]
         for key in ("step_s", "compute_s", "memory_s", "comm_s", "exposed_comm_s"):
             assert point[key] == getattr(direct, key), (axis, key)
+
+
+def test_every_scheme_trains_the_same_global_batch_on_the_same_processes(swept):
+    """At the baseline, model parallelism is one replica with batch x processes samples and hybrid one per node
+    with batch x processes_per_node: predict() with those arguments gives the points' step times."""
+    data, _ = swept
+    model, m = build_model(MODEL), machines.DEFAULT
+    np_ = NODES * m.processes_per_node
+    model_step = predict(model, BATCH * np_, np_, m, parallel="model").step_s
+    hybrid_step = predict(model, BATCH * 2, np_, m, parallel="hybrid", model_parallel_size=2).step_s
+    for scheme, step in (("model", model_step), ("hybrid", hybrid_step)):
+        (point,) = [p for p in line(data, "nodes", scheme) if p["value"] == NODES]
+        assert point["step_s"] == step and point["throughput"] == pytest.approx(BATCH * np_ / step)
+
+
+def test_scheme_crossings_are_read_on_the_throughput_ratio():
+    from pydtnn.perfmodel.sweep import Point, scheme_crossings
+
+    def point(scheme, value, step):
+        return Point("m", scheme, "nodes", value, value, 2 * value, 8, 1.0, 1.0, 1e9, step, step, 0, 0, 0)
+
+    points = [point("data", 1, 1.0), point("data", 4, 1.0), point("data", 16, 1.0),
+              point("model", 1, 0.5), point("model", 4, 2.0)]  # 2x faster, then 2x slower: equal at 2 nodes
+    found, ratios, missing = scheme_crossings(points, "model")["nodes"]
+    assert found == [pytest.approx(2.0)] and ratios == [(1, 2.0), (4, 0.5)] and missing == [16]
 
 
 def test_crossover_is_read_between_the_points_that_straddle_the_share():

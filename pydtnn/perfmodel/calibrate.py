@@ -6,8 +6,8 @@
 What is measured, and how each figure agrees with the rest of the model:
 - rates[kernel class], FLOP/s on one thread: small real layers built on the CPU backend, timed forward
   plus backward (need_dx on, as for every layer but a model's first): the median of all timed runs,
-  taken in ROUNDS interleaved visits per shape and thread count, each after WARM_UP untimed runs. A shape's rate is the FLOPs that
-  costs.layer_costs assigns to those three phases over that time, so a prediction that divides the
+  taken in ROUNDS interleaved visits per shape and thread count, each after WARM_UP untimed runs. A
+  shape's rate is the FLOPs that costs.layer_costs assigns to those three phases over that time, so a prediction that divides the
   same FLOPs by the rate gives back the measured time: the counts agree by construction, and each
   measurement is filed under the kernel_class costs.py gives the layer. A class's rate is the MEDIAN
   of its shapes' rates (the mean of the middle two for an even count). "elementwise" (ReLU,

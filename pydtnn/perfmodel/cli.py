@@ -87,11 +87,14 @@ def add_predict(subparsers):
     p = subparsers.add_parser("predict", allow_abbrev=False, help="predicted time of one training step",
                               description="Predicted time of one training step, per layer and in total.")
     p.add_argument("--model", required=True, help="a model of the zoo (pydtnn-train --list_models)")
-    p.add_argument("--batch_size", required=True, type=positive_int, help="samples per process and step")
+    p.add_argument("--batch_size", required=True, type=positive_int,
+                   help="samples per model replica and step (per process with data parallelism)")
     p.add_argument("--np", type=positive_int, default=1, help="number of processes (default 1)")
     p.add_argument("--threads", type=positive_int, default=1, help="threads per process (default 1)")
-    p.add_argument("--parallel", choices=("data", "model", "hybrid"), default="data",
-                   help=f"parallelism (modelled: {', '.join(PARALLEL)})")
+    p.add_argument("--parallel", choices=PARALLEL, default="data",
+                   help="data (default), model (every layer split over the --np processes) or hybrid (groups of "
+                        "--model_parallel_size; docs/parallelism.md)")
+    p.add_argument("--model_parallel_size", type=positive_int, help="--parallel hybrid: processes per model replica")
     p.add_argument("--reduction", choices=REDUCTIONS, default="bucketed", help="gradient reduction (default bucketed)")
     p.add_argument("--algorithm", default="ring", choices=("best",) + algorithms("allreduce"),
                    help="allreduce algorithm (default ring; best: the cheapest)")
@@ -134,7 +137,7 @@ def run_predict(args):
     model = build_model(args.model, args.input_shape, args.num_classes, args.dtype)
     p = predict(model, args.batch_size, args.np, machine, reduction=args.reduction, threads=args.threads,
                 algorithm=args.algorithm, progress=args.progress, optimizer=args.optimizer, parallel=args.parallel,
-                name=args.model)
+                model_parallel_size=args.model_parallel_size, name=args.model)
     print(json.dumps(p.to_dict()) if args.json else table(p))
     return 0
 

@@ -38,10 +38,11 @@ from dataclasses import asdict, dataclass, field
 
 from pydtnn.distributed.reducers.base import PIECE_BYTES
 from pydtnn.errors import ConfigError
-from pydtnn.perfmodel import collectives
-from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
+from pydtnn.distributed.model_parallel import plan
+from pydtnn.perfmodel import collectives, split
+from pydtnn.perfmodel.costs import layer_costs
 
-PARALLEL = ("data",)
+PARALLEL = ("data", "model", "hybrid")
 REDUCTIONS = ("blocking", "per_layer", "bucketed")
 PROGRESS = ("test", "background")
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
@@ -88,6 +89,8 @@ class Prediction:
     messages: int
     overhead_s: float = 0.0
     layers: list = field(default_factory=list)
+    model_parallel_size: int = 1
+    group_comm_s: float = 0.0
 
     def to_dict(self):
         d = asdict(self)
@@ -109,21 +112,25 @@ def phase_seconds(phase, kernel_class, machine, speed):
     return (compute, "compute") if compute >= memory else (memory, "memory")
 
 
-def allreduce_seconds(nbytes, p, machine, algorithm):
+def allreduce_seconds(nbytes, p, machine, algorithm, level=None):
     if p <= 1 or nbytes == 0:
         return 0.0
     if algorithm == "best":
-        return collectives.best("allreduce", nbytes, p, machine)[1]
-    return collectives.seconds("allreduce", algorithm, nbytes, p, machine)
+        return collectives.best("allreduce", nbytes, p, machine, level=level)[1]
+    if algorithm == collectives.HIERARCHICAL:
+        level = None
+    return collectives.seconds("allreduce", algorithm, nbytes, p, machine, level=level)
 
 
 def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
-            optimizer="sgd_momentum", bucket_mb=25.0, first_bucket_mb=1.0, parallel="data", name=None):
+            optimizer="sgd_momentum", bucket_mb=25.0, first_bucket_mb=1.0, parallel="data", name=None,
+            model_parallel_size=None):
     """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
-    process over np processes, each with `threads` threads, on `machine`."""
+    model replica (per process with data parallelism) over np processes, each with `threads` threads, on
+    `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
+    model_parallel_size (perfmodel/split.py)."""
     if parallel not in PARALLEL:
-        raise ConfigError(f"parallel={parallel!r}: the performance model covers {', '.join(PARALLEL)} parallelism; "
-                          "model and hybrid parallelism are predicted once the trainer runs them")
+        raise ConfigError(f"parallel={parallel!r}; expected one of {', '.join(PARALLEL)}")
     for what, value, allowed in (("reduction", reduction, REDUCTIONS), ("progress", progress, PROGRESS),
                                  ("optimizer", optimizer, tuple(UPDATE_PASSES))):
         if value not in allowed:
@@ -135,17 +142,21 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{what}={value!r}; expected a positive integer")
 
+    m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
+    replicas = np // m
+    steps = plan(model, m) if m > 1 else []
+    fraction, grads = split.shares(model, steps)
     per_node = min(np, machine.processes_per_node)
     crowding = max(1.0, per_node * threads / machine.cores)  # how much slower shared cores make everything
     costs = layer_costs(model, batch_size)
-    grads = parameter_bytes(model)
     fixed = machine.overheads
     call_fwd, call_bwd = fixed.layer_forward_s * crowding, fixed.layer_backward_s * crowding
     times, compute_s, memory_s = [], 0.0, 0.0
     for c in costs:
         speed = thread_speedup(machine, threads, c.kernel_class) / crowding
-        parts = [phase_seconds(ph, c.kernel_class, machine, speed) for ph in (c.forward, c.backward_data,
-                                                                             c.backward_weights)]
+        f = fraction.get(c.name, 1.0)
+        parts = [phase_seconds(split.scaled(ph, f), c.kernel_class, machine, speed)
+                 for ph in (c.forward, c.backward_data, c.backward_weights)]
         for s, bound in parts:
             compute_s += s if bound == "compute" else 0.0
             memory_s += s if bound == "memory" else 0.0
@@ -159,12 +170,18 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     param_bytes = sum(grads.values())
     update_s = UPDATE_PASSES[optimizer] * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
                                                          / crowding)
-    overhead_s = (len(times) * (call_fwd + call_bwd) + len(model.parameters()) * fixed.parameter_s * crowding
+    group = split.group_messages(steps, batch_size, model.backend.dtype.itemsize, m, machine, algorithm)
+    group_s = sum(seconds for *_, seconds in group)  # blocking, on the critical path
+    calls = len(times) + sum(1 for st in steps if "op" in st)  # the inserted gathers and sums are layers too
+    overhead_s = (calls * (call_fwd + call_bwd) + len(model.parameters()) * fixed.parameter_s * crowding
                   + fixed.step_s * crowding)
-    messages = _messages(model, times, forward_s, reduction, bucket_mb, first_bucket_mb)
-    durations = [allreduce_seconds(n, np, machine, algorithm) for _, n in messages]
+    forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
+    params = [(n, int(round(g.nbytes * fraction.get(n.rsplit(".", 1)[0], 1.0)))) for n, _, g in model.parameters()]
+    messages = _messages(params, times, forward_s, reduction, bucket_mb, first_bucket_mb)
+    level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
+    durations = [allreduce_seconds(n, replicas, machine, algorithm, level) for _, n in messages]
     comm_s = sum(durations)
-    end_of_backward = forward_s + backward_s
+    end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
     if progress == "test" or reduction == "blocking":
         exposed = comm_s
     else:
@@ -175,19 +192,20 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     return Prediction(
         model=name or getattr(model, "name", "model"), batch_size=batch_size, np=np, threads=threads, parallel=parallel,
         reduction=reduction, algorithm=algorithm, progress=progress, machine=machine.name,
-        step_s=compute_s + memory_s + update_s + overhead_s + exposed, compute_s=compute_s,
-        memory_s=memory_s + update_s, update_s=update_s, comm_s=comm_s, exposed_comm_s=exposed,
-        messages=len(messages) if np > 1 else 0, overhead_s=overhead_s, layers=times,
+        step_s=compute_s + memory_s + update_s + overhead_s + exposed + group_s, compute_s=compute_s,
+        memory_s=memory_s + update_s, update_s=update_s, comm_s=comm_s + group_s, exposed_comm_s=exposed + group_s,
+        messages=(len(messages) if replicas > 1 else 0) + len(group), overhead_s=overhead_s, layers=times,
+        model_parallel_size=m, group_comm_s=group_s,
     )
 
 
-def _messages(model, times, forward_s, reduction, bucket_mb, first_bucket_mb):
-    """[(seconds into the step when the message can start, bytes)] in the order the reducer starts them."""
+def _messages(params, times, forward_s, reduction, bucket_mb, first_bucket_mb):
+    """[(seconds into the step when the message can start, bytes)] in the order the reducer starts them;
+    params: [(parameter name, gradient bytes)] in state-dict order."""
     ready, t = {}, forward_s
     for lt in reversed(times):  # backward runs the layers in reverse order
         t += lt.backward_data_s + lt.backward_weights_s
         ready[lt.name] = t
-    params = [(name, g.nbytes) for name, _, g in model.parameters()]
     layer_of = {name: name.rsplit(".", 1)[0] for name, _ in params}
     if reduction == "blocking":
         total = sum(n for _, n in params)
@@ -212,7 +230,9 @@ def _messages(model, times, forward_s, reduction, bucket_mb, first_bucket_mb):
 def table(p):
     """The per-layer table and the step's split, as text."""
     ms = lambda s: f"{1e3 * s:9.3f}"
-    lines = [(f"{p.model}: batch {p.batch_size} per process, {p.np} process(es) x {p.threads} thread(s), {p.parallel} "
+    how = (f"batch {p.batch_size} per process, {p.np} process(es)" if p.model_parallel_size == 1 else
+           f"batch {p.batch_size} per replica, {p.np} process(es) ({p.model_parallel_size} per replica)")
+    lines = [(f"{p.model}: {how} x {p.threads} thread(s), {p.parallel} "
              f"parallel, {p.reduction} reduction ({p.algorithm}, progress {p.progress}) on {p.machine}"),
              f"{'layer':32s} {'kind':18s} {'algorithm':14s} {'fwd ms':>9s} {'bwd ms':>9s} {'bound':>7s}"]
     for t in p.layers:
@@ -221,7 +241,9 @@ def table(p):
     lines += ["", (f"step {ms(p.step_s).strip()} ms = compute {ms(p.compute_s).strip()} + memory-bound "
                   f"{ms(p.memory_s).strip()} (update {ms(p.update_s).strip()}) + fixed costs "
                   f"{ms(p.overhead_s).strip()} + exposed communication "
-                  f"{ms(p.exposed_comm_s).strip()} (of {ms(p.comm_s).strip()} in {p.messages} allreduce(s))")]
+                  f"{ms(p.exposed_comm_s).strip()} (of {ms(p.comm_s).strip()} in {p.messages} collective(s)"
+                  + (f"; {ms(p.group_comm_s).strip()} of them inside the model-parallel groups, blocking"
+                     if p.model_parallel_size > 1 else "") + ")")]
     if not math.isfinite(p.step_s):
         lines.append("the prediction is not finite: check the machine's rates")
     return "\n".join(lines)

@@ -4,8 +4,9 @@ printed instead of training (no data is read, no MPI is started).
     pydtnn-train --simulate --machine vm.yaml --np 64 --model vgg16_imagenet --batch_size 32
 
 A registered zoo name (vgg16_imagenet) is modelled at its own input shape; a family name (vgg16) at
-the shape of --dataset, as a real run would resolve it (docs/models.md). The batch per process is
---batch_size, else --global_batch_size / --np, else the model's recipe; threads per process are
+the shape of --dataset, as a real run would resolve it (docs/models.md). The batch per model replica
+(per process with data parallelism; --parallel model|hybrid --model_parallel_size as in training) is
+--batch_size, else --global_batch_size over the replicas, else the model's recipe; threads per process are
 --threads_per_process; the reduction is --reduction (per_layer with --non_blocking_mpi, else bucketed)
 with --bucket_size_mb.
 """
@@ -36,16 +37,27 @@ def build(args):
     return choice.name, model
 
 
+def replicas(args):
+    """Model replicas of the run: the processes, or the model-parallel groups (checked as the trainer checks)."""
+    from pydtnn.perfmodel.split import group_size
+
+    if args.parallel not in ("model", "hybrid"):
+        return args.np
+    return args.np // group_size(args.parallel, args.np, args.model_parallel_size)
+
+
 def batch_size(args, name):
+    """Samples per replica and step: --batch_size, else --global_batch_size over the replicas, else the recipe's."""
     from pydtnn.models.families import recipe
 
     if args.batch_size:
         return args.batch_size
     if args.global_batch_size:
-        if args.global_batch_size % args.np:
-            raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by --np {args.np}; "
-                              "expected a multiple of the process count")
-        return args.global_batch_size // args.np
+        n = replicas(args)
+        if args.global_batch_size % n:
+            raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by the {n} model "
+                              f"replicas of --np {args.np}; expected a multiple of {n}")
+        return args.global_batch_size // n
     return recipe(name, args.optimizer)["batch_size"]
 
 
@@ -60,8 +72,9 @@ def simulate(args, say=print):
     optimizer = {"sgd": "sgd_momentum", "adam": "adam", "adamw": "adam", "nadam": "adam"}.get(args.optimizer, "sgd")
     p = predict(model, batch_size(args, name), args.np, machine, reduction=reduction,
                 threads=args.threads_per_process or 1, bucket_mb=args.bucket_size_mb, optimizer=optimizer,
-                parallel=args.parallel if args.parallel not in (None, "sequential") else "data", name=name)
+                parallel=args.parallel if args.parallel not in (None, "sequential") else "data", name=name,
+                model_parallel_size=args.model_parallel_size)
     say(table(p))
     say(f"pydtnn: simulated, nothing trained: {p.step_s * 1e3:.1f} ms a step, "
-        f"{p.batch_size * p.np / p.step_s:,.0f} samples/s over {p.np} process(es)")
+        f"{p.batch_size * (p.np // p.model_parallel_size) / p.step_s:,.0f} samples/s over {p.np} process(es)")
     return p

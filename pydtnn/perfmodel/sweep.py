@@ -20,8 +20,13 @@ Throughput is samples per second over all processes: batch_size * processes / st
 one predict() call on the model built once; predict() recomputes the layers' costs per call, which
 takes milliseconds, so no cache is kept.
 
-Schemes: data parallelism only, for now. SCHEMES is where model and hybrid parallelism join once
-predict() models them; every point and every curve is labelled by its scheme.
+Schemes, compared on the same processes and the same global batch (batch_size x processes):
+  data    every process a replica with batch_size samples;
+  model   every layer split over all the processes, one replica with the whole global batch;
+  hybrid  every layer split over the processes of a node (processes_per_node), one replica per node with
+          batch_size x processes_per_node samples, data parallel across nodes.
+Model parallelism cannot split a layer over more processes than it has output channels (the trainer
+refuses it): such points are left out, and summary() says from how many processes on.
 """
 
 import dataclasses
@@ -32,8 +37,9 @@ import math
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel.predict import predict
 
-SCHEMES = ("data",)
-SCHEME_LABELS = {"data": "data parallelism"}
+SCHEMES = ("data", "model", "hybrid")
+SCHEME_LABELS = {"data": "data parallelism", "model": "model parallelism",
+                 "hybrid": "hybrid (model in a node, data across)"}
 AXES = ("batch", "rate", "bandwidth", "link", "nodes")
 AXIS_LABELS = {"batch": "batch size per process", "rate": "node arithmetic rate (x machine's)",
                "bandwidth": "node memory bandwidth (x machine's)", "link": "inter-node link bandwidth (bit/s)",
@@ -163,17 +169,36 @@ def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algor
             for value in axis_values(axis, machine, baseline, points):
                 m, nodes, batch = setting(axis, value, machine, baseline)
                 np_ = nodes * m.processes_per_node
-                p = predict(model, batch, np_, m, reduction=reduction, algorithm=algorithm, progress=progress,
-                            parallel=scheme, name=name)
+                p = scheme_step(model, name, scheme, batch, np_, m, reduction=reduction, algorithm=algorithm,
+                                progress=progress)
+                if on_point is not None:
+                    on_point()
+                if p is None:
+                    continue
                 points_out.append(Point(
                     model=name, scheme=scheme, axis=axis, value=value, nodes=nodes, processes=np_, batch_size=batch,
                     rate_factor=value if axis == "rate" else 1.0,
                     bandwidth_factor=value if axis == "bandwidth" else 1.0,
                     link_bytes_per_s=m.link("inter").bandwidth_bytes_per_s, step_s=p.step_s, compute_s=p.compute_s,
                     memory_s=p.memory_s, comm_s=p.comm_s, exposed_comm_s=p.exposed_comm_s))
-                if on_point is not None:
-                    on_point()
     return points_out
+
+
+def scheme_step(model, name, scheme, batch, np_, machine, **options):
+    """predict() of one scheme at `batch` samples per process over np_ processes (the same global batch for
+    every scheme); None where the scheme cannot run (a layer with fewer channels than its group)."""
+    if scheme == "data":
+        return predict(model, batch, np_, machine, parallel="data", name=name, **options)
+    group = np_ if scheme == "model" else min(machine.processes_per_node, np_)
+    try:
+        if group == 1:
+            return predict(model, batch, np_, machine, parallel="data", name=name, **options)
+        return predict(model, batch * group, np_, machine, parallel="hybrid", model_parallel_size=group, name=name,
+                       **options)
+    except ConfigError as e:
+        if "fewer than the" in str(e):
+            return None
+        raise
 
 
 def count(machine, baseline, axes=AXES, points=None):
@@ -227,7 +252,39 @@ def summary(points, shares=SHARES):
             lines.append(f"{name} {SCHEME_LABELS[scheme]}, {axis}: exposed communication passes {where} "
                          f"({show(axis, lo.value)}: {lo.exposed_share:.0%} .. {show(axis, hi.value)}: "
                          f"{hi.exposed_share:.0%})")
+        for scheme in SCHEMES[1:]:
+            for axis, (values, ratios, missing) in scheme_crossings(mine, scheme).items():
+                if not ratios:
+                    lines.append(f"{name} {SCHEME_LABELS[scheme]} against data parallelism, {axis}: cannot run at any "
+                                 f"point (a layer has fewer channels than processes)")
+                    continue
+                where = ", ".join(show(axis, v) for v in values) or "nowhere"
+                lines.append(f"{name} {SCHEME_LABELS[scheme]} against data parallelism, {axis}: throughput ratio "
+                             f"{ratios[0][1]:.2f}x at {show(axis, ratios[0][0])} .. {ratios[-1][1]:.2f}x at "
+                             f"{show(axis, ratios[-1][0])}; they cross at {where}"
+                             + (f"; cannot run at {', '.join(show(axis, v) for v in missing)}" if missing else ""))
     return lines
+
+
+def scheme_crossings(points, scheme, versus="data"):
+    """{axis: (values where `scheme`'s throughput crosses `versus`'s, [(value, throughput ratio)], values where
+    `scheme` cannot run)}, each crossing read by linear interpolation of log(ratio) against log(value)."""
+    out = {}
+    for axis in dict.fromkeys(p.axis for p in points):
+        base = {p.value: p for p in points if (p.scheme, p.axis) == (versus, axis)}
+        mine = {p.value: p for p in points if (p.scheme, p.axis) == (scheme, axis)}
+        ratios = [(v, mine[v].throughput / base[v].throughput) for v in sorted(base) if v in mine]
+        missing = [v for v in sorted(base) if v not in mine]
+        found = []
+        for (va, ra), (vb, rb) in itertools.pairwise(ratios):
+            la, lb = math.log(ra), math.log(rb)
+            if la == 0:
+                found.append(va)
+            elif la * lb < 0:
+                t = la / (la - lb)
+                found.append(math.exp(math.log(va) + t * (math.log(vb) - math.log(va))))
+        out[axis] = (found, ratios, missing)
+    return out
 
 
 def figure(points, machine, baseline, reduction="bucketed", algorithm="ring", progress="test"):
@@ -272,7 +329,7 @@ def figure(points, machine, baseline, reduction="bucketed", algorithm="ring", pr
             bottom.set_ylabel("exposed communication / step")
             top.legend(fontsize=8)
     schemes = ", ".join(SCHEME_LABELS[s] for s in SCHEMES)
-    fig.suptitle(f"{name}: predicted training throughput, {schemes} (model and hybrid parallelism not modelled yet)\n"
+    fig.suptitle(f"{name}: predicted training throughput, {schemes}; the same global batch\n"
                  f"baseline: {baseline.nodes} nodes x {machine.processes_per_node} processes, batch "
                  f"{baseline.batch_size} per process, {reduction} reduction, {algorithm} allreduce, MPI progress "
                  f"{progress}\nrates, memory bandwidth and links of {machine.name}", fontsize=10)
