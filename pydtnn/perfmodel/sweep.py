@@ -40,6 +40,7 @@ from pydtnn.perfmodel.predict import predict
 SCHEMES = ("data", "model", "hybrid")
 SCHEME_LABELS = {"data": "data parallelism", "model": "model parallelism",
                  "hybrid": "hybrid (model in a node, data across)"}
+SCHEME_COLORS = {"data": "tab:blue", "model": "tab:orange", "hybrid": "tab:green"}
 AXES = ("batch", "rate", "bandwidth", "link", "nodes")
 AXIS_LABELS = {"batch": "batch size per process", "rate": "node arithmetic rate (x machine's)",
                "bandwidth": "node memory bandwidth (x machine's)", "link": "inter-node link bandwidth (bit/s)",
@@ -258,10 +259,10 @@ def summary(points, shares=SHARES):
                     lines.append(f"{name} {SCHEME_LABELS[scheme]} against data parallelism, {axis}: cannot run at any "
                                  f"point (a layer has fewer channels than processes)")
                     continue
-                where = ", ".join(show(axis, v) for v in values) or "nowhere"
+                where = f"they cross at {', '.join(show(axis, v) for v in values)}" if values else "they do not cross"
                 lines.append(f"{name} {SCHEME_LABELS[scheme]} against data parallelism, {axis}: throughput ratio "
                              f"{ratios[0][1]:.2f}x at {show(axis, ratios[0][0])} .. {ratios[-1][1]:.2f}x at "
-                             f"{show(axis, ratios[-1][0])}; they cross at {where}"
+                             f"{show(axis, ratios[-1][0])}; {where}"
                              + (f"; cannot run at {', '.join(show(axis, v) for v in missing)}" if missing else ""))
     return lines
 
@@ -292,11 +293,12 @@ def figure(points, machine, baseline, reduction="bucketed", algorithm="ring", pr
     communication's share of the step below; the baseline marked on every axis."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     axes = list(dict.fromkeys(p.axis for p in points))
     name = points[0].model
-    fig = Figure(figsize=(max(4.2 * len(axes), 9.0), 7.6), constrained_layout=True)
+    fig = Figure(figsize=(max(4.2 * len(axes), 9.0), 8.0), layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.subplots(2, len(axes), squeeze=False)
     for col, axis in enumerate(axes):
@@ -306,8 +308,9 @@ def figure(points, machine, baseline, reduction="bucketed", algorithm="ring", pr
             if not line:
                 continue
             x = [8 * p.value if axis == "link" else p.value for p in line]
-            top.plot(x, [p.throughput for p in line], "-o", ms=3, label=SCHEME_LABELS[scheme])
-            bottom.plot(x, [p.exposed_share for p in line], "-o", ms=3, label=SCHEME_LABELS[scheme])
+            style = {"ms": 3, "color": SCHEME_COLORS[scheme], "label": SCHEME_LABELS[scheme]}
+            top.plot(x, [p.throughput for p in line], "-o", **style)
+            bottom.plot(x, [p.exposed_share for p in line], "-o", **style)
         base = baseline_value(axis, machine, baseline) * (8 if axis == "link" else 1)
         for ax in (top, bottom):
             ax.set_xscale("log", base=10 if axis == "link" else 2)
@@ -327,7 +330,12 @@ def figure(points, machine, baseline, reduction="bucketed", algorithm="ring", pr
         if col == 0:
             top.set_ylabel("training throughput (samples/s, all processes)")
             bottom.set_ylabel("exposed communication / step")
-            top.legend(fontsize=8)
+    present = [s for s in SCHEMES if any(p.scheme == s for p in points)]
+    handles = [Line2D([], [], color=SCHEME_COLORS[s], marker="o", ms=3, label=SCHEME_LABELS[s]) for s in present]
+    if "model" in present:
+        handles.append(Line2D([], [], color="none", label="(model parallelism: only where no layer has fewer "
+                                                          "channels than processes)"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False)
     schemes = ", ".join(SCHEME_LABELS[s] for s in SCHEMES)
     fig.suptitle(f"{name}: predicted training throughput, {schemes}; the same global batch\n"
                  f"baseline: {baseline.nodes} nodes x {machine.processes_per_node} processes, batch "
