@@ -63,6 +63,7 @@ LAYOUTS = ((2, "data"), (2, "model"), (4, "data"), (4, "model"), (4, "hybrid")) 
 HYBRID_GROUP = 2  # processes per model replica in the hybrid layout (2x2 at np 4)
 MP_COMM = (":allgather", ":sum_dx")  # names of the layers model_parallel.partition() inserts end so
 RUN_TIMEOUT_S = 300
+BUSY = 0.25  # cores other processes used during a run above which the report names it and the plot hatches it
 TEST_SAMPLES = 8  # the test set the trainer evaluates at the end of a run: small, so that it costs nothing
 
 
@@ -262,7 +263,10 @@ def report(run):
              "model-parallel comm.: the inserted gathers and dx sums per step (waiting included). gradient wait: "
              "the reducer's exposed wait per step. predicted: pydtnn.perfmodel.predict, data parallelism only. "
              "other cores: CPU used by other processes during the run.")
-    return "\n".join([head, "", table(run["points"]), "", notes])
+    busy = [p["label"] for p in run["points"] if (p["measured"].get("foreign_cores") or 0.0) > BUSY]
+    disturbed = (f"{len(busy)} of {len(run['points'])} runs had other processes using more than {BUSY} cores "
+                 f"(hatched in the plot){': ' + ', '.join(busy) if busy else ''}.")
+    return "\n".join([head, "", table(run["points"]), "", notes, "", disturbed])
 
 
 LAYOUT_COLORS = {(2, "data"): "#9ecae1", (2, "model"): "#fdae6b", (4, "data"): "#3182bd", (4, "model"): "#e6550d",
@@ -271,7 +275,8 @@ LAYOUT_COLORS = {(2, "data"): "#9ecae1", (2, "model"): "#fdae6b", (4, "data"): "
 
 def plot(run, path):
     """Step time (log scale) per layout: one panel per model (columns) and global batch (rows), bars grouped by
-    network; the data layout's prediction as a black tick over its bar."""
+    network (every panel shows the run's networks; "not run" where a panel has none of a network's points);
+    the data layout's prediction as a black tick over its bar; hatched: runs other processes disturbed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -280,6 +285,7 @@ def plot(run, path):
     models = [m for m in MODELS if any(p["config"]["model"] == m for p in points)]
     models += sorted({p["config"]["model"] for p in points} - set(models))
     batches = sorted({p["config"]["batch"] for p in points})
+    networks = [n for n in NETWORKS if any(p["config"]["network"] == n for p in points)]
     by_key = {(c["model"], c["batch"], c["network"], c["np"], c["layout"]): p for p in points for c in [p["config"]]}
     fig = Figure(figsize=(4.6 * len(models), 3.6 * len(batches)), constrained_layout=True)
     FigureCanvasAgg(fig)
@@ -287,28 +293,36 @@ def plot(run, path):
     width = 0.8 / len(LAYOUTS)
     for row, batch in enumerate(batches):
         for col, model in enumerate(models):
-            ax = axes[row][col]
-            networks = [n for n in NETWORKS if any((model, batch, n, *lay) in by_key for lay in LAYOUTS)]
+            ax, heights = axes[row][col], []
             for g, network in enumerate(networks):
                 for i, lay in enumerate(LAYOUTS):
                     p = by_key.get((model, batch, network, *lay))
                     if p is None:
                         continue
-                    x = g + (i - (len(LAYOUTS) - 1) / 2) * width
-                    ax.bar(x, 1e3 * p["measured"]["step_s"], width, color=LAYOUT_COLORS[lay], edgecolor="black",
-                           linewidth=0.4)
+                    x, m = g + (i - (len(LAYOUTS) - 1) / 2) * width, p["measured"]
+                    heights.append(1e3 * m["step_s"])
+                    ax.bar(x, heights[-1], width, color=LAYOUT_COLORS[lay], edgecolor="black", linewidth=0.4,
+                           hatch="///" if (m.get("foreign_cores") or 0.0) > BUSY else None)
                     if p["predicted"]:
                         ax.plot([x - width / 2, x + width / 2], [1e3 * p["predicted"]["step_s"]] * 2, color="black",
                                 lw=1.6)
+                if not any((model, batch, network, *lay) in by_key for lay in LAYOUTS):
+                    ax.text(g, 0.5, "not run", transform=ax.get_xaxis_transform(), ha="center", color="gray")
             ax.set_yscale("log")
+            if heights:  # bars on a log axis grow from its bottom: put it well below the lowest
+                ax.set_ylim(min(heights) / 3, max(heights) * 1.6)
+            ax.set_xlim(-0.5, len(networks) - 0.5)
             ax.set_xticks(range(len(networks)), [n if n != "unlimited" else "shared memory" for n in networks])
             ax.set_title(f"{model}, global batch {batch}", fontsize=10)
             ax.set_ylabel("step ms (log)")
             ax.grid(True, axis="y", which="both", alpha=0.25)
     handles = [Patch(color=LAYOUT_COLORS[lay], label=f"np {lay[0]} {layout_name(*lay)}") for lay in LAYOUTS]
     handles.append(Patch(color="black", label="predicted (data only)"))
-    axes[0][0].legend(handles=handles, fontsize=7, loc="upper left")
-    fig.suptitle(f"Training step by parallel layout, same global batch ({run['host']})", fontsize=11)
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                         label=f"other processes used > {BUSY} cores"))
+    fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=len(handles))
+    fig.suptitle(f"Training step by parallel layout, same global batch ({run['host']}, one thread per process)",
+                 fontsize=11)
     fig.savefig(path, dpi=100)
 
 

@@ -182,4 +182,5 @@ def test_parallelism_benchmark_tables_and_redraws_a_saved_run_without_mpi(tmp_pa
     assert bench.main(["--from_json", str(saved), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "3 configurations, 2 warm-up + 5 timed steps" in out and rows[1] in out
+    assert "0 of 3 runs had other processes using more than 0.25 cores" in out
     assert png.stat().st_size > 10_000
