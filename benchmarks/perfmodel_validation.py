@@ -90,10 +90,14 @@ class Config:
     np: int
     reduction: str | None  # None when np == 1
     network: str = "unlimited"
+    parallel: str = "data"  # model and hybrid: batch is per replica (docs/parallelism.md)
+    model_parallel_size: int | None = None  # hybrid: processes per replica
 
     @property
     def label(self):
         parts = [self.model, f"b{self.batch}", f"t{self.threads}", f"np{self.np}"]
+        if self.parallel != "data":
+            parts.append(self.parallel if self.parallel == "model" else f"hybrid{self.model_parallel_size}")
         if self.np > 1:
             parts += [self.reduction, self.network]
         return " ".join(parts)
@@ -127,6 +131,22 @@ def full_configs():
     c += [Config("resnet20_cifar10", 16, 1, 2, r, m) for r in REDUCERS]
     c += [Config("resnet20_cifar10", 16, 1, 4, "blocking", m)]
     c += [Config("mobilenetv1_cifar10", 16, 1, 2, r, m) for r in REDUCERS]
+    return c + split_configs()
+
+
+def split_configs():
+    """Model and hybrid parallelism (the batch per replica): at np 2 and 4 on the plain machine, np 2 at
+    1 Gbit/s and 200 Mbit/s (activations cross the link, where data parallelism sends gradients)."""
+    c = []
+    for model, batch in (("simplecnn", 64), ("resnet20_cifar10", 32), ("vgg11bn_cifar10", 32),
+                         ("mobilenetv1_cifar10", 32)):
+        c += [Config(model, batch, 1, 2, "bucketed", parallel="model"),
+              Config(model, batch, 1, 4, "bucketed", parallel="model"),
+              Config(model, batch, 1, 4, "bucketed", parallel="hybrid", model_parallel_size=2)]
+    for network in ("1gbit", "200mbit"):
+        c += [Config("simplecnn", 64, 1, 2, "bucketed", network, parallel="model"),
+              Config("resnet20_cifar10", 32, 1, 2, "bucketed", network, parallel="model"),
+              Config("vgg11bn_cifar10", 32, 1, 2, "bucketed", network, parallel="model")]
     return c
 
 
@@ -154,7 +174,8 @@ def predicted(config, model, machine):
     from pydtnn.perfmodel.predict import predict
 
     p = predict(model, config.batch, config.np, machine, reduction=config.reduction or "blocking",
-                threads=config.threads, algorithm="best", progress="test", optimizer="sgd_momentum")
+                threads=config.threads, algorithm="best", progress="test", optimizer="sgd_momentum",
+                parallel=config.parallel, model_parallel_size=config.model_parallel_size)
     return {"step_s": p.step_s, "compute_s": p.compute_s, "memory_s": p.memory_s, "update_s": p.update_s,
             "comm_s": p.comm_s, "exposed_comm_s": p.exposed_comm_s, "messages": p.messages,
             "link": {"latency_s": machine.links["intra"].latency_s,
@@ -217,6 +238,10 @@ def command(config, trace, warmup, steps, python=sys.executable):
              "--threads_per_process", str(config.threads)]
     if config.np > 1:
         train = [mpiexec_path(), "-n", str(config.np), *train, "--reduction", config.reduction]
+        if config.parallel != "data":
+            train += ["--parallel", config.parallel]
+        if config.model_parallel_size:
+            train += ["--model_parallel_size", str(config.model_parallel_size)]
     if config.network != "unlimited":
         train = [python, NETEM, "--rate", config.network, "--", *train]
     return train
@@ -323,10 +348,10 @@ def summarize(points, min_share=MIN_LAYER_SHARE):
          "worst_step_error_pct": worst["error_pct"], "worst_config": worst["label"],
          "mean_step_error_pct": statistics.mean(errs),
          "within_10pct": sum(a <= 10 for a in absolute), "within_25pct": sum(a <= 25 for a in absolute)}
-    for key in ("network", "model", "np"):
+    for key in ("network", "model", "np", "parallel"):
         groups = defaultdict(list)
         for p in points:
-            groups[p["config"][key]].append(p["error_pct"])
+            groups[p["config"].get(key, "data")].append(p["error_pct"])
         s[f"by_{key}"] = {str(k): {"n": len(v), "median_abs_pct": statistics.median(map(abs, v)),
                                    "median_pct": statistics.median(v)} for k, v in groups.items()}
     layers = [lp for p in points for lp in layer_points(p)]
@@ -368,13 +393,16 @@ def report(run):
              f"pydtnn {run['commit']}"
              + (f" (predicted again at {run['predicted_at']})" if run.get("predicted_at") else "")
              + f"; {len(points)} configurations, script wall time {run['wall_s']:.0f} s."), "",
-             ("| model | batch | threads | np | reduction | network | predicted ms | of which comm. | measured ms "
-             "| error % | other cores |"),
-             "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             ("| model | batch | threads | np | parallel | reduction | network | predicted ms | of which comm. "
+              "| measured ms | error % | other cores |"),
+             "| --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for p in points:
         c, pr, me = p["config"], p["predicted"], p["measured"]
         foreign = me.get("foreign_cores")
-        lines.append(f"| {c['model']} | {c['batch']} | {c['threads']} | {c['np']} | {c['reduction'] or '-'} | "
+        par = c.get("parallel", "data")
+        par = f"hybrid {c['np'] // c['model_parallel_size']}x{c['model_parallel_size']}" if par == "hybrid" else par
+        lines.append(f"| {c['model']} | {c['batch']} | {c['threads']} | {c['np']} | {par if c['np'] > 1 else '-'} | "
+                     f"{c['reduction'] or '-'} | "
                      f"{c['network'] if c['np'] > 1 else '-'} | {ms(pr['step_s'])} | "
                      f"{ms(pr['exposed_comm_s']) if c['np'] > 1 else '-'} | {ms(me['step_s'])} | "
                      f"{p['error_pct']:+.1f} | {'' if foreign is None else f'{foreign:.2f}'} |")
@@ -391,9 +419,9 @@ def report(run):
                      f"{100 * s['layer_min_share']:.0f}% of their step) | {yes(s['met']['median_layer'])} |")
     lines += ["", (f"Step error: mean {s['mean_step_error_pct']:+.1f}% (signed; positive = predicted slower), "
                   f"{s['within_10pct']} of {s['configurations']} within 10%.")]
-    for key in ("network", "np", "model"):
+    for key in ("network", "np", "model", "parallel"):
         parts = [f"{k}: {v['median_abs_pct']:.1f}% (signed {v['median_pct']:+.1f}%, n={v['n']})"
-                 for k, v in s[f"by_{key}"].items()]
+                 for k, v in s.get(f"by_{key}", {}).items()]
         lines.append(f"Median absolute step error by {key}: " + "; ".join(parts) + ".")
     if "by_kind" in s:
         pct = lambda v: "-" if v is None else f"{v:.1f}%"
@@ -537,7 +565,7 @@ def drive(args):
         print(f"perfmodel_validation: emulated networks skipped: {refusal}", file=sys.stderr)
     configs = quick_configs(refusal is None) if args.quick else full_configs()
     configs = [c for c in configs if (refusal is None or c.network == "unlimited")
-               and (not args.only or args.only in c.label)]
+               and (not args.only or args.only in c.label) and (not args.parallel or c.parallel in args.parallel)]
     links = {}
     for rate in sorted({c.network for c in configs if c.network != "unlimited"}, key=NETWORKS.index):
         print(f"link probe at {rate}", file=sys.stderr, flush=True)
@@ -607,6 +635,10 @@ def main(argv=None):
     p.add_argument("--wait_idle", type=float, default=10.0, help="seconds to wait for a quiet machine before a run")
     p.add_argument("--retries", type=int, default=1, help="runs again while other processes used > 0.25 cores")
     p.add_argument("--only", help="only the configurations whose label contains this text")
+    p.add_argument("--parallel", choices=("data", "model", "hybrid"), action="append",
+                   help="only configurations of this parallelism (repeatable)")
+    p.add_argument("--merge", help="a saved run (JSON) whose points the new measurements join, replacing those "
+                                   "of the same configuration; the result goes to --out")
     p.add_argument("--from_json", help="predict a saved run's configurations again (its measurements kept), report "
                                        "and plot, instead of measuring")
     p.add_argument("--keep_predictions", action="store_true", help="with --from_json: report the saved predictions")
@@ -626,8 +658,25 @@ def main(argv=None):
                             os.path.relpath(os.path.abspath(args.machine), ROOT))
         output(run, args.out, args.md)
         return 0
-    output(drive(args), args.out, args.md)
+    run = drive(args)
+    if args.merge:
+        run = merged(run, args.merge)
+    output(run, args.out, args.md)
     return 0
+
+
+def merged(run, path):
+    """The saved run at `path` with `run`'s points added (a point of the same configuration replaced),
+    its links joined, every point in the order of full_configs(); the new run's machine and commit."""
+    with open(path, encoding="utf-8") as f:
+        old = json.load(f)
+    new = {p["label"]: p for p in run["points"]}
+    points = [p for p in old["points"] if p["label"] not in new] + run["points"]
+    order = {c.label: i for i, c in enumerate(full_configs())}
+    points.sort(key=lambda p: order.get(p["label"], len(order)))
+    return {**old, **{k: run[k] for k in ("machine_file", "machine", "host", "commit", "netem")},
+            "links": {**old.get("links", {}), **run["links"]}, "points": points, "summary": summarize(points),
+            "wall_s": old.get("wall_s", 0.0) + run["wall_s"]}
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def test_report_and_plot_from_a_saved_run(tmp_path):
                                                    point("m2 y", 90, 100, "1gbit")]}
     run["summary"] = pv.summarize(run["points"])
     text = pv.report(run)
-    assert "| m1 | 16 | 1 | 1 | - | - | 110.0 | - | 100.0 | +10.0 |" in text
+    assert "| m1 | 16 | 1 | 1 | - | - | - | 110.0 | - | 100.0 | +10.0 |" in text
     assert "| median absolute step error <= 10% | 10.0% | met |" in text
     pv.plot(run, str(tmp_path / "v.png"))
     assert (tmp_path / "v.png").stat().st_size > 10_000
@@ -137,3 +137,30 @@ def test_quick_run_measures_three_configurations(tmp_path):
         assert p["measured"]["layers"]  # the trainer's per-layer spans were read
     assert os.path.getsize(out + ".png") > 10_000
     assert "| target | reached |" in proc.stdout
+
+
+def test_model_and_hybrid_configurations_run_and_predict_as_the_trainer_does():
+    hybrid = pv.Config("resnet20_cifar10", 32, 1, 4, "bucketed", parallel="hybrid", model_parallel_size=2)
+    argv = pv.command(hybrid, "t.json", 2, 3)
+    assert argv[argv.index("--parallel") + 1] == "hybrid" and argv[argv.index("--model_parallel_size") + 1] == "2"
+    assert hybrid.label == "resnet20_cifar10 b32 t1 np4 hybrid2 bucketed unlimited"
+    split = [c for c in pv.full_configs() if c.parallel != "data"]
+    assert {c.parallel for c in split} == {"model", "hybrid"} and {c.network for c in split} == set(pv.NETWORKS)
+    assert "--parallel" not in pv.command(pv.Config("simplecnn", 16, 1, 2, "bucketed"), "t.json", 2, 3)
+
+
+def test_merge_replaces_points_of_the_same_configuration_and_keeps_the_rest(tmp_path):
+    def point(config, measured_s):
+        return pv.make_point(config, {"step_s": 1.0, "layers": {}}, {"step_s": measured_s, "layers": {}})
+
+    data, model = pv.Config("simplecnn", 64, 1, 2, "bucketed"), pv.Config("simplecnn", 64, 1, 2, "bucketed",
+                                                                           parallel="model")
+    old = {"points": [point(data, 1.0), point(model, 4.0)], "links": {"1gbit": {"rate": "1gbit"}}, "wall_s": 10.0,
+           "machine_file": "a", "machine": {}, "host": "h", "commit": "c", "netem": "used"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    new = {"points": [point(model, 2.0)], "links": {}, "wall_s": 5.0, "machine_file": "b", "machine": {},
+           "host": "h", "commit": "d", "netem": "used"}
+    run = pv.merged(new, str(tmp_path / "old.json"))
+    assert [p["measured"]["step_s"] for p in run["points"]] == [1.0, 2.0]  # full_configs() order, the new one
+    assert run["commit"] == "d" and run["wall_s"] == 15.0 and "1gbit" in run["links"]
+    assert run["summary"]["by_parallel"]["model"]["n"] == 1
