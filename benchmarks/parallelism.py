@@ -3,7 +3,7 @@
     python benchmarks/parallelism.py [--out docs/parallelism_benchmark.json] [--plot docs/benchmarks_parallelism.png]
                                      [--warmup 2] [--steps 5] [--only TEXT]        # 70 runs, about 10 minutes
     python benchmarks/parallelism.py --quick          # 3 small configurations, about 10 s (smoke test)
-    python benchmarks/parallelism.py --from_json docs/parallelism_benchmark.json   # table and plot again
+    python benchmarks/parallelism.py --from_json docs/parallelism_benchmark.json   # table and plot again, re-predicted
 
 A configuration is a model, a global batch (samples per step over all processes), a process count, a
 layout and a network. Layouts: `data` (each process a replica on global/np samples), `model` (every
@@ -26,13 +26,14 @@ same trace: the model-parallel collectives (the spans of the gathers and dx sums
 waiting included; per step, averaged over ranks) and the gradient reduction's exposed wait (the
 reducer's wait and blocking spans, slowest rank). The run's start and end are not timed.
 
-Predicted: pydtnn.perfmodel.predict for the data layout only (the bucketed reducer, the trainer's
-default; algorithm "best", progress inside MPI calls; every rank on this one machine, so an emulated
-rate becomes the intra-node link with rate / np per rank, as in perfmodel_validation.py, its latency
-measured under the cap by calibrate's MPI probe). The performance model has no model or hybrid
-parallelism yet: their "predicted" is empty.
+Predicted: pydtnn.perfmodel.predict on the same layout, process count and batch per replica (the bucketed
+reducer, the trainer's default; algorithm "best", progress inside MPI calls; every rank on this one
+machine, so an emulated rate becomes the intra-node link with rate / np per rank, as in
+perfmodel_validation.py, its latency measured under the cap by calibrate's MPI probe). --from_json
+predicts the saved configurations again with the checkout's performance model (--keep_predictions: the
+saved ones).
 
-Outputs: the JSON (every configuration with its measurement, and the prediction where there is one),
+Outputs: the JSON (every configuration with its measurement and its prediction),
 the PNG (step time per layout, one panel per model and global batch, grouped by network) and the
 markdown table on stdout.
 """
@@ -209,15 +210,33 @@ def measure(config, warmup, steps, wait_s, tmp):
 
 
 def predicted(config, model, machine):
-    """The performance model's step for a data-parallel configuration ({"step_s", "comm_s", "exposed_comm_s"}),
-    None for model and hybrid parallelism, which it does not cover."""
-    if config.layout != "data":
-        return None
+    """The performance model's step for `config` ({"step_s", "comm_s", "exposed_comm_s", "group_comm_s"}: the
+    step, all communication, the part of it on the critical path, the model-parallel groups' collectives)."""
     from pydtnn.perfmodel.predict import predict
 
-    p = predict(model, config.batch // config.np, config.np, machine, reduction="bucketed", threads=1,
-                algorithm="best", progress="test", optimizer="sgd_momentum")
-    return {"step_s": p.step_s, "comm_s": p.comm_s, "exposed_comm_s": p.exposed_comm_s}
+    p = predict(model, config.replica_batch, config.np, machine, reduction="bucketed", threads=1, algorithm="best",
+                progress="test", optimizer="sgd_momentum", parallel=config.layout,
+                model_parallel_size=config.group if config.layout == "hybrid" else None)
+    return {"step_s": p.step_s, "comm_s": p.comm_s, "exposed_comm_s": p.exposed_comm_s,
+            "group_comm_s": p.group_comm_s}
+
+
+def predict_points(points, links, base):
+    """Fill every point's "predicted" from its configuration on machine `base`, an emulated network's link taken
+    from `links` (the run's link probes; no prediction where its network has none)."""
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+
+    built = {}
+    for p in points:
+        config = Config(**p["config"])
+        link = links.get(config.network)
+        if config.network != "unlimited" and link is None:
+            p["predicted"] = None
+            continue
+        if config.model not in built:
+            built[config.model] = models.create(config.model, backend=CPUBackend(seed=0))
+        p["predicted"] = predicted(config, built[config.model], validation.machine_for(base, config.np, link))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,12 +275,15 @@ def table(points):
 def report(run):
     """The markdown report: one line on the run, the table, the columns."""
     s = run["settings"]
+    predicted_at = run.get("predicted_at", run["commit"])
     head = (f"{run['host']}; pydtnn {run['commit']}; {len(run['points'])} configurations, {s['warmup']} warm-up + "
-            f"{s['steps']} timed steps each, 1 thread per process; script wall time {run['wall_s']:.0f} s.")
+            f"{s['steps']} timed steps each, 1 thread per process; script wall time {run['wall_s']:.0f} s"
+            + (f"; predicted at {predicted_at} with {run.get('machine_file', '?')}" if predicted_at != run["commit"]
+               else "") + ".")
     notes = ("step ms: median over the timed steps of the slowest rank's step. data step / this: the data layout's "
              "step at the same model, batch, np and network over this one (above 1: faster than data). "
              "model-parallel comm.: the inserted gathers and dx sums per step (waiting included). gradient wait: "
-             "the reducer's exposed wait per step. predicted: pydtnn.perfmodel.predict, data parallelism only. "
+             "the reducer's exposed wait per step. predicted: pydtnn.perfmodel.predict on the same layout. "
              "other cores: CPU used by other processes during the run.")
     busy = [p["label"] for p in run["points"] if (p["measured"].get("foreign_cores") or 0.0) > BUSY]
     disturbed = (f"{len(busy)} of {len(run['points'])} runs had other processes using more than {BUSY} cores "
@@ -276,7 +298,7 @@ LAYOUT_COLORS = {(2, "data"): "#9ecae1", (2, "model"): "#fdae6b", (4, "data"): "
 def plot(run, path):
     """Step time (log scale) per layout: one panel per model (columns) and global batch (rows), bars grouped by
     network (every panel shows the run's networks; "not run" where a panel has none of a network's points);
-    the data layout's prediction as a black tick over its bar; hatched: runs other processes disturbed."""
+    the prediction as a black tick over its bar; hatched: runs other processes disturbed."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -317,7 +339,7 @@ def plot(run, path):
             ax.set_ylabel("step ms (log)")
             ax.grid(True, axis="y", which="both", alpha=0.25)
     handles = [Patch(color=LAYOUT_COLORS[lay], label=f"np {lay[0]} {layout_name(*lay)}") for lay in LAYOUTS]
-    handles.append(Patch(color="black", label="predicted (data only)"))
+    handles.append(Patch(color="black", label="predicted"))
     handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                          label=f"other processes used > {BUSY} cores"))
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=len(handles))
@@ -330,8 +352,6 @@ def plot(run, path):
 # driver
 # ----------------------------------------------------------------------------------------------
 def drive(args):
-    from pydtnn import models
-    from pydtnn.backends import CPUBackend
     from pydtnn.perfmodel import machine
 
     t_start = time.perf_counter()
@@ -343,20 +363,16 @@ def drive(args):
     configs = [c for c in configs if (refusal is None or c.network == "unlimited")
                and (not args.only or args.only in c.label)]
     links = {}
-    for rate in sorted({c.network for c in configs if c.network != "unlimited" and c.layout == "data"},
-                       key=NETWORKS.index):
+    for rate in sorted({c.network for c in configs if c.network != "unlimited"}, key=NETWORKS.index):
         print(f"link probe at {rate}", file=sys.stderr, flush=True)
         links[rate] = validation.probe_link(rate, nps=(2,))
-    built, points = {}, []
+    points = []
     with tempfile.TemporaryDirectory(prefix="parallelism-") as tmp:
         for i, config in enumerate(configs):
-            if config.layout == "data" and config.model not in built:
-                built[config.model] = models.create(config.model, backend=CPUBackend(seed=0))
-            on = validation.machine_for(base, config.np, links.get(config.network))
-            pred = predicted(config, built.get(config.model), on)
             meas = measure(config, args.warmup, args.steps, args.wait_idle, tmp)
-            points.append({"label": config.label, "config": dataclasses.asdict(config), "measured": meas,
-                           "predicted": pred})
+            points.append({"label": config.label, "config": dataclasses.asdict(config), "measured": meas})
+            predict_points(points[-1:], links, base)
+            pred = points[-1]["predicted"]
             foreign = "?" if meas["foreign_cores"] is None else f"{meas['foreign_cores']:.2f}"
             print(f"[{i + 1}/{len(configs)}] {config.label}: {1e3 * meas['step_s']:.1f} ms"
                   + (f" (predicted {1e3 * pred['step_s']:.1f})" if pred else "")
@@ -394,11 +410,19 @@ def main(argv=None):
     p.add_argument("--wait_idle", type=float, default=0.0,
                    help="seconds to wait, before each run, for other processes to leave the cores (default 0)")
     p.add_argument("--only", help="only the configurations whose label contains this text")
-    p.add_argument("--from_json", help="table and plot of a saved run instead of measuring")
+    p.add_argument("--from_json", help="table and plot of a saved run instead of measuring; its configurations "
+                                       "predicted again with this checkout's performance model and --machine")
+    p.add_argument("--keep_predictions", action="store_true", help="with --from_json: the saved predictions")
     args = p.parse_args(argv)
     if args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             run = json.load(f)
+        if not args.keep_predictions:
+            from pydtnn.perfmodel import machine
+
+            predict_points(run["points"], run.get("links", {}), machine.load(args.machine))
+            run["machine_file"] = os.path.relpath(os.path.abspath(args.machine), ROOT)
+            run["predicted_at"] = validation.commit()
         output(run, args.out, args.plot)
         return 0
     if not args.quick:

@@ -175,12 +175,19 @@ def test_parallelism_benchmark_tables_and_redraws_a_saved_run_without_mpi(tmp_pa
     # no data point at np 4 on 1 Gbit/s: no ratio; no prediction for hybrid
     assert rows[2] == "| simplecnn | 32 | 1gbit | 4 | hybrid 2x2 | 16 | 10.0 | 3200.0 |  | 3.00 | 1.00 |  | 0.05 |"
 
-    run = {"host": "AMD EPYC, 2 cores", "commit": "abc1234", "wall_s": 12.0, "points": points,
+    run = {"host": "AMD EPYC, 2 cores", "commit": "abc1234", "wall_s": 12.0, "points": points, "links": {},
            "settings": {"warmup": 2, "steps": 5}}
-    saved, png = tmp_path / "run.json", tmp_path / "run.png"
+    saved, png, again = tmp_path / "run.json", tmp_path / "run.png", tmp_path / "again.json"
     saved.write_text(json.dumps(run))
-    assert bench.main(["--from_json", str(saved), "--plot", str(png)]) == 0
+    assert bench.main(["--from_json", str(saved), "--plot", str(png), "--keep_predictions"]) == 0
     out = capsys.readouterr().out
     assert "3 configurations, 2 warm-up + 5 timed steps" in out and rows[1] in out
     assert "0 of 3 runs had other processes using more than 0.25 cores" in out
     assert png.stat().st_size > 10_000
+    # predicted again: every layout on shared memory; none on 1 Gbit/s, whose link the run did not probe
+    assert bench.main(["--from_json", str(saved), "--out", str(again)]) == 0
+    capsys.readouterr()
+    redone = json.loads(again.read_text())["points"]
+    assert [p["measured"] for p in redone] == [p["measured"] for p in points]
+    assert redone[0]["predicted"]["step_s"] > 0 and redone[1]["predicted"]["group_comm_s"] > 0
+    assert redone[0]["predicted"]["group_comm_s"] == 0 and redone[2]["predicted"] is None
