@@ -67,6 +67,15 @@ class Group:
     def __init__(self, comm):
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
         self.tracer = None
+        self._wire = {}  # (xp, dtype) -> the flat buffer collectives send or receive through, reused
+
+    def _buffer(self, xp, size, dtype):
+        """A flat scratch buffer of `size` elements, reused by every call (its contents last one call)."""
+        key = (xp.__name__, np.dtype(dtype).str)
+        buf = self._wire.get(key)
+        if buf is None or buf.size < size:
+            buf = self._wire[key] = xp.empty(size, dtype)
+        return buf[:size]
 
     def _traced(self, op, label, nbytes, fn):
         start = time.perf_counter_ns()
@@ -80,7 +89,7 @@ class Group:
         xp, n, rest = _xp(x), x.shape[0], x.shape[2:]
         inner = int(np.prod(rest, dtype=np.int64))
         counts = [n * (b - a) * inner for a, b in zip(bounds[:-1], bounds[1:])]
-        flat = xp.empty(sum(counts), x.dtype)
+        flat = self._buffer(xp, sum(counts), x.dtype)
         send = xp.ascontiguousarray(x).reshape(-1)
         self._traced("allgather", label, flat.nbytes, lambda: self.comm.allgatherv(send, flat, counts, label))
         out = xp.empty((n, bounds[-1]) + rest, x.dtype)
@@ -93,9 +102,12 @@ class Group:
     def reduce_scatter(self, dy, bounds, label):
         """This rank's channels of the sum over ranks of dy (N, C, ...)."""
         xp, n, rest = _xp(dy), dy.shape[0], dy.shape[2:]
-        blocks = [dy[:, a:b].reshape(-1) for a, b in zip(bounds[:-1], bounds[1:])]
-        send = xp.concatenate(blocks)
-        counts = [b.size for b in blocks]
+        inner = int(np.prod(rest, dtype=np.int64))
+        counts = [n * (b - a) * inner for a, b in zip(bounds[:-1], bounds[1:])]
+        send, off = self._buffer(xp, sum(counts), dy.dtype), 0
+        for (a, b), c in zip(zip(bounds[:-1], bounds[1:]), counts):  # rank r's channels, one after another
+            send[off : off + c].reshape((n, b - a) + rest)[...] = dy[:, a:b]
+            off += c
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         out = xp.empty((n, hi - lo) + rest, dy.dtype)
         self._traced("reduce_scatter", label, send.nbytes,
