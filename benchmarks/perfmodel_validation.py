@@ -72,6 +72,7 @@ MODELS = ("simplecnn", "resnet20_cifar10", "vgg11bn_cifar10", "mobilenetv1_cifar
 REDUCERS = ("blocking", "per_layer", "bucketed")
 NETWORKS = ("unlimited", "1gbit", "200mbit")
 LONG_STEP_S, LONG_WARMUP, LONG_STEPS = 0.6, 2, 5  # fewer steps where one step is long
+COMMUNICATING = ("Gather", "SumGrad")  # layers model parallelism inserts: their spans are collectives
 MIN_LAYER_SHARE = 0.01  # layers below this share of the measured step are left out of the headline layer error
 TARGETS = {"median_step": 10.0, "worst_step": 25.0, "median_layer": 20.0}  # % (issue 22)
 BUSY = 0.25  # cores used by other processes above which a run is measured again (--retries)
@@ -320,11 +321,13 @@ def error_pct(predicted_s, measured_s):
 
 def layer_points(point):
     """[(layer, kind, measured fwd+bwd s, predicted fwd+bwd s, share of the measured step, phase errors)] of
-    one point: every traced layer the prediction also has (blocks' combining steps are not traced)."""
+    one point: every traced layer the prediction also has (blocks' combining steps are not traced). The
+    gathers and sums model parallelism inserts are left out: their spans hold their collectives (and the
+    wait for the slowest rank), which the prediction counts as communication, not as layer time."""
     out = []
     pred, meas, step = point["predicted"]["layers"], point["measured"]["layers"], point["measured"]["step_s"]
     for name, m in meas.items():
-        if name not in pred:
+        if name not in pred or pred[name]["kind"] in COMMUNICATING:
             continue
         p = pred[name]
         mt = m.get("forward_s", 0.0) + m.get("backward_s", 0.0)
@@ -667,7 +670,8 @@ def main(argv=None):
 
 def merged(run, path):
     """The saved run at `path` with `run`'s points added (a point of the same configuration replaced),
-    its links joined, every point in the order of full_configs(); the new run's machine and commit."""
+    its links joined (the saved probe of a rate kept), every point in the order of full_configs(); the new
+    run's machine and commit."""
     with open(path, encoding="utf-8") as f:
         old = json.load(f)
     new = {p["label"]: p for p in run["points"]}
@@ -675,7 +679,7 @@ def merged(run, path):
     order = {c.label: i for i, c in enumerate(full_configs())}
     points.sort(key=lambda p: order.get(p["label"], len(order)))
     return {**old, **{k: run[k] for k in ("machine_file", "machine", "host", "commit", "netem")},
-            "links": {**old.get("links", {}), **run["links"]}, "points": points, "summary": summarize(points),
+            "links": {**run["links"], **old.get("links", {})}, "points": points, "summary": summarize(points),
             "wall_s": old.get("wall_s", 0.0) + run["wall_s"]}
 
 
