@@ -1,6 +1,7 @@
 """The step prediction: compute from the layers' costs, communication from the reducer's real messages."""
 
 import dataclasses
+import gc
 import json
 import subprocess
 import sys
@@ -182,6 +183,10 @@ def test_every_zoo_model_is_predicted():
         p = predict(model, 2, 4, machines.DEFAULT, reduction="bucketed", algorithm="best")
         assert np.isfinite(p.step_s) and p.step_s > 0 and p.comm_s > 0, name
         assert len(p.layers) >= sum(1 for _, layer in model.layers() if layer.params), name
+        h = predict(model, 2, 4, machines.DEFAULT, parallel="hybrid", model_parallel_size=2, algorithm="best")
+        assert np.isfinite(h.step_s) and h.group_comm_s > 0 and h.comm_s > h.group_comm_s, name
+        del model
+        gc.collect()  # the model and its split copy (VGG at ImageNet shape: over a GB) go before the next one
 
 
 def test_train_simulate_prints_the_prediction_and_trains_nothing(tmp_path):

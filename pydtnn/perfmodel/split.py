@@ -6,10 +6,11 @@ The rewrite comes from model_parallel.plan(model, M), the same walk partition() 
 follows the code: M processes per group, np / M replicas (data parallel across groups), batch_size
 samples per replica, all of them seen by every process of its group.
 
-Compute. Every layer costs what it costs whole (costs.py) at the replica's batch, times the share of its
-channels that the group's rank 0 computes (the most loaded: the first C mod M ranks hold one channel
-more); a layer that needs its whole input (Flatten, blocks' sums and concatenations, layers it does not
-split) costs what it costs whole. Fixed costs count the inserted layers' calls too.
+Compute. The layers are those of the model as partition() rewrites it for the group's rank 0 (the most
+loaded: the first C mod M ranks hold one channel more), each costed by costs.py at the replica's batch:
+a split convolution computes its output channels but still reads (im2col) its whole input and writes a
+whole dx; a layer that needs its whole input costs what it costs whole; the inserted gathers and sums
+cost their copies (costs.py), and their calls count among the fixed costs.
 
 Communication in a group (blocking, on the critical path: nothing overlaps it). For each gather before
 a layer that needs a whole tensor of E elements per sample: an allgather of batch x E elements forward;
@@ -22,9 +23,12 @@ are reduced over the np / M replicas by the reducer, as in data parallelism (pre
 the whole job uses.
 """
 
+import copy
+import weakref
+
+from pydtnn.distributed import model_parallel
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives
-from pydtnn.perfmodel.costs import PhaseCost, parameter_bytes
 
 
 def group_size(parallel, np, model_parallel_size):
@@ -66,13 +70,23 @@ def group_messages(steps, batch_size, itemsize, m, machine, algorithm):
     return out
 
 
-def shares(model, steps):
-    """({layer path: share of it rank 0 computes}, {layer path: its gradients' bytes on rank 0})."""
-    fraction = {s["layer"]: s["fraction"] for s in steps if "kind" in s}
-    grads = {path: int(round(n * fraction.get(path, 1.0))) for path, n in parameter_bytes(model).items()}
-    return fraction, grads
+_CLONES = weakref.WeakKeyDictionary()  # model -> {M: its rewrite as rank 0 of M runs it}, while the model lives
 
 
-def scaled(phase, f):
-    """A PhaseCost times the share f of the layer one process computes."""
-    return phase if f == 1.0 else PhaseCost(int(round(phase.flops * f)), int(round(phase.bytes * f)))
+def split_model(model, m):
+    """`model` rewritten by model_parallel.partition as rank 0 of a group of m holds it: a copy (the backend
+    shared), kept while the model lives, so its layers' costs are the real sliced layers' with the
+    algorithms the backend chose for them, and the gathers and sums inserted."""
+    held = _CLONES.setdefault(model, {})
+    if m not in held:
+        clone = copy.deepcopy(model, {id(model.backend): model.backend})
+        model_parallel.partition(clone, _Rank0(m))
+        held[m] = clone
+    return held[m]
+
+
+class _Rank0:
+    """Rank 0 of a group of `size`: all partition() asks of a communicator (it does not communicate)."""
+
+    def __init__(self, size):
+        self.rank, self.size = 0, size
