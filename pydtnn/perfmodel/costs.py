@@ -39,6 +39,7 @@ from pydtnn.backends.cpu import pooling as cpu_pooling
 from pydtnn.backends.cpu.conv_depthwise import wide_layout
 from pydtnn.backends.cpu.conv_direct import dense_layout
 from pydtnn.backends.geometry import positions, transposed, window_layout
+from pydtnn.distributed.model_parallel import Gather, SumGrad
 from pydtnn.layers import (
     AdaptiveAvgPool2D,
     AdditionBlock,
@@ -610,6 +611,21 @@ def _concatenation(block, n, need_dx):
     return None, "elementwise", PhaseCost(0, 2 * y * s), bwd, ZERO
 
 
+def _gather(layer, n, need_dx):
+    """model_parallel.Gather of a split tensor into a whole one of Y elements (the allgather itself is
+    communication, predict.py): forward the gathered blocks copied into place (2*Y*s); backward, this
+    rank's channels of dy copied contiguous (2*X*s, X its input's elements), or, before a split layer, dy's
+    blocks copied rank after rank into the reduce-scatter's buffer (2*Y*s)."""
+    s = layer.dtype.itemsize
+    y, x = n * _size(layer.output_shape), n * _size(layer.input_shape)
+    return None, "elementwise", PhaseCost(0, 2 * y * s), PhaseCost(0, 2 * (y if layer.reduce_grad else x) * s), ZERO
+
+
+def _sum_grad(layer, n, need_dx):
+    """model_parallel.SumGrad: the identity forward; backward an allreduce of dy in place (communication)."""
+    return None, "elementwise", ZERO, ZERO, ZERO
+
+
 def _sum_dx(p, x, s):
     return PhaseCost((p - 1) * x, ((p - 1) * 3 if p > 1 else 2) * x * s)
 
@@ -628,4 +644,6 @@ _FORMULAS = (  # (layer class, formula(layer, n, need_dx) -> (algorithm, kernel_
     (Flatten, _flatten),
     (AdditionBlock, _addition),
     (ConcatenationBlock, _concatenation),
+    (Gather, _gather),
+    (SumGrad, _sum_grad),
 )

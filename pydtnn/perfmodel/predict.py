@@ -40,7 +40,7 @@ from pydtnn.distributed.reducers.base import PIECE_BYTES
 from pydtnn.errors import ConfigError
 from pydtnn.distributed.model_parallel import plan
 from pydtnn.perfmodel import collectives, split
-from pydtnn.perfmodel.costs import layer_costs
+from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 
 PARALLEL = ("data", "model", "hybrid")
 REDUCTIONS = ("blocking", "per_layer", "bucketed")
@@ -145,18 +145,18 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
     replicas = np // m
     steps = plan(model, m) if m > 1 else []
-    fraction, grads = split.shares(model, steps)
+    held = split.split_model(model, m) if m > 1 else model  # what one process holds and computes
+    grads = parameter_bytes(held)
     per_node = min(np, machine.processes_per_node)
     crowding = max(1.0, per_node * threads / machine.cores)  # how much slower shared cores make everything
-    costs = layer_costs(model, batch_size)
+    costs = layer_costs(held, batch_size)
     fixed = machine.overheads
     call_fwd, call_bwd = fixed.layer_forward_s * crowding, fixed.layer_backward_s * crowding
     times, compute_s, memory_s = [], 0.0, 0.0
     for c in costs:
         speed = thread_speedup(machine, threads, c.kernel_class) / crowding
-        f = fraction.get(c.name, 1.0)
-        parts = [phase_seconds(split.scaled(ph, f), c.kernel_class, machine, speed)
-                 for ph in (c.forward, c.backward_data, c.backward_weights)]
+        parts = [phase_seconds(ph, c.kernel_class, machine, speed) for ph in (c.forward, c.backward_data,
+                                                                             c.backward_weights)]
         for s, bound in parts:
             compute_s += s if bound == "compute" else 0.0
             memory_s += s if bound == "memory" else 0.0
@@ -172,11 +172,10 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                                                          / crowding)
     group = split.group_messages(steps, batch_size, model.backend.dtype.itemsize, m, machine, algorithm)
     group_s = sum(seconds for *_, seconds in group)  # blocking, on the critical path
-    calls = len(times) + sum(1 for st in steps if "op" in st)  # the inserted gathers and sums are layers too
-    overhead_s = (calls * (call_fwd + call_bwd) + len(model.parameters()) * fixed.parameter_s * crowding
+    overhead_s = (len(times) * (call_fwd + call_bwd) + len(model.parameters()) * fixed.parameter_s * crowding
                   + fixed.step_s * crowding)
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
-    params = [(n, int(round(g.nbytes * fraction.get(n.rsplit(".", 1)[0], 1.0)))) for n, _, g in model.parameters()]
+    params = [(n, g.nbytes) for n, _, g in held.parameters()]
     messages = _messages(params, times, forward_s, reduction, bucket_mb, first_bucket_mb)
     level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
     durations = [allreduce_seconds(n, replicas, machine, algorithm, level) for _, n in messages]
