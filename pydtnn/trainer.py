@@ -25,6 +25,7 @@ from pydtnn.data.dataset import batch_slices, epoch_order
 from pydtnn.errors import ConfigError, DataError, TrainingDiverged
 from pydtnn.files import is_terminal
 from pydtnn.optim.schedules import learning_rate
+from pydtnn.randomness import SampleStreams
 
 
 class MetricsFile:
@@ -166,11 +167,14 @@ class Trainer:
             self._acc = [self.model.backend.xp.zeros_like(g) for _, _, g in params]
         total, outs = 0.0, []
         with nullcontext() if self.reducer is None else self.reducer.no_sync():  # one reduction, after the loop
+            backend, streams = self.model.backend, self.model.backend.sample_streams
             for a, b in zip(bounds[:-1], bounds[1:]):
                 if a == b:
                     continue
                 if self._bn_sync is not None:
                     self._bn_sync.weight = weight * (b - a) / n
+                if streams is not None and len(streams) == n:  # the micro-batch's samples, their own streams
+                    backend.sample_streams = streams.rows(None, a, b)
                 with self._span("forward"):
                     out = self.model.forward(x[a:b], training=True)
                 with self._span("loss"):
@@ -289,14 +293,14 @@ class Trainer:
             shares.append((np.sort(order[lo:hi]) if hi > lo else order[a : a + 1], hi - lo))
 
         def load(step):
-            return train.get_batch(shares[step][0], backend.dtype, rng=batch_rng(self.seed, epoch, step, rank))
+            return train.get_batch(shares[step][0], backend.dtype, rng=SampleStreams(self.seed, epoch, shares[step][0]))
 
         bar = tqdm(slices, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
         self.model.train()
         with _Prefetcher(load, len(slices), self.prefetch) as batches:
             for step, (a, b) in enumerate(bar):
-                loss, out, y, n = self._train_batch(batches, step, epoch, a, b, shares[step][1])
+                loss, out, y, n = self._train_batch(batches, step, epoch, a, b, *shares[step])
                 if n:
                     sums["loss"] += loss * n
                     for m, fn in self.metric_fns.items():
@@ -311,8 +315,9 @@ class Trainer:
         record.setdefault("accuracy", None)
         return record, seen
 
-    def _train_batch(self, batches, step, epoch, a, b, n):
-        """One step of _train_epoch on global batch [a, b), of which this rank has n samples."""
+    def _train_batch(self, batches, step, epoch, a, b, indices, n):
+        """One step of _train_epoch on global batch [a, b), of which this rank has n samples (dataset rows
+        `indices`)."""
         backend, rank, size = self.model.backend, self.comm.rank, self.world_size
         if self.schedules:
             self.optimizer.lr = learning_rate(self.base_lr, self.schedules, epoch, step, len(batches))
@@ -320,17 +325,21 @@ class Trainer:
         with self._span("data"):
             x, y = batches.get(step)
             x, y = backend.batch_to_device(x), backend.batch_to_device(y)  # the GPU overlaps these copies
-        # dropout masks from (seed, epoch, step, rank) too: independent per rank, nothing to checkpoint
+        # dropout masks from each sample's stream (pydtnn.randomness): the same at any process count, nothing
+        # to checkpoint; the Generator, reseeded per step and rank, serves only layers outside a Model
         backend.reseed([self.seed, epoch, step, rank, 1])
+        backend.sample_streams = SampleStreams(self.seed, epoch, indices)
         try:
             loss, out = self.train_step(x, y, weight=n / (b - a))
         except TrainingDiverged as e:
+            backend.sample_streams = None
             last = self.history[-1] if self.history else None
             where = f" on rank {rank}" if size > 1 else ""
             raise TrainingDiverged(
                 f"{e} at epoch {epoch + 1} step {step + 1}{where}; parameters keep the values of the step "
                 f"before; last completed epoch: {json.dumps(last) if last else 'none'}; try a smaller learning rate"
             ) from None
+        backend.sample_streams = None
         if self.tracer is not None:
             self.tracer.add(f"step {step + 1}", "step", t_step, time.perf_counter_ns(), tid=0, epoch=epoch + 1)
         return loss, out, y, n
@@ -436,12 +445,6 @@ class _BatchNormSync:
 
     def allreduce(self, buf):
         return self.comm.allreduce(buf, "batchnorm")
-
-
-def batch_rng(seed, epoch, step, rank=0, stream=0):
-    """Generator of one training batch's randomness (stream 0: augmentation, 1: dropout): a function of
-    (seed, epoch, step, rank) alone, so a resumed run draws exactly what the uninterrupted run drew."""
-    return np.random.default_rng([seed, epoch, step, rank, stream, 0xA6])
 
 
 def format_record(r):

@@ -5,7 +5,9 @@
 Trains a small network with every kind of layer model parallelism treats differently (channel counts
 that do not divide by 2 or 3, BatchNorm, a residual and a concatenation block, a depthwise
 convolution, dropout after a Dense) for --steps steps of SGD with momentum, M-way model parallel inside
-groups of M ranks and data parallel across the groups (synchronized BatchNorm). Rank 0 saves the
+groups of M ranks and data parallel across the groups (synchronized BatchNorm); --model_parallel_size 1 is
+pure data parallelism. Dropout masks and augmentation are drawn per sample (pydtnn.randomness), so every
+layout draws what one process draws. Rank 0 saves the
 whole parameters to OUT_FILE (safetensors).
 """
 
@@ -67,7 +69,9 @@ def main():
     p.add_argument("--dtype", default="float64")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=12, help="global batch")
-    p.add_argument("--dropout", type=float, default=0.3, help="(data-parallel ranks draw their own masks)")
+    p.add_argument("--dropout", type=float, default=0.3)
+    p.add_argument("--augment", action="store_true", help="random flips and crops of the training images")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--kill_at", type=int, default=0, help="rank 1 kills itself (SIGKILL) in this step's forward")
     p.add_argument("--raise_at", type=int, default=0, help="rank 1 raises in this step's forward")
     p.add_argument("--stall_at", type=int, default=0, help="rank 1 sleeps 120 s in this step's forward")
@@ -90,10 +94,13 @@ def main():
         layer.forward = Misbehave(layer.forward, args.kill_at or args.raise_at or args.stall_at, how)
     train, _ = data.load("mnist5k")
     train = train.subset(np.arange(args.steps * args.batch) * 7)
+    if args.augment:
+        train = data.with_augmentation(train, flip=True, crop=True, crop_padding=2)
     reducer = reducers.create("bucketed", replicas) if replicas.size > 1 else None
     comm = replicas if replicas.size > 1 else SingleProcess()
     optimizer = SGD(model.parameters(), lr=0.05, momentum=0.9, backend=model.backend)
     trainer = Trainer(model, SoftmaxCrossEntropy(), optimizer, progress=False, comm=comm, reducer=reducer, is_root=world.rank == 0)
+    trainer.accumulation_steps = args.accumulate
     if comm.size > 1:
         trainer.sync_batchnorm()
     trainer.fit(train, epochs=1, batch_size=args.batch // comm.size)

@@ -6,7 +6,7 @@ import pytest
 from pydtnn.data import (ArrayDataset, Augmentation, AugmentedDataset, ShardedArrayDataset, center_crop, normalize,
                          random_crop, random_flip, with_augmentation)
 from pydtnn.errors import ConfigError
-from pydtnn.trainer import batch_rng
+from pydtnn.randomness import SampleStreams
 
 
 def images(n=6, c=3, h=8, w=10, seed=0):
@@ -111,8 +111,8 @@ def test_in_memory_and_streamed_datasets_augment_alike():
                                  crop=True)
     assert isinstance(in_memory, AugmentedDataset) and isinstance(streamed, ShardedArrayDataset)
     idx = np.array([0, 3, 4, 9])
-    rng = batch_rng(0, 1, 2)  # what the trainer passes for a training batch
-    xa, ya = in_memory.get_batch(idx, np.float64, rng=batch_rng(0, 1, 2))
+    rng = SampleStreams(0, 1, idx)  # what the trainer passes for a training batch
+    xa, ya = in_memory.get_batch(idx, np.float64, rng=SampleStreams(0, 1, idx))
     xb, yb = streamed.get_batch(idx, np.float64, rng=rng)
     np.testing.assert_allclose(xa, xb, atol=1e-12)
     np.testing.assert_array_equal(ya, yb)

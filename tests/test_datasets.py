@@ -31,7 +31,7 @@ from pydtnn.data import datasets as registry
 from pydtnn.data.cifar import CIFAR10_MEAN, CIFAR10_STD
 from pydtnn.data.imagenet import IMAGENET_MEAN, IMAGENET_STD
 from pydtnn.errors import ConfigError, DataError
-from pydtnn.trainer import batch_rng
+from pydtnn.randomness import SampleStreams
 
 FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -228,11 +228,11 @@ def test_imagenet_folder_tree(tmp_path):
     got = val.get_batch(np.array([1]), np.float64)[0][0]
     assert np.abs(got - want).mean() < 0.05  # same crop; resampling differs only in sub-pixel detail
     # training view: random-resized crop + flip, a pure function of the batch Generator
-    a = train.get_batch(np.arange(11), rng=batch_rng(0, 0, 0))[0]
-    b = train.get_batch(np.arange(11), rng=batch_rng(0, 0, 0))[0]
+    a = train.get_batch(np.arange(11), rng=SampleStreams(0, 0, np.arange(11)))[0]
+    b = train.get_batch(np.arange(11), rng=SampleStreams(0, 0, np.arange(11)))[0]
     np.testing.assert_array_equal(a, b)
     assert a.shape == x.shape and not np.array_equal(a, x)
-    assert not np.array_equal(a, train.get_batch(np.arange(11), rng=batch_rng(0, 0, 1))[0])
+    assert not np.array_equal(a, train.get_batch(np.arange(11), rng=SampleStreams(0, 1, np.arange(11)))[0])
     assert not any(isinstance(v, np.ndarray) and v.dtype == np.uint8 for v in vars(train).values())  # no pixels kept
 
 

@@ -43,11 +43,11 @@ def assert_close(want_path, got_path, rtol):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
+    """One process, dropout and random flips and crops on (tests/mp_worker.py)."""
     out = tmp_path_factory.mktemp("mp1")
     for dtype in ("float64", "float32"):
-        for dropout in ("0.3", "0"):
-            r = launch(1, out / f"{dtype}-{dropout}.st", "--dtype", dtype, "--dropout", dropout)
-            assert r.returncode == 0, r.stderr[-3000:]
+        r = launch(1, out / f"{dtype}.st", "--dtype", dtype, "--augment")
+        assert r.returncode == 0, r.stderr[-3000:]
     return out
 
 
@@ -56,18 +56,26 @@ def single(tmp_path_factory):
 def test_model_parallel_equals_one_process(single, tmp_path, n, dtype, rtol):
     """Channel counts 5, 7, 3+4 and 11 split unevenly over 2 and 3 ranks; BatchNorm, dropout, a residual
     and a concatenation block, a depthwise convolution: 10 steps give one process's parameters."""
-    r = launch(n, tmp_path / "p.st", "--dtype", dtype)
+    r = launch(n, tmp_path / "p.st", "--dtype", dtype, "--augment")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert_close(single / f"{dtype}-0.3.st", tmp_path / "p.st", rtol)
+    assert_close(single / f"{dtype}.st", tmp_path / "p.st", rtol)
 
 
 @pytest.mark.parametrize("dtype,rtol", [("float64", 1e-12), ("float32", 1e-5)])
 def test_hybrid_2x2_equals_one_process(single, tmp_path, dtype, rtol):
-    """Two replicas of a model split over two ranks each, synchronized BatchNorm (dropout off: data-parallel
-    ranks draw their own masks)."""
-    r = launch(4, tmp_path / "h.st", "--dtype", dtype, "--model_parallel_size", "2", "--dropout", "0")
+    """Two replicas of a model split over two ranks each, synchronized BatchNorm, dropout and augmentation on:
+    each sample's draws are its own (pydtnn.randomness), whichever replica holds it."""
+    r = launch(4, tmp_path / "h.st", "--dtype", dtype, "--model_parallel_size", "2", "--augment")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert_close(single / f"{dtype}-0.st", tmp_path / "h.st", rtol)
+    assert_close(single / f"{dtype}.st", tmp_path / "h.st", rtol)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_data_parallel_with_dropout_and_augmentation_equals_one_process(single, tmp_path, n):
+    """Dropout masks, flips and crops keyed by each sample, not by rank or step: np 2 and 3 draw what np 1 draws."""
+    r = launch(n, tmp_path / "d.st", "--dtype", "float64", "--model_parallel_size", "1", "--augment")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_close(single / "float64.st", tmp_path / "d.st", 1e-12)
 
 
 def test_a_killed_rank_ends_a_model_parallel_job(tmp_path):

@@ -38,6 +38,7 @@ class Backend:
         self.dtype = np.dtype(dtype)
         self.seed = seed
         self.rng = np.random.default_rng(seed)  # host Generator: the same draws on every device
+        self.sample_streams = None  # the training batch's randomness.SampleStreams, set by the trainer
 
     def __repr__(self):
         return f"{type(self).__name__}(dtype={self.dtype.name}, seed={self.seed})"
@@ -171,9 +172,15 @@ class Backend:
         return v.astype(like.dtype).reshape(shape)
 
     # -- dropout ---------------------------------------------------------------------------------
-    def dropout_mask(self, shape, rate, dtype):
-        """Mask of 0 (probability rate) and 1/(1-rate), drawn from this backend's Generator."""
-        keep = self.rng.random(shape, dtype=np.float32) >= rate  # float32 draws: half the bytes
+    def dropout_mask(self, shape, rate, dtype, stream=None):
+        """Mask of 0 (probability rate) and 1/(1-rate). With the trainer's per-sample streams set for a
+        batch of shape[0] samples and a layer's `stream` given (randomness.layer_stream), row i is drawn
+        from its sample's stream, so masks do not depend on the process count; else from the Generator."""
+        streams = self.sample_streams
+        if stream is not None and streams is not None and len(streams) == shape[0]:
+            keep = streams.rows(stream).uniform_rows(shape, np.float32) >= rate
+        else:
+            keep = self.rng.random(shape, dtype=np.float32) >= rate  # float32 draws: half the bytes
         return self.asarray(keep.astype(dtype) * np.dtype(dtype).type(1 / (1 - rate)))
 
     # -- optimizer updates ---------------------------------------------------------------------

@@ -74,6 +74,7 @@ class ImageFolder(StreamedDataset):
 
         out = np.empty((len(rows), 3, self.size, self.size), np.uint8)
         for i, row in enumerate(rows):
+            r = rng.generator(i) if hasattr(rng, "generator") else rng  # the sample's own stream (randomness.py)
             path = os.path.join(self.directory, self.files[row].decode())
             try:
                 f = open_regular(path, "image", DataError)  # a FIFO put there since the listing must not hang
@@ -82,11 +83,11 @@ class ImageFolder(StreamedDataset):
                     from None
             try:
                 with f, Image.open(f) as img:
-                    pixels = self._crop(img, rng)
+                    pixels = self._crop(img, r)
             except (OSError, ValueError, Image.DecompressionBombError) as e:
                 reason = "unknown image format" if isinstance(e, UnidentifiedImageError) else " ".join(str(e).split())
                 raise DataError(f"{path}: cannot decode image ({reason}); expected a JPEG or PNG file") from None
-            if rng is not None and self.flip and rng.random() < 0.5:
+            if r is not None and self.flip and r.random() < 0.5:
                 pixels = pixels[:, ::-1]
             out[i] = pixels.transpose(2, 0, 1)
         return out

@@ -1,13 +1,15 @@
 """Inverted dropout."""
 
 from pydtnn.layers.base import Layer
+from pydtnn.randomness import layer_stream
 
 
 class Dropout(Layer):
     """Zero each element with probability `rate` during training and scale survivors by 1/(1-rate).
 
     The mask is drawn per element of every sample (never shared across the batch) by the backend's
-    dropout_mask, from its Generator (on a GPU, by a kernel seeded from it); evaluation is the identity.
+    dropout_mask: in training, from each sample's own stream for this layer (pydtnn.randomness, keyed by
+    the layer's path), so it is the same at any process count; evaluation is the identity.
     """
 
     def __init__(self, rate=0.5):
@@ -25,10 +27,11 @@ class Dropout(Layer):
             self.mask = None
             return x
         if self.channels is None:
-            self.mask = self.backend.dropout_mask(x.shape, self.rate, x.dtype)
+            self.mask = self.backend.dropout_mask(x.shape, self.rate, x.dtype, layer_stream(self.path))
         else:  # the whole tensor's mask, cut: the same draws as the whole layer's (model parallelism)
             whole, lo, hi = self.channels
-            self.mask = self.backend.dropout_mask((x.shape[0], whole) + x.shape[2:], self.rate, x.dtype)[:, lo:hi]
+            shape = (x.shape[0], whole) + x.shape[2:]
+            self.mask = self.backend.dropout_mask(shape, self.rate, x.dtype, layer_stream(self.path))[:, lo:hi]
         return x * self.mask
 
     def backward(self, dy):

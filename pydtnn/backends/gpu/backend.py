@@ -189,8 +189,11 @@ class GPUBackend(Backend):
         return dx
 
     # -- dropout ---------------------------------------------------------------------------
-    def dropout_mask(self, shape, rate, dtype):
-        """Mask of 0 and 1/(1-rate), drawn from a seed taken from the host Generator."""
+    def dropout_mask(self, shape, rate, dtype, stream=None):
+        """Mask of 0 and 1/(1-rate): from the per-sample streams on the host (the CPU's bits, copied) when
+        the trainer set them, else drawn by a kernel from a seed taken from the host Generator."""
+        if stream is not None and self.sample_streams is not None and len(self.sample_streams) == shape[0]:
+            return super().dropout_mask(shape, rate, dtype, stream)
         seed = np.uint64(self.rng.integers(0, 2**63))
         mask = self.cupy.empty(shape, dtype)
         self._dropout(seed, np.float32(rate), np.float32(1 / (1 - rate)), mask)
