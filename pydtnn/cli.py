@@ -212,6 +212,12 @@ def build_parser(suppress_defaults=False):
     f(g, "threads_per_process", type=non_negative_int, default=1,
       help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice)")
 
+    g = p.add_argument_group("CPU")
+    f(g, "conv_autotune", type=parse_bool, default=None,
+      help="time each convolution shape's eligible algorithms on this machine and use the fastest, cached "
+           "per user (~/.cache/pydtnn/conv_autotune.json) so that only the first run times; false: the "
+           "built-in thresholds, for reproducible timing (default true, or $PYDTNN_CONV_AUTOTUNE)")
+
     g = p.add_argument_group("performance model")
     f(g, "simulate", type=parse_bool, default=False,
       help="print the performance model's prediction of this run (per layer, compute, communication) and exit "

@@ -6,6 +6,7 @@ exit code 2 at the command line) naming the variable, its value and what was exp
 | variable | read by | values |
 | --- | --- | --- |
 | PYDTNN_CPU_KERNELS | backends/cpu/backend.py | auto (default: numba when installed), numba, numpy |
+| PYDTNN_CONV_AUTOTUNE | run.py | default of --conv_autotune: 1/0 (true/false, yes/no, on/off); unset: true |
 | PYDTNN_CUDA_AWARE_MPI | distributed/gpu_comm.py | 1/0 (true/false, yes/no, on/off); unset: ask the MPI library |
 | OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/cpu/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first) |
 
@@ -40,6 +41,13 @@ def cpu_kernels():
     if value.lower() not in CPU_KERNELS:
         raise _bad("PYDTNN_CPU_KERNELS", f"one of {', '.join(CPU_KERNELS)}")
     return value.lower()
+
+
+def conv_autotune():
+    """PYDTNN_CONV_AUTOTUNE: whether a pydtnn-train run on the CPU measures its convolution algorithms
+    when --conv_autotune is not given (default True)."""
+    value = _flag("PYDTNN_CONV_AUTOTUNE")
+    return True if value is None else value
 
 
 def cuda_aware_mpi():

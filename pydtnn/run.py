@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from pydtnn import checkpoint, data, losses, models, optim
+from pydtnn import checkpoint, data, env, losses, models, optim
 from pydtnn.backends import CPUBackend, get_backend
 from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
 from pydtnn.distributed import launch, model_parallel, reducers
@@ -83,6 +83,8 @@ def run(args):
         print(models_table())
         return None
     check_combinations(args)
+    if args.conv_autotune is None:  # before the ranks compare their flags: all must time, or none
+        args.conv_autotune = env.conv_autotune()
     comm = launch.init(args.threads_per_process, args.stall_timeout, args.debug_collectives)
     launch.install_abort_handler(comm)
     say = log if comm.rank == 0 else (lambda msg: None)
@@ -104,7 +106,10 @@ def run(args):
     config = {k: (os.path.abspath(v) if k in PATH_FLAGS and isinstance(v, str) else v)
               for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED}
 
-    backend = get_backend("gpu" if args.enable_gpu else "cpu", args.dtype, args.seed)
+    if args.enable_gpu:
+        backend = get_backend("gpu", args.dtype, args.seed)
+    else:
+        backend = get_backend("cpu", args.dtype, args.seed, autotune=args.conv_autotune)
     train, val, test = load_datasets(args, comm)
     check_monitored(args, val)
     choice, model = resolve_model(args.model, train, backend)
@@ -174,6 +179,8 @@ def run(args):
             reducer.tracer = trainer.tracer
 
     announce_compilation(backend, say)
+    if isinstance(backend, CPUBackend):  # every rank takes rank 0's measured choices (docs/performance.md)
+        backend.tune_convolutions(comm, say, conv_shapes(model))
     if args.evaluate_only:
         return evaluate_only(trainer, test, args)
     if args.evaluate and test is not None:
@@ -190,6 +197,13 @@ def run(args):
         paths = trainer.tracer.write(args.tracer_output, comm.size)
         say(f"pydtnn: {written(paths)}\n{trainer.tracer.summary_table()}")
     return trainer.final
+
+
+def conv_shapes(model):
+    """(geometry, output channels) of every convolution of `model` as it now stands."""
+    from pydtnn.layers.conv import Conv2D
+
+    return [(layer.geometry, layer.params["weight"].shape[0]) for _, layer in model.layers() if isinstance(layer, Conv2D)]
 
 
 def announce_compilation(backend, say):

@@ -8,6 +8,7 @@ normalization.py, elementwise.py, updates.py; kernels/ holds the compiled kernel
 """
 
 import importlib.util
+from dataclasses import astuple
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from pydtnn.backends.cpu import (
     threads,
     updates,
 )
+from pydtnn.backends.cpu import autotune as autotune_module
 from pydtnn.backends.cpu import tuning as tuning_module
 from pydtnn.backends.cpu.scratch import ScratchPool
 from pydtnn.backends.geometry import ConvGeometry
@@ -65,6 +67,10 @@ class CPUBackend(Backend):
     kernels: 'auto' (default: $PYDTNN_CPU_KERNELS, else Numba's compiled kernels when numba is
     installed), 'numba' or 'numpy' (the pure-NumPy path, the reference and fallback).
     tuning: a Tuning (tuning.py); default tuning.DEFAULT.
+    autotune: False (default: each convolution's algorithm by conv_plan.choose's thresholds), True
+    (measured on this machine and cached: autotune.py), or an autotune.Tuner (its own cache file).
+    Shapes not in the cache are timed together by tune_convolutions(), which the command line calls
+    before training, or else the first convolution forward calls.
 
     Making one changes nothing outside it: thread count, BLAS threads and malloc are process-wide
     settings of pydtnn.runtime.configure, which the trainer and the command line call.
@@ -72,16 +78,21 @@ class CPUBackend(Backend):
 
     name = "cpu"
 
-    def __init__(self, dtype=np.float32, seed=0, kernels=None, tuning=None):
+    def __init__(self, dtype=np.float32, seed=0, kernels=None, tuning=None, autotune=False):
         super().__init__(np, dtype, seed)
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
         self.kernels = resolve_kernels(kernels)
         self.tuning = tuning if tuning is not None else tuning_module.DEFAULT
         self.pool = ScratchPool()
+        self.tuner = autotune_module.Tuner() if autotune is True else autotune or None
+        self._plans = {}  # (geometry, co) -> the ConvPlan handed to its layers (autotune)
+        self._untimed = set()  # (geometry, co) planned by thresholds until tune_convolutions times them
+        self._retuned = {}  # a plan handed out before timing -> the measured one
 
     def __repr__(self):
-        return f"CPUBackend(dtype={self.dtype.name}, seed={self.seed}, kernels={self.kernels})"
+        tuned = ", autotune" if self.tuner is not None else ""
+        return f"CPUBackend(dtype={self.dtype.name}, seed={self.seed}, kernels={self.kernels}{tuned})"
 
     # -- what the algorithms share ---------------------------------------------------------------
     def split(self, n, fn, nbytes=None):
@@ -111,11 +122,56 @@ class CPUBackend(Backend):
 
     # -- convolution -------------------------------------------------------------------------------
     def conv2d_plan(self, g, weight_shape):
-        """The algorithm for this layer (conv_plan.py)."""
-        return conv_plan.choose(g, weight_shape[0], self.kernels, self.tuning)
+        """The algorithm for this layer: conv_plan.choose's, or with autotune the cached measured one (a
+        shape not in the cache takes choose's until tune_convolutions replaces it)."""
+        co = weight_shape[0]
+        if self.tuner is None:
+            return conv_plan.choose(g, co, self.kernels, self.tuning)
+        plan = self._plans.get((g, co))
+        if plan is None:
+            algorithm = self.tuner.cached(g, co, self.dtype, self.kernels, self.tuning)
+            if algorithm is None:
+                plan = conv_plan.choose(g, co, self.kernels, self.tuning)
+                self._untimed.add((g, co))
+            else:
+                plan = conv_plan.plan_for(g, algorithm)
+            self._plans[(g, co)] = plan
+        return plan
+
+    def tune_convolutions(self, comm=None, say=None, shapes=None):
+        """Measure the algorithm of every convolution shape planned so far that the cache does not hold
+        (autotune only; nothing else to do otherwise). With a communicator, every rank ends with rank
+        0's choices: the ranks' shapes are gathered, rank 0 times those not cached and writes the
+        cache, and broadcasts every choice. say: rank 0's one-line notice before timing. shapes: the
+        (geometry, output channels) still in use, when some planned ones are not (a model rebuilt
+        by model parallelism); the others keep their threshold plans, untimed."""
+        if self.tuner is None:
+            return
+        shapes = sorted(self._plans if shapes is None else set(shapes) & set(self._plans), key=repr)
+        several = comm is not None and comm.size > 1
+        if several:  # the collectives carry JSON: a shape travels as its 15 integers
+            gathered = comm.allgather_obj([[*astuple(g), co] for g, co in shapes])
+            shapes = sorted({(ConvGeometry(*v[:-1]), v[-1]) for rank in gathered for v in rank}, key=repr)
+        choices = None
+        if not several or comm.rank == 0:
+            choices = self.tuner.choose(shapes, self.dtype, self.kernels, self.tuning, say)
+        if several:
+            sent = comm.bcast_obj(None if choices is None else [[*astuple(g), co, a] for (g, co), a in choices.items()])
+            choices = {(ConvGeometry(*v[:-2]), v[-2]): v[-1] for v in sent}
+            self.tuner.choices().update(  # later plans on this rank follow rank 0 too
+                {autotune_module.key(g, co, self.dtype, threads.threads(), self.kernels): a
+                 for (g, co), a in choices.items()})
+        for (g, co), plan in self._plans.items():
+            if (g, co) in choices and choices[(g, co)] != plan.algorithm:
+                self._plans[(g, co)] = self._retuned[plan] = conv_plan.plan_for(g, choices[(g, co)])
+        self._untimed.clear()
 
     def _plan(self, plan, w):
-        return self.conv2d_plan(plan, w.shape) if isinstance(plan, ConvGeometry) else plan
+        if isinstance(plan, ConvGeometry):
+            plan = self.conv2d_plan(plan, w.shape)
+        if self._untimed:  # autotune, and nobody timed the new shapes before this first forward
+            self.tune_convolutions()
+        return self._retuned.get(plan, plan) if self._retuned else plan
 
     def conv2d_forward(self, x, w, plan, keep=True):
         """y = conv(x, w): x (N, C, H, W), w (Co, C/groups, kh, kw) -> y (N, Co, Ho, Wo). Returns (y, ctx);

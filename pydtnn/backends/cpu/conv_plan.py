@@ -74,3 +74,11 @@ def choose(g, co, kernels, tuning):
     if pointwise_ok(g, co, tuning):
         return ConvPlan(g, "pointwise", g)
     return ConvPlan(g, "gemm", g)
+
+
+def plan_for(g, algorithm):
+    """The ConvPlan computing geometry g with `algorithm` (one of ALGORITHMS), which the caller knows to
+    be eligible (autotune.candidates): the measured choice, where choose() gives the threshold one."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"convolution algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    return ConvPlan(g, algorithm, replace(g, sh=1, sw=1) if algorithm == "direct_stride2" else g)

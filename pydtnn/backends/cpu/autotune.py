@@ -1,0 +1,207 @@
+"""A convolution's algorithm measured on the machine it runs on, not chosen by thresholds tuned elsewhere.
+
+For each layer shape (geometry, output channels) the eligible algorithms (candidates(): the
+predicates of conv_plan.py) are timed on random data at a small batch: forward + backward, in
+interleaved rounds, the median of each. The threshold choice (conv_plan.choose) stays unless another
+candidate is faster by `margin` (5%): timing noise never flips a choice that measures the same.
+
+Choices are cached as JSON in a per-user file (default_path(): ~/.cache/pydtnn/conv_autotune.json),
+keyed by CPU model, vector ISA, threads, dtype, kernels and the shape, so the next run starts
+without timing. A file that does not parse is ignored and rewritten; an entry naming an algorithm
+that is no longer eligible for its shape is ignored.
+"""
+
+import functools
+import json
+import os
+import statistics
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from pydtnn.backends.cpu import conv_plan, threads
+from pydtnn.errors import ConfigError
+from pydtnn.files import read_bytes, write_atomic
+
+FORMAT = "pydtnn conv autotune 1"  # the cache file's "format": a file of another format is ignored
+CACHE_LIMIT = 16 << 20  # bytes: a cache file is a few kilobytes per machine
+
+
+@functools.cache
+def cpu_info():
+    """(model name, vector ISA) of this CPU: ('AMD EPYC 7B13', 'avx2'); ISA 'avx512f', 'avx2' or 'other'.
+    From /proc/cpuinfo; ('unknown', 'other') where it cannot be read."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name == "model name" and model == "unknown":
+                    model = " ".join(value.split())
+                elif name == "flags" and not flags:
+                    flags = set(value.split())
+                if model != "unknown" and flags:
+                    break
+    except OSError:
+        pass
+    isa = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+    return model, isa
+
+
+def describe_cpu():
+    """'AMD EPYC 7B13 (avx2)': the line benchmark tables print."""
+    model, isa = cpu_info()
+    return f"{model} ({isa})"
+
+
+def default_path():
+    """The cache file: $XDG_CACHE_HOME/pydtnn/conv_autotune.json, else ~/.cache/pydtnn/conv_autotune.json
+    (the folder of downloaded datasets by default; Numba's kernel cache sits next to the kernels)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "pydtnn", "conv_autotune.json")
+
+
+def candidates(g, co, kernels, tuning):
+    """The algorithms that compute geometry g with co output channels, the threshold choice first."""
+    compiled = kernels == "numba"
+    found = []
+    if compiled and (g.sh, g.sw) == (2, 2) and g.groups == g.c == co:
+        if conv_plan.direct_ok(replace(g, sh=1, sw=1), co):
+            found.append("direct_stride2")
+    if compiled and conv_plan.direct_ok(g, co):
+        found.append("direct")
+    if g.c == g.groups and g.sh == g.sw:
+        found.append("depthwise")
+    if conv_plan.pointwise_ok(g, co, tuning):
+        found.append("pointwise")
+    found.append("gemm")
+    first = conv_plan.choose(g, co, kernels, tuning).algorithm
+    return (first, *[a for a in found if a != first])
+
+
+def key(g, co, dtype, n_threads, kernels, cpu=None):
+    """The cache key of one layer shape on this machine: a readable string."""
+    model, isa = cpu or cpu_info()
+    shape = (f"c{g.c} {g.h}x{g.w} k{g.kh}x{g.kw} s{g.sh}x{g.sw} d{g.dh}x{g.dw} "
+             f"p{g.pt},{g.pb},{g.pl},{g.pr} g{g.groups} co{co}")
+    return f"{model} | {isa} | {n_threads} threads | {np.dtype(dtype).name} | {kernels} | {shape}"
+
+
+def pick(times, first, margin):
+    """The algorithm to use from {algorithm: seconds}: `first` (the threshold choice) unless another is
+    faster than it by more than `margin` (a fraction), then the fastest."""
+    best = min(times, key=times.get)
+    return best if times[best] < times[first] * (1 - margin) else first
+
+
+def measure(g, co, algorithms, dtype, kernels, tuning, batch=8, rounds=5):
+    """{algorithm: median seconds of forward + backward (dx and dw)} at `batch` samples, on random data.
+
+    Runs on a backend of its own (its own scratch pool, its own random numbers: the model's stream is
+    untouched); one untimed call of each first (it compiles the kernels it needs), then `rounds`
+    rounds, each timing every algorithm once, so a slow spell of the machine falls on all alike."""
+    from pydtnn.backends.cpu.backend import CPUBackend
+
+    b = CPUBackend(dtype, kernels=kernels, tuning=tuning)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, g.c, g.h, g.w)).astype(dtype)
+    w = rng.standard_normal((co, g.c // g.groups, g.kh, g.kw)).astype(dtype)
+    dy = rng.standard_normal((batch, co, g.ho, g.wo)).astype(dtype)
+    plans = {a: conv_plan.plan_for(g, a) for a in algorithms}
+
+    def once(plan):
+        t0 = time.perf_counter()
+        _, ctx = b.conv2d_forward(x, w, plan, keep=True)
+        b.conv2d_backward(dy, w, ctx, plan, need_dx=True)
+        ctx.release()
+        return time.perf_counter() - t0
+
+    for plan in plans.values():
+        once(plan)
+    samples = {a: [] for a in algorithms}
+    for _ in range(rounds):
+        for a, plan in plans.items():
+            samples[a].append(once(plan))
+    return {a: statistics.median(s) for a, s in samples.items()}
+
+
+class Tuner:
+    """Measured choices of convolution algorithms, cached in the JSON file at `path`.
+
+    path: the cache file (default_path()); None keeps choices in memory only.
+    measure: (g, co, algorithms, dtype, kernels, tuning) -> {algorithm: seconds}; default measure().
+    margin: how much faster than the threshold choice another algorithm must be to replace it.
+    """
+
+    def __init__(self, path=default_path, measure=measure, margin=0.05):
+        self.path = path() if callable(path) else path
+        self.measure, self.margin = measure, margin
+        self._choices = None  # key -> algorithm, read from the file on first use
+
+    def __repr__(self):
+        return f"Tuner(path={self.path!r}, margin={self.margin})"
+
+    def read(self):
+        """{key: algorithm} from the cache file; {} when it is missing or does not parse."""
+        if self.path is None:
+            return {}
+        try:
+            doc = json.loads(read_bytes(self.path, "convolution autotune cache", CACHE_LIMIT).decode("utf-8"))
+        except (FileNotFoundError, ConfigError, ValueError):  # missing, unreadable, not UTF-8 or not JSON
+            return {}
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("choices"), dict):
+            return {}
+        return {k: a for k, a in doc["choices"].items() if isinstance(k, str) and a in conv_plan.ALGORITHMS}
+
+    def choices(self):
+        if self._choices is None:
+            self._choices = self.read()
+        return self._choices
+
+    def cached(self, g, co, dtype, kernels, tuning):
+        """The algorithm cached for this shape on this machine, or None (not timed yet, or an algorithm
+        that no longer computes this shape)."""
+        a = self.choices().get(key(g, co, dtype, threads.threads(), kernels))
+        return a if a is not None and a in candidates(g, co, kernels, tuning) else None
+
+    def choose(self, shapes, dtype, kernels, tuning, say=None):
+        """{(g, co): algorithm} for every shape in `shapes`: from the cache, else timed now (and the cache
+        rewritten). say: prints one line before the first timing."""
+        out, todo = {}, []
+        for g, co in shapes:
+            a = self.cached(g, co, dtype, kernels, tuning)
+            if a is None:
+                todo.append((g, co))
+            else:
+                out[(g, co)] = a
+        if not todo:
+            return out
+        if say is not None:
+            where = f"cached in {self.path}" if self.path else "not cached"
+            say(f"pydtnn: timing convolution algorithms for {len(todo)} layer shape{'s' * (len(todo) != 1)}, "
+                f"first run only ({where})")
+        timed = {}
+        for g, co in todo:
+            algorithms = candidates(g, co, kernels, tuning)
+            if len(algorithms) == 1:
+                out[(g, co)] = algorithms[0]
+            else:
+                out[(g, co)] = pick(self.measure(g, co, algorithms, dtype, kernels, tuning), algorithms[0], self.margin)
+            timed[key(g, co, dtype, threads.threads(), kernels)] = out[(g, co)]
+        self.save(timed, say)
+        return out
+
+    def save(self, choices, say=None):
+        """Add {key: algorithm} to the cache file (re-read first, so choices another run wrote stay)."""
+        self.choices().update(choices)
+        if self.path is None:
+            return
+        merged = {**self.read(), **choices}
+        text = json.dumps({"format": FORMAT, "choices": dict(sorted(merged.items()))}, indent=1)
+        try:
+            write_atomic(self.path, text.encode("utf-8"))
+        except ConfigError as e:  # a read-only home: the choices hold for this run
+            if say is not None:
+                say(f"pydtnn: convolution choices not cached: {e}")
