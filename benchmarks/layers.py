@@ -14,7 +14,6 @@ and ours as a fraction of it.
 """
 
 import argparse
-import platform
 import statistics
 import time
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from threadpoolctl import threadpool_limits
 
+from pydtnn.backends.cpu.autotune import describe_cpu
 from pydtnn.runtime import configure
 from pydtnn.layers import AvgPool2D, BatchNorm, Conv2D, Dense, MaxPool2D, ReLU
 
@@ -165,7 +165,7 @@ def main():
         ga = f"{r['gemm_gflops']:.1f} ({100 * r['gflops'] / r['gemm_gflops']:.0f}%)" if r["gemm_gflops"] else ""
         lines.append(f"| {r['name']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['torch_fwd_ms']:.2f} | "
                      f"{r['torch_bwd_ms']:.2f} | {r['ratio']:.2f} | {g} | {ga} |")
-    machine = (f"{platform.processor() or platform.machine()}, NumPy {np.__version__}, PyTorch {torch.__version__}, "
+    machine = (f"{describe_cpu()}, NumPy {np.__version__}, PyTorch {torch.__version__}, "
                f"sgemm peak measured {min(peaks):.0f}-{max(peaks):.0f} GFLOP/s on {args.threads} thread(s), before "
                f"the first layer and after each; a row's % is against the mean of the two around it")
     text = f"{machine}\n\n" + "\n".join(lines) + "\n"

@@ -289,15 +289,17 @@ def machine_info():
     import torch
     from threadpoolctl import threadpool_info
 
-    cpu = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+        from pydtnn.backends.cpu.autotune import cpu_info
+
+        cpu, isa = cpu_info()
+    except ImportError:  # a pydtnn older than autotune.py
+        cpu, isa = "unknown", None
+    if cpu == "unknown":
+        cpu = platform.processor() or platform.machine()
     blas = next((f"{i['internal_api']} {i['version']} ({i.get('architecture') or '?'} kernels)"
                  for i in threadpool_info() if i["user_api"] == "blas"), "unknown BLAS")
-    return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+    return {"cpu": cpu, "isa": isa, "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
             "blas": blas, "torch": torch.__version__}
 
 
@@ -361,7 +363,8 @@ def report(run):
         commit += " plus uncommitted changes in pydtnn/"
     steps = ", ".join(f"{n} {a['steps'] or STEPS.get(n, 10)}" for n in a["models"].split(","))
     rounds = any(len(r.get("rounds_ms", ())) > 1 for r in run["records"])
-    lines = [(f"{m['cpu']}, {m['cpus']} cores; Python {m['python']}, NumPy {m['numpy']} with {m['blas']}, "
+    isa = f" ({m['isa']})" if m.get("isa") else ""  # records written before the ISA was recorded have none
+    lines = [(f"{m['cpu']}{isa}, {m['cpus']} cores; Python {m['python']}, NumPy {m['numpy']} with {m['blas']}, "
              f"PyTorch {m['torch']}"), "",
              (f"pydtnn at {commit} ({src['path']}). float32, SGD(lr={LR}, momentum={MOMENTUM}), softmax "
              f"cross-entropy; {a['warmup']} warm-up step(s), then the median of {steps} timed steps; "

@@ -56,8 +56,8 @@ class FakeMeasure:
     def __init__(self, fastest="gemm"):
         self.fastest, self.calls = fastest, []
 
-    def __call__(self, g, co, algorithms, dtype, kernels, tuning):
-        self.calls.append((g, co, algorithms))
+    def __call__(self, g, co, algorithms, dtype, kernels, tuning, batch):
+        self.calls.append((g, co, algorithms, batch))
         return {a: 1.0 if a == self.fastest else 2.0 for a in algorithms}
 
 
@@ -69,7 +69,7 @@ def test_the_fastest_candidate_is_chosen_and_cached(tmp_path):
     shapes = [(CONV3, 16), (DEPTHWISE, 32), (POINTWISE, 64)]
     got = tuner.choose(shapes, np.float32, "numba", TUNING, say=lines.append)
     assert got == {s: "gemm" for s in shapes}
-    assert len(fake.calls) == 3
+    assert len(fake.calls) == 3 and {c[3] for c in fake.calls} == {32}
     assert lines == [f"pydtnn: timing convolution algorithms for 3 layer shapes, first run only (cached in {path})"]
 
     again = autotune.Tuner(path=str(path), measure=FakeMeasure())  # a later run: read from the file, nothing timed
@@ -79,23 +79,22 @@ def test_the_fastest_candidate_is_chosen_and_cached(tmp_path):
     assert doc["format"] == autotune.FORMAT and sorted(doc["choices"].values()) == ["gemm"] * 3
 
 
-def test_the_cache_is_keyed_by_cpu_isa_threads_dtype_kernels_and_shape(tmp_path):
-    base = autotune.key(CONV3, 16, np.float32, 1, "numba", cpu=("CPU A", "avx2"))
-    others = [autotune.key(CONV3, 16, np.float32, 1, "numba", cpu=("CPU B", "avx2")),
-              autotune.key(CONV3, 16, np.float32, 1, "numba", cpu=("CPU A", "avx512f")),
-              autotune.key(CONV3, 16, np.float32, 2, "numba", cpu=("CPU A", "avx2")),
-              autotune.key(CONV3, 16, np.float64, 1, "numba", cpu=("CPU A", "avx2")),
-              autotune.key(CONV3, 16, np.float32, 1, "numpy", cpu=("CPU A", "avx2")),
-              autotune.key(CONV3, 32, np.float32, 1, "numba", cpu=("CPU A", "avx2")),
-              autotune.key(ConvGeometry(16, 32, 32, 3, 3), 16, np.float32, 1, "numba", cpu=("CPU A", "avx2"))]
-    assert len({base, *others}) == len(others) + 1
-    assert "CPU A" in base and "avx2" in base
+def test_the_cache_is_keyed_by_cpu_isa_threads_dtype_kernels_batch_and_shape(tmp_path):
+    def k(g=CONV3, co=16, dtype=np.float32, n=1, kernels="numba", batch=32, cpu=("CPU A", "avx2")):
+        return autotune.key(g, co, dtype, n, kernels, batch, cpu=cpu)
+
+    others = [k(cpu=("CPU B", "avx2")), k(cpu=("CPU A", "avx512f")), k(n=2), k(dtype=np.float64), k(kernels="numpy"),
+              k(batch=16), k(co=32), k(g=ConvGeometry(16, 32, 32, 3, 3))]
+    assert len({k(), *others}) == len(others) + 1
+    assert "CPU A" in k() and "avx2" in k()
 
     tuner = autotune.Tuner(path=str(tmp_path / "tune.json"), measure=FakeMeasure())
     tuner.choose([(CONV3, 16)], np.float32, "numba", TUNING)
     assert tuner.cached(CONV3, 16, np.float32, "numba", TUNING) == "gemm"
     assert tuner.cached(CONV3, 16, np.float64, "numba", TUNING) is None
     assert tuner.cached(CONV3, 8, np.float32, "numba", TUNING) is None
+    assert autotune.Tuner(path=tuner.path, batch=16).cached(CONV3, 16, np.float32, "numba", TUNING) is None
+    assert autotune.Tuner(path=tuner.path).cached(CONV3, 16, np.float32, "numba", TUNING) == "gemm"
     before = threads.threads()
     try:
         threads.set_threads(before + 1)
@@ -117,7 +116,7 @@ def test_a_corrupt_cache_file_is_ignored_and_rewritten(tmp_path, content):
 
 def test_a_cached_algorithm_that_cannot_compute_the_shape_is_ignored(tmp_path):
     path = tmp_path / "tune.json"
-    k = autotune.key(CONV3, 16, np.float32, threads.threads(), "numba")
+    k = autotune.Tuner(path=None).key(CONV3, 16, np.float32, "numba")
     path.write_text(json.dumps({"format": autotune.FORMAT, "choices": {k: "depthwise"}}))
     assert autotune.Tuner(path=str(path)).cached(CONV3, 16, np.float32, "numba", TUNING) is None
     path.write_text(json.dumps({"format": autotune.FORMAT, "choices": {k: "no_such_algorithm"}}))

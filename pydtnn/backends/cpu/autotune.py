@@ -1,12 +1,13 @@
 """A convolution's algorithm measured on the machine it runs on, not chosen by thresholds tuned elsewhere.
 
 For each layer shape (geometry, output channels) the eligible algorithms (candidates(): the
-predicates of conv_plan.py) are timed on random data at a small batch: forward + backward, in
-interleaved rounds, the median of each. The threshold choice (conv_plan.choose) stays unless another
+predicates of conv_plan.py) are timed on random data at batch 32 (Tuner.batch): forward + backward,
+in interleaved rounds, the median of each. Not smaller: at batch 8, fixed costs per call (handing
+chunks to the threads) decided the choice, and on two threads it went the other way from batch 64. The threshold choice (conv_plan.choose) stays unless another
 candidate is faster by `margin` (5%): timing noise never flips a choice that measures the same.
 
 Choices are cached as JSON in a per-user file (default_path(): ~/.cache/pydtnn/conv_autotune.json),
-keyed by CPU model, vector ISA, threads, dtype, kernels and the shape, so the next run starts
+keyed by CPU model, vector ISA, threads, dtype, kernels, the timed batch and the shape, so the next run starts
 without timing. A file that does not parse is ignored and rewritten; an entry naming an algorithm
 that is no longer eligible for its shape is ignored.
 """
@@ -81,12 +82,12 @@ def candidates(g, co, kernels, tuning):
     return (first, *[a for a in found if a != first])
 
 
-def key(g, co, dtype, n_threads, kernels, cpu=None):
-    """The cache key of one layer shape on this machine: a readable string."""
+def key(g, co, dtype, n_threads, kernels, batch, cpu=None):
+    """The cache key of one layer shape timed at `batch` samples on this machine: a readable string."""
     model, isa = cpu or cpu_info()
     shape = (f"c{g.c} {g.h}x{g.w} k{g.kh}x{g.kw} s{g.sh}x{g.sw} d{g.dh}x{g.dw} "
              f"p{g.pt},{g.pb},{g.pl},{g.pr} g{g.groups} co{co}")
-    return f"{model} | {isa} | {n_threads} threads | {np.dtype(dtype).name} | {kernels} | {shape}"
+    return f"{model} | {isa} | {n_threads} threads | {np.dtype(dtype).name} | {kernels} | batch {batch} | {shape}"
 
 
 def pick(times, first, margin):
@@ -96,12 +97,13 @@ def pick(times, first, margin):
     return best if times[best] < times[first] * (1 - margin) else first
 
 
-def measure(g, co, algorithms, dtype, kernels, tuning, batch=8, rounds=5):
+def measure(g, co, algorithms, dtype, kernels, tuning, batch=32, rounds=5, slow=1.0):
     """{algorithm: median seconds of forward + backward (dx and dw)} at `batch` samples, on random data.
 
     Runs on a backend of its own (its own scratch pool, its own random numbers: the model's stream is
     untouched); one untimed call of each first (it compiles the kernels it needs), then `rounds`
-    rounds, each timing every algorithm once, so a slow spell of the machine falls on all alike."""
+    rounds, each timing every algorithm once, so a slow spell of the machine falls on all alike;
+    3 rounds when the untimed calls took more than `slow` seconds (large images)."""
     from pydtnn.backends.cpu.backend import CPUBackend
 
     b = CPUBackend(dtype, kernels=kernels, tuning=tuning)
@@ -118,8 +120,8 @@ def measure(g, co, algorithms, dtype, kernels, tuning, batch=8, rounds=5):
         ctx.release()
         return time.perf_counter() - t0
 
-    for plan in plans.values():
-        once(plan)
+    if sum(once(plan) for plan in plans.values()) > slow:
+        rounds = min(rounds, 3)
     samples = {a: [] for a in algorithms}
     for _ in range(rounds):
         for a, plan in plans.items():
@@ -131,17 +133,18 @@ class Tuner:
     """Measured choices of convolution algorithms, cached in the JSON file at `path`.
 
     path: the cache file (default_path()); None keeps choices in memory only.
-    measure: (g, co, algorithms, dtype, kernels, tuning) -> {algorithm: seconds}; default measure().
+    measure: (g, co, algorithms, dtype, kernels, tuning, batch) -> {algorithm: seconds}; default measure().
     margin: how much faster than the threshold choice another algorithm must be to replace it.
+    batch: samples per timed call.
     """
 
-    def __init__(self, path=default_path, measure=measure, margin=0.05):
+    def __init__(self, path=default_path, measure=measure, margin=0.05, batch=32):
         self.path = path() if callable(path) else path
-        self.measure, self.margin = measure, margin
+        self.measure, self.margin, self.batch = measure, margin, batch
         self._choices = None  # key -> algorithm, read from the file on first use
 
     def __repr__(self):
-        return f"Tuner(path={self.path!r}, margin={self.margin})"
+        return f"Tuner(path={self.path!r}, margin={self.margin}, batch={self.batch})"
 
     def read(self):
         """{key: algorithm} from the cache file; {} when it is missing or does not parse."""
@@ -160,10 +163,14 @@ class Tuner:
             self._choices = self.read()
         return self._choices
 
+    def key(self, g, co, dtype, kernels):
+        """key() of this shape with the threads in use now and this tuner's batch."""
+        return key(g, co, dtype, threads.threads(), kernels, self.batch)
+
     def cached(self, g, co, dtype, kernels, tuning):
         """The algorithm cached for this shape on this machine, or None (not timed yet, or an algorithm
         that no longer computes this shape)."""
-        a = self.choices().get(key(g, co, dtype, threads.threads(), kernels))
+        a = self.choices().get(self.key(g, co, dtype, kernels))
         return a if a is not None and a in candidates(g, co, kernels, tuning) else None
 
     def choose(self, shapes, dtype, kernels, tuning, say=None):
@@ -188,8 +195,9 @@ class Tuner:
             if len(algorithms) == 1:
                 out[(g, co)] = algorithms[0]
             else:
-                out[(g, co)] = pick(self.measure(g, co, algorithms, dtype, kernels, tuning), algorithms[0], self.margin)
-            timed[key(g, co, dtype, threads.threads(), kernels)] = out[(g, co)]
+                times = self.measure(g, co, algorithms, dtype, kernels, tuning, self.batch)
+                out[(g, co)] = pick(times, algorithms[0], self.margin)
+            timed[self.key(g, co, dtype, kernels)] = out[(g, co)]
         self.save(timed, say)
         return out
 

@@ -159,7 +159,7 @@ class CPUBackend(Backend):
             sent = comm.bcast_obj(None if choices is None else [[*astuple(g), co, a] for (g, co), a in choices.items()])
             choices = {(ConvGeometry(*v[:-2]), v[-2]): v[-1] for v in sent}
             self.tuner.choices().update(  # later plans on this rank follow rank 0 too
-                {autotune_module.key(g, co, self.dtype, threads.threads(), self.kernels): a
+                {self.tuner.key(g, co, self.dtype, self.kernels): a
                  for (g, co), a in choices.items()})
         for (g, co), plan in self._plans.items():
             if (g, co) in choices and choices[(g, co)] != plan.algorithm:
