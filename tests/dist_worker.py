@@ -62,7 +62,8 @@ def main():
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     p.add_argument("--sync_bn", action="store_true", help="a model with BatchNorm, statistics synchronized")
     p.add_argument("--fp16", action="store_true", help="fp16 wire format for gradients")
-    p.add_argument("--strategies", default=",".join(reducers.NAMES))
+    p.add_argument("--strategies", default="blocking,per_layer,bucketed")
+    p.add_argument("--ranks_per_node", type=int, default=0, help="hierarchical: ranks per emulated node")
     p.add_argument("--piece_kb", type=float, default=0, help="cut messages into pieces this small (0: default)")
     args = p.parse_args()
     if args.piece_kb:
@@ -84,8 +85,10 @@ def main():
                 model = models.create("simplecnn", backend=CPUBackend(dtype, seed=seed))
             opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
             options = {"compression": "fp16"} if args.fp16 else {}
-            if strategy == "bucketed":
+            if strategy in ("bucketed", "hierarchical"):
                 options.update(bucket_mb=0.05, first_bucket_mb=0.01)
+            if strategy == "hierarchical" and args.ranks_per_node:
+                options["ranks_per_node"] = args.ranks_per_node
             reducer = reducers.create(strategy, comm, **options) if comm.size > 1 else None
             callbacks = [Misbehave(step, args.raise_rank, how) for how, step in
                          (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at),

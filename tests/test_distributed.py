@@ -62,6 +62,14 @@ def test_n_processes_equal_one_process(single, tmp_path, n):
     assert_same_parameters(single, tmp_path, STRATEGIES, what=f"np={n}")
 
 
+def test_hierarchical_reduction_over_two_emulated_nodes_equals_one_process(single, tmp_path):
+    """4 processes as 2 nodes of 2 (--ranks_per_node): reduce to each node's leader, allreduce between the
+    leaders, broadcast back; the same parameters as one process."""
+    r = launch(4, tmp_path, "--strategies", "hierarchical", "--ranks_per_node", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_parameters(single, tmp_path, ("hierarchical",), what="np=4 as 2 nodes")
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_gradient_accumulation_equals_one_big_batch(single, tmp_path, n):
     r = launch(n, tmp_path, "--accumulate", "3", "--strategies", "bucketed,per_layer")

@@ -162,6 +162,27 @@ class MPIComm:
             self._wait(self.comm.Ireduce_scatter(send, recv, counts, op=self.MPI.SUM), self.current)
         return recv
 
+    def ireduce(self, buf, root=0, label=""):
+        """Start a sum of `buf` over the ranks into root's `buf` (in place there; unchanged elsewhere)."""
+        self._enter("reduce", buf, label)
+        msg, op = self._sum_of(buf)
+        if self.rank == root:
+            req = self.comm.Ireduce(self.MPI.IN_PLACE, msg, op=op, root=root)
+        else:
+            req = self.comm.Ireduce(msg, None, op=op, root=root)
+        return _MPIRequest(self, req, self.current)
+
+    def ibcast(self, buf, root=0, label=""):
+        """Start a broadcast of root's `buf` into every rank's."""
+        self._enter("bcast", buf, label)
+        return _MPIRequest(self, self.comm.Ibcast(buf, root=root), self.current)
+
+    def split_shared(self):
+        """The communicator of the ranks that share this one's memory (one node), with this one's settings."""
+        self._enter("split", None)
+        node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+        return MPIComm(node, self.stall_timeout, self.debug)
+
     def split(self, color, key):
         """The communicator of the ranks that give the same `color`, ranked by `key`, with this one's
         stall_timeout and debug settings (a collective over this communicator)."""

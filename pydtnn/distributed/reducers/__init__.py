@@ -3,19 +3,21 @@
 from pydtnn.distributed.reducers.base import Reducer
 from pydtnn.distributed.reducers.blocking import BlockingReducer
 from pydtnn.distributed.reducers.bucketed import BucketedReducer
+from pydtnn.distributed.reducers.hierarchical import HierarchicalReducer
 from pydtnn.distributed.reducers.per_layer import PerLayerReducer
 from pydtnn.errors import ConfigError
 
-_CLASSES = {c.name: c for c in (BlockingReducer, PerLayerReducer, BucketedReducer)}
+_CLASSES = {c.name: c for c in (BlockingReducer, PerLayerReducer, BucketedReducer, HierarchicalReducer)}
 NAMES = tuple(_CLASSES)
 
 
 def create(name, comm, **options):
-    """Reducer by name: blocking, per_layer or bucketed; options: compression ("none" or "fp16"),
-    and for bucketed bucket_mb, first_bucket_mb."""
+    """Reducer by name: blocking, per_layer, bucketed or hierarchical; options: compression ("none" or
+    "fp16"), for bucketed and hierarchical bucket_mb, first_bucket_mb, for hierarchical ranks_per_node."""
     if name not in _CLASSES:
         raise ConfigError(f"unknown reduction strategy {name!r}; expected one of {', '.join(NAMES)}")
     return _CLASSES[name](comm, **options)
 
 
-__all__ = ["Reducer", "BlockingReducer", "PerLayerReducer", "BucketedReducer", "create", "NAMES"]
+__all__ = ["Reducer", "BlockingReducer", "PerLayerReducer", "BucketedReducer", "HierarchicalReducer", "create",
+           "NAMES"]
