@@ -867,3 +867,63 @@ def test_keep_freed_memory_spares_page_faults_on_reuse(monkeypatch):
     assert backend >= 1_000  # no mallopt called by the backend
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     assert runtime._keep_freed_memory() is False
+
+
+# -- one-group 5x5 and 7x7 stride-1 layers (kernels/convkxk.py) -----------------------------
+KXK_CASES = [
+    # (N, C, Co, H, W, k, pad (pt, pb, pl, pr), (dh, dw))
+    (1, 1, 6, 28, 28, 5, (2, 2, 2, 2), (1, 1)),  # LeNet-5's first layer
+    (3, 6, 16, 14, 14, 5, (0, 0, 0, 0), (1, 1)),  # LeNet-5's second layer
+    (3, 5, 7, 11, 13, 5, (1, 1, 1, 1), (1, 1)),  # odd sizes, channels not a multiple of 4
+    (1, 16, 9, 9, 17, 5, (2, 1, 0, 2), (1, 1)),  # uneven padding
+    (3, 3, 4, 5, 5, 5, (0, 0, 0, 0), (1, 1)),  # a 1x1 output (LeNet-5's third layer)
+    (1, 4, 5, 13, 9, 5, (4, 2, 3, 4), (1, 1)),  # padding up to the reach
+    (3, 2, 4, 15, 12, 5, (2, 2, 2, 2), (2, 1)),  # dilated
+    (3, 3, 5, 12, 11, 7, (3, 3, 3, 3), (1, 1)),  # 7x7
+]
+
+
+@pytest.mark.parametrize("case", KXK_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kxk_direct_kernel_matches_the_numpy_path(case, dtype, threads):
+    """The compiled one-group 5x5 and 7x7 kernels and im2col + GEMM give the same y, dx and dw (to
+    rounding), whole or split over two threads, the weight gradient summed one sample at a time."""
+    tuning = Tuning(direct_min_width=1, direct_chunk_bytes=1, split_min_bytes=0)
+    n, c, co, h, w, k, pads, (dh, dw) = case
+    g = ConvGeometry(c, h, w, k, k, 1, 1, dh, dw, *pads)
+    fast = CPUBackend(dtype, kernels="numba", tuning=tuning)
+    ref = CPUBackend(dtype, kernels="numpy", tuning=tuning)
+    assert algorithm(fast, g, co) == "direct" and algorithm(ref, g, co) != "direct"
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, c, h, w)).astype(dtype)
+    wt = rng.standard_normal((co, c, k, k)).astype(dtype)
+    dy = rng.standard_normal((n, co, g.ho, g.wo)).astype(dtype)
+    got, want = [], []
+    with thread_count(threads):
+        for be, out in ((fast, got), (ref, want)):
+            y, ctx = be.conv2d_forward(x, wt, g)
+            out += [y, *be.conv2d_backward(dy, wt, ctx, g)]
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "x_shape,filters,kwargs",
+    [
+        ((2, 3, 9, 8), 5, {"kernel_size": 5, "padding": 2}),
+        ((3, 2, 7, 7), 4, {"kernel_size": 5}),
+        ((1, 2, 8, 9), 3, {"kernel_size": 7, "padding": (3, 1)}),
+    ],
+)
+def test_conv_kxk_direct_layer_matches_finite_differences_and_torch(x_shape, filters, kwargs):
+    """A Conv2D layer on the compiled 5x5 / 7x7 path passes the layer checks."""
+    tuning = Tuning(direct_min_width=1)
+    k = kwargs["kernel_size"]
+    p = kwargs.get("padding", 0)
+    pt, pl = p if isinstance(p, tuple) else (p, p)
+    g = ConvGeometry(x_shape[1], *x_shape[2:], k, k, pt=pt, pb=pt, pl=pl, pr=pl)
+    assert algorithm(CPUBackend(kernels="numba", tuning=tuning), g, filters) == "direct"
+    both_checks(lambda: Conv2D(filters, **kwargs), x_shape, torch_conv(kwargs), tuning=tuning)

@@ -1,8 +1,8 @@
 """Which algorithm computes a convolution on the CPU: chosen once per layer, when it is built.
 
-    direct          compiled direct 3x3 stride-1 kernels (conv_direct.py): depthwise layers, and one-group
-                    layers at least tuning.direct_min_width outputs wide (twice that from
-                    tuning.direct_narrow_max_channels input channels on)
+    direct          compiled direct stride-1 kernels (conv_direct.py): depthwise 3x3 layers, and one-group
+                    3x3, 5x5 and 7x7 layers at least tuning.direct_min_width outputs wide (twice that
+                    from tuning.direct_narrow_max_channels input channels on)
     direct_stride2  a stride-2 depthwise 3x3 layer computed at stride 1 by the compiled kernels: 4x the
                     multiply-adds of the strided layer, but compiled and on all threads
     depthwise       NumPy depthwise convolution on the wide grid (conv_depthwise.py)
@@ -29,13 +29,15 @@ class ConvPlan:
 
 
 def direct_ok(g, co):
-    """Whether the compiled direct kernels compute geometry g with co output channels: 3x3, stride 1,
-    one group or depthwise (one input and one output channel per group), and padding at most the
-    kernel's reach on every side (so that dx, a convolution of dy, is padded too)."""
-    eh, ew = 2 * g.dh, 2 * g.dw
+    """Whether the compiled direct kernels compute geometry g with co output channels: stride 1, 3x3
+    with one group or depthwise (one input and one output channel per group), or 5x5 or 7x7 with one
+    group; and padding at most the kernel's reach on every side (so that dx, a convolution of dy, is
+    padded too)."""
+    eh, ew = (g.kh - 1) * g.dh, (g.kw - 1) * g.dw
     return (
-        (g.kh, g.kw, g.sh, g.sw) == (3, 3, 1, 1)
-        and (g.groups == 1 or g.groups == g.c == co)
+        g.kh == g.kw
+        and (g.sh, g.sw) == (1, 1)
+        and ((g.kh == 3 and (g.groups == 1 or g.groups == g.c == co)) or (g.kh in (5, 7) and g.groups == 1))
         and 0 <= min(g.pt, g.pb) <= max(g.pt, g.pb) <= eh
         and 0 <= min(g.pl, g.pr) <= max(g.pl, g.pr) <= ew
     )

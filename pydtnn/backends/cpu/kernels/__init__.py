@@ -4,6 +4,8 @@ Numba and LLVM, about 100 MB of memory) only when a layer first uses one.
 - conv3x3.py       one-group 3x3 stride-1 convolution: register-blocked blocks written as LLVM IR
                    vectors (vectors.py); the forward keeps every sample's padded input for the
                    weight gradient, and dx is the forward applied to dy with flipped, transposed weights
+- convkxk.py       one-group 5x5 and 7x7 stride-1 convolution: conv3x3.py's layout and blocks, the
+                   k*k taps a loop in the forward block, the weight gradient in groups of three taps
 - depthwise3x3.py  depthwise 3x3 stride-1 convolution: a 9-tap row sum LLVM vectorizes
 - col2im.py        a strided convolution's dx from its per-position shares; dx's flipped weights
 - normalization.py training-mode BatchNorm, one channel at a time through all its passes
