@@ -239,3 +239,15 @@ def test_model_and_hybrid_predictions_for_zoo_models(name):
         p = predict(model, 16, np_, machine(processes_per_node=4), parallel=parallel, model_parallel_size=m)
         assert np.isfinite(p.step_s) and p.group_comm_s > 0 and p.step_s > p.group_comm_s
         assert json.loads(json.dumps(p.to_dict()))["model_parallel_size"] == (m or np_)
+
+
+def test_the_hierarchical_reducer_is_the_bucketed_layout_in_two_levels():
+    from pydtnn.perfmodel import collectives
+
+    model, m = mlp(), machine(processes_per_node=2)
+    bucketed = predict(model, 8, 4, m, reduction="bucketed", algorithm="ring")
+    two = predict(model, 8, 4, m, reduction="hierarchical")
+    assert two.messages == bucketed.messages and two.algorithm == "hierarchical"
+    one_bucket = sum(g.nbytes for _, _, g in model.parameters())  # 0.33 MB: all in the first bucket (1 MB)
+    assert two.messages == 1 and two.comm_s == pytest.approx(collectives.hierarchical("allreduce", one_bucket, 4, m))
+    assert two.comm_s != pytest.approx(bucketed.comm_s)

@@ -43,7 +43,7 @@ from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 
 PARALLEL = ("data", "model", "hybrid")
-REDUCTIONS = ("blocking", "per_layer", "bucketed")
+REDUCTIONS = ("blocking", "per_layer", "bucketed", "hierarchical")
 PROGRESS = ("test", "background")
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
 
@@ -178,6 +178,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
     messages = _messages(params, times, forward_s, reduction, bucket_mb, first_bucket_mb)
     level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
+    if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
+        algorithm, level = collectives.HIERARCHICAL, None
     durations = [allreduce_seconds(n, replicas, machine, algorithm, level) for _, n in messages]
     comm_s = sum(durations)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
