@@ -155,9 +155,7 @@ def losses_of(backend, steps=4):
 
 
 def conv_algorithms(model):
-    b = model.backend
-    return [b.conv2d_plan(layer.geometry, layer.params["weight"].shape).algorithm
-            for _, layer in model.layers() if isinstance(layer, Conv2D)]
+    return [model.backend.plan_in_use(layer.plan).algorithm for _, layer in model.layers() if isinstance(layer, Conv2D)]
 
 
 @pytest.mark.parametrize("measure", [FakeMeasure("gemm"), autotune.measure], ids=["all-gemm", "measured"])
@@ -204,3 +202,17 @@ def test_the_flag_reaches_the_backend(tmp_path, monkeypatch, capsys, flag, envir
     if timed:  # the second run finds them cached
         assert main(argv) == 0
         assert "timing convolution" not in capsys.readouterr().err
+
+
+def test_two_shapes_with_one_geometry_keep_their_own_choices(tmp_path):
+    """A depthwise geometry with 32 and with 64 output channels (a channel multiplier): equal plans are
+    handed out for both, and each runs as its own measured choice."""
+    def fake(g, co, algorithms, dtype, kernels, tuning, batch):
+        return {a: 1.0 if a == ("gemm" if co == 64 else "depthwise") else 2.0 for a in algorithms}
+
+    b = CPUBackend(np.float32, kernels="numpy", autotune=autotune.Tuner(path=None, measure=fake))
+    p32, p64 = b.conv2d_plan(DEPTHWISE, (32, 1, 3, 3)), b.conv2d_plan(DEPTHWISE, (64, 1, 3, 3))
+    assert p32 == p64 and p32.algorithm == "depthwise"
+    b.tune_convolutions()
+    assert b.plan_in_use(p32).algorithm == "depthwise" and b.plan_in_use(p64).algorithm == "gemm"
+    assert b.conv2d_plan(DEPTHWISE, (64, 1, 3, 3)) is p64  # a layer built later runs as the measured one too

@@ -87,8 +87,9 @@ class CPUBackend(Backend):
         self.pool = ScratchPool()
         self.tuner = autotune_module.Tuner() if autotune is True else autotune or None
         self._plans = {}  # (geometry, co) -> the ConvPlan handed to its layers (autotune)
-        self._untimed = set()  # (geometry, co) planned by thresholds until tune_convolutions times them
-        self._retuned = {}  # a plan handed out before timing -> the measured one
+        self._measured = {}  # id of a plan handed out -> the measured one, where they differ (two shapes
+        # with one geometry and different output channels are handed equal plans, so equality cannot key it)
+        self._tuned_at = None  # the thread count of the last tune_convolutions; None: shapes wait for one
 
     def __repr__(self):
         tuned = ", autotune" if self.tuner is not None else ""
@@ -123,7 +124,8 @@ class CPUBackend(Backend):
     # -- convolution -------------------------------------------------------------------------------
     def conv2d_plan(self, g, weight_shape):
         """The algorithm for this layer: conv_plan.choose's, or with autotune the cached measured one (a
-        shape not in the cache takes choose's until tune_convolutions replaces it)."""
+        shape not in the cache is handed choose's, which runs as the measured one once
+        tune_convolutions has timed it: see plan_in_use)."""
         co = weight_shape[0]
         if self.tuner is None:
             return conv_plan.choose(g, co, self.kernels, self.tuning)
@@ -132,7 +134,7 @@ class CPUBackend(Backend):
             algorithm = self.tuner.cached(g, co, self.dtype, self.kernels, self.tuning)
             if algorithm is None:
                 plan = conv_plan.choose(g, co, self.kernels, self.tuning)
-                self._untimed.add((g, co))
+                self._tuned_at = None
             else:
                 plan = conv_plan.plan_for(g, algorithm)
             self._plans[(g, co)] = plan
@@ -162,16 +164,22 @@ class CPUBackend(Backend):
                 {self.tuner.key(g, co, self.dtype, self.kernels): a
                  for (g, co), a in choices.items()})
         for (g, co), plan in self._plans.items():
-            if (g, co) in choices and choices[(g, co)] != plan.algorithm:
-                self._plans[(g, co)] = self._retuned[plan] = conv_plan.plan_for(g, choices[(g, co)])
-        self._untimed.clear()
+            if (g, co) in choices:
+                self._measured.pop(id(plan), None)
+                if choices[(g, co)] != plan.algorithm:
+                    self._measured[id(plan)] = conv_plan.plan_for(g, choices[(g, co)])
+        self._tuned_at = threads.threads()
+
+    def plan_in_use(self, plan):
+        """The plan a layer's `plan` (from conv2d_plan) computes with: itself, or the measured one."""
+        return self._measured.get(id(plan), plan) if self._measured else plan
 
     def _plan(self, plan, w):
         if isinstance(plan, ConvGeometry):
             plan = self.conv2d_plan(plan, w.shape)
-        if self._untimed:  # autotune, and nobody timed the new shapes before this first forward
-            self.tune_convolutions()
-        return self._retuned.get(plan, plan) if self._retuned else plan
+        if self.tuner is not None and self._tuned_at != threads.threads():
+            self.tune_convolutions()  # new shapes, or other threads, and nobody tuned before this forward
+        return self.plan_in_use(plan)
 
     def conv2d_forward(self, x, w, plan, keep=True):
         """y = conv(x, w): x (N, C, H, W), w (Co, C/groups, kh, kw) -> y (N, Co, Ho, Wo). Returns (y, ctx);
