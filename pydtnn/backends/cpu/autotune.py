@@ -68,9 +68,9 @@ def candidates(g, co, kernels, tuning):
     """The algorithms that compute geometry g with co output channels, the threshold choice first."""
     compiled = kernels == "numba"
     found = []
-    if compiled and (g.sh, g.sw) == (2, 2) and g.groups == g.c == co:
-        if conv_plan.direct_ok(replace(g, sh=1, sw=1), co):
-            found.append("direct_stride2")
+    stride2_depthwise = (g.sh, g.sw) == (2, 2) and g.groups == g.c == co
+    if compiled and stride2_depthwise and conv_plan.direct_ok(replace(g, sh=1, sw=1), co):
+        found.append("direct_stride2")
     if compiled and conv_plan.direct_ok(g, co):
         found.append("direct")
     if g.c == g.groups and g.sh == g.sw:

@@ -14,6 +14,7 @@ import numpy as np
 
 from pydtnn import env
 from pydtnn.backends.base import Backend
+from pydtnn.backends.cpu import autotune as autotune_module
 from pydtnn.backends.cpu import (
     conv_depthwise,
     conv_direct,
@@ -26,7 +27,6 @@ from pydtnn.backends.cpu import (
     threads,
     updates,
 )
-from pydtnn.backends.cpu import autotune as autotune_module
 from pydtnn.backends.cpu import tuning as tuning_module
 from pydtnn.backends.cpu.scratch import ScratchPool
 from pydtnn.backends.geometry import ConvGeometry
