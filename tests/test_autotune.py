@@ -103,7 +103,8 @@ def test_the_cache_is_keyed_by_cpu_isa_threads_dtype_kernels_batch_and_shape(tmp
         threads.set_threads(before)
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"\x80\x81\xff", b"[1, 2]", b'{"format": "other", "choices": {}}',
+@pytest.mark.parametrize("content", [b"{not json", b"\x80\x81\xff", b"[1, 2]", b"[" * 100000,
+                                     b'{"format": "other", "choices": {}}',
                                      b'{"format": "pydtnn conv autotune 1", "choices": []}'])
 def test_a_corrupt_cache_file_is_ignored_and_rewritten(tmp_path, content):
     path = tmp_path / "tune.json"

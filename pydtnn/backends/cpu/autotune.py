@@ -3,12 +3,13 @@
 For each layer shape (geometry, output channels) the eligible algorithms (candidates(): the
 predicates of conv_plan.py) are timed on random data at batch 32 (Tuner.batch): forward + backward,
 in interleaved rounds, the median of each. Not smaller: at batch 8, fixed costs per call (handing
-chunks to the threads) decided the choice, and on two threads it went the other way from batch 64. The threshold choice (conv_plan.choose) stays unless another
-candidate is faster by `margin` (5%): timing noise never flips a choice that measures the same.
+chunks to the threads) decided the choice, and on two threads it went the other way from batch 64.
+The threshold choice (conv_plan.choose) stays unless another candidate is faster by `margin` (5%):
+timing noise never flips a choice that measures the same.
 
 Choices are cached as JSON in a per-user file (default_path(): ~/.cache/pydtnn/conv_autotune.json),
-keyed by CPU model, vector ISA, threads, dtype, kernels, the timed batch and the shape, so the next run starts
-without timing. A file that does not parse is ignored and rewritten; an entry naming an algorithm
+keyed by CPU model, vector ISA, threads, dtype, kernels, the timed batch and the shape, so the next
+run starts without timing. A file that does not parse is ignored and rewritten; an entry naming an algorithm
 that is no longer eligible for its shape is ignored.
 """
 
@@ -152,7 +153,7 @@ class Tuner:
             return {}
         try:
             doc = json.loads(read_bytes(self.path, "convolution autotune cache", CACHE_LIMIT).decode("utf-8"))
-        except (FileNotFoundError, ConfigError, ValueError):  # missing, unreadable, not UTF-8 or not JSON
+        except (FileNotFoundError, ConfigError, ValueError, RecursionError):  # missing, unreadable, not JSON
             return {}
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("choices"), dict):
             return {}
