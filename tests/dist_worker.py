@@ -64,6 +64,7 @@ def main():
     p.add_argument("--fp16", action="store_true", help="fp16 wire format for gradients")
     p.add_argument("--strategies", default="blocking,per_layer,bucketed")
     p.add_argument("--ranks_per_node", type=int, default=0, help="hierarchical: ranks per emulated node")
+    p.add_argument("--density", type=float, default=1.0, help="topk: the share of entries each rank sends")
     p.add_argument("--piece_kb", type=float, default=0, help="cut messages into pieces this small (0: default)")
     args = p.parse_args()
     if args.piece_kb:
@@ -89,6 +90,8 @@ def main():
                 options.update(bucket_mb=0.05, first_bucket_mb=0.01)
             if strategy == "hierarchical" and args.ranks_per_node:
                 options["ranks_per_node"] = args.ranks_per_node
+            if strategy == "topk":
+                options["density"] = args.density
             reducer = reducers.create(strategy, comm, **options) if comm.size > 1 else None
             callbacks = [Misbehave(step, args.raise_rank, how) for how, step in
                          (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at),

@@ -70,6 +70,43 @@ def test_hierarchical_reduction_over_two_emulated_nodes_equals_one_process(singl
     assert_same_parameters(single, tmp_path, ("hierarchical",), what="np=4 as 2 nodes")
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_topk_at_density_one_equals_one_process(single, tmp_path, n):
+    """Every entry sent as (index, value) pairs and summed in rank order: the dense result."""
+    r = launch(n, tmp_path, "--strategies", "topk", "--density", "1.0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_parameters(single, tmp_path, ("topk",), what=f"np={n}")
+
+
+def test_topk_sends_the_largest_entries_and_keeps_exactly_the_rest():
+    """Error feedback: after each step, sent + kept = this step's weighted gradient + what was kept before."""
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+    from pydtnn.layers import Dense, Flatten
+    from pydtnn.model import Model
+
+    model = Model([Flatten(), Dense(7)], (1, 4, 4), CPUBackend("float64"))
+    red = reducers.create("topk", SingleProcess(), density=0.1).attach(model)
+    assert red.k == 12  # ceil(0.1 x 119)
+    rng, kept = np.random.default_rng(0), np.zeros(model.grad_buffer.size)
+    for weight in (1.0, 0.5, 1.0):
+        g = rng.standard_normal(model.grad_buffer.size)
+        model.grad_buffer[...] = g
+        red.begin_step(weight)
+        red.finish()
+        acc = weight * g + kept
+        sent = model.grad_buffer.copy()
+        assert np.count_nonzero(sent) == red.k
+        assert np.abs(acc[sent != 0]).min() >= np.abs(acc[sent == 0]).max()  # the k largest
+        np.testing.assert_array_equal(sent + red.residual, acc)
+        kept = red.residual.copy()
+    state = red.state_dict()
+    other = reducers.create("topk", SingleProcess(), density=0.1).attach(
+        Model([Flatten(), Dense(7)], (1, 4, 4), CPUBackend("float64")))
+    other.load_state_dict(state)
+    np.testing.assert_array_equal(other.residual, kept)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_gradient_accumulation_equals_one_big_batch(single, tmp_path, n):
     r = launch(n, tmp_path, "--accumulate", "3", "--strategies", "bucketed,per_layer")

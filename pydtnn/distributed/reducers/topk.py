@@ -1,0 +1,80 @@
+"""Sparsified reduction with error feedback: each rank sends only its k largest gradient entries.
+
+After backward, each rank adds its residual (what it did not send before) to its weighted gradients,
+keeps the k = ceil(density x size) entries of largest magnitude, and sends their indices and values
+to every rank (two allgathers: k int64 and k values per rank). Every rank then sums the P sparse
+contributions, in rank order, into the gradient buffer. What a rank did not send stays in its residual
+and joins the next step's gradient (error feedback, as in Ok-Topk, PyDTNN's oktopk branch, and Deep
+Gradient Compression). At density 1.0 every entry is sent and the result is the dense sum.
+
+Per step each rank sends 12-16 bytes per kept entry instead of 4-8 per gradient: at density 0.01 about
+3% (float32) of a dense allreduce's bytes, and every rank receives P times that. The residuals are
+each rank's own state: state_dict() / load_state_dict() hold them (one array per rank).
+"""
+
+import numpy as np
+
+from pydtnn.backends import array_module
+from pydtnn.distributed.reducers.base import Reducer, flat_buffer
+from pydtnn.errors import ConfigError
+
+
+class TopKReducer(Reducer):
+    name = "topk"
+
+    def __init__(self, comm, density=0.01, compression="none"):
+        if compression != "none":
+            raise ConfigError(f"the topk reducer sends values in the gradients' dtype; got compression {compression!r}")
+        if not 0 < density <= 1:
+            raise ConfigError(f"topk density must be in (0, 1], got {density!r}")
+        super().__init__(comm, compression)
+        self.density = float(density)
+
+    def setup(self):
+        self.names = [n for n, _, _ in self.params]
+        if self.flat is not None and self._span(self.names) == (0, self.flat.size):
+            self.buf, self.views = self.flat, None  # the model's own gradient buffer, overwritten with the sum
+        else:
+            self.buf, self.views = flat_buffer([g for _, _, g in self.params])
+        self.k = min(self.buf.size, max(1, int(np.ceil(self.density * self.buf.size))))
+        self.residual = array_module(self.buf).zeros_like(self.buf)
+
+    def finish(self):
+        self.order_done = True
+        xp = array_module(self.buf)
+        if self.views is not None:
+            self._pack(self.views, self.names)  # weighted copies
+        else:
+            self._scale(self.buf)
+        acc = self.residual
+        acc += self.buf  # the accumulated gradient: this step's weighted share plus what was not sent before
+        if self.k == acc.size:
+            idx = xp.arange(acc.size, dtype=np.int64)
+        else:
+            idx = xp.argpartition(xp.abs(acc), acc.size - self.k)[acc.size - self.k:].astype(np.int64)
+            idx.sort()
+        vals = acc[idx]
+        acc[idx] = 0  # the residual: everything not sent
+        p = self.comm.size
+        every_idx = xp.empty(p * self.k, np.int64)
+        every_val = xp.empty(p * self.k, acc.dtype)
+        self.comm.allgatherv(idx, every_idx, [self.k] * p, "topk indices")
+        self.comm.allgatherv(vals, every_val, [self.k] * p, "topk values")
+        self.bytes_reduced += int(idx.nbytes + vals.nbytes)
+        self.buf[...] = 0
+        for r in range(p):  # rank order: the same sum on every rank
+            part = slice(r * self.k, (r + 1) * self.k)
+            self.buf[every_idx[part]] += every_val[part]  # indices are unique within a rank's part
+        if self.views is not None:
+            self._unpack(self.views, self.names)
+
+    def state_dict(self):
+        """This rank's residual (what it has not sent yet): a checkpoint of a topk run holds one per rank."""
+        return {"residual": self.residual}
+
+    def load_state_dict(self, state):
+        r = state["residual"]
+        if tuple(r.shape) != tuple(self.residual.shape):
+            raise ConfigError(f"topk residual of shape {tuple(r.shape)}; this model's gradients need "
+                              f"{tuple(self.residual.shape)}")
+        self.residual[...] = r
