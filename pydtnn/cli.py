@@ -193,12 +193,19 @@ def build_parser(suppress_defaults=False):
     f(g, "model_parallel_size", type=positive_int, default=None,
       help="--parallel hybrid: processes per model replica (a divisor of the process count)")
     f(g, "non_blocking_mpi", type=parse_bool, default=False, help="overlap gradient allreduces with backward")
-    f(g, "reduction", choices=("blocking", "per_layer", "bucketed"), default=None,
+    f(g, "reduction", choices=("blocking", "per_layer", "bucketed", "hierarchical", "topk"), default=None,
       help="gradient reduction: one allreduce after backward, one per gradient as layers finish "
-           "(= --non_blocking_mpi), or buckets started as they fill (default)")
+           "(= --non_blocking_mpi), buckets started as they fill (default), buckets reduced within each "
+           "node then between nodes (hierarchical), or each rank's largest entries with error feedback "
+           "(topk, --density); docs/distributed.md")
     f(g, "gradient_compression", choices=("none", "fp16"), default="none",
       help="wire format of gradient reductions: fp16 halves the bytes, rounds every gradient to fp16")
-    f(g, "bucket_size_mb", type=positive_float, default=25.0, help="bucketed: bucket size in MB (default 25)")
+    f(g, "bucket_size_mb", type=positive_float, default=25.0,
+      help="bucketed, hierarchical: bucket size in MB (default 25)")
+    f(g, "ranks_per_node", type=positive_int, default=None,
+      help="hierarchical: processes per node, consecutive ranks (default: those sharing memory)")
+    f(g, "density", type=positive_float, default=0.01,
+      help="topk: the share of gradient entries each process sends per step, in (0, 1] (default 0.01)")
     f(g, "learning_rate_scaling", type=parse_bool, default=True,
       help="multiply the learning rate by the process count when --batch_size is per process "
            "(Goyal et al.; not with --global_batch_size, whose global batch does not grow)")

@@ -146,8 +146,12 @@ def run(args):
     reducer, strategy = None, reduction_strategy(args, world)
     if strategy is not None:
         reducer_options = {"compression": args.gradient_compression}
-        if strategy == "bucketed":
+        if strategy in ("bucketed", "hierarchical"):
             reducer_options["bucket_mb"] = args.bucket_size_mb
+        if strategy == "hierarchical":
+            reducer_options["ranks_per_node"] = args.ranks_per_node
+        if strategy == "topk":
+            reducer_options["density"] = args.density
         reducer = reducers.create(strategy, grad_comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,

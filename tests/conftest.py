@@ -1,6 +1,14 @@
 """Fixtures shared by the test modules."""
 
+import os
+
 import pytest
+
+# The command line measures convolution algorithms by default (--conv_autotune). The suite keeps the
+# threshold choice, so that timing noise never changes what a test computes and no test writes the
+# user's cache; tests/test_autotune.py sets its own environment. Set here, before the test modules copy
+# os.environ for the processes they start.
+os.environ.setdefault("PYDTNN_CONV_AUTOTUNE", "0")
 
 
 @pytest.fixture(params=["numba", "numpy"])

@@ -78,6 +78,20 @@ def test_topk_at_density_one_equals_one_process(single, tmp_path, n):
     assert_same_parameters(single, tmp_path, ("topk",), what=f"np={n}")
 
 
+@pytest.mark.parametrize("flags", [["--reduction", "hierarchical", "--ranks_per_node", "1"],
+                                   ["--reduction", "topk", "--density", "0.05"]])
+def test_the_command_line_takes_the_hierarchical_and_topk_reducers(tmp_path, flags):
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--dataset", "mnist5k",
+           "--num_epochs", "1", "--steps_per_epoch", "3", "--progress", "false", *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"data parallel, {flags[1]} gradient reduction" in r.stderr and "final:" in r.stdout
+    bad = subprocess.run(cmd[:-2] + ["--density", "1.5"] if flags[1] == "topk" else cmd[:-2] + ["--ranks_per_node", "3"],
+                         capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert bad.returncode == 2 and ("density must be in (0, 1], got 1.5" in bad.stderr
+                                    or "--ranks_per_node 3 does not divide the 2 processes" in bad.stderr), bad.stderr
+
+
 def test_topk_sends_the_largest_entries_and_keeps_exactly_the_rest():
     """Error feedback: after each step, sent + kept = this step's weighted gradient + what was kept before."""
     from pydtnn.backends import CPUBackend
