@@ -274,3 +274,21 @@ def test_gradient_ready_order_of_resnet20_leaves_the_model_as_it_was():
     assert order[-len(first.params):] == names[: len(first.params)]  # the first layer's gradients come last
     assert all(np.array_equal(v, model.state_dict()[k]) for k, v in state.items())
     assert model.backend.rng.bit_generator.state == rng
+
+
+def test_a_measured_convolution_plan_is_the_one_costed(tmp_path):
+    """With the backend's algorithm measured (CPUBackend(autotune=...)), costs follow the plan it runs."""
+    from pydtnn.backends.cpu import autotune
+
+    class AllGemm:
+        def __call__(self, g, co, algorithms, dtype, kernels, tuning, batch):
+            return {a: 1.0 if a == "gemm" else 2.0 for a in algorithms}
+
+    tuner = autotune.Tuner(path=str(tmp_path / "tune.json"), measure=AllGemm())
+    plain = models.create("resnet20_cifar10", backend=CPUBackend(kernels="numba"))
+    tuned_backend = CPUBackend(kernels="numba", autotune=tuner)
+    tuned = models.create("resnet20_cifar10", backend=tuned_backend)
+    tuned_backend.tune_convolutions()
+    before = {c.name: c.algorithm for c in layer_costs(plain, 8) if c.kind == "Conv2D"}
+    after = {c.name: c.algorithm for c in layer_costs(tuned, 8) if c.kind == "Conv2D"}
+    assert "direct" in before.values() and set(after.values()) == {"gemm"}

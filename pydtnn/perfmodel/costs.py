@@ -5,7 +5,8 @@
     gradient_ready_order(model)                    # ['3.weight', '3.bias', '0.weight', '0.bias']
 
 Each cost is read from the built layer and from what the backend chose for it when it was built
-(`layer.plan.algorithm` for a convolution, the compiled 2x2 path for pooling, compiled or NumPy
+(a convolution's plan in use, `backend.plan_in_use(layer.plan)`: the one built with the layer, or the
+one measured when the backend autotunes; the compiled 2x2 path for pooling, compiled or NumPy
 BatchNorm and ReLU), and follows the code of that algorithm in `pydtnn/backends/cpu/`. A training step
 has three phases per layer: forward, backward_data (dL/dx) and backward_weights (dL/dW and dL/db).
 
@@ -269,7 +270,7 @@ def _conv(layer, n, need_dx):
     bias    forward Y flops, 2*Y*s bytes (y += b in place); backward_weights Y flops, Y*s bytes (db = sum dy)
     dW      backward_weights 2*|W|*s bytes: the algorithm's dw copied into the layer's gradient buffer
     """
-    plan, g, co = layer.plan, layer.geometry, layer.filters
+    plan, g, co = layer.backend.plan_in_use(layer.plan), layer.geometry, layer.filters  # a measured plan wins
     s = layer.dtype.itemsize
     y = n * co * g.ho * g.wo
     fwd, bwd_d, bwd_w = _CONV_ALGORITHMS[plan.algorithm](layer, n, need_dx)
@@ -404,7 +405,7 @@ def _conv_direct_stride2(layer, n, need_dx):
     output: the depthwise direct costs of g1 (forward y1 written, backward reading Y1 elements of the
     spread dy), plus forward: y1's even rows and columns read and written into y (2*Y*s); backward_weights:
     dy read and spread onto the even rows and columns of a zeroed Y1 (2*Y*s)."""
-    g, g1, s = layer.geometry, layer.plan.run, layer.dtype.itemsize
+    g, g1, s = layer.geometry, layer.backend.plan_in_use(layer.plan).run, layer.dtype.itemsize
     y = n * layer.filters * g.ho * g.wo
     y1 = n * layer.filters * g1.ho * g1.wo
     fwd, bwd_d, bwd_w = _direct(layer, g1, n, need_dx, y1)
