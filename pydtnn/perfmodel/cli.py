@@ -95,6 +95,7 @@ def add_predict(subparsers):
                    help="data (default), model (every layer split over the --np processes) or hybrid (groups of "
                         "--model_parallel_size; docs/parallelism.md)")
     p.add_argument("--model_parallel_size", type=positive_int, help="--parallel hybrid: processes per model replica")
+    p.add_argument("--density", type=float, default=0.01, help="--reduction topk: the share of entries sent (0.01)")
     p.add_argument("--reduction", choices=REDUCTIONS, default="bucketed", help="gradient reduction (default bucketed)")
     p.add_argument("--algorithm", default="ring", choices=("best",) + algorithms("allreduce"),
                    help="allreduce algorithm (default ring; best: the cheapest)")
@@ -137,7 +138,7 @@ def run_predict(args):
     model = build_model(args.model, args.input_shape, args.num_classes, args.dtype)
     p = predict(model, args.batch_size, args.np, machine, reduction=args.reduction, threads=args.threads,
                 algorithm=args.algorithm, progress=args.progress, optimizer=args.optimizer, parallel=args.parallel,
-                model_parallel_size=args.model_parallel_size, name=args.model)
+                model_parallel_size=args.model_parallel_size, density=args.density, name=args.model)
     print(json.dumps(p.to_dict()) if args.json else table(p))
     return 0
 

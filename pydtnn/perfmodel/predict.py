@@ -43,7 +43,7 @@ from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 
 PARALLEL = ("data", "model", "hybrid")
-REDUCTIONS = ("blocking", "per_layer", "bucketed", "hierarchical")
+REDUCTIONS = ("blocking", "per_layer", "bucketed", "hierarchical", "topk")
 PROGRESS = ("test", "background")
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
 
@@ -124,7 +124,7 @@ def allreduce_seconds(nbytes, p, machine, algorithm, level=None):
 
 def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
             optimizer="sgd_momentum", bucket_mb=25.0, first_bucket_mb=1.0, parallel="data", name=None,
-            model_parallel_size=None):
+            model_parallel_size=None, density=0.01):
     """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
     model replica (per process with data parallelism) over np processes, each with `threads` threads, on
     `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
@@ -181,6 +181,9 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
     durations = [allreduce_seconds(n, replicas, machine, algorithm, level) for _, n in messages]
+    if reduction == "topk":  # after backward: each replica's k largest entries, indices and values allgathered
+        messages, durations = _topk(params, density, replicas, machine, algorithm, level, forward_s + backward_s,
+                                    model.backend.dtype.itemsize)
     comm_s = sum(durations)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
     if progress == "test" or reduction == "blocking":
@@ -198,6 +201,22 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         messages=(len(messages) if replicas > 1 else 0) + len(group), overhead_s=overhead_s, layers=times,
         model_parallel_size=m, group_comm_s=group_s,
     )
+
+
+def _topk(params, density, p, machine, algorithm, level, end, itemsize):
+    """([(when, bytes)], [seconds]) of the topk reducer: k = ceil(density x entries) int64 indices and k values
+    from each of the p replicas, two allgathers after backward (k x 8 and k x itemsize bytes per replica)."""
+    if p <= 1:
+        return [], []
+    k = max(1, math.ceil(density * (sum(n for _, n in params) // itemsize)))
+    out = []
+    for nbytes in (p * k * 8, p * k * itemsize):
+        if algorithm in ("best", collectives.HIERARCHICAL):
+            out.append(collectives.best("allgather", nbytes, p, machine, level=level)[1])
+        else:
+            out.append(collectives.seconds("allgather", algorithm if algorithm in collectives.algorithms("allgather")
+                                           else "ring", nbytes, p, machine, level=level))
+    return [(end, p * k * 8), (end, p * k * itemsize)], out
 
 
 def _messages(params, times, forward_s, reduction, bucket_mb, first_bucket_mb):

@@ -73,7 +73,7 @@ def simulate(args, say=print):
     p = predict(model, batch_size(args, name), args.np, machine, reduction=reduction,
                 threads=args.threads_per_process or 1, bucket_mb=args.bucket_size_mb, optimizer=optimizer,
                 parallel=args.parallel if args.parallel not in (None, "sequential") else "data", name=name,
-                model_parallel_size=args.model_parallel_size)
+                model_parallel_size=args.model_parallel_size, density=args.density)
     say(table(p))
     say(f"pydtnn: simulated, nothing trained: {p.step_s * 1e3:.1f} ms a step, "
         f"{p.batch_size * (p.np // p.model_parallel_size) / p.step_s:,.0f} samples/s over {p.np} process(es)")
