@@ -52,7 +52,10 @@ _GENERIC_NAME = "model"  # Model's default name: says nothing about the architec
 
 
 # -- saving ------------------------------------------------------------------------------------
-def save(directory, model, optimizer=None, meta=None, write=True):
+EXTRA = "@"  # optimizer-file names of state beside the optimizer's (a reducer's residuals): "@reducer.residual"
+
+
+def save(directory, model, optimizer=None, meta=None, write=True, extra=None):
     """Write a checkpoint of `model` (and `optimizer`) into `directory`, creating it; crash-safe.
 
     meta: the caller's JSON-serialisable dict, returned by load() (NumPy scalars and arrays are
@@ -61,6 +64,8 @@ def save(directory, model, optimizer=None, meta=None, write=True):
 
     A model split over ranks (model parallelism) is saved whole, as one process holds it: every rank
     of its group calls save (the state is gathered), and only the one with `write` writes.
+    extra: {name: NumPy array} of training state beside the optimizer's (names starting with EXTRA),
+    stored in the optimizer file; load() hands them back through its `extras`.
     """
     directory = os.fspath(directory)
     to_numpy = model.backend.to_numpy
@@ -68,6 +73,10 @@ def save(directory, model, optimizer=None, meta=None, write=True):
     arrays = optimizer.state_dict()["arrays"] if optimizer is not None else {}
     if model.sharding is not None:
         arrays = {k: model.sharding.gather(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
+    for k, v in (extra or {}).items():
+        if not k.startswith(EXTRA):
+            raise ValueError(f"checkpoint extra state {k!r}: expected a name starting with {EXTRA!r}")
+        arrays = {**arrays, k: v}
     if not write:
         return None
     blobs = {
@@ -180,7 +189,7 @@ def _discard_tmp(directory):
 
 
 # -- loading -----------------------------------------------------------------------------------
-def load(directory, model, optimizer=None, check_meta=None):
+def load(directory, model, optimizer=None, check_meta=None, extras=None):
     """Restore `model` (parameters and buffers) and `optimizer` from a checkpoint; return its meta.
 
     Everything is validated before anything is copied, so on error the model and optimizer are as
@@ -190,7 +199,8 @@ def load(directory, model, optimizer=None, check_meta=None):
     model (its name, or the first differing state-dict entry). A dtype difference (float32 checkpoint,
     float64 model) is allowed: values are converted. check_meta(meta, path of the manifest), when
     given, is called after every other check and before anything is copied; it raises to refuse.
-    The backend RNG is not touched: restore it from the meta with set_rng_state().
+    The backend RNG is not touched: restore it from the meta with set_rng_state(). extras: a dict that
+    receives the optimizer file's extra state (save()'s `extra`), when given.
     """
     directory = os.fspath(directory)
     meta_name, manifest, found = _find_complete(directory)
@@ -212,6 +222,11 @@ def load(directory, model, optimizer=None, check_meta=None):
         scalars = _check_scalars(saved.get("scalars"), meta_path)
         opt_where = os.path.join(directory, OPTIMIZER_FILE)
         arrays = _tensors(found[OPTIMIZER_FILE][1], opt_where)
+        extra = {k: arrays.pop(k) for k in [k for k in arrays if k.startswith(EXTRA)]}
+        for name, t in extra.items():
+            _check_values(name, t, t.dtype, opt_where)
+        if extras is not None:
+            extras.update(extra)
         if model.sharding is not None:  # whole in the file; this rank holds its slices
             arrays = {k: model.sharding.cut(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
         own_arrays = optimizer.state_dict()["arrays"]

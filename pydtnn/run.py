@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from pydtnn import checkpoint, data, env, losses, models, optim
 from pydtnn.backends import CPUBackend, get_backend
 from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
@@ -511,7 +513,9 @@ def build_callbacks(args, trainer, config, effective=None):
         out.append(StopAtThreshold(args.stop_at_loss_metric, args.stop_at_loss_threshold))
     if args.history_file and trainer.is_root:
         out.append(HistoryCSV(args.history_file, made=args.checkpoint_dir))
-    if ("model_checkpoint" in chosen or args.checkpoint_dir) and (trainer.is_root or trainer.model.sharding):
+    reducer_has_state = trainer.reducer is not None and bool(trainer.reducer.state_dict())
+    if ("model_checkpoint" in chosen or args.checkpoint_dir) and (trainer.is_root or trainer.model.sharding
+                                                                   or reducer_has_state):
         # rank 0 writes; parameters are identical on every rank, or (model parallelism) gathered from
         # every rank of its group, which all take part
         out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config, effective),
@@ -532,12 +536,44 @@ def save_checkpoint(directory, trainer, epoch, config, effective=None):
         "callbacks": [getattr(c, "state_dict", dict)() for c in trainer.callbacks],
         "history": trainer.history,
     }
-    checkpoint.save(directory, trainer.model, trainer.optimizer, meta, write=trainer.is_root)
+    checkpoint.save(directory, trainer.model, trainer.optimizer, meta, write=trainer.is_root,
+                    extra=reducer_state(trainer))
     if not trainer.is_root:
         return
     # a readable copy of the configuration, written with the checkpoint (never before a run has one); it
     # is a valid --config file: load_config_file skips the "effective" values computed from the flags
     checkpoint.write_json_atomic(os.path.join(directory, "config.json"), {**config, "effective": effective or {}})
+
+
+def reducer_state(trainer):
+    """{"@reducer.<name>": every rank's array, stacked (ranks, ...)} of a reducer with state of its own (topk's
+    residuals): a collective over the replicas, so every rank's checkpoint callback calls it."""
+    reducer = trainer.reducer
+    own = reducer.state_dict() if reducer is not None else {}
+    out = {}
+    for name, a in sorted(own.items()):
+        a = np.ascontiguousarray(trainer.model.backend.to_numpy(a))
+        every = np.empty((trainer.comm.size,) + a.shape, a.dtype)
+        trainer.comm.allgatherv(a.reshape(-1), every.reshape(-1), [a.size] * trainer.comm.size, "reducer state")
+        out[f"{checkpoint.EXTRA}reducer.{name}"] = every
+    return out
+
+
+def restore_reducer(trainer, extras):
+    """Give each rank its saved reducer state: its own row at the saved process count; at another count rank 0
+    takes the sum of the rows (topk: every gradient not yet sent stays in the run) and the others zeros."""
+    reducer, prefix = trainer.reducer, f"{checkpoint.EXTRA}reducer."
+    state = {k[len(prefix):]: v for k, v in extras.items() if k.startswith(prefix)}
+    if reducer is None or not state or not reducer.state_dict():
+        return
+    rank, size = trainer.comm.rank, trainer.comm.size
+    mine = {}
+    for name, every in state.items():
+        if every.shape[0] == size:
+            mine[name] = every[rank]
+        else:
+            mine[name] = every.sum(axis=0) if rank == 0 else np.zeros_like(every[0])
+    reducer.load_state_dict(mine)
 
 
 def resume(directory, trainer, lr=None, scaled=False):
@@ -553,7 +589,9 @@ def resume(directory, trainer, lr=None, scaled=False):
     def check(meta, where):  # before anything is restored: a refused checkpoint leaves the trainer as it was
         checkpoint.check_training_meta(meta, where, trainer.model.backend.rng, restorable)
 
-    meta = checkpoint.load(directory, trainer.model, trainer.optimizer, check_meta=check)
+    extras = {}
+    meta = checkpoint.load(directory, trainer.model, trainer.optimizer, check_meta=check, extras=extras)
+    restore_reducer(trainer, extras)
     checkpoint.set_rng_state(trainer.model.backend.rng, meta["rng"])
     base = meta["base_lr"] * (trainer.world_size / meta.get("world_size", 1) if scaled else 1)
     trainer.base_lr = trainer.optimizer.lr = lr if lr is not None else base

@@ -92,6 +92,27 @@ def test_the_command_line_takes_the_hierarchical_and_topk_reducers(tmp_path, fla
                                     or "--ranks_per_node 3 does not divide the 2 processes" in bad.stderr), bad.stderr
 
 
+def test_a_topk_run_resumes_bit_identically_with_every_ranks_residual(tmp_path):
+    """The residuals (what each rank has not sent) are saved with the checkpoint, one row per rank, and each
+    rank gets its own back: 1 + 1 epochs end exactly where 2 epochs do, residuals included."""
+    from safetensors.numpy import load_file
+
+    base = [MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--dataset", "mnist5k",
+            "--dtype", "float64", "--global_batch_size", "32", "--steps_per_epoch", "4", "--progress", "false",
+            "--reduction", "topk", "--density", "0.1"]
+    for extra in (["--num_epochs", "2", "--checkpoint_dir", "full"], ["--num_epochs", "1", "--checkpoint_dir", "part"]):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run(base[:4] + ["-m", "pydtnn", "--resume", "part", "--num_epochs", "2"], capture_output=True,
+                       text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        full, part = load_file(str(tmp_path / "full" / name)), load_file(str(tmp_path / "part" / name))
+        assert full.keys() == part.keys() and all(np.array_equal(full[k], part[k]) for k in full), name
+    residual = load_file(str(tmp_path / "part" / "optimizer.safetensors"))["@reducer.residual"]
+    assert residual.shape[0] == 2 and not np.array_equal(residual[0], residual[1]) and np.abs(residual).sum() > 0
+
+
 def test_topk_sends_the_largest_entries_and_keeps_exactly_the_rest():
     """Error feedback: after each step, sent + kept = this step's weighted gradient + what was kept before."""
     from pydtnn.backends import CPUBackend

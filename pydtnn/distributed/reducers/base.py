@@ -110,6 +110,13 @@ class Reducer:
     def finish(self):
         raise NotImplementedError
 
+    def state_dict(self):
+        """This rank's own state that a resumed run needs ({name: array}); none for the dense reducers."""
+        return {}
+
+    def load_state_dict(self, state):
+        """Restore what state_dict() gave."""
+
     def _pack(self, views, names):
         """Copy each gradient, times this rank's weight, into its wire buffer view (casting if compressed)."""
         for view, n in zip(views, names):
