@@ -927,3 +927,23 @@ def test_conv_kxk_direct_layer_matches_finite_differences_and_torch(x_shape, fil
     g = ConvGeometry(x_shape[1], *x_shape[2:], k, k, pt=pt, pb=pt, pl=pl, pr=pl)
     assert algorithm(CPUBackend(kernels="numba", tuning=tuning), g, filters) == "direct"
     both_checks(lambda: Conv2D(filters, **kwargs), x_shape, torch_conv(kwargs), tuning=tuning)
+
+
+def test_kxk_direct_plan_takes_one_group_odd_kernels_up_to_their_reach():
+    """5x5 and 7x7 stride-1 one-group layers at least direct_min_width wide take the compiled kernels;
+    depthwise, strided, non-square, 4x4 or over-padded ones, and LeNet-5's 1-pixel C5, do not."""
+    fast = CPUBackend(kernels="numba")
+
+    def geom(k=5, p=2, **kw):
+        return ConvGeometry(**{"c": 6, "h": 14, "w": 14, "kh": k, "kw": k, "pt": p, "pb": p, "pl": p, "pr": p, **kw})
+
+    assert algorithm(fast, geom(p=0), 16) == "direct"  # LeNet-5's C3
+    assert algorithm(fast, geom(k=7, p=3), 16) == "direct"
+    assert algorithm(fast, geom(p=4), 16) == "direct"  # padding up to the reach
+    assert algorithm(fast, geom(p=5), 16) != "direct"
+    assert algorithm(fast, geom(c=16, h=5, w=5, p=0), 120) == "gemm"  # C5: one pixel wide
+    assert algorithm(fast, geom(groups=6), 6) != "direct"  # depthwise 5x5
+    assert algorithm(fast, geom(sh=2, sw=2), 16) != "direct"
+    assert algorithm(fast, geom(kw=3, pl=1, pr=1), 16) != "direct"
+    assert algorithm(fast, geom(k=4, p=1), 16) != "direct"
+    assert algorithm(CPUBackend(kernels="numpy"), geom(), 16) == "gemm"

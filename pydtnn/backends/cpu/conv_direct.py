@@ -42,8 +42,13 @@ def dense_kernels(k):
     if k == 3:
         from pydtnn.backends.cpu.kernels import conv3x3 as m
 
-        return (m.conv3x3_dense_forward, m.conv3x3_dense_forward_chunks, m.conv3x3_dense_weight_grad,
-                m.conv3x3_dense_weight_grad_chunks, ())
+        return (
+            m.conv3x3_dense_forward,
+            m.conv3x3_dense_forward_chunks,
+            m.conv3x3_dense_weight_grad,
+            m.conv3x3_dense_weight_grad_chunks,
+            (),
+        )
     from pydtnn.backends.cpu.kernels import convkxk as m
 
     return m.convkxk_forward, m.convkxk_forward_chunks, m.convkxk_weight_grad, m.convkxk_weight_grad_chunks, (k, k)
