@@ -292,3 +292,12 @@ def test_a_measured_convolution_plan_is_the_one_costed(tmp_path):
     before = {c.name: c.algorithm for c in layer_costs(plain, 8) if c.kind == "Conv2D"}
     after = {c.name: c.algorithm for c in layer_costs(tuned, 8) if c.kind == "Conv2D"}
     assert "direct" in before.values() and set(after.values()) == {"gemm"}
+
+
+def test_a_5x5_direct_convolution_counts_its_25_taps():
+    """The compiled direct path takes one-group 5x5 layers too: dx's FLOPs are 2 N H W C Co x 25."""
+    model = Model([Conv2D(8, 3, padding=1), Conv2D(16, 5, padding=2)], (4, 16, 16), CPUBackend(kernels="numba"))
+    five = next(c for c in layer_costs(model, 2) if c.name == "1")
+    assert five.algorithm == "direct"
+    assert five.backward_data.flops == 2 * 2 * 16 * 16 * 8 * 16 * 25
+    assert five.forward.flops == 2 * 2 * 16 * 16 * 16 * 8 * 25 + 2 * 16 * 16 * 16  # macs and the bias

@@ -363,8 +363,9 @@ def _conv_pointwise(layer, n, need_dx):
 
 
 def _conv_direct(layer, n, need_dx):
-    """Compiled direct 3x3 stride 1 (conv_direct.py). One group: lx = a sample's columns in the padded
-    input xs (dense_layout), B = Co rounded up to blocks of BLOCK_CHANNELS, Bt = C rounded likewise:
+    """Compiled direct k x k stride 1 (conv_direct.py: 3x3, and 5x5 or 7x7 with one group; T = k*k taps,
+    9 in the formulas below for 3x3). One group: lx = a sample's columns in the padded input xs
+    (dense_layout), B = Co rounded up to blocks of BLOCK_CHANNELS, Bt = C rounded likewise:
     forward         2*macs flops; bytes: x read, xs written (x's elements) and read (C*N*lx), W blocked
                     (W read, 4*B*C*9*s: zeroed, filled, transposed), y written
     backward_weights 2*macs flops; bytes: dy read and laid on xs's grid (dyw: Y written, B*N*lx read),
@@ -382,7 +383,8 @@ def _direct(layer, g, n, need_dx, y):
     x = n * g.c * g.h * g.w
     w = int(layer.params["weight"].nbytes)
     macs = _macs(g, n, co)
-    dx_flops = 2 * n * g.h * g.w * g.c * (co // g.groups) * 9
+    taps = g.kh * g.kw
+    dx_flops = 2 * n * g.h * g.w * g.c * (co // g.groups) * taps
     if g.groups > 1:
         fwd = PhaseCost(2 * macs, (x + y) * s + w)
         bwd_w = PhaseCost(2 * macs, (x + y) * s + w)
@@ -390,13 +392,13 @@ def _direct(layer, g, n, need_dx, y):
         return fwd, bwd_d, bwd_w
     from pydtnn.backends.cpu.kernels.conv3x3 import BLOCK_CHANNELS  # Numba: the direct plan needs it anyway
 
-    _, _, lx, tail = dense_layout(g.ho, g.wo, g.dh, g.dw, s)
+    _, _, lx, tail = dense_layout(g.ho, g.wo, g.dh, g.dw, s, g.kh)
     xs = g.c * (n * lx + tail)
     blocks = -(-co // BLOCK_CHANNELS) * BLOCK_CHANNELS
     blocks_t = -(-g.c // BLOCK_CHANNELS) * BLOCK_CHANNELS
-    fwd = PhaseCost(2 * macs, (x + x + xs + y) * s + w + 4 * blocks * g.c * 9 * s)
+    fwd = PhaseCost(2 * macs, (x + x + xs + y) * s + w + 4 * blocks * g.c * taps * s)
     bwd_w = PhaseCost(2 * macs, (y + y + blocks * n * lx + xs) * s + w)
-    bwd_d = PhaseCost(dx_flops, (y + x) * s + w + 4 * blocks_t * co * 9 * s)
+    bwd_d = PhaseCost(dx_flops, (y + x) * s + w + 4 * blocks_t * co * taps * s)
     return fwd, bwd_d, bwd_w
 
 

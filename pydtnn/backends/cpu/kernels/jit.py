@@ -15,7 +15,8 @@ jit = numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True)
 exact = numba.njit(nogil=True, error_model="numpy", cache=True)
 parallel = numba.njit(parallel=True, nogil=True, cache=True)
 
-MODULES = ("col2im", "conv3x3", "depthwise3x3", "elementwise", "normalization", "pooling", "updates", "vectors")
+MODULES = ("col2im", "conv3x3", "convkxk", "depthwise3x3", "elementwise", "normalization", "pooling", "updates",
+           "vectors")
 
 
 def cache_dir():
