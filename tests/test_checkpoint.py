@@ -15,7 +15,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
-from pydtnn import checkpoint, optim
+from pydtnn import checkpoint, optim, runtime
 from pydtnn.backends import CPUBackend
 from pydtnn.errors import ConfigError, DataError, ShapeError
 from pydtnn.layers import BatchNorm, Conv2D, Dense, Dropout, Flatten, MaxPool2D, ReLU
@@ -231,6 +231,9 @@ _CHILD = textwrap.dedent('''
 
 
     if __name__ == "__main__":  # train forever, resuming from and saving to argv[1] after every step
+        from pydtnn import runtime
+
+        runtime.configure(threads=1)  # as the test replays it: the same thread split, the same rounding
         directory = sys.argv[1]
         model, opt = build()
         i = 0
@@ -279,12 +282,18 @@ def test_sigkill_while_training_and_saving_leaves_a_loadable_checkpoint(tmp_path
 
         model, opt = lib["build"]()
         meta = checkpoint.load(directory, model, opt)  # the previous or the new checkpoint, complete
+        before = runtime.configured()  # an earlier test module's Trainer may have configured this process
+        runtime.configure(threads=1)
         # the previous or the new checkpoint; on a quick machine the child may finish another save
         # before the signal lands, which is as good: what matters is that it is complete and right
         assert target - 1 <= meta["step"] <= target + 2
         ref, ref_opt = lib["build"]()
-        for i in range(meta["step"]):
-            lib["step"](ref, ref_opt, i)
+        try:
+            for i in range(meta["step"]):
+                lib["step"](ref, ref_opt, i)
+        finally:
+            if before is not None:
+                runtime.configure(threads=before["threads"], blas_threads=before.get("blas_threads"))
         assert_same(ref, ref_opt, model, opt)
         assert checkpoint.rng_state(ref.backend.rng) == meta["rng"]
 
