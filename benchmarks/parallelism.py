@@ -42,9 +42,7 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +52,6 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import numpy as np
 import perfmodel_validation as validation
-from train_step import busy_seconds, own_seconds, wait_idle
 
 from pydtnn.perfmodel.calibrate import mpiexec_path
 
@@ -183,27 +180,12 @@ def measure(config, warmup, steps, wait_s, tmp):
     """Train `config` once in fresh processes; the step, its phases, its communication and the cores other
     processes used meanwhile (None where /proc/stat is missing)."""
     from pydtnn import models
-    from pydtnn.profiling.tracer import trace_paths
 
     trace = os.path.join(tmp, "trace.json")
     dataset = write_dataset(os.path.join(tmp, f"{config.model}-{config.batch}"), *models.defaults(config.model),
                             train_samples=(warmup + steps) * config.batch)
-    wait_idle(wait_s)
-    t0, b0, c0 = time.perf_counter(), busy_seconds(), own_seconds(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(command(config, trace, warmup, steps, dataset), env=validation.thread_env(1), cwd=tmp,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        raise RuntimeError(f"{config.label}: exit status {proc.returncode}\n{tail}")
-    foreign = None
-    if b0 is not None:
-        foreign = max(0.0, (busy_seconds() - b0 - (own_seconds(resource.RUSAGE_CHILDREN) - c0)) / wall)
-    per_rank = []
-    for path in trace_paths(trace, config.np):
-        with open(path, encoding="utf-8") as f:
-            per_rank.append(validation.rank_timings(json.load(f)["traceEvents"], warmup))
-    m = validation.combine_ranks(per_rank)
+    m, wall, foreign = validation.run_traced(command(config, trace, warmup, steps, dataset), validation.thread_env(1),
+                                             tmp, trace, config.np, warmup, wait_s, config.label, RUN_TIMEOUT_S)
     mp_comm, reduce_wait = communication(m)
     return {"step_s": m["step_s"], "steps_s": m["steps_s"], "phases_s": m["phases_s"], "mp_comm_s": mp_comm,
             "reduce_wait_s": reduce_wait, "warmup": warmup, "steps": steps, "wall_s": wall, "foreign_cores": foreign}

@@ -256,33 +256,41 @@ def thread_env(threads):
 def measure(config, warmup, steps, wait_s, retries, tmp):
     """Run `config` in fresh processes (again, up to `retries` times, while other processes used more than
     BUSY cores); the least disturbed run's measurement."""
-    from pydtnn.profiling.tracer import trace_paths
 
     best = None
     for attempt in range(1 + retries):
         trace = os.path.join(tmp, f"trace{attempt}.json")
-        wait_idle(wait_s)
-        t0, b0, c0 = time.perf_counter(), busy_seconds(), own_seconds(resource.RUSAGE_CHILDREN)
-        proc = subprocess.run(command(config, trace, warmup, steps), env=thread_env(config.threads), cwd=tmp,
-                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
-        wall = time.perf_counter() - t0
-        if proc.returncode:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-            raise RuntimeError(f"{config.label}: exit status {proc.returncode}\n{tail}")
-        foreign = None
-        if b0 is not None:
-            foreign = max(0.0, (busy_seconds() - b0 - (own_seconds(resource.RUSAGE_CHILDREN) - c0)) / wall)
-        per_rank = []
-        for path in trace_paths(trace, config.np):
-            with open(path, encoding="utf-8") as f:
-                per_rank.append(rank_timings(json.load(f)["traceEvents"], warmup))
-        rec = {**combine_ranks(per_rank), "warmup": warmup, "steps": steps, "wall_s": wall,
-               "foreign_cores": foreign, "attempts": attempt + 1}
+        timings, wall, foreign = run_traced(command(config, trace, warmup, steps), thread_env(config.threads), tmp,
+                                            trace, config.np, warmup, wait_s, config.label)
+        rec = {**timings, "warmup": warmup, "steps": steps, "wall_s": wall, "foreign_cores": foreign,
+               "attempts": attempt + 1}
         if best is None or (rec["foreign_cores"] or 0.0) < (best["foreign_cores"] or 0.0):
             best = rec
         if (rec["foreign_cores"] or 0.0) <= BUSY:
             break
     return best
+
+
+def run_traced(argv, env, cwd, trace, np_, warmup, wait_s, label, timeout=RUN_TIMEOUT_S):
+    """Run a traced training command once the machine is quiet: (combine_ranks of its np_ traces, wall seconds,
+    cores other processes used meanwhile, or None where /proc/stat cannot tell). RuntimeError on a failure."""
+    from pydtnn.profiling.tracer import trace_paths
+
+    wait_idle(wait_s)
+    t0, b0, c0 = time.perf_counter(), busy_seconds(), own_seconds(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(f"{label}: exit status {proc.returncode}\n{tail}")
+    foreign = None
+    if b0 is not None:
+        foreign = max(0.0, (busy_seconds() - b0 - (own_seconds(resource.RUSAGE_CHILDREN) - c0)) / wall)
+    per_rank = []
+    for path in trace_paths(trace, np_):
+        with open(path, encoding="utf-8") as f:
+            per_rank.append(rank_timings(json.load(f)["traceEvents"], warmup))
+    return combine_ranks(per_rank), wall, foreign
 
 
 def probe_link(rate, nps=(2, 4)):
