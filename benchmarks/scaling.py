@@ -2,6 +2,7 @@
 
     python benchmarks/scaling.py [--quick] [--nps 1,2,4] [--models simplecnn,vgg11_cifar10,resnet20_cifar10]
                                  [--batch 32] [--warmup 2] [--steps 6] [--json FILE] [--out FILE] [--plot PREFIX]
+                                 [--strategies none,blocking,per_layer,bucketed] [--net none,1gbit,200mbit]
 
 The driver starts, for each process count P, one `mpiexec -n P` job that trains every model with
 every strategy in turn (pydtnn's Trainer.train_step on synthetic data, a fresh model per run), and
@@ -17,7 +18,15 @@ P * batch / the median step time after `--warmup` steps. Scaling efficiency = th
 
 Strategies: pydtnn `blocking`, `per_layer`, `bucketed` (pydtnn.distributed.reducers, default options)
 and `none` (no gradient reduction at all: every rank trains alone; the compute-only ceiling of data
-parallelism on this machine). PyTorch: `ddp` (DistributedDataParallel, default 25 MB buckets) and
+parallelism on this machine); with --strategies also `hierarchical` (--ranks_per_node), `topk:D` (density
+D), `fp16` (bucketed, fp16 on the wire), and any of them with `+thread` (outstanding allreduces progressed
+by a helper thread, progress="thread") or `+mpich` (the same reducer in a separate job whose environment
+has MPIR_CVAR_ASYNC_PROGRESS=1: MPICH's own progress thread).
+
+Networks (--net): `none` is plain mpiexec (MPICH over shared memory, gloo over the plain loopback); a
+rate such as `1gbit` or `200mbit` runs both libraries' jobs under benchmarks/netem.py --rate R: one
+network namespace whose loopback is capped at R, MPICH over TCP, so every byte between ranks crosses the
+capped link (all ranks share it, like a bus). The np=1 runs have no communication and run once. PyTorch: `ddp` (DistributedDataParallel, default 25 MB buckets) and
 `no_sync` (the same model inside `ddp.no_sync()`, so no gradient allreduce: PyTorch's ceiling).
 
 Exposed communication (pydtnn): per step, the time the last rank to arrive spends in
@@ -53,6 +62,23 @@ TORCH_STRATEGIES = ("no_sync", "ddp")
 LR = 0.001
 
 
+def parse_strategy(spec, ranks_per_node=0):
+    """'topk:0.01+thread' -> ('topk', {'density': 0.01, 'progress': 'thread'}); 'none' and the reducers'
+    names; 'fp16' is bucketed with fp16 on the wire; '+mpich' changes the job's environment only."""
+    base, _, progress = spec.partition("+")
+    name, _, arg = base.partition(":")
+    options = {}
+    if name == "fp16":
+        name, options["compression"] = "bucketed", "fp16"
+    if name == "topk":
+        options["density"] = float(arg or 0.01)
+    if name == "hierarchical" and ranks_per_node:
+        options["ranks_per_node"] = ranks_per_node
+    if progress == "thread":
+        options["progress"] = "thread"
+    return name, options
+
+
 def median_of_slowest(step_times):
     """step_times: (ranks, steps) -> median over steps of each step's slowest rank."""
     return float(np.median(np.max(np.asarray(step_times), axis=0)))
@@ -74,7 +100,7 @@ def pydtnn_worker(args):
     threadpool_limits(1)
     comm = launch.init(threads=1, stall_timeout=0)
     size, rank = comm.size, comm.rank
-    strategies = PYDTNN_STRATEGIES if size > 1 else ("sequential",)
+    strategies = args.strategies.split(",") if size > 1 else ("sequential",)
     cats = ("forward", "backward", "reduce", "wait", "optimizer")
     results = []
     for name in args.models.split(","):
@@ -85,7 +111,8 @@ def pydtnn_worker(args):
         for strategy in strategies:
             model = models.create(name, backend=CPUBackend(seed=0))
             opt = optim.create("sgd", model.parameters(), lr=LR, momentum=0.9)
-            reducer = reducers.create(strategy, comm) if strategy in reducers.NAMES else None
+            kind, options = parse_strategy(strategy, args.ranks_per_node)
+            reducer = reducers.create(kind, comm, **options) if kind in reducers.NAMES else None
             trainer = Trainer(model, losses.SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer)
             broadcast_state(comm, model, opt)
             tracer = Tracer(pid=rank)
@@ -311,10 +338,15 @@ def wait_idle(max_wait, threshold=0.15, window=2.0):
         print(f"  (waiting: other processes use {load:.2f} cores)", file=sys.stderr, flush=True)
 
 
-def run_job(cmd, result, args):
+def run_job(cmd, result, args, net="none", env=None):
+    """Run one job (under netem.py for an emulated rate) and return its records, tagged with the network
+    (None for np=1 runs, which have no communication)."""
+    if net != "none":
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "netem.py"),
+               "--rate", net, "--"] + cmd
     wait_idle(args.wait_idle)
     t0, b0, o0 = time.perf_counter(), busy_seconds(), own_seconds()
-    proc = subprocess.run(cmd, check=False, env=dict(os.environ), timeout=900)
+    proc = subprocess.run(cmd, check=False, env={**os.environ, **(env or {})}, timeout=args.job_timeout)
     if proc.returncode:
         raise SystemExit(f"scaling.py: {' '.join(cmd)} failed with exit code {proc.returncode}")
     wall = time.perf_counter() - t0
@@ -323,6 +355,7 @@ def run_job(cmd, result, args):
         out = json.load(f)
     for r in out:
         r["foreign_cores"] = foreign
+        r["net"] = None if r["np"] == 1 else net
     print(f"  ({wall:.0f} s, other processes used {foreign:.2f} cores meanwhile: {' '.join(cmd[-8:])})",
           file=sys.stderr, flush=True)
     return out
@@ -336,18 +369,28 @@ def mpiexec():
 def drive(args):
     nps = [int(p) for p in args.nps.split(",")]
     common = ["--models", args.models, "--batch", str(args.batch), "--warmup", str(args.warmup),
-              "--steps", str(args.steps)]
+              "--steps", str(args.steps), "--ranks_per_node", str(args.ranks_per_node)]
     me = os.path.abspath(__file__)
+    strategies = args.strategies.split(",")
+    # '+mpich' strategies run in jobs of their own: MPICH reads MPIR_CVAR_ASYNC_PROGRESS when it starts
+    groups = [(g, env) for g, env in (([s for s in strategies if not s.endswith("+mpich")], {}),
+                                      ([s for s in strategies if s.endswith("+mpich")],
+                                       {"MPIR_CVAR_ASYNC_PROGRESS": "1"})) if g]
     records = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for p in nps:
-            res = os.path.join(tmp, f"pydtnn{p}.json")
-            records += run_job([mpiexec(), "-n", str(p), sys.executable, me, "--worker", "pydtnn", "--result", res]
-                               + common, res, args)
-            res = os.path.join(tmp, f"torch{p}.json")
-            records += run_job([sys.executable, me, "--worker", "torch", "--np", str(p), "--result", res] + common,
-                               res, args)
+        for i, net in enumerate(args.net.split(",")):
+            for p in nps:
+                if p == 1 and i > 0:
+                    continue  # no communication at np=1: one run serves every network
+                for k, (group, env) in enumerate(groups if p > 1 else groups[:1]):
+                    res = os.path.join(tmp, f"pydtnn{p}-{i}-{k}.json")
+                    records += run_job([mpiexec(), "-n", str(p), sys.executable, me, "--worker", "pydtnn",
+                                        "--result", res, "--strategies", ",".join(group)] + common, res, args, net, env)
+                if args.torch:
+                    res = os.path.join(tmp, f"torch{p}-{i}.json")
+                    records += run_job([sys.executable, me, "--worker", "torch", "--np", str(p), "--result", res]
+                                       + common, res, args, net)
     wall = time.perf_counter() - t0
     info = machine_info()
     text = report(records, nps, args, info, wall)
@@ -359,7 +402,7 @@ def drive(args):
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"machine": info, "args": vars(args), "wall_s": wall, "records": records}, f, indent=1)
     if args.plot:
-        plot(records, nps, args.plot)
+        plot(records, nps, args.plot, args)
 
 
 def machine_info():
@@ -377,16 +420,28 @@ def machine_info():
             "python": platform.python_version()}
 
 
+def _nets(args):
+    return getattr(args, "net", "none").split(",")
+
+
+def _strategies(args):
+    return getattr(args, "strategies", ",".join(PYDTNN_STRATEGIES)).split(",")
+
+
 def _base(records, lib, model):
     r = _find(records, lib, model, "sequential", 1)
     return r["samples_per_s"] if r else None
 
 
-def _find(records, lib, model, strategy, p):
+def _find(records, lib, model, strategy, p, net="none"):
     for r in records:
-        if (r["lib"], r["model"], r["strategy"], r["np"]) == (lib, model, strategy, p):
+        if (r["lib"], r["model"], r["strategy"], r["np"]) == (lib, model, strategy, p) and (
+                p == 1 or r.get("net", "none") == net):
             return r
     return None
+
+
+NET_NOTES = {"none": "plain mpiexec: MPICH over shared memory, gloo over the loopback"}
 
 
 def report(records, nps, args, info, wall):
@@ -400,51 +455,69 @@ def report(records, nps, args, info, wall):
     over = [p for p in multi if p > cpus]
     if over:
         lines += [f"np={','.join(map(str, over))}: more processes than cores (oversubscribed).", ""]
-    head = "| model | library | strategy | np=1 samples/s | " + " | ".join(
-        f"np={p} samples/s | eff. np={p} | finish() np={p} | overhead np={p}" for p in multi) + " |"
-    lines += [head, "| --- | --- | --- | ---: | " + " | ".join("---: | ---: | ---: | ---:" for _ in multi) + " |"]
-    for model in args.models.split(","):
-        for lib, strategies, ref in (("pydtnn", PYDTNN_STRATEGIES, "none"), ("torch", TORCH_STRATEGIES, "no_sync")):
-            base = _base(records, lib, model)
-            for s in strategies:
-                cells = []
-                for p in multi:
-                    r, rr = _find(records, lib, model, s, p), _find(records, lib, model, ref, p)
-                    if r is None:
-                        cells.append(" | | | ")
-                        continue
-                    eff = r["samples_per_s"] / (p * base) if base else float("nan")
-                    fin = f"{r['exposed_frac']:.1%}" if "exposed_frac" in r and s != "none" else ""
-                    ovh = f"{1 - rr['step_s'] / r['step_s']:.1%}" if rr is not None and s != ref else ""
-                    cells.append(f"{r['samples_per_s']:.1f} | {eff:.2f} | {fin} | {ovh}")
-                lines.append(f"| {model} | {lib} | {s} | {base:.1f} | " + " | ".join(cells) + " |")
-    lines += ["", ("eff.: throughput(np) / (np * throughput(np=1)) of the same library. finish(): pydtnn's exposed "
+    strategies = _strategies(args)
+    ddp = any(r["lib"] == "torch" and r["strategy"] == "ddp" for r in records)
+    for net in _nets(args):
+        if _nets(args) != ["none"]:
+            lines += [f"Network `{net}`: " + NET_NOTES.get(net, f"benchmarks/netem.py --rate {net}: one namespace, "
+                                                            "its loopback capped, MPICH over TCP"), ""]
+        head = "| model | library | strategy | np=1 samples/s | " + " | ".join(
+            f"np={p} samples/s | eff. np={p} | finish() np={p} | overhead np={p}"
+            + (f" | x DDP np={p}" if ddp else "") for p in multi) + " |"
+        cols = "---: | ---: | ---: | ---:" + (" | ---:" if ddp else "")
+        lines += [head, "| --- | --- | --- | ---: | " + " | ".join(cols for _ in multi) + " |"]
+        for model in args.models.split(","):
+            for lib, strats, ref in (("pydtnn", strategies, "none"), ("torch", TORCH_STRATEGIES, "no_sync")):
+                base = _base(records, lib, model)
+                for s in strats:
+                    cells = []
+                    for p in multi:
+                        r, rr = _find(records, lib, model, s, p, net), _find(records, lib, model, ref, p, net)
+                        d = _find(records, "torch", model, "ddp", p, net)
+                        if r is None:
+                            cells.append(" | | | " + (" | " if ddp else ""))
+                            continue
+                        eff = r["samples_per_s"] / (p * base) if base else float("nan")
+                        fin = f"{r['exposed_frac']:.1%}" if "exposed_frac" in r and s != "none" else ""
+                        ovh = f"{1 - rr['step_s'] / r['step_s']:.1%}" if rr is not None and s != ref else ""
+                        vs = f" | {r['step_s'] / d['step_s']:.2f}" if d is not None else (" | " if ddp else "")
+                        cells.append(f"{r['samples_per_s']:.1f} | {eff:.2f} | {fin} | {ovh}{vs}")
+                    lines.append(f"| {model} | {lib} | {s} | {base or float('nan'):.1f} | " + " | ".join(cells) + " |")
+        lines += [""]
+    lines += [("eff.: throughput(np) / (np * throughput(np=1)) of the same library. finish(): pydtnn's exposed "
               "communication, the share of the step that the last rank to arrive spends in reducer.finish(). "
-              "overhead: 1 - t_step(none or no_sync) / t_step(strategy) at the same np: what gradient averaging "
-              "adds over P processes training alone (negative: within noise)."),
+              "overhead: 1 - t_step(none or no_sync) / t_step(strategy) at the same np and network: what gradient "
+              "averaging adds over P processes training alone (negative: within noise)."
+               + (" x DDP: the step time over PyTorch DDP's at the same np and network." if ddp else "")),
               "", ("Per-phase medians of pydtnn runs (ms, slowest rank per phase; the finish() shares are per step, "
               "of the last rank to arrive and of the first, which also waits for the others):"), "",
-              ("| model | strategy | np | step | forward | backward | finish() | of which wait | optimizer "
+              ("| model | strategy | np | network | step | forward | backward | finish() | of which wait | optimizer "
               "| finish() last rank % | finish() first rank % |"),
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in records:
         if r["lib"] == "pydtnn":
-            fr = (f"{r['exposed_frac']:.1%} | {r['finish_max_frac']:.1%}" if r["strategy"] in PYDTNN_STRATEGIES[1:]
+            fr = (f"{r['exposed_frac']:.1%} | {r['finish_max_frac']:.1%}" if r["strategy"] not in ("none", "sequential")
                   else " | ")
-            lines.append(f"| {r['model']} | {r['strategy']} | {r['np']} | {r['step_s'] * 1e3:.1f} | "
+            lines.append(f"| {r['model']} | {r['strategy']} | {r['np']} | {r.get('net') or ''} | {r['step_s'] * 1e3:.1f} | "
                          f"{r['forward_s'] * 1e3:.1f} | {r['backward_s'] * 1e3:.1f} | {r['reduce_s'] * 1e3:.1f} | "
                          f"{r['wait_s'] * 1e3:.1f} | {r['optimizer_s'] * 1e3:.1f} | {fr} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(records, nps, prefix):
+def plot(records, nps, prefix, args):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    nets = _nets(args)
+    if nets != ["none"]:
+        plot_network(records, nps, prefix, args, plt)
+    if "none" not in nets:
+        return
+    strategies = _strategies(args)
     models = list(dict.fromkeys(r["model"] for r in records))
-    series = [("pydtnn", s) for s in PYDTNN_STRATEGIES] + [("torch", s) for s in TORCH_STRATEGIES]
+    series = [("pydtnn", s) for s in strategies] + [("torch", s) for s in TORCH_STRATEGIES]
     fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 8), squeeze=False)
     for col, model in enumerate(models):
         ax, ax2 = axes[0][col], axes[1][col]
@@ -487,7 +560,7 @@ def plot(records, nps, prefix):
         width = 0.8 / max(len(bars), 1)
         for k, (p, kind) in enumerate(bars):
             vals = []
-            for s in PYDTNN_STRATEGIES[1:]:
+            for s in strategies[1:]:
                 r, rr = _find(records, "pydtnn", model, s, p), _find(records, "pydtnn", model, "none", p)
                 if r is None:
                     vals.append(0)
@@ -496,17 +569,50 @@ def plot(records, nps, prefix):
                 else:
                     vals.append(100 * (1 - rr["step_s"] / r["step_s"]) if rr else 0)
             label = f"np={p}: in finish()" if kind == "finish" else f"np={p}: overhead vs none"
-            ax.bar(np.arange(3) + k * width, vals, width, label=label, color=f"C{multi.index(p)}",
+            ax.bar(np.arange(len(strategies) - 1) + k * width, vals, width, label=label, color=f"C{multi.index(p)}",
                    hatch="" if kind == "finish" else "//", alpha=1 if kind == "finish" else 0.55)
         ax.axhline(10, color="red", lw=0.8, ls=":", label="target 10%")
         ax.axhline(0, color="black", lw=0.5)
-        ax.set_xticks(np.arange(3) + width * (len(bars) - 1) / 2, PYDTNN_STRATEGIES[1:])
+        ax.set_xticks(np.arange(len(strategies) - 1) + width * (len(bars) - 1) / 2, strategies[1:], rotation=30,
+                      fontsize=7)
         ax.set_ylabel("% of a step")
         ax.set_title(f"{model}: communication cost")
         ax.legend(fontsize=6, loc="best", framealpha=0.6)
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     out = f"{prefix}_exposed.png"
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def plot_network(records, nps, prefix, args, plt):
+    """PREFIX_network.png: step time of every strategy and of DDP, one panel per model and np, one bar
+    group per strategy, one bar per network."""
+    nets = _nets(args)
+    models = args.models.split(",")
+    multi = [p for p in nps if p > 1]
+    series = [("pydtnn", s) for s in _strategies(args) if s != "none"] + [("torch", "ddp")]
+    fig, axes = plt.subplots(len(multi), len(models), figsize=(6.5 * len(models), 3.6 * len(multi)), squeeze=False)
+    width = 0.8 / len(nets)
+    for row, p in enumerate(multi):
+        for col, model in enumerate(models):
+            ax = axes[row][col]
+            for k, net in enumerate(nets):
+                vals = [(_find(records, lib, model, s, p, net) or {}).get("step_s", np.nan) * 1e3 for lib, s in series]
+                ax.bar(np.arange(len(series)) + k * width, vals, width, label=f"network {net}", color=f"C{k}")
+                d = _find(records, "torch", model, "ddp", p, net)
+                if d is not None:
+                    ax.axhline(d["step_s"] * 1e3, color=f"C{k}", lw=0.8, ls=":")
+            ax.set_xticks(np.arange(len(series)) + width * (len(nets) - 1) / 2,
+                          [s if lib == "pydtnn" else "DDP (gloo)" for lib, s in series], rotation=35, fontsize=7,
+                          ha="right")
+            ax.set_yscale("log")
+            ax.set_ylabel("step time (ms, log)")
+            ax.set_title(f"{model}, np={p} (dotted: DDP)", fontsize=9)
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = f"{prefix}_network.png"
     fig.savefig(out, dpi=100)
     print(f"wrote {out}", file=sys.stderr)
 
@@ -518,6 +624,14 @@ def main():
     p.add_argument("--batch", type=int, default=32, help="per-process batch")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    p.add_argument("--strategies", default=",".join(PYDTNN_STRATEGIES),
+                   help="pydtnn strategies: none, blocking, per_layer, bucketed, hierarchical, topk:D, fp16, each "
+                        "optionally +thread or +mpich (default none,blocking,per_layer,bucketed; none first)")
+    p.add_argument("--net", default="none", help="networks, comma-separated: none (shared memory) or a netem.py "
+                   "rate such as 1gbit, 200mbit (default none)")
+    p.add_argument("--ranks_per_node", type=int, default=0, help="hierarchical: processes per node (0: detect)")
+    p.add_argument("--torch", type=int, choices=(0, 1), default=1, help="run the PyTorch jobs too (default 1)")
+    p.add_argument("--job_timeout", type=float, default=1800, help="seconds one job may take (default 1800)")
     p.add_argument("--wait_idle", type=float, default=60,
                    help="before each job, wait up to this many seconds for other processes to leave the cores")
     p.add_argument("--quick", action="store_true", help="1 warm-up + 3 timed steps, np=1,2 only")
@@ -542,7 +656,7 @@ def main():
         nps = [int(p) for p in run.nps.split(",")]
         print(report(saved["records"], nps, run, saved["machine"], saved["wall_s"]))
         if args.plot:
-            plot(saved["records"], nps, args.plot)
+            plot(saved["records"], nps, args.plot, run)
         return None
     return drive(args)
 

@@ -206,6 +206,10 @@ def build_parser(suppress_defaults=False):
       help="hierarchical: processes per node, consecutive ranks (default: those sharing memory)")
     f(g, "density", type=positive_float, default=0.01,
       help="topk: the share of gradient entries each process sends per step, in (0, 1] (default 0.01)")
+    f(g, "reduction_progress", choices=("test", "thread"), default="test",
+      help="per_layer, bucketed: how outstanding gradient allreduces advance during backward: test (MPI entered "
+           "between layers, the default) or thread (a helper thread enters MPI every 0.2 ms; needs "
+           "MPI_THREAD_MULTIPLE). MPICH's own progress thread: MPIR_CVAR_ASYNC_PROGRESS=1; docs/distributed.md")
     f(g, "learning_rate_scaling", type=parse_bool, default=True,
       help="multiply the learning rate by the process count when --batch_size is per process "
            "(Goyal et al.; not with --global_batch_size, whose global batch does not grow)")

@@ -147,7 +147,7 @@ def run(args):
     schedules = build_schedules(args, world)
     reducer, strategy = None, reduction_strategy(args, world)
     if strategy is not None:
-        reducer_options = {"compression": args.gradient_compression}
+        reducer_options = {"compression": args.gradient_compression, "progress": args.reduction_progress}
         if strategy in ("bucketed", "hierarchical"):
             reducer_options["bucket_mb"] = args.bucket_size_mb
         if strategy == "hierarchical":

@@ -65,6 +65,7 @@ def main():
     p.add_argument("--strategies", default="blocking,per_layer,bucketed")
     p.add_argument("--ranks_per_node", type=int, default=0, help="hierarchical: ranks per emulated node")
     p.add_argument("--density", type=float, default=1.0, help="topk: the share of entries each rank sends")
+    p.add_argument("--progress", default="test", help="per_layer, bucketed: test or thread")
     p.add_argument("--piece_kb", type=float, default=0, help="cut messages into pieces this small (0: default)")
     args = p.parse_args()
     if args.piece_kb:
@@ -92,6 +93,8 @@ def main():
                 options["ranks_per_node"] = args.ranks_per_node
             if strategy == "topk":
                 options["density"] = args.density
+            if args.progress != "test":
+                options["progress"] = args.progress
             reducer = reducers.create(strategy, comm, **options) if comm.size > 1 else None
             callbacks = [Misbehave(step, args.raise_rank, how) for how, step in
                          (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at),

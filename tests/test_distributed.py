@@ -71,6 +71,16 @@ def test_hierarchical_reduction_over_two_emulated_nodes_equals_one_process(singl
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_reductions_progressed_by_a_helper_thread_equal_one_process(single, tmp_path, n):
+    """--reduction_progress thread: a helper thread tests the outstanding allreduces while backward runs
+    (np=3: in 8 KiB pieces, so that many requests are outstanding at once); the same parameters."""
+    r = launch(n, tmp_path, "--strategies", "per_layer,bucketed", "--progress", "thread",
+               *(["--piece_kb", "8"] if n == 3 else []))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_parameters(single, tmp_path, ("per_layer", "bucketed"), what=f"np={n}, progress thread")
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_topk_at_density_one_equals_one_process(single, tmp_path, n):
     """Every entry sent as (index, value) pairs and summed in rank order: the dense result."""
     r = launch(n, tmp_path, "--strategies", "topk", "--density", "1.0")
@@ -90,6 +100,53 @@ def test_the_command_line_takes_the_hierarchical_and_topk_reducers(tmp_path, fla
                          capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
     assert bad.returncode == 2 and ("density must be in (0, 1], got 1.5" in bad.stderr
                                     or "--ranks_per_node 3 does not divide the 2 processes" in bad.stderr), bad.stderr
+
+
+PROGRESS_PROBE = """
+import time
+import numpy as np
+from pydtnn.distributed import launch
+comm = launch.init(stall_timeout=0)
+buf = np.full(1 << 16, comm.rank + 1.0)
+thread = comm.progress_thread(interval=1e-3)
+comm.barrier()
+req = comm.iallreduce(buf)
+thread.watch([req])
+time.sleep(1.0)  # this thread does not enter MPI here
+done = req.done  # set only by a test() that saw the request complete: here, the helper thread's
+thread.release([req])
+req.wait()
+assert buf[0] == comm.size * (comm.size + 1) / 2
+print(f"rank {comm.rank}: done before wait: {done}, rounds {thread.rounds}")
+"""
+
+
+def test_a_progress_thread_completes_a_reduction_while_the_caller_is_out_of_mpi(tmp_path):
+    """The helper thread tests the request while the main thread sleeps, and it completes there (MPI
+    progresses only inside calls here: without the thread nothing would move it)."""
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", PROGRESS_PROBE],
+                       capture_output=True, text=True, timeout=60, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = sorted(r.stdout.splitlines())
+    assert len(lines) == 2 and all("done before wait: True" in x for x in lines), r.stdout
+    assert all(int(x.rsplit(" ", 1)[1]) >= 1 for x in lines), r.stdout
+
+
+def test_progress_thread_is_refused_where_the_reducer_cannot_use_it(tmp_path):
+    from pydtnn.distributed import reducers
+    from pydtnn.errors import ConfigError
+
+    for name in ("blocking", "hierarchical", "topk"):
+        with pytest.raises(ConfigError, match=f"{name} reducer: progress 'thread'; expected test$"):
+            reducers.create(name, SingleProcess(), progress="thread")
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--dataset", "mnist5k",
+           "--num_epochs", "1", "--steps_per_epoch", "3", "--progress", "false", "--reduction", "blocking",
+           "--reduction_progress", "thread"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert r.returncode == 2 and "blocking reducer: progress 'thread'; expected test" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(cmd[:-5] + ["--reduction", "bucketed", "--reduction_progress", "thread"],
+                       capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0 and "final:" in r.stdout, r.stderr[-2000:]
 
 
 def test_a_topk_run_resumes_bit_identically_with_every_ranks_residual(tmp_path):

@@ -1,7 +1,8 @@
 """Communicators: the few collectives data parallelism needs, over MPI or within one process.
 
 Arrays are reduced in place. Non-blocking reductions return a request with test() and wait();
-MPI makes no progress in the background here, so whoever starts one should call test() now and then.
+MPI makes no progress in the background here, so whoever starts one should call test() now and then,
+or hand it to a ProgressThread, which does so from a helper thread.
 
 MPIComm numbers every collective. Two safety nets use the numbers:
 - stall_timeout: waits poll instead of blocking; a wait longer than the timeout reports the
@@ -18,6 +19,7 @@ import atexit
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -91,6 +93,64 @@ class _Done:
 
     def wait(self):
         pass
+
+
+class ProgressThread:
+    """Enters MPI from a helper thread, every `interval` seconds while requests are outstanding, so that
+    non-blocking collectives advance while the caller computes.
+
+    MPI here moves a message only while some thread is inside an MPI call. The thread tests the
+    requests handed to it with watch() (one Test each per round: MPICH's progress engine then advances
+    every outstanding operation) and sleeps `interval` between rounds, leaving the core to the caller.
+    release() takes requests back before the caller waits on them itself, so that no request is ever
+    tested by two threads at once. Needs MPI_THREAD_MULTIPLE (MPIComm.progress_thread checks).
+    """
+
+    INTERVAL = 2e-4  # seconds between rounds: measured in docs/benchmarks.md (Background progress)
+
+    def __init__(self, interval=INTERVAL):
+        self.interval = interval
+        self.rounds = 0  # rounds that tested at least one request
+        self.error = None  # an exception raised by a Test, re-raised by release()
+        self._cond = threading.Condition()
+        self._reqs, self._stop = [], False
+        self._thread = threading.Thread(target=self._run, name="pydtnn-mpi-progress", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # before MPI's own finalization, which was registered earlier
+
+    def watch(self, reqs):
+        """Test these requests (objects with test()) from now on, until they complete or are released."""
+        with self._cond:
+            self._reqs.extend(reqs)
+            self._cond.notify()
+
+    def release(self, reqs):
+        """Stop testing these requests; on return the thread is not inside a Test of any of them."""
+        with self._cond:
+            gone = {id(r) for r in reqs}
+            self._reqs = [r for r in self._reqs if id(r) not in gone]
+            if self.error is not None:
+                raise self.error
+
+    def close(self):
+        with self._cond:
+            self._stop, self._reqs = True, []
+            self._cond.notify()
+        self._thread.join(timeout=5)
+
+    def _run(self):
+        while True:
+            with self._cond:
+                while not self._reqs and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                try:
+                    self._reqs = [r for r in self._reqs if not r.test()]
+                except Exception as e:  # the caller's own wait will meet the failure too; keep the first
+                    self.error, self._reqs = e, []
+                self.rounds += 1
+            time.sleep(self.interval)
 
 
 _ARRIVE, _LEFT = 7707, 7708  # tags of arrival notes and of rank 0's departure note
@@ -182,6 +242,17 @@ class MPIComm:
         self._enter("split", None)
         node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
         return MPIComm(node, self.stall_timeout, self.debug)
+
+    def progress_thread(self, interval=ProgressThread.INTERVAL):
+        """A ProgressThread for this communicator's requests; needs MPI_THREAD_MULTIPLE."""
+        if self.MPI.Query_thread() != self.MPI.THREAD_MULTIPLE:
+            from pydtnn.errors import ConfigError
+
+            levels = {getattr(self.MPI, f"THREAD_{n}"): n.lower() for n in ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")}
+            raise ConfigError(f"progress thread: MPI was started with thread level "
+                              f"{levels.get(self.MPI.Query_thread(), self.MPI.Query_thread())}; expected multiple "
+                              "(mpi4py's default, mpi4py.rc.thread_level = 'multiple')")
+        return ProgressThread(interval)
 
     def split(self, color, key):
         """The communicator of the ranks that give the same `color`, ranked by `key`, with this one's

@@ -14,7 +14,7 @@ NAMES = tuple(_CLASSES)
 
 def create(name, comm, **options):
     """Reducer by name: blocking, per_layer, bucketed, hierarchical or topk; options: compression ("none" or
-    "fp16"), for bucketed and hierarchical bucket_mb, first_bucket_mb, for hierarchical ranks_per_node,
+    "fp16"), progress ("test", or for per_layer and bucketed "thread"), for bucketed and hierarchical bucket_mb, first_bucket_mb, for hierarchical ranks_per_node,
     for topk density."""
     if name not in _CLASSES:
         raise ConfigError(f"unknown reduction strategy {name!r}; expected one of {', '.join(NAMES)}")

@@ -23,6 +23,11 @@ no copy out. Messages are cut into pieces of at most PIECE_BYTES: on shared-memo
 16 MB Allreduces, one after the other, take about 40% of the time of one 64 MB Allreduce
 (benchmarks/allreduce.py; docs/benchmarks.md).
 
+progress="thread" (per_layer and bucketed) hands the outstanding non-blocking allreduces to a
+ProgressThread (pydtnn.distributed.comm), which enters MPI every 0.2 ms from a helper thread while
+backward computes; the default, "test", enters MPI with test() between layers instead, so that a
+reduction moves only when a layer ends.
+
 compression="fp16" sends half-precision copies of the (already scaled) gradients: half the bytes on
 the wire, at the price of fp16 rounding of every gradient and a reduction operator written in Python
 (MPI has no half-precision sum). It pays only where the network, not memory, is the bottleneck.
@@ -47,13 +52,18 @@ class Reducer:
     """
 
     name = None
+    PROGRESS = ("test",)  # the ways outstanding reductions are progressed that this reducer offers
 
-    def __init__(self, comm, compression="none"):
+    def __init__(self, comm, compression="none", progress="test"):
+        from pydtnn.errors import ConfigError
+
         if compression not in ("none", "fp16"):
-            from pydtnn.errors import ConfigError
-
             raise ConfigError(f"unknown gradient compression {compression!r}; expected none or fp16")
+        if progress not in self.PROGRESS:
+            raise ConfigError(f"{self.name} reducer: progress {progress!r}; expected {' or '.join(self.PROGRESS)}")
         self.comm = comm
+        self.progress = progress
+        self._thread = comm.progress_thread() if progress == "thread" and comm.size > 1 else None
         self.wire_dtype = np.float16 if compression == "fp16" else None
         self.weight = 1.0
         self.tracer = None
@@ -164,17 +174,22 @@ class Reducer:
         """Start non-blocking allreduces of buf, in pieces of at most PIECE_BYTES; returns what _wait needs."""
         self.bytes_reduced += buf.nbytes
         reqs = [self.comm.iallreduce(piece, label) for piece in self._pieces(buf)]
+        if self._thread is not None:
+            self._thread.watch(reqs)
         return reqs, label, time.perf_counter_ns(), int(buf.nbytes)
 
-    @staticmethod
-    def _progress(pending):
-        """Let MPI move outstanding messages along (it has no progress of its own here)."""
-        for req in pending[0]:
-            req.test()
+    def _progress(self, pending):
+        """Let MPI move outstanding messages along (it has no progress of its own here); with a progress
+        thread, that thread does."""
+        if self._thread is None:
+            for req in pending[0]:
+                req.test()
 
     def _wait(self, pending):
         reqs, label, start, nbytes = pending
         t_wait = time.perf_counter_ns()
+        if self._thread is not None:
+            self._thread.release(reqs)
         for req in reqs:
             req.wait()
         if self.tracer is not None:

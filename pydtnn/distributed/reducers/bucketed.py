@@ -13,9 +13,10 @@ from pydtnn.distributed.reducers.base import Reducer, flat_buffer
 
 class BucketedReducer(Reducer):
     name = "bucketed"
+    PROGRESS = ("test", "thread")
 
-    def __init__(self, comm, bucket_mb=25.0, first_bucket_mb=1.0, compression="none"):
-        super().__init__(comm, compression)
+    def __init__(self, comm, bucket_mb=25.0, first_bucket_mb=1.0, compression="none", progress="test"):
+        super().__init__(comm, compression, progress)
         self.bucket_bytes, self.first_bytes = bucket_mb * 2**20, first_bucket_mb * 2**20
 
     def setup(self):

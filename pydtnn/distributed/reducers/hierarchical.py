@@ -69,9 +69,11 @@ class _Chain:
 
 class HierarchicalReducer(BucketedReducer):
     name = "hierarchical"
+    PROGRESS = ("test",)  # its chains start their next stage from test(), on the calling thread
 
-    def __init__(self, comm, bucket_mb=25.0, first_bucket_mb=1.0, compression="none", ranks_per_node=None):
-        super().__init__(comm, bucket_mb, first_bucket_mb, compression)
+    def __init__(self, comm, bucket_mb=25.0, first_bucket_mb=1.0, compression="none", ranks_per_node=None,
+                 progress="test"):
+        super().__init__(comm, bucket_mb, first_bucket_mb, compression, progress)
         self.node, self.leaders = node_comms(comm, ranks_per_node)
         self.started = self.next_allreduce = 0
 

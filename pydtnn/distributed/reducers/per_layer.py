@@ -6,9 +6,10 @@ from pydtnn.distributed.reducers.base import Reducer
 
 class PerLayerReducer(Reducer):
     """One non-blocking allreduce per gradient tensor (in place unless compressed), progressed by
-    test() between layers."""
+    test() between layers (or by a progress thread)."""
 
     name = "per_layer"
+    PROGRESS = ("test", "thread")
 
     def setup(self):
         self.wire = {n: g if self.wire_dtype is None else array_module(g).empty(g.shape, self.wire_dtype)

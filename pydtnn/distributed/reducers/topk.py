@@ -22,12 +22,12 @@ from pydtnn.errors import ConfigError
 class TopKReducer(Reducer):
     name = "topk"
 
-    def __init__(self, comm, density=0.01, compression="none"):
+    def __init__(self, comm, density=0.01, compression="none", progress="test"):
         if compression != "none":
             raise ConfigError(f"the topk reducer sends values in the gradients' dtype; got compression {compression!r}")
         if not 0 < density <= 1:
             raise ConfigError(f"topk density must be in (0, 1], got {density!r}")
-        super().__init__(comm, compression)
+        super().__init__(comm, compression, progress)
         self.density = float(density)
 
     def setup(self):
