@@ -26,7 +26,11 @@ has MPIR_CVAR_ASYNC_PROGRESS=1: MPICH's own progress thread).
 Networks (--net): `none` is plain mpiexec (MPICH over shared memory, gloo over the plain loopback); a
 rate such as `1gbit` or `200mbit` runs both libraries' jobs under benchmarks/netem.py --rate R: one
 network namespace whose loopback is capped at R, MPICH over TCP, so every byte between ranks crosses the
-capped link (all ranks share it, like a bus). The np=1 runs have no communication and run once. PyTorch: `ddp` (DistributedDataParallel, default 25 MB buckets) and
+capped link (all ranks share it, like a bus). The np=1 runs have no communication and run once.
+With --nodes 2 an emulated rate means two nodes instead (netem.py --nodes 2): ranks 0..P/2-1 in one
+network namespace, the others in a second, joined by a veth pair capped at R each way; shared memory
+inside a node. PyTorch's ranks are then started by the same mpiexec (rank and size from MPICH's
+PMI_RANK and PMI_SIZE, gloo over the veth pair) instead of torch.multiprocessing. PyTorch: `ddp` (DistributedDataParallel, default 25 MB buckets) and
 `no_sync` (the same model inside `ddp.no_sync()`, so no gradient allreduce: PyTorch's ceiling).
 
 Exposed communication (pydtnn): per step, the time the last rank to arrive spends in
@@ -58,6 +62,7 @@ import numpy as np
 
 MODELS = ("simplecnn", "vgg11_cifar10", "resnet20_cifar10")
 PYDTNN_STRATEGIES = ("none", "blocking", "per_layer", "bucketed")
+NODE0 = "10.213.0.1"  # benchmarks/netem.py's first node, where --nodes 2 runs the command
 TORCH_STRATEGIES = ("no_sync", "ddp")
 LR = 0.001
 
@@ -225,7 +230,7 @@ def resnet_cifar(n, num_classes=10):
     return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
 
 
-def torch_rank(rank, args, size, port, out):
+def torch_rank(rank, args, size, port, out, master="127.0.0.1"):
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -235,7 +240,7 @@ def torch_rank(rank, args, size, port, out):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if size > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=size)
     results = []
     for name in args.models.split(","):
@@ -289,6 +294,9 @@ def torch_rank(rank, args, size, port, out):
 
 
 def torch_worker(args):
+    if args.worker == "torch_mpi":  # started by mpiexec, one process per rank
+        return torch_rank(int(os.environ["PMI_RANK"]), args, int(os.environ["PMI_SIZE"]), args.port, args.result,
+                          args.master)
     import torch.multiprocessing as mp
 
     size = args.np
@@ -341,9 +349,10 @@ def wait_idle(max_wait, threshold=0.15, window=2.0):
 def run_job(cmd, result, args, net="none", env=None):
     """Run one job (under netem.py for an emulated rate) and return its records, tagged with the network
     (None for np=1 runs, which have no communication)."""
-    if net != "none":
+    if net != "none" and args.np_job > 1:  # np=1 has no communication: never under a network
+        nodes = ["--nodes", "2", "--procs-per-node", str(args.np_job // 2)] if args.nodes == 2 else []
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "netem.py"),
-               "--rate", net, "--"] + cmd
+               "--rate", net, *nodes, "--"] + cmd
     wait_idle(args.wait_idle)
     t0, b0, o0 = time.perf_counter(), busy_seconds(), own_seconds()
     proc = subprocess.run(cmd, check=False, env={**os.environ, **(env or {})}, timeout=args.job_timeout)
@@ -383,14 +392,21 @@ def drive(args):
             for p in nps:
                 if p == 1 and i > 0:
                     continue  # no communication at np=1: one run serves every network
+                args.np_job = p
+                two = args.nodes == 2 and net != "none" and p > 1
                 for k, (group, env) in enumerate(groups if p > 1 else groups[:1]):
                     res = os.path.join(tmp, f"pydtnn{p}-{i}-{k}.json")
                     records += run_job([mpiexec(), "-n", str(p), sys.executable, me, "--worker", "pydtnn",
                                         "--result", res, "--strategies", ",".join(group)] + common, res, args, net, env)
                 if args.torch:
                     res = os.path.join(tmp, f"torch{p}-{i}.json")
-                    records += run_job([sys.executable, me, "--worker", "torch", "--np", str(p), "--result", res]
-                                       + common, res, args, net)
+                    if two:  # ranks on both nodes: started by mpiexec, gloo over the veth pair
+                        records += run_job([mpiexec(), "-n", str(p), sys.executable, me, "--worker", "torch_mpi",
+                                            "--master", NODE0, "--port", "29533", "--result", res] + common,
+                                           res, args, net, {"GLOO_SOCKET_IFNAME": "eth0"})
+                    else:
+                        records += run_job([sys.executable, me, "--worker", "torch", "--np", str(p), "--result", res]
+                                           + common, res, args, net)
     wall = time.perf_counter() - t0
     info = machine_info()
     text = report(records, nps, args, info, wall)
@@ -459,8 +475,9 @@ def report(records, nps, args, info, wall):
     ddp = any(r["lib"] == "torch" and r["strategy"] == "ddp" for r in records)
     for net in _nets(args):
         if _nets(args) != ["none"]:
-            lines += [f"Network `{net}`: " + NET_NOTES.get(net, f"benchmarks/netem.py --rate {net}: one namespace, "
-                                                            "its loopback capped, MPICH over TCP"), ""]
+            how = (f"two nodes of np/2 ranks joined by a veth pair capped at {net} each way (shared memory inside a "
+                   "node)" if getattr(args, "nodes", 1) == 2 else "one namespace, its loopback capped, MPICH over TCP")
+            lines += [f"Network `{net}`: " + NET_NOTES.get(net, f"benchmarks/netem.py --rate {net}: {how}"), ""]
         head = "| model | library | strategy | np=1 samples/s | " + " | ".join(
             f"np={p} samples/s | eff. np={p} | finish() np={p} | overhead np={p}"
             + (f" | x DDP np={p}" if ddp else "") for p in multi) + " |"
@@ -618,7 +635,11 @@ def plot_network(records, nps, prefix, args, plt):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    class OneLineErrors(argparse.ArgumentParser):
+        def error(self, message):
+            self.exit(2, f"scaling.py: error: {message}\n")
+
+    p = OneLineErrors(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--nps", default="1,2,4", help="process counts, comma-separated (1 is the baseline)")
     p.add_argument("--batch", type=int, default=32, help="per-process batch")
@@ -639,7 +660,12 @@ def main():
     p.add_argument("--json", help="also write every record here")
     p.add_argument("--plot", metavar="PREFIX", help="write PREFIX_scaling.png and PREFIX_exposed.png")
     p.add_argument("--from_json", metavar="FILE", help="print the tables (and --plot) of a run saved with --json")
-    p.add_argument("--worker", choices=("pydtnn", "torch"), help=argparse.SUPPRESS)
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="emulated rates: 1, every rank in one namespace (default); 2, two nodes of np/2 ranks "
+                        "joined by a capped veth pair (netem.py --nodes 2)")
+    p.add_argument("--worker", choices=("pydtnn", "torch", "torch_mpi"), help=argparse.SUPPRESS)
+    p.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=29533, help=argparse.SUPPRESS)
     p.add_argument("--np", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -647,8 +673,15 @@ def main():
         args.warmup, args.steps, args.nps = 1, 3, "1,2"
     if args.worker == "pydtnn":
         return pydtnn_worker(args)
-    if args.worker == "torch":
+    if args.worker in ("torch", "torch_mpi"):
         return torch_worker(args)
+    if args.nodes == 2 and any(int(p) % 2 for p in args.nps.split(",") if int(p) > 1):
+        p.error(f"--nodes 2 --nps {args.nps}: every process count above 1 must be even (half on each node)")
+    for spec in args.strategies.split(","):
+        kind = parse_strategy(spec)[0]
+        if kind != "none" and kind not in ("blocking", "per_layer", "bucketed", "hierarchical", "topk"):
+            p.error(f"--strategies: {spec!r}; expected none, blocking, per_layer, bucketed, hierarchical, topk:D or "
+                    "fp16, optionally +thread or +mpich")
     if args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             saved = json.load(f)
