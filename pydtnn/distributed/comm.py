@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -107,6 +108,7 @@ class ProgressThread:
     """
 
     INTERVAL = 2e-4  # seconds between rounds: measured in docs/benchmarks.md (Background progress)
+    _live = weakref.WeakSet()  # stopped at exit, before MPI's own finalization (registered earlier)
 
     def __init__(self, interval=INTERVAL):
         self.interval = interval
@@ -116,7 +118,14 @@ class ProgressThread:
         self._reqs, self._stop = [], False
         self._thread = threading.Thread(target=self._run, name="pydtnn-mpi-progress", daemon=True)
         self._thread.start()
-        atexit.register(self.close)  # before MPI's own finalization, which was registered earlier
+        if not ProgressThread._live:
+            atexit.register(ProgressThread._close_all)
+        ProgressThread._live.add(self)
+
+    @staticmethod
+    def _close_all():
+        for t in list(ProgressThread._live):
+            t.close()
 
     def watch(self, reqs):
         """Test these requests (objects with test()) from now on, until they complete or are released."""
@@ -133,6 +142,7 @@ class ProgressThread:
                 raise self.error
 
     def close(self):
+        """End the thread (a closed one tests nothing more)."""
         with self._cond:
             self._stop, self._reqs = True, []
             self._cond.notify()

@@ -35,6 +35,7 @@ the wire, at the price of fp16 rounding of every gradient and a reduction operat
 
 import itertools
 import time
+import weakref
 from contextlib import contextmanager
 
 import numpy as np
@@ -64,6 +65,8 @@ class Reducer:
         self.comm = comm
         self.progress = progress
         self._thread = comm.progress_thread() if progress == "thread" and comm.size > 1 else None
+        if self._thread is not None:
+            weakref.finalize(self, self._thread.close)  # the thread ends with the reducer
         self.wire_dtype = np.float16 if compression == "fp16" else None
         self.weight = 1.0
         self.tracer = None
