@@ -209,6 +209,46 @@ def test_topk_sends_the_largest_entries_and_keeps_exactly_the_rest():
     np.testing.assert_array_equal(other.residual, kept)
 
 
+def test_topk_finds_exactly_the_k_largest_from_a_sample_or_falls_back_to_a_full_partition():
+    from pydtnn.distributed.reducers.topk import SAMPLE, largest
+
+    rng = np.random.default_rng(1)
+    mag = np.abs(rng.standard_normal(10 * SAMPLE)).astype(np.float32)
+    k = 6554  # 1%
+    want = np.sort(np.argpartition(mag, mag.size - k)[mag.size - k:])
+    sample = np.sort(rng.choice(mag.size, SAMPLE, replace=False))
+    np.testing.assert_array_equal(np.sort(largest(mag, k, sample)), want)
+    # a sample of the smallest entries only puts the threshold where more than k pass: still exact
+    low = np.argsort(mag)[:SAMPLE]
+    np.testing.assert_array_equal(np.sort(largest(mag, k, np.sort(low))), want)
+    # a sample of the largest entries puts it where fewer than k pass: the whole array is partitioned
+    high = np.argsort(mag)[-SAMPLE:]
+    np.testing.assert_array_equal(np.sort(largest(mag, k, np.sort(high))), want)
+    np.testing.assert_array_equal(np.sort(largest(mag, k)), want)
+
+
+def test_topk_on_a_large_model_uses_the_sample_and_keeps_exactly_the_rest():
+    """Over 8 x SAMPLE gradients the reducer places its threshold from the sample; sent + kept is still
+    the accumulated gradient and the sent entries are the k largest."""
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+    from pydtnn.distributed.reducers.topk import SAMPLE
+    from pydtnn.layers import Dense, Flatten
+    from pydtnn.model import Model
+
+    model = Model([Flatten(), Dense(600)], (1, 30, 30), CPUBackend("float32"))
+    red = reducers.create("topk", SingleProcess(), density=0.01).attach(model)
+    assert model.grad_buffer.size >= 8 * SAMPLE and red.sample is not None
+    g = np.random.default_rng(2).standard_normal(model.grad_buffer.size).astype(np.float32)
+    model.grad_buffer[...] = g
+    red.begin_step(1.0)
+    red.finish()
+    sent = model.grad_buffer.copy()
+    assert np.count_nonzero(sent) == red.k
+    assert np.abs(g[sent != 0]).min() >= np.abs(g[sent == 0]).max()
+    np.testing.assert_array_equal(sent + red.residual, g)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_gradient_accumulation_equals_one_big_batch(single, tmp_path, n):
     r = launch(n, tmp_path, "--accumulate", "3", "--strategies", "bucketed,per_layer")

@@ -7,6 +7,13 @@ contributions, in rank order, into the gradient buffer. What a rank did not send
 and joins the next step's gradient (error feedback, as in Ok-Topk, PyDTNN's oktopk branch, and Deep
 Gradient Compression). At density 1.0 every entry is sent and the result is the dense sum.
 
+The k largest are found without sorting or partitioning all n entries where n is large: a threshold
+that a little more than k entries exceed is read off a fixed random sample of the magnitudes, the
+entries above it are gathered (about 1.25 k of them), and the k largest of those are kept. When fewer
+than k entries pass the threshold (a sample that missed the tail), the whole vector is partitioned:
+the result is always exactly the k largest. On VGG-11's 9.2 M gradients at density 0.01 that is 15 ms
+against 59 ms for np.argpartition over all of them.
+
 Per step each rank sends 12-16 bytes per kept entry instead of 4-8 per gradient: at density 0.01 about
 3% (float32) of a dense allreduce's bytes, and every rank receives P times that. The residuals are
 each rank's own state: state_dict() / load_state_dict() hold them (one array per rank).
@@ -17,6 +24,26 @@ import numpy as np
 from pydtnn.backends import array_module
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
 from pydtnn.errors import ConfigError
+
+
+SAMPLE = 1 << 16  # magnitudes read to place the threshold; vectors under 8 x SAMPLE are partitioned whole
+
+
+def largest(mag, k, sample=None):
+    """Indices (unordered) of the k largest entries of the 1-D array mag (0 < k < mag.size). `sample`:
+    positions of mag whose values place a threshold that about 1.25 k entries pass (None: partition
+    the whole array)."""
+    xp = array_module(mag)
+    n = mag.size
+    if sample is not None:
+        s = mag[sample]
+        above = min(s.size - 1, int(np.ceil(1.25 * k / n * s.size)) + 8)  # sample entries above the threshold
+        threshold = xp.partition(s, s.size - 1 - above)[s.size - 1 - above]
+        candidates = xp.flatnonzero(mag >= threshold)
+        if candidates.size >= k:  # then the k largest are all candidates
+            sub = mag[candidates]
+            return candidates[xp.argpartition(sub, sub.size - k)[sub.size - k:]]
+    return xp.argpartition(mag, n - k)[n - k:]
 
 
 class TopKReducer(Reducer):
@@ -38,6 +65,11 @@ class TopKReducer(Reducer):
             self.buf, self.views = flat_buffer([g for _, _, g in self.params])
         self.k = min(self.buf.size, max(1, int(np.ceil(self.density * self.buf.size))))
         self.residual = array_module(self.buf).zeros_like(self.buf)
+        n = self.buf.size
+        self.sample = None
+        if n >= 8 * SAMPLE and self.k < n:  # fixed positions, the same on every rank and every run
+            picked = np.sort(np.random.default_rng(n).choice(n, SAMPLE, replace=False))
+            self.sample = array_module(self.buf).asarray(picked)
 
     def finish(self):
         self.order_done = True
@@ -51,7 +83,7 @@ class TopKReducer(Reducer):
         if self.k == acc.size:
             idx = xp.arange(acc.size, dtype=np.int64)
         else:
-            idx = xp.argpartition(xp.abs(acc), acc.size - self.k)[acc.size - self.k:].astype(np.int64)
+            idx = largest(xp.abs(acc), self.k, self.sample).astype(np.int64)
             idx.sort()
         vals = acc[idx]
         acc[idx] = 0  # the residual: everything not sent
