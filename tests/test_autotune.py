@@ -80,11 +80,11 @@ def test_the_fastest_candidate_is_chosen_and_cached(tmp_path):
 
 
 def test_the_cache_is_keyed_by_cpu_isa_threads_dtype_kernels_batch_and_shape(tmp_path):
-    def k(g=CONV3, co=16, dtype=np.float32, n=1, kernels="numba", batch=32, cpu=("CPU A", "avx2")):
-        return autotune.key(g, co, dtype, n, kernels, batch, cpu=cpu)
+    def k(g=CONV3, co=16, dtype=np.float32, n=1, kernels="numba", batch=32, cpu=("CPU A", "avx2"), bits=256):
+        return autotune.key(g, co, dtype, n, kernels, batch, cpu=cpu, bits=bits)
 
     others = [k(cpu=("CPU B", "avx2")), k(cpu=("CPU A", "avx512f")), k(n=2), k(dtype=np.float64), k(kernels="numpy"),
-              k(batch=16), k(co=32), k(g=ConvGeometry(16, 32, 32, 3, 3))]
+              k(batch=16), k(co=32), k(g=ConvGeometry(16, 32, 32, 3, 3)), k(bits=128)]
     assert len({k(), *others}) == len(others) + 1
     assert "CPU A" in k() and "avx2" in k()
 
@@ -133,7 +133,8 @@ def test_measure_times_every_candidate():
 def test_cpu_info_names_the_model_and_a_known_isa():
     model, isa = autotune.cpu_info()
     assert model and isa in ("avx512f", "avx2", "other")
-    assert autotune.describe_cpu() == f"{model} ({isa})"
+    assert autotune.describe_cpu().startswith(f"{model} ({isa}; kernels: ")
+    assert "-bit vectors" in autotune.describe_cpu()
 
 
 # -- a model trains the same whatever was picked -----------------------------------------------------

@@ -387,7 +387,9 @@ def test_dense_layout_covers_the_wide_grid_in_blocks_of_three_vectors_then_two(i
     """Every output size: the computed columns cover Ho*Wp with less than one vector to spare (at
     least two vectors), as blocks of three vectors and then at most two blocks of two, and lx holds
     them plus the taps' reach."""
-    lanes = 32 // itemsize
+    from pydtnn.backends.cpu.isa import VECTOR_BYTES
+
+    lanes = VECTOR_BYTES // itemsize
     rests = set()
     for ho in range(1, 20):
         for wo in range(1, 40):
@@ -945,3 +947,55 @@ def test_kxk_direct_plan_takes_one_group_odd_kernels_up_to_their_reach():
     assert algorithm(fast, geom(kw=3, pl=1, pr=1), 16) != "direct"
     assert algorithm(fast, geom(k=4, p=1), 16) != "direct"
     assert algorithm(CPUBackend(kernels="numpy"), geom(), 16) == "gemm"
+
+
+# the kernel tests that every vector width runs (in a process of its own: the width is chosen once per process)
+WIDTH_TESTS = "direct_kernel_matches or col2im_compiled or dense_layout or flipped or kernels_use_the_chosen_vector_width"
+
+
+def test_the_kernels_use_the_chosen_vector_width():
+    """$PYDTNN_VECTOR_BITS, when set, is the width of the kernels' vectors and of the direct layout."""
+    from pydtnn.backends.cpu import isa
+
+    forced = os.environ.get("PYDTNN_VECTOR_BITS")
+    assert isa.VECTOR_BITS == (int(forced) if forced else isa.native_bits())
+    lanes = isa.VECTOR_BITS // 32
+    assert conv_direct.dense_layout(1, 1, 1, 1, 4)[1] == 2 * lanes  # one output column: two whole vectors
+
+
+def test_vector_width_follows_the_cpu_flags_and_a_bad_override_is_one_line():
+    from pydtnn.backends.cpu import isa
+    from pydtnn.errors import ConfigError
+
+    assert isa.native_bits(frozenset({"sse2", "avx", "avx2", "fma", "avx512f"})) == 512
+    assert isa.native_bits(frozenset({"sse2", "avx", "avx2", "fma"})) == 256
+    assert isa.native_bits(frozenset({"sse2", "avx"})) == 128  # AVX without FMA: the portable path
+    assert isa.chosen_bits({"PYDTNN_VECTOR_BITS": "128"}) == 128
+    assert isa.chosen_bits({}) == isa.native_bits()
+    with pytest.raises(ConfigError, match=r"^PYDTNN_VECTOR_BITS='384'; expected 128, 256 or 512"):
+        isa.chosen_bits({"PYDTNN_VECTOR_BITS": "384"})
+
+
+@pytest.mark.slow
+def test_every_vector_width_matches_the_numpy_path():
+    """The compiled kernels at the two widths this CPU does not pick (of 128, 256, 512 bits; a width wider
+    than the CPU's runs split into its vectors) pass the direct convolution, col2im and layout tests
+    against the NumPy path. Both run at once, each in its own pytest process and kernel cache."""
+    from pydtnn.backends.cpu import isa
+
+    widths = [w for w in isa.WIDTHS if w != isa.native_bits()]
+    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                               "-k", WIDTH_TESTS], env={**os.environ, "PYDTNN_VECTOR_BITS": str(w)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for w in widths]
+    for w, p in zip(widths, procs):
+        try:
+            out = p.communicate(timeout=900)[0]
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, f"{w}-bit vectors:\n{out[-3000:]}"
+        import re
+
+        passed = re.search(r"(\d+) passed", out)
+        assert passed and int(passed.group(1)) >= 80 and "failed" not in out, f"{w}-bit vectors:\n{out[-3000:]}"

@@ -53,9 +53,11 @@ def cpu_info():
 
 
 def describe_cpu():
-    """'AMD EPYC 7B13 (avx2)': the line benchmark tables print."""
+    """'AMD EPYC 7B13 (avx2; kernels: 256-bit vectors (the CPU's))': the line benchmark tables print."""
+    from pydtnn.backends.cpu import isa as vectors
+
     model, isa = cpu_info()
-    return f"{model} ({isa})"
+    return f"{model} ({isa}; kernels: {vectors.describe()})"
 
 
 def default_path():
@@ -83,9 +85,13 @@ def candidates(g, co, kernels, tuning):
     return (first, *[a for a in found if a != first])
 
 
-def key(g, co, dtype, n_threads, kernels, batch, cpu=None):
-    """The cache key of one layer shape timed at `batch` samples on this machine: a readable string."""
+def key(g, co, dtype, n_threads, kernels, batch, cpu=None, bits=None):
+    """The cache key of one layer shape timed at `batch` samples on this machine, with the kernels'
+    vector width (isa.VECTOR_BITS unless `bits`): a readable string."""
+    from pydtnn.backends.cpu.isa import VECTOR_BITS
+
     model, isa = cpu or cpu_info()
+    isa = f"{isa} {bits or VECTOR_BITS}-bit"
     shape = (f"c{g.c} {g.h}x{g.w} k{g.kh}x{g.kw} s{g.sh}x{g.sw} d{g.dh}x{g.dw} "
              f"p{g.pt},{g.pb},{g.pl},{g.pr} g{g.groups} co{co}")
     return f"{model} | {isa} | {n_threads} threads | {np.dtype(dtype).name} | {kernels} | batch {batch} | {shape}"

@@ -6,6 +6,7 @@ and column (forward_stride2)."""
 
 import numpy as np
 
+from pydtnn.backends.cpu.isa import VECTOR_BYTES
 from pydtnn.backends.cpu.scratch import Kept
 
 
@@ -17,7 +18,7 @@ def dense_layout(ho, wo, dh, dw, itemsize, k=3):
     10-12% slower per column). Also each sample's columns lx in the padded input (the computed
     columns plus the taps' reach, in whole vectors) and the columns after the last sample that the
     weight gradient reads."""
-    lanes = 32 // itemsize
+    lanes = VECTOR_BYTES // itemsize
     wp = wo + (k - 1) * dw
     v = max(2, -(-ho * wp // lanes))
     threes = v // 3 if v % 3 != 1 else v // 3 - 1  # the rest in one or two blocks of two

@@ -12,7 +12,9 @@ Numba and LLVM, about 100 MB of memory) only when a layer first uses one.
 - elementwise.py   the convolution bias, ReLU
 - pooling.py       2x2 stride-2 max and average pooling
 - updates.py       SGD and Adam/AdamW updates (the math of pydtnn/backends/base.py, same order)
-- vectors.py       IR vector helpers, vector copies and padding
+- vectors.py       IR vector helpers, vector copies and padding, of the width isa.py picks (the
+                   CPU's: 512 bits with AVX-512F, 256 with AVX2, 128 otherwise; $PYDTNN_VECTOR_BITS
+                   forces one, so every width is tested on any x86-64)
 - jit.py           the decorators, the on-disk cache, the launcher of the *_chunks twins
 
 im2col + GEMM copies the input nine times into a matrix that does not fit in cache, and with 16-64

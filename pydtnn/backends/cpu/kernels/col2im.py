@@ -4,6 +4,7 @@ weights of a stride-1 convolution's dx."""
 import numba
 import numpy as np
 
+from pydtnn.backends.cpu.isa import VECTOR_BYTES
 from pydtnn.backends.cpu.kernels.jit import jit as _jit
 from pydtnn.backends.cpu.kernels.jit import parallel as _pjit
 from pydtnn.backends.cpu.kernels.vectors import vadd, vzip
@@ -46,7 +47,7 @@ def col2im(dcols, dx, sh, sw, pt, pl, dh, dw, n0, n1):
     kernel one column wide puts one share on a column: those are added straight into dx."""
     c_, kh, kw, ho_, wo_ = dcols.shape[1], dcols.shape[2], dcols.shape[3], dcols.shape[4], dcols.shape[5]
     h, w = dx.shape[2], dx.shape[3]
-    lanes = 32 // dx.itemsize
+    lanes = VECTOR_BYTES // dx.itemsize
     wq = (w + sw - 1) // sw
     parts = np.empty((h, sw, wq), dx.dtype)
     z = dx.dtype.type(0)

@@ -6,15 +6,16 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from pydtnn.backends.cpu.isa import VECTOR_BYTES
 from pydtnn.backends.cpu.kernels.jit import jit as _jit
 from pydtnn.backends.cpu.kernels.jit import parallel as _pjit
 from pydtnn.backends.cpu.kernels.vectors import I64, Emitter, copy, pad_into, same_dtype
 
 # LLVM does not keep a block of accumulators in registers across a reduction loop written in Python,
-# so the two inner blocks below are emitted as LLVM IR with explicit 256-bit vectors (8 float32 or 4
-# float64 lanes): a forward block of BLOCK_CHANNELS output channels times 2 or 3 vectors of output
-# pixels (the loop over input channels and the 9 taps inside, every accumulator in a register), and a
-# weight-gradient block of BLOCK_CHANNELS output channels times one row of 3 taps (the loop over
+# so the two inner blocks below are emitted as LLVM IR with explicit vectors of isa.VECTOR_BITS (256:
+# 8 float32 or 4 float64 lanes): a forward block of BLOCK_CHANNELS output channels times 2 or 3
+# vectors of output pixels (the loop over input channels and the 9 taps inside, every accumulator in
+# a register), and a weight-gradient block of BLOCK_CHANNELS output channels times one row of 3 taps (the loop over
 # pixels inside). LLVM splits the vectors where the CPU's are narrower.
 BLOCK_CHANNELS = 4
 
@@ -145,7 +146,7 @@ def conv3x3_dense_forward(x, wb, y, xs, lx, per_sample, pt, pl, dh, dw, threes, 
     co_, ho, wo = y.shape[1], y.shape[2], y.shape[3]
     wp = wo + 2 * dw
     hp = ho + 2 * dh
-    lanes = 32 // x.itemsize
+    lanes = VECTOR_BYTES // x.itemsize
     split = threes * 3 * lanes
     offs = _tap_offsets(wp, dh, dw)
     out = np.empty((wb.shape[0] * BLOCK_CHANNELS, length), x.dtype)
@@ -183,7 +184,7 @@ def conv3x3_dense_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
     n_, co_, ho, wo = dy.shape
     c_ = xs.shape[0]
     wp = wo + 2 * dw
-    lanes = 32 // xs.itemsize
+    lanes = VECTOR_BYTES // xs.itemsize
     m_ = BLOCK_CHANNELS
     span = (ho * wp + lanes - 1) // lanes * lanes  # a sample's columns that can hold dy
     offs = _tap_offsets(wp, dh, dw)

@@ -17,6 +17,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from pydtnn.backends.cpu.isa import VECTOR_BYTES
 from pydtnn.backends.cpu.kernels.conv3x3 import BLOCK_CHANNELS
 from pydtnn.backends.cpu.kernels.conv3x3 import _grad_block as _grad_block3
 from pydtnn.backends.cpu.kernels.jit import jit as _jit
@@ -120,7 +121,7 @@ def convkxk_forward(x, wb, y, xs, lx, per_sample, pt, pl, kh, kw, dh, dw, threes
     co_, ho, wo = y.shape[1], y.shape[2], y.shape[3]
     wp = wo + (kw - 1) * dw
     hp = ho + (kh - 1) * dh
-    lanes = 32 // x.itemsize
+    lanes = VECTOR_BYTES // x.itemsize
     split = threes * 3 * lanes
     offs = _tap_offsets(wp, kh, kw, dh, dw)
     out = np.empty((wb.shape[0] * BLOCK_CHANNELS, length), x.dtype)
@@ -157,7 +158,7 @@ def convkxk_weight_grad(xs, lx, dy, dyw, dwt, dh, dw, chunk, cb0, cb1):
     n_, co_, ho, wo = dy.shape
     c_, kh, kw = xs.shape[0], dwt.shape[2], dwt.shape[3]
     wp = wo + (kw - 1) * dw
-    lanes = 32 // xs.itemsize
+    lanes = VECTOR_BYTES // xs.itemsize
     m_ = BLOCK_CHANNELS
     gr = (kw + 2) // 3
     groups = kh * gr

@@ -10,6 +10,14 @@ import os
 
 import numba
 
+from pydtnn.backends.cpu import isa
+
+if isa.VECTOR_BITS != isa.native_bits():
+    # kernels of a forced width (PYDTNN_VECTOR_BITS) are cached apart: Numba's cache does not see the width
+    _base = numba.config.CACHE_DIR or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pydtnn")
+    numba.config.CACHE_DIR = os.path.join(_base, f"kernels-vector{isa.VECTOR_BITS}")
+
 jit = numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True)
 # without fastmath's no-NaN and no-infinity assumptions, for kernels whose results depend on them
 exact = numba.njit(nogil=True, error_model="numpy", cache=True)
@@ -22,7 +30,8 @@ MODULES = ("col2im", "conv3x3", "convkxk", "depthwise3x3", "elementwise", "norma
 def cache_dir():
     """The folder where Numba caches these kernels, and whether it holds them already (else the first
     use compiles them, 10-30 s). Numba's own choice: next to the kernels when that folder is writable,
-    else a per-user cache folder (so a read-only install works), or $NUMBA_CACHE_DIR when set."""
+    else a per-user cache folder (so a read-only install works), or $NUMBA_CACHE_DIR when set; for a
+    vector width forced by $PYDTNN_VECTOR_BITS other than the CPU's, a folder of that width's."""
     from numba.core.caching import CacheImpl
 
     from pydtnn.backends.cpu.kernels import vectors

@@ -1,10 +1,12 @@
-"""Vector helpers of the compiled kernels: 256-bit LLVM IR vector loads, stores and fused
-multiply-adds (an emitter used by the dense 3x3 blocks), and the copies and padding built on them."""
+"""Vector helpers of the compiled kernels: LLVM IR vector loads, stores and fused multiply-adds of
+isa.VECTOR_BITS bits (an emitter used by the dense 3x3 blocks), and the copies and padding built on
+them."""
 
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from pydtnn.backends.cpu.isa import VECTOR_BITS, VECTOR_BYTES
 from pydtnn.backends.cpu.kernels.jit import jit as _jit
 
 
@@ -34,7 +36,7 @@ def pad_into(xs, start, xn, pt, pl, hp, wp, c0, c1):
 def copy(dst, di, src, si, count):
     """dst[di : di + count] = src[si : si + count] (1-D contiguous arrays, not overlapping): whole
     vectors, the last one overlapping the one before where count is not a multiple of the lanes."""
-    lanes = 32 // dst.itemsize
+    lanes = VECTOR_BYTES // dst.itemsize
     if count < lanes:
         for k in range(count):
             dst[di + k] = src[si + k]
@@ -49,9 +51,9 @@ def copy(dst, di, src, si, count):
 
 
 def vector_of(context, dtype):
-    """(element type, lanes, vector type, fma intrinsic name) of 256-bit vectors of dtype."""
+    """(element type, lanes, vector type, fma intrinsic name) of VECTOR_BITS-bit vectors of dtype."""
     elem = context.get_value_type(dtype)
-    lanes = 256 // dtype.bitwidth
+    lanes = VECTOR_BITS // dtype.bitwidth
     return elem, lanes, ir.VectorType(elem, lanes), f"llvm.fma.v{lanes}f{dtype.bitwidth}"
 
 
@@ -126,7 +128,7 @@ I64 = ir.IntType(64)
 
 
 def _vector_move(add):
-    """An intrinsic (dst, di, src, si) that stores src[si : si + lanes] into dst[di : di + lanes], one 256-bit
+    """An intrinsic (dst, di, src, si) that stores src[si : si + lanes] into dst[di : di + lanes], one
     vector (1-D contiguous arrays), added to what dst holds when `add`."""
 
     @intrinsic

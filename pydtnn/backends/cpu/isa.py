@@ -1,0 +1,70 @@
+"""The vector width of the compiled kernels: the CPU's own, or the one $PYDTNN_VECTOR_BITS forces.
+
+The register-blocked kernels (kernels/conv3x3.py, convkxk.py, col2im.py, vectors.py) are written as
+LLVM IR vectors of VECTOR_BITS bits, and the direct convolution's layout (conv_direct.dense_layout)
+rounds to whole vectors of that width. Numba compiles them for the CPU they run on, so the instructions
+are that CPU's; the width is chosen once per process, from its features (/proc/cpuinfo):
+
+- 512 where the CPU has AVX-512F (16 float32 lanes; 32 vector registers hold a block's 12
+  accumulators with room to spare),
+- 256 where it has AVX2 (8 float32 lanes, FMA),
+- 128 otherwise: the portable path (SSE2, which every x86-64 CPU has; LLVM emits what the CPU has).
+
+PYDTNN_VECTOR_BITS=128, 256 or 512 forces a width, whatever the CPU: a wider one than the CPU's runs
+correctly (LLVM splits each vector into the CPU's), which is how the tests check every path on any
+machine. A forced width other than the CPU's keeps its compiled kernels in a cache folder of its own
+(kernels/jit.py), so that the two never mix.
+"""
+
+import functools
+import os
+
+from pydtnn.errors import ConfigError
+
+WIDTHS = (128, 256, 512)
+
+
+@functools.cache
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bits(flags=None):
+    """512 with AVX-512F, 256 with AVX2 and FMA, else 128."""
+    flags = cpu_flags() if flags is None else flags
+    if "avx512f" in flags:
+        return 512
+    if "avx2" in flags and "fma" in flags:
+        return 256
+    return 128
+
+
+def chosen_bits(environ=os.environ):
+    """$PYDTNN_VECTOR_BITS when set (ConfigError unless 128, 256 or 512), else native_bits()."""
+    text = environ.get("PYDTNN_VECTOR_BITS", "").strip()
+    if not text:
+        return native_bits()
+    if text not in {str(w) for w in WIDTHS}:
+        raise ConfigError(f"PYDTNN_VECTOR_BITS={text!r}; expected 128, 256 or 512 (or unset: the CPU's own)")
+    return int(text)
+
+
+VECTOR_BITS = chosen_bits()
+VECTOR_BYTES = VECTOR_BITS // 8
+
+
+def describe():
+    """"256-bit vectors, the CPU's" or "128-bit vectors, forced by PYDTNN_VECTOR_BITS (the CPU's: 256)"."""
+    native = native_bits()
+    if VECTOR_BITS == native:
+        return f"{VECTOR_BITS}-bit vectors, the CPU's"
+    return f"{VECTOR_BITS}-bit vectors, forced by PYDTNN_VECTOR_BITS (the CPU's: {native})"
