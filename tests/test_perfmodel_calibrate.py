@@ -51,6 +51,31 @@ def test_fit_alpha_beta_rejects_bad_data(sizes, times, match):
         calibrate.fit_alpha_beta(sizes, times)
 
 
+@pytest.mark.parametrize("op", ["allgather", "reduce_scatter", "allreduce"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_fit_collective_recovers_the_link_the_ring_formula_was_given(op, p):
+    from pydtnn.perfmodel.collectives import FORMULAS
+
+    alpha, beta, gamma = 3e-5, 1 / 2.5e9, 1 / 1e10
+    times = [FORMULAS[op]["ring"](n, p, alpha, beta, gamma) for n in SIZES]
+    link = calibrate.fit_collective(op, p, SIZES, times, gamma)
+    assert link.latency_s == pytest.approx(alpha, rel=1e-6) and link.beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_fit_collective_by_hand():
+    """An allgather over 2 is alpha + (n / 2) beta: 20 us at 8 bytes and 0.43 ms at 2 MiB give
+    beta = (4.3e-4 - 2e-5) / (2**20 - 4) s/byte (2.557 GB/s) and alpha = 2e-5 - 4 beta. A reduce-scatter over
+    2 adds (n / 2) gamma: the same times with gamma = 1e-10 leave beta - 1e-10."""
+    beta = (4.3e-4 - 2e-5) / (2**20 - 4)
+    link = calibrate.fit_collective("allgather", 2, [8, 2 << 20], [2e-5, 4.3e-4], gamma=1e-10)
+    assert link.beta == pytest.approx(beta, rel=1e-9) and link.latency_s == pytest.approx(2e-5 - 4 * beta, rel=1e-9)
+    scatter = calibrate.fit_collective("reduce_scatter", 2, [8, 2 << 20], [2e-5, 4.3e-4], gamma=1e-10)
+    assert scatter.beta == pytest.approx(beta - 1e-10, rel=1e-9)
+    with pytest.raises(ValueError, match="no more than its reductions"):
+        calibrate.fit_collective("reduce_scatter", 2, [8, 2 << 20], [2e-5, 4.3e-4], gamma=1e-8)
+    assert calibrate.collective_links({"np": 2, "pingpong": [], "allreduce": []}, 1e-10) == {}  # an older probe
+
+
 def _span(name, cat, ts, dur, tid):
     return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "tid": tid, "pid": 0}
 
@@ -117,6 +142,11 @@ def test_quick_calibration_writes_a_plausible_machine(tmp_path):
     assert m.links["inter"] == Link(7e-5, 3.0e8)  # the level not measured is the base's
     assert m.processes_per_node == 2 and m.cores >= 1
     assert "calibrate: MPI probe" in r.stderr and "allreduce over 2 processes" in r.stdout
+    assert set(intra.collectives) == {"allgather", "reduce_scatter", "allreduce"}  # each its own fit
+    for fit in intra.collectives.values():
+        assert 0 <= fit.latency_s < 1e-2 and 1e6 < fit.bandwidth_bytes_per_s < 1e12
+    assert m.links["inter"].collectives == {}
+    assert 0 <= o.oversubscribed_collective_s < 0.1 and "per collective on oversubscribed cores (measured)" in r.stdout
 
 
 def test_no_mpi_keeps_the_base_links_and_one_thread_keeps_its_scaling(tmp_path):
@@ -125,6 +155,7 @@ def test_no_mpi_keeps_the_base_links_and_one_thread_keeps_its_scaling(tmp_path):
     assert r.returncode == 0, r.stderr
     m = load(out)
     assert dict(m.links) == dict(DEFAULT.links)
+    assert m.overheads.oversubscribed_collective_s == DEFAULT.overheads.oversubscribed_collective_s
     assert dict(m.thread_scaling) == dict(DEFAULT.thread_scaling)
     assert m.processes_per_node == DEFAULT.processes_per_node
     assert "MPI probe" not in r.stderr

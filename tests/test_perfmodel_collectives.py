@@ -224,6 +224,44 @@ def test_fixed_costs_and_class_scaling_round_trip_and_default_to_none(tmp_path):
     assert partial.overheads == Overheads(parameter_s=5e-6)
 
 
+def test_per_collective_links_and_the_oversubscribed_wait_round_trip_and_default_to_none(tmp_path):
+    from pydtnn.perfmodel.machine import Overheads
+
+    fit = Link(4e-5, 2.5e8)  # an allgather as measured: 40 us, 0.25 GB/s
+    m = dataclasses.replace(machine(ppn=2), overheads=Overheads(oversubscribed_collective_s=2e-3),
+                            links={"intra": Link(ALPHA, 1 / BETA, collectives={"allgather": fit}),
+                                   "inter": Link(ALPHA, 1 / BETA)})
+    for suffix in (".yaml", ".json"):
+        save(m, tmp_path / f"m{suffix}")
+        loaded = load(tmp_path / f"m{suffix}")
+        assert loaded == m and loaded.links["intra"].collectives["allgather"] == fit
+        assert loaded.overheads.oversubscribed_collective_s == 2e-3
+    old = to_dict(machine())  # no fits: the layout has no "collectives", and a file without them loads
+    assert "collectives" not in old["links"]["intra"]
+    del old["overheads"]
+    loaded = from_dict(old)
+    assert dict(loaded.links["intra"].collectives) == {} and loaded.overheads.oversubscribed_collective_s == 0.0
+    assert loaded.links["intra"].for_op("allgather") is loaded.links["intra"]
+    # a new bandwidth or latency is another link: the fits measured on the old one are dropped
+    assert dict(m.with_link("intra", bandwidth=2e9).links["intra"].collectives) == {}
+
+
+def test_a_collective_pays_its_own_fit_where_the_link_has_one_by_hand():
+    """intra: 10 us, 1 GB/s, with an allgather fit of 40 us, 0.25 GB/s; n = 1e6 bytes.
+    Ring allgather over 2 on one node: 4e-5 + 0.5 * 1e6 / 2.5e8 = 2.04e-3 s (1e-5 + 5e-4 without the fit).
+    Hierarchical allgather over 4, 2 per node: ring across the 2 nodes (1e-5 + 5e-4) + ring in the node on
+    the fit (2.04e-3) = 2.55e-3 s. An allreduce has no fit: it pays the link (HAND_P4)."""
+    fit = Link(4e-5, 2.5e8)
+    m = dataclasses.replace(machine(ppn=4), links={"intra": Link(ALPHA, 1 / BETA, collectives={"allgather": fit}),
+                                                   "inter": Link(ALPHA, 1 / BETA)})
+    assert C.seconds("allgather", "ring", N, 2, m) == pytest.approx(2.04e-3, rel=1e-12)
+    assert C.seconds("allgather", "ring", N, 2, machine(ppn=4)) == pytest.approx(5.1e-4, rel=1e-12)
+    assert C.seconds("allreduce", "ring", N, 4, m) == pytest.approx(HAND_P4["allreduce", "ring"], rel=1e-12)
+    two_nodes = dataclasses.replace(m, processes_per_node=2)
+    assert C.hierarchical("allgather", N, 4, two_nodes) == pytest.approx(2.55e-3, rel=1e-12)
+    assert C.best("allgather", N, 2, m)[1] == pytest.approx(2.04e-3, rel=1e-12)
+
+
 def test_yaml_exponent_without_sign_is_a_number(tmp_path):
     """YAML 1.1 reads 1.25e8 (no sign in the exponent) as text; a user writes it that way."""
     (tmp_path / "n.yaml").write_text(
@@ -273,6 +311,13 @@ BAD_MACHINES = [
     (_with(overheads=[1]), ["overheads", "[1]", "mapping"]),
     (_with(thread_scaling_by_class={"conv": {1: 1.0}}), ["thread_scaling_by_class", "'conv'", "gemm, direct3x3"]),
     (_with(thread_scaling_by_class={"gemm": {2: 1.5}}), ["thread_scaling_by_class['gemm']", "1: 1.0"]),
+    (_with(links__intra__collectives={"allgathr": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}}),
+     ["links['intra'].collectives", "'allgathr'", "allreduce, allgather, reduce_scatter"]),
+    (_with(links__intra__collectives={"allgather": {"latency_s": 1e-5}}),
+     ["bandwidth_bytes_per_s", "links['intra'].collectives['allgather']"]),
+    (_with(links__intra__collectives={"allgather": {"latency_s": 1e-5, "bandwidth_bytes_per_s": -1.0}}),
+     ["links['intra'].collectives['allgather'].bandwidth_bytes_per_s", "-1.0", "> 0"]),
+    (_with(overheads__oversubscribed_collective_s=-1.0), ["overheads.oversubscribed_collective_s", ">= 0"]),
     ([1, 2], ["is list", "mapping of fields"]),
 ]
 

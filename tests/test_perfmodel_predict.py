@@ -218,6 +218,45 @@ def test_model_parallel_communication_is_the_schemes_collectives_by_hand():
     assert p.messages == 4 and p.model_parallel_size == 2
 
 
+def test_measured_allgather_and_reduce_scatter_links_price_the_groups_collectives_by_hand():
+    """As above, with the intra link's own fits for allgather (4 alpha, 4 beta) and reduce_scatter (2 alpha,
+    2 beta) as calibrate's probe stores them: the gathers and their reduce-scatter pay those, the allreduce
+    of dx the link's figures; data parallelism, which sends no allgather, is unchanged."""
+    model = Model([Flatten(), Dense(4), ReLU(), Dense(2)], (1, 8, 8), CPUBackend("float64", kernels="numpy"))
+    fits = {"allgather": Link(4 * ALPHA, 0.25 / BETA), "reduce_scatter": Link(2 * ALPHA, 0.5 / BETA)}
+    slow = machine(links={"intra": Link(ALPHA, 1 / BETA, collectives=fits), "inter": Link(10 * ALPHA, 0.1 / BETA)})
+    p, plain = predict(model, 3, 2, slow, parallel="model"), predict(model, 3, 2, machine(), parallel="model")
+    b = 8
+    allreduce = 2 * ALPHA + 2 * 0.5 * (3 * 64 * b) * BETA + 0.5 * (3 * 64 * b) * GAMMA
+    gather = 4 * ALPHA + 0.5 * (3 * 4 * b) * 4 * BETA
+    scatter = 2 * ALPHA + 0.5 * (3 * 4 * b) * (2 * BETA + GAMMA)
+    output = 4 * ALPHA + 0.5 * (3 * 2 * b) * 4 * BETA
+    assert p.group_comm_s == pytest.approx(allreduce + gather + scatter + output, rel=1e-12)
+    assert p.group_comm_s > plain.group_comm_s and p.step_s > plain.step_s
+    data = predict(mlp(), 8, 2, slow, reduction="bucketed")
+    assert data.step_s == predict(mlp(), 8, 2, machine(), reduction="bucketed").step_s
+
+
+def test_oversubscribed_cores_add_the_measured_wait_per_collective_by_hand():
+    """mlp() with per_layer: 6 gradients, 6 allreduces a step. 2 cores, 2 ms measured per collective at 2
+    ranks per core: np 2 waits nothing, np 4 (crowding 2) 6 x 2 ms, np 3 (crowding 1.5) 6 x 1 ms, np 2 at 2
+    threads (crowding 2) 6 x 2 ms. Model parallelism over 4 on 2 cores: its 4 group collectives x 2 ms."""
+    fixed = machines.Overheads(oversubscribed_collective_s=2e-3)
+    m, bare = machine(cores=2, overheads=fixed), machine(cores=2)
+    model = mlp()
+    for np_, threads, wait in ((1, 1, 0.0), (2, 1, 0.0), (4, 1, 12e-3), (3, 1, 6e-3), (2, 2, 12e-3)):
+        p, q = (predict(model, 8, np_, mm, reduction="per_layer", threads=threads) for mm in (m, bare))
+        assert p.sync_s == pytest.approx(wait, rel=1e-12), (np_, threads)
+        assert p.step_s == pytest.approx(q.step_s + wait, rel=1e-12)
+        assert p.exposed_comm_s == pytest.approx(q.exposed_comm_s + wait, rel=1e-12)
+    background = predict(model, 8, 4, m, reduction="per_layer", progress="background")
+    assert background.sync_s == pytest.approx(12e-3)  # a wait for a rank off the cores is never hidden
+    small = Model([Flatten(), Dense(8), ReLU(), Dense(4)], (1, 8, 8), CPUBackend("float64", kernels="numpy"))
+    split = predict(small, 3, 4, m, parallel="model")
+    assert split.messages == 4 and split.sync_s == pytest.approx(4 * 2e-3, rel=1e-12)
+    assert "waiting for ranks off oversubscribed cores" in table(split)
+
+
 def test_each_process_computes_its_share_and_replicas_reduce_only_their_slices():
     model = mlp((300, 200, 10))
     whole = predict(model, 8, 1, machine())

@@ -32,12 +32,21 @@ What is measured, and how each figure agrees with the rest of the model:
 - links[level]: `mpiexec -n NP python -m pydtnn.perfmodel.mpi_probe` (a subprocess with a timeout)
   times ping-pong between ranks 0 and 1 from 8 bytes to 16 MiB; fit_alpha_beta gives latency and
   bandwidth. Its allreduce times over the same sizes are printed (a Machine has no field for them).
-  The other level is the base's, unchanged. On this one machine the probe's ranks share memory, which
+  The other level is the base's, unchanged. links[level].collectives[op]: the probe also times
+  allgather, reduce_scatter and allreduce through pydtnn's communicator as the trainer calls them
+  (mpi_probe.py); fit_collective gives each its own latency and bandwidth, those that the ring formula
+  of collectives.py at the probe's NP (with the measured reduce_rate as gamma) needs to give back the
+  measured times. On this one machine the probe's ranks share memory, which
   is the intra-node link. The inter-node link is calibrated under benchmarks/netem.py, which runs a
   command in a network namespace whose loopback (or veth pair, with --nodes 2) is capped by tc and
   forces MPICH onto TCP, so the probe measures the emulated link:
       python benchmarks/netem.py --rate 1gbit -- pydtnn-perfmodel calibrate --level inter \\
           --base machine.yaml --out machine_1gbit.yaml
+- overheads.oversubscribed_collective_s (with --level intra): `mpiexec -n 2*cores python -m
+  pydtnn.perfmodel.mpi_probe --oversubscribed`, twice as many ranks as cores, each running bursts of
+  BURST_S of one-thread compute (timed here, alone) with and without an 8-byte allreduce after each;
+  the extra seconds per burst. Predict adds it per collective where a node's ranks x threads exceed
+  its cores. The base's value is kept with --level inter or without MPI.
 - cores: the cores this process may run on (os.sched_getaffinity). processes_per_node: NP with
   --level intra (the probe's ranks all ran on this node, which is what was measured); the base's with
   --level inter or without MPI (the probe then measures one link, not how ranks are placed).
@@ -70,6 +79,8 @@ MIN_VISIT_S = 0.25  # a visit times a shape for about this long at least (0.05 s
 STREAM_REPEATS = 10  # timed copies and additions (5 with quick)
 FIXED_WARM_UP, FIXED_STEPS = 30, 200  # trainer steps of tiny_model(): untimed, then timed (10 and 60 with quick)
 MPI_TIMEOUT_S = 120.0
+BURST_S = 2e-3  # compute between two collectives in the oversubscribed probe: a layer's worth, on one thread
+FIT_ALGORITHM = "ring"  # the formula a collective's own link is fitted through (MPICH's for large messages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +358,40 @@ def fit_alpha_beta(sizes, seconds):
     return float(alpha), float(beta)
 
 
+def fit_collective(op, p, sizes, seconds, gamma, algorithm=FIT_ALGORITHM):
+    """Link (latency, bandwidth) that `op`'s `algorithm` formula (collectives.py) over p processes needs
+    to give the measured (n bytes, seconds): each formula is a alpha + b n beta + c n gamma, so
+    (t - c n gamma) / a = alpha + (b / a) n beta is fitted by fit_alpha_beta. ValueError as that one
+    raises, or when gamma's share leaves no time to fit."""
+    from pydtnn.perfmodel.collectives import FORMULAS
+
+    formula = FORMULAS[op][algorithm]
+    a, b, c = formula(0, p, 1.0, 0.0, 0.0), formula(1, p, 0.0, 1.0, 0.0), formula(1, p, 0.0, 0.0, 1.0)
+    if a <= 0 or b <= 0:
+        raise ValueError(f"fit_collective: {op} by {algorithm} over {p} processes has no latency or bandwidth term")
+    rest = [(t - c * n * gamma) / a for n, t in zip(sizes, seconds)]
+    if min(rest) <= 0:
+        raise ValueError(f"fit_collective: {op} took {list(seconds)} s, no more than its reductions at "
+                         f"{1 / gamma / 1e9:.2f} GB/s; expected times above the reduction's")
+    alpha, beta = fit_alpha_beta([b / a * n for n in sizes], rest)
+    return Link(latency_s=alpha, bandwidth_bytes_per_s=1.0 / beta)
+
+
+def collective_links(probe, gamma):
+    """{op: Link} fitted on the probe's "collectives" times (none for an older probe's result)."""
+    return {op: fit_collective(op, probe["np"], *zip(*times), gamma)
+            for op, times in (probe.get("collectives") or {}).items()}
+
+
+def burst_work(seconds=BURST_S):
+    """Units of mpi_probe.burst's work that take `seconds` here on one thread (the median of 5 timings)."""
+    from pydtnn.perfmodel import mpi_probe
+
+    a, b = np.zeros(mpi_probe.BURST_ELEMENTS, np.float32), np.ones(mpi_probe.BURST_ELEMENTS, np.float32)
+    unit = _median_seconds(lambda: mpi_probe.burst(100, a, b), 5) / 100
+    return max(1, round(seconds / unit))
+
+
 def mpiexec_path():
     """The mpiexec next to the Python in use (pip's mpich puts it there), else the first on PATH, else None."""
     mine = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -362,11 +407,12 @@ def mpi_missing():
     return None
 
 
-def run_mpi_probe(np_, quick=False, timeout=MPI_TIMEOUT_S):
-    """The probe's result ({"np", "pingpong", "allreduce"}) from `mpiexec -n np_`; PydtnnError when it
-    fails or runs past `timeout` seconds (its whole process group is then ended)."""
+def run_mpi_probe(np_, quick=False, timeout=MPI_TIMEOUT_S, extra=()):
+    """The probe's result ({"np", "pingpong", "allreduce", "collectives"}, or with extra = ("--oversubscribed",
+    ...) that mode's) from `mpiexec -n np_`; PydtnnError when it fails or runs past `timeout` seconds
+    (its whole process group is then ended)."""
     cmd = [mpiexec_path(), "-n", str(np_), sys.executable, "-m", "pydtnn.perfmodel.mpi_probe"]
-    cmd += ["--quick"] if quick else []
+    cmd += (["--quick"] if quick else []) + list(extra)
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -440,6 +486,7 @@ class Report:
     memory_bandwidth: float
     reduce_rate: float
     fixed: dict = dataclasses.field(default_factory=dict)  # fixed_costs()'s detail
+    oversubscribed: dict = None  # the oversubscribed probe's result, or None
 
 
 def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=False, mpi=True,
@@ -473,6 +520,17 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
         progress(f"{level} link: latency {alpha * 1e6:.2f} us, bandwidth {1 / beta / 1e9:.3f} GB/s")
         if level == "intra":
             processes_per_node = np_
+    crowded = None
+    if mpi and level == "intra":
+        work = burst_work()
+        ranks = 2 * cores()
+        progress(f"MPI probe, oversubscribed: mpiexec -n {ranks} on {cores()} cores, bursts of "
+                 f"{BURST_S * 1e3:g} ms ({work} units)")
+        crowded = run_mpi_probe(ranks, quick=quick, timeout=mpi_timeout,
+                                extra=("--oversubscribed", "--burst_work", str(work)))
+        crowded["burst_s"] = BURST_S
+        progress(f"oversubscribed: {crowded['collective_s'] * 1e3:.2f} ms per collective "
+                 f"({crowded['with_s'] * 1e3:.2f} ms a burst with one, {crowded['without_s'] * 1e3:.2f} without)")
 
     runtime.configure(threads=1)
     progress("fixed costs: trainer steps of a tiny model at batch 1, 1 thread")
@@ -502,13 +560,27 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
             for k in KERNEL_CLASSES:
                 by_class.setdefault(k, {1: 1.0})[t] = rates[t][k] / rates[1][k]
 
+    if probe is not None:
+        try:
+            fits = collective_links(probe, 1.0 / gamma_rate)
+        except ValueError as e:
+            raise PydtnnError(f"the MPI probe's collective times give no {level} link per operation: {e}") from None
+        for op, fit in fits.items():
+            progress(f"{level} {op}: latency {fit.latency_s * 1e6:.2f} us, bandwidth "
+                     f"{fit.bandwidth_bytes_per_s / 1e9:.3f} GB/s ({FIT_ALGORITHM} over {probe['np']} processes)")
+        links[level] = dataclasses.replace(links[level], collectives=fits)
+    if crowded is not None:
+        fixed = dataclasses.replace(fixed, oversubscribed_collective_s=crowded["collective_s"])
+    else:
+        fixed = dataclasses.replace(fixed, oversubscribed_collective_s=base.overheads.oversubscribed_collective_s)
+
     n_cores = cores()
     model_name = cpu_model()
     name = name or (f"{model_name} ({n_cores} cores)" if model_name else f"{n_cores}-core machine")
     machine = Machine(name=name, cores=n_cores, processes_per_node=processes_per_node, rates=rates[1],
                       thread_scaling=scaling, memory_bandwidth=bandwidth, reduce_rate=gamma_rate, links=links,
                       thread_scaling_by_class=by_class, overheads=fixed)
-    return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate, fixed_detail)
+    return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate, fixed_detail, crowded)
 
 
 def summary(machine, report, base_name):
@@ -528,7 +600,9 @@ def summary(machine, report, base_name):
     lines.append("thread scaling: " + ", ".join(f"{t}: {s:.2f}" for t, s in sorted(machine.thread_scaling.items())))
     o = machine.overheads
     lines.append(f"fixed costs: layer call {o.layer_forward_s * 1e6:.1f} us forward, {o.layer_backward_s * 1e6:.1f} us "
-                 f"backward; {o.parameter_s * 1e6:.1f} us per parameter tensor; {o.step_s * 1e6:.0f} us per step")
+                 f"backward; {o.parameter_s * 1e6:.1f} us per parameter tensor; {o.step_s * 1e6:.0f} us per step; "
+                 f"{o.oversubscribed_collective_s * 1e3:.2f} ms per collective on oversubscribed cores "
+                 f"({'measured' if report.oversubscribed is not None else f'from {base_name}'})")
     lines.append(f"memory bandwidth {machine.memory_bandwidth / 1e9:.2f} GB/s, reduce rate "
                  f"{machine.reduce_rate / 1e9:.2f} GB/s")
     for level in LEVELS:
@@ -536,6 +610,9 @@ def summary(machine, report, base_name):
         how = "measured" if report.probe is not None and level == report.level else f"from {base_name}"
         lines.append(f"link {level:<5} latency {link.latency_s * 1e6:8.2f} us, bandwidth "
                      f"{link.bandwidth_bytes_per_s / 1e9:8.3f} GB/s ({how})")
+        for op, fit in link.collectives.items():
+            lines.append(f"  {op:<14} latency {fit.latency_s * 1e6:8.2f} us, bandwidth "
+                         f"{fit.bandwidth_bytes_per_s / 1e9:8.3f} GB/s (its own fit)")
     if report.probe is not None:
         lines.append(f"allreduce over {report.probe['np']} processes (not kept in the machine file):")
         lines.append("  " + ", ".join(f"{_bytes(n)} {t * 1e6:.1f} us" for n, t in report.probe["allreduce"]))

@@ -23,6 +23,9 @@ This is why recursive doubling costs more on 5 processes than on 8.
 
 Flat algorithms pay one link for every step: `level` ("intra" or "inter"; by default "intra" when all
 p processes fit on one node, "inter" otherwise). The hierarchical algorithm uses both (see hierarchical()).
+Where the machine's link has a fit of its own for the operation (Link.collectives, measured by
+calibrate's MPI probe on that operation), alpha and beta are that fit's: the formula is the same, the
+link is the one that operation was seen to pay.
 """
 
 import math
@@ -194,22 +197,29 @@ def hierarchical(op, n, p, machine, inner="ring"):
       reduce_scatter  reduce_scatter_ring(n, q) + inner reduce_scatter(n, N, gamma/q)
       allgather       inner allgather(n, N) + allgather_ring(n, q)
       broadcast       inner broadcast(n, N) among node leaders + broadcast_binomial_tree(n, q)
-    With processes_per_node = 1 this is the inner algorithm on the inter link."""
+    With processes_per_node = 1 this is the inner algorithm on the inter link. Each step pays the link
+    of its own operation where the level has a fit for it (Link.for_op)."""
     inner_formula = _inner_formula(op, inner)
     _check_size(n, p)
     p = int(p)
     q = min(machine.processes_per_node, p)
     nodes = -(-p // q)
-    a, b = machine.link("intra").latency_s, machine.link("intra").beta
-    A, B = machine.link("inter").latency_s, machine.link("inter").beta
+    intra, inter = machine.link("intra"), machine.link("inter")
+    A, B = inter.for_op(op).latency_s, inter.for_op(op).beta
     g = machine.gamma
+
+    def local(step):  # (alpha, beta) of the intra-node step `step` (an operation's name)
+        link = intra.for_op(step)
+        return link.latency_s, link.beta
+
     if op == "allreduce":
-        return reduce_scatter_ring(n, q, a, b, g) + inner_formula(n, nodes, A, B, g / q) + allgather_ring(n, q, a, b)
+        return (reduce_scatter_ring(n, q, *local("reduce_scatter"), g) + inner_formula(n, nodes, A, B, g / q)
+                + allgather_ring(n, q, *local("allgather")))
     if op == "reduce_scatter":
-        return reduce_scatter_ring(n, q, a, b, g) + inner_formula(n, nodes, A, B, g / q)
+        return reduce_scatter_ring(n, q, *local("reduce_scatter"), g) + inner_formula(n, nodes, A, B, g / q)
     if op == "allgather":
-        return inner_formula(n, nodes, A, B, g) + allgather_ring(n, q, a, b)
-    return inner_formula(n, nodes, A, B, g) + broadcast_binomial_tree(n, q, a, b)
+        return inner_formula(n, nodes, A, B, g) + allgather_ring(n, q, *local("allgather"))
+    return inner_formula(n, nodes, A, B, g) + broadcast_binomial_tree(n, q, *local("broadcast"))
 
 
 def seconds(op, algorithm, nbytes, p, machine, level=None, inner="ring"):
@@ -224,7 +234,7 @@ def seconds(op, algorithm, nbytes, p, machine, level=None, inner="ring"):
         return hierarchical(op, nbytes, p, machine, inner)
     formula = _formula(op, algorithm)
     _check_size(nbytes, p)
-    link = machine.link(default_level(p, machine) if level is None else level)
+    link = machine.link(default_level(p, machine) if level is None else level).for_op(op)
     return formula(nbytes, int(p), link.latency_s, link.beta, machine.gamma)
 
 

@@ -14,12 +14,15 @@ layout (YAML or JSON, same keys):
       intra: {latency_s: 2.0e-6, bandwidth_bytes_per_s: 5.0e+9}    # processes on one node
       inter: {latency_s: 5.0e-5, bandwidth_bytes_per_s: 1.25e+8}   # a node's link to the others
     # optional (older files without them load with the defaults):
+    #   links[level].collectives: {op: {latency_s, bandwidth_bytes_per_s}}  the link as one collective sees it,
+    #   fitted on that operation's own times (calibrate's MPI probe); ops without one use the level's figures
     thread_scaling_by_class: {gemm: {2: 1.9}, depthwise: {2: 1.3}}  # per kernel class; default thread_scaling
     overheads:                                # seconds, fixed costs outside the layers' arithmetic (default 0)
       layer_forward_s: 2.0e-5                 # one layer's forward call (dispatch, output allocation, launch)
       layer_backward_s: 2.5e-5                # one layer's backward call
       parameter_s: 5.0e-6                     # per parameter tensor and step (the optimizer's loop)
       step_s: 4.0e-4                          # per step: data, loss, the trainer's bookkeeping
+      oversubscribed_collective_s: 2.0e-3     # per collective when a node's ranks x threads exceed its cores
 """
 
 import dataclasses
@@ -30,6 +33,7 @@ import os
 import types
 
 from pydtnn.errors import ConfigError
+from pydtnn.perfmodel.collectives import OPS as COLLECTIVE_OPS
 
 KERNEL_CLASSES = ("gemm", "direct3x3", "depthwise", "elementwise")
 LEVELS = ("intra", "inter")
@@ -37,19 +41,23 @@ FIELDS = ("name", "cores", "processes_per_node", "rates", "thread_scaling", "mem
           "links")
 OPTIONAL_FIELDS = ("thread_scaling_by_class", "overheads")
 LINK_FIELDS = ("latency_s", "bandwidth_bytes_per_s")
-OVERHEAD_FIELDS = ("layer_forward_s", "layer_backward_s", "parameter_s", "step_s")
+LINK_OPTIONAL_FIELDS = ("collectives",)
+OVERHEAD_FIELDS = ("layer_forward_s", "layer_backward_s", "parameter_s", "step_s", "oversubscribed_collective_s")
 
 
 @dataclasses.dataclass(frozen=True)
 class Overheads:
     """Fixed seconds outside the layers' arithmetic, on one process: per layer call (forward, backward),
-    per parameter tensor and step (the optimizer's loop over the parameters), and per step (data, loss,
-    the trainer's bookkeeping). All default to 0, the pure roofline."""
+    per parameter tensor and step (the optimizer's loop over the parameters), per step (data, loss,
+    the trainer's bookkeeping), and per collective where a node's ranks x threads exceed its cores (the
+    wait, at each point where every rank must run at once, for ranks that are off the cores; measured at
+    twice as many ranks as cores). All default to 0, the pure roofline."""
 
     layer_forward_s: float = 0.0
     layer_backward_s: float = 0.0
     parameter_s: float = 0.0
     step_s: float = 0.0
+    oversubscribed_collective_s: float = 0.0
 
     def __post_init__(self):
         for f in OVERHEAD_FIELDS:
@@ -58,19 +66,36 @@ class Overheads:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One network level: a message of n bytes takes latency_s + n / bandwidth_bytes_per_s seconds."""
+    """One network level: a message of n bytes takes latency_s + n / bandwidth_bytes_per_s seconds.
+    collectives[op]: a Link fitted on that collective's own measured times where it differs from the
+    point-to-point one (on shared memory an allgather also assembles blocks and the trainer's
+    communicator polls for completion); for_op(op) gives it, or this link."""
 
     latency_s: float
     bandwidth_bytes_per_s: float
+    collectives: dict = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         _check_number("latency_s", self.latency_s, allow_zero=True)
         _check_number("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        _check_mapping("collectives", self.collectives)
+        for op, link in self.collectives.items():
+            if op not in COLLECTIVE_OPS:
+                raise ConfigError(f"machine field collectives has key {op!r}; expected collective operations "
+                                  f"({', '.join(COLLECTIVE_OPS)})")
+            if not isinstance(link, Link) or link.collectives:
+                raise ConfigError(f"machine field collectives[{op!r}] = {link!r} is invalid; expected a Link "
+                                  "(latency_s, bandwidth_bytes_per_s) of its own")
+        object.__setattr__(self, "collectives", types.MappingProxyType(dict(self.collectives)))
 
     @property
     def beta(self):
         """Seconds per byte."""
         return 1.0 / self.bandwidth_bytes_per_s
+
+    def for_op(self, op):
+        """The Link that collective `op` pays on this level: its own fit where measured, else this one."""
+        return self.collectives.get(op, self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +177,8 @@ class Machine:
         return self.links[level]
 
     def with_link(self, level, bandwidth=None, latency=None):
-        """A copy with link `level` given a new bandwidth (bytes/s) and/or latency (s); None keeps a value."""
+        """A copy with link `level` given a new bandwidth (bytes/s) and/or latency (s); None keeps a value.
+        The level's per-collective fits are dropped: they were measured on the old link."""
         old = self.link(level)
         new = Link(old.latency_s if latency is None else latency,
                    old.bandwidth_bytes_per_s if bandwidth is None else bandwidth)
@@ -165,12 +191,32 @@ def to_dict(machine):
             "rates": {k: float(v) for k, v in machine.rates.items()},
             "thread_scaling": {int(k): float(v) for k, v in machine.thread_scaling.items()},
             "memory_bandwidth": float(machine.memory_bandwidth), "reduce_rate": float(machine.reduce_rate),
-            "links": {level: {"latency_s": float(link.latency_s),
-                              "bandwidth_bytes_per_s": float(link.bandwidth_bytes_per_s)}
-                      for level, link in machine.links.items()},
+            "links": {level: _link_dict(link) for level, link in machine.links.items()},
             "thread_scaling_by_class": {k: {int(t): float(s) for t, s in v.items()}
                                         for k, v in machine.thread_scaling_by_class.items()},
             "overheads": {f: float(getattr(machine.overheads, f)) for f in OVERHEAD_FIELDS}}
+
+
+def _link_dict(link):
+    """A Link's layout; "collectives" only where the link has per-collective fits."""
+    out = {"latency_s": float(link.latency_s), "bandwidth_bytes_per_s": float(link.bandwidth_bytes_per_s)}
+    if link.collectives:
+        out["collectives"] = {op: _link_dict(fit) for op, fit in link.collectives.items()}
+    return out
+
+
+def _link_from_dict(field, data, nested=False):
+    """A Link from its layout (with its optional per-collective fits, which have none of their own);
+    errors name `field`."""
+    _check_mapping(field, data)
+    _check_keys(field, data, LINK_FIELDS, optional=() if nested else LINK_OPTIONAL_FIELDS)
+    ops = data.get("collectives") or {}
+    _check_mapping(f"{field}.collectives", ops)
+    fits = {op: _link_from_dict(f"{field}.collectives[{op!r}]", fit, nested=True) for op, fit in ops.items()}
+    try:
+        return Link(*(_number(data[f]) for f in LINK_FIELDS), collectives=fits)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("machine field ", f"machine field {field}.", 1)) from None
 
 
 def from_dict(data, source="machine description"):
@@ -180,14 +226,7 @@ def from_dict(data, source="machine description"):
         _check_mapping("", data, what=f"{source} is {type(data).__name__}; expected a mapping of fields")
         _check_keys("", data, FIELDS, optional=OPTIONAL_FIELDS)
         _check_mapping("links", data["links"])
-        links = {}
-        for level, link in data["links"].items():
-            _check_mapping(f"links[{level!r}]", link)
-            _check_keys(f"links[{level!r}]", link, LINK_FIELDS)
-            try:
-                links[level] = Link(*(_number(link[f]) for f in LINK_FIELDS))
-            except ConfigError as e:
-                raise ConfigError(str(e).replace("machine field ", f"machine field links[{level!r}].", 1)) from None
+        links = {level: _link_from_dict(f"links[{level!r}]", link) for level, link in data["links"].items()}
         _check_mapping("rates", data["rates"])
         _check_mapping("thread_scaling", data["thread_scaling"])
         by_class = data.get("thread_scaling_by_class") or {}

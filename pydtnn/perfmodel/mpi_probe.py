@@ -1,15 +1,30 @@
 """MPI timings for `pydtnn-perfmodel calibrate`, run under mpiexec (at least 2 processes):
 
     mpiexec -n 2 python -m pydtnn.perfmodel.mpi_probe [--quick] [--max_bytes 16777216]
+    mpiexec -n 4 python -m pydtnn.perfmodel.mpi_probe --oversubscribed --burst_work 2000
 
 Rank 0 prints one JSON line to stdout:
 
-    {"np": 2, "pingpong": [[bytes, one-way seconds], ...], "allreduce": [[bytes, seconds], ...]}
+    {"np": 2, "pingpong": [[bytes, one-way seconds], ...], "allreduce": [[bytes, seconds], ...],
+     "collectives": {"allgather": [[bytes, seconds], ...], "reduce_scatter": [...], "allreduce": [...]}}
 
 pingpong: rank 0 sends n bytes to rank 1, which sends them back (the other ranks wait); the one-way
 time is half the round trip. allreduce: an in-place float32 sum over every rank, n bytes per rank; its
-time is the slowest rank's. Each figure is the median over several batches of k repetitions, k chosen
-from a first timing so that a batch lasts about TARGET_BATCH_S (one repetition at least).
+time is the slowest rank's. collectives: the operations model parallelism runs, through pydtnn's own
+communicator (distributed/comm.py's MPIComm, with the trainer's default stall_timeout, so that a wait
+polls as it does in training), n bytes being the whole vector as collectives.py counts it: allgather
+(Allgatherv, n / p float32 bytes from each rank), reduce_scatter (Reduce_scatter, n bytes in, n / p
+out) and allreduce (n bytes in place). Each figure is the median over several batches of k
+repetitions, k chosen from a first timing so that a batch lasts about TARGET_BATCH_S (one repetition
+at least).
+
+--oversubscribed (run with more ranks than cores): the cost of one collective where ranks share cores.
+Every rank runs `rounds` bursts of --burst_work in-cache additions (the compute between two
+collectives); once with a small allreduce (8 bytes, through MPIComm) after each burst, once without.
+The extra seconds per burst are that collective's cost under oversubscription: the wait, at a point
+where every rank must run, for the ranks that the scheduler has off the cores while waiting ranks
+poll. It prints {"np", "burst_work", "rounds", "with_s", "without_s", "collective_s"} (seconds per
+burst, medians over batches, the slowest rank's).
 """
 
 import argparse
@@ -21,6 +36,9 @@ import numpy as np
 
 TARGET_BATCH_S = 0.005
 MAX_REPEATS = 1000  # per batch
+TRAINER_STALL_TIMEOUT_S = 300.0  # pydtnn-train's default --stall_timeout: waits poll (comm.MPIComm._wait)
+COLLECTIVES = ("allgather", "reduce_scatter", "allreduce")
+BURST_ELEMENTS = 4096  # float32 elements added per unit of burst work: 16 KiB, in cache
 
 
 def sizes(max_bytes, quick):
@@ -81,14 +99,81 @@ def allreduce(comm, n, batches):
     return statistics.median(run(k) for _ in range(batches))
 
 
+def collective(comm, op, n, batches):
+    """Median seconds of `op` (COLLECTIVES) on n bytes (the whole vector) through pydtnn's communicator
+    `comm` (MPIComm), the slowest rank's."""
+    from mpi4py import MPI
+
+    p, elements = comm.size, max(comm.size, n // 4)
+    counts = [elements // p + (r < elements % p) for r in range(p)]  # as the channel blocks are cut
+    whole = np.ones(elements, np.float32)
+    mine = np.ones(counts[comm.rank], np.float32)
+    calls = {"allgather": lambda: comm.allgatherv(mine, whole, counts, "probe"),
+             "reduce_scatter": lambda: comm.reduce_scatterv(whole, mine, counts, "probe"),
+             "allreduce": lambda: comm.allreduce(whole, "probe")}
+    call = calls[op]
+
+    def run(k):
+        comm.comm.Barrier()
+        start = MPI.Wtime()
+        for _ in range(k):
+            call()
+        return comm.comm.allreduce((MPI.Wtime() - start) / k, op=MPI.MAX)
+
+    run(1)
+    k = _repeats(comm.comm, run(1))
+    return statistics.median(run(k) for _ in range(batches))
+
+
+def burst(work, a, b):
+    """`work` in-cache additions of BURST_ELEMENTS float32 (a += b): one thread of compute."""
+    for _ in range(work):
+        np.add(a, b, out=a)
+
+
+def oversubscribed(comm, work, rounds, batches):
+    """{"with_s", "without_s", "collective_s"}: seconds per burst of `work` with and without an 8-byte
+    allreduce after it (medians over `batches` of `rounds` bursts, the slowest rank's), and their
+    difference."""
+    from mpi4py import MPI
+
+    a, b = np.zeros(BURST_ELEMENTS, np.float32), np.full(BURST_ELEMENTS, 1e-7, np.float32)
+    small = np.zeros(2, np.float32)
+
+    def run(sync):
+        comm.comm.Barrier()
+        start = MPI.Wtime()
+        for _ in range(rounds):
+            burst(work, a, b)
+            if sync:
+                comm.allreduce(small, "probe")
+        comm.comm.Barrier()  # the slowest rank's bursts are in every rank's time
+        return (MPI.Wtime() - start) / rounds
+
+    run(True), run(False)
+    times = {True: [], False: []}
+    for _ in range(batches):  # interleaved, so that a load that comes and goes falls on both alike
+        for sync in (True, False):
+            times[sync].append(run(sync))
+    with_s, without_s = statistics.median(times[True]), statistics.median(times[False])
+    return {"with_s": with_s, "without_s": without_s, "collective_s": max(0.0, with_s - without_s)}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m pydtnn.perfmodel.mpi_probe",
                                 description="MPI ping-pong and allreduce times (run under mpiexec -n 2 or more).")
     p.add_argument("--quick", action="store_true", help="fewer sizes and batches")
     p.add_argument("--max_bytes", type=int, default=16 << 20, help="largest message (default 16 MiB)")
+    p.add_argument("--oversubscribed", action="store_true",
+                   help="time a small collective between bursts of compute instead (run with more ranks than cores)")
+    p.add_argument("--burst_work", type=int, default=1000,
+                   help=f"with --oversubscribed: additions of {BURST_ELEMENTS} float32 per burst (default 1000)")
+    p.add_argument("--rounds", type=int, default=40, help="with --oversubscribed: bursts per batch (default 40)")
     args = p.parse_args(argv)
 
     from mpi4py import MPI
+
+    from pydtnn.distributed.comm import MPIComm
 
     comm = MPI.COMM_WORLD
     if comm.size < 2:
@@ -96,12 +181,22 @@ def main(argv=None):
               "and an mpiexec of the MPI mpi4py uses", file=sys.stderr, flush=True)
         return 2
     batches = 3 if args.quick else 5
-    result = {"np": comm.size, "pingpong": [], "allreduce": []}
+    trainer_comm = MPIComm(comm, stall_timeout=TRAINER_STALL_TIMEOUT_S)
+    if args.oversubscribed:
+        result = {"np": comm.size, "burst_work": args.burst_work, "rounds": args.rounds,
+                  **oversubscribed(trainer_comm, args.burst_work, args.rounds, batches)}
+        if comm.rank == 0:
+            print(json.dumps(result), flush=True)
+        return 0
+    result = {"np": comm.size, "pingpong": [], "allreduce": [], "collectives": {op: [] for op in COLLECTIVES}}
     for n in sizes(args.max_bytes, args.quick):
         t = pingpong(comm, n, batches)
         result["pingpong"].append([n, t])
     for n in sizes(args.max_bytes, args.quick):
         result["allreduce"].append([n, allreduce(comm, n, batches)])
+    for op in COLLECTIVES:
+        for n in sizes(args.max_bytes, args.quick):
+            result["collectives"][op].append([n, collective(trainer_comm, op, n, batches)])
     if comm.rank == 0:
         print(json.dumps(result), flush=True)
     return 0

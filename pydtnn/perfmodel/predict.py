@@ -18,6 +18,13 @@ layer_backward_s (counted in its backward_data_s, since the call happens even wh
 skipped); every parameter tensor adds parameter_s (the optimizer's loop), and every step step_s (data,
 loss, the trainer's bookkeeping). Their sum is overhead_s.
 
+Oversubscribed cores. Where a node's processes x threads exceed its cores, each collective is a point
+where every rank must run at once, and the ranks off the cores are waited for while the waiting ones
+poll: every collective of the step (the reducer's messages and the model-parallel groups') adds
+overheads.oversubscribed_collective_s x (crowding - 1) / (MEASURED_CROWDING - 1), crowding being
+processes x threads over cores (calibrate measures it at MEASURED_CROWDING = 2: twice as many ranks as
+cores). It is a wait, so it counts as exposed communication (sync_s), whatever the progress model.
+
 Communication (data parallelism). Every gradient is summed over the np processes by allreduce, with
 the named algorithm (or the cheapest, "best") on the link the processes share: intra-node while they
 fit on one node, inter-node otherwise, or both with "hierarchical". The reducers:
@@ -46,6 +53,7 @@ PARALLEL = ("data", "model", "hybrid")
 REDUCTIONS = ("blocking", "per_layer", "bucketed", "hierarchical", "topk")
 PROGRESS = ("test", "background")
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
+MEASURED_CROWDING = 2.0  # ranks per core at which calibrate measures overheads.oversubscribed_collective_s
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class Prediction:
     layers: list = field(default_factory=list)
     model_parallel_size: int = 1
     group_comm_s: float = 0.0
+    sync_s: float = 0.0  # waits at the collectives for ranks off oversubscribed cores (in exposed_comm_s)
 
     def to_dict(self):
         d = asdict(self)
@@ -185,6 +194,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         messages, durations = _topk(params, density, replicas, machine, algorithm, level, forward_s + backward_s,
                                     model.backend.dtype.itemsize)
     comm_s = sum(durations)
+    collectives_per_step = (len(messages) if replicas > 1 else 0) + len(group)
+    sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
     if progress == "test" or reduction == "blocking":
         exposed = comm_s
@@ -196,11 +207,20 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     return Prediction(
         model=name or getattr(model, "name", "model"), batch_size=batch_size, np=np, threads=threads, parallel=parallel,
         reduction=reduction, algorithm=algorithm, progress=progress, machine=machine.name,
-        step_s=compute_s + memory_s + update_s + overhead_s + exposed + group_s, compute_s=compute_s,
-        memory_s=memory_s + update_s, update_s=update_s, comm_s=comm_s + group_s, exposed_comm_s=exposed + group_s,
-        messages=(len(messages) if replicas > 1 else 0) + len(group), overhead_s=overhead_s, layers=times,
-        model_parallel_size=m, group_comm_s=group_s,
+        step_s=compute_s + memory_s + update_s + overhead_s + exposed + group_s + sync_s, compute_s=compute_s,
+        memory_s=memory_s + update_s, update_s=update_s, comm_s=comm_s + group_s + sync_s,
+        exposed_comm_s=exposed + group_s + sync_s, messages=collectives_per_step, overhead_s=overhead_s,
+        layers=times, model_parallel_size=m, group_comm_s=group_s, sync_s=sync_s,
     )
+
+
+def oversubscribed_wait(machine, crowding):
+    """Seconds one collective waits for ranks off the cores at `crowding` ranks x threads per core (see
+    the module docstring): 0 where the cores suffice, the measured cost at MEASURED_CROWDING, linear in
+    the excess between."""
+    if crowding <= 1.0:
+        return 0.0
+    return machine.overheads.oversubscribed_collective_s * (crowding - 1.0) / (MEASURED_CROWDING - 1.0)
 
 
 def _topk(params, density, p, machine, algorithm, level, end, itemsize):
@@ -263,7 +283,9 @@ def table(p):
                   f"{ms(p.overhead_s).strip()} + exposed communication "
                   f"{ms(p.exposed_comm_s).strip()} (of {ms(p.comm_s).strip()} in {p.messages} collective(s)"
                   + (f"; {ms(p.group_comm_s).strip()} of them inside the model-parallel groups, blocking"
-                     if p.model_parallel_size > 1 else "") + ")")]
+                     if p.model_parallel_size > 1 else "")
+                  + (f"; {ms(p.sync_s).strip()} waiting for ranks off oversubscribed cores" if p.sync_s else "")
+                  + ")")]
     if not math.isfinite(p.step_s):
         lines.append("the prediction is not finite: check the machine's rates")
     return "\n".join(lines)
