@@ -95,6 +95,11 @@ def test_fixed_costs_from_a_trace_by_hand():
     assert fixed.layer_forward_s == pytest.approx(16e-6) and fixed.layer_backward_s == pytest.approx(36e-6)
     assert fixed.parameter_s == pytest.approx(11e-6) and fixed.step_s == pytest.approx(952e-6)
     assert detail["steps"] == 2 and detail["step_s"] == pytest.approx(1100e-6)
+    # by kind, a and b being of different kinds: a's forward median(10, 14) = 12, backward 32; b's 20 / 40
+    fixed, _ = calibrate.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=1, kinds={"a": "ReLU", "b": "Dense"})
+    assert set(fixed.layer_calls) == {"ReLU", "Dense"}
+    assert fixed.call_s("ReLU") == pytest.approx((12e-6, 32e-6)) and fixed.call_s("Dense") == pytest.approx((20e-6, 40e-6))
+    assert fixed.layer_forward_s == pytest.approx(16e-6) and fixed.call_s("Conv2D") == pytest.approx((16e-6, 36e-6))
     with pytest.raises(RuntimeError, match="0 steps after 3 warm-up"):
         calibrate.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=3)
 
@@ -137,6 +142,8 @@ def test_quick_calibration_writes_a_plausible_machine(tmp_path):
     o = m.overheads  # a layer call costs microseconds, a step of the tiny model less than a second
     assert 1e-7 < o.layer_forward_s < 1e-2 and 1e-7 < o.layer_backward_s < 1e-2 and 0 < o.parameter_s < 1e-2
     assert 0 <= o.step_s < 1.0 and "fixed costs: layer call" in r.stdout
+    assert set(o.layer_calls) == {"Conv2D", "BatchNorm", "ReLU", "MaxPool2D", "Flatten", "Dense"}  # tiny_model's
+    assert all(0 < f < 1e-2 and 0 < b < 1e-2 for f, b in o.layer_calls.values())
     intra = m.links["intra"]
     assert 0 <= intra.latency_s < 1e-3 and 1e7 < intra.bandwidth_bytes_per_s < 1e12
     assert m.links["inter"] == Link(7e-5, 3.0e8)  # the level not measured is the base's

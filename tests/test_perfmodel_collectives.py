@@ -228,7 +228,9 @@ def test_per_collective_links_and_the_oversubscribed_wait_round_trip_and_default
     from pydtnn.perfmodel.machine import Overheads
 
     fit = Link(4e-5, 2.5e8)  # an allgather as measured: 40 us, 0.25 GB/s
-    m = dataclasses.replace(machine(ppn=2), overheads=Overheads(oversubscribed_collective_s=2e-3),
+    fixed = Overheads(layer_forward_s=2e-5, oversubscribed_collective_s=2e-3, layer_calls={"ReLU": (5e-6, 7e-6)})
+    assert fixed.call_s("ReLU") == (5e-6, 7e-6) and fixed.call_s("Dense") == (2e-5, 0.0)
+    m = dataclasses.replace(machine(ppn=2), overheads=fixed,
                             links={"intra": Link(ALPHA, 1 / BETA, collectives={"allgather": fit}),
                                    "inter": Link(ALPHA, 1 / BETA)})
     for suffix in (".yaml", ".json"):
@@ -236,11 +238,13 @@ def test_per_collective_links_and_the_oversubscribed_wait_round_trip_and_default
         loaded = load(tmp_path / f"m{suffix}")
         assert loaded == m and loaded.links["intra"].collectives["allgather"] == fit
         assert loaded.overheads.oversubscribed_collective_s == 2e-3
+        assert dict(loaded.overheads.layer_calls) == {"ReLU": (5e-6, 7e-6)}
     old = to_dict(machine())  # no fits: the layout has no "collectives", and a file without them loads
     assert "collectives" not in old["links"]["intra"]
     del old["overheads"]
     loaded = from_dict(old)
     assert dict(loaded.links["intra"].collectives) == {} and loaded.overheads.oversubscribed_collective_s == 0.0
+    assert dict(loaded.overheads.layer_calls) == {} and "layer_calls" not in to_dict(machine())["overheads"]
     assert loaded.links["intra"].for_op("allgather") is loaded.links["intra"]
     # a new bandwidth or latency is another link: the fits measured on the old one are dropped
     assert dict(m.with_link("intra", bandwidth=2e9).links["intra"].collectives) == {}
@@ -318,6 +322,9 @@ BAD_MACHINES = [
     (_with(links__intra__collectives={"allgather": {"latency_s": 1e-5, "bandwidth_bytes_per_s": -1.0}}),
      ["links['intra'].collectives['allgather'].bandwidth_bytes_per_s", "-1.0", "> 0"]),
     (_with(overheads__oversubscribed_collective_s=-1.0), ["overheads.oversubscribed_collective_s", ">= 0"]),
+    (_with(overheads__layer_calls={"ReLU": {"forward_s": 1e-6}}), ["backward_s", "overheads.layer_calls['ReLU']"]),
+    (_with(overheads__layer_calls={"ReLU": {"forward_s": 1e-6, "backward_s": -1.0}}),
+     ["overheads.layer_calls['ReLU'].backward_s", "-1.0", ">= 0"]),
     ([1, 2], ["is list", "mapping of fields"]),
 ]
 

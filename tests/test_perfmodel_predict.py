@@ -81,6 +81,19 @@ def test_fixed_costs_add_per_layer_call_per_parameter_and_per_step_by_hand():
     assert crowded.overhead_s == pytest.approx(2 * 598e-6, rel=1e-12)
 
 
+def test_a_layer_kind_with_its_own_call_cost_pays_it_by_hand():
+    """mlp() (Flatten, Dense, ReLU, Dense, ReLU, Dense) with 10 / 20 us per call, ReLU's own 2 / 3 us and Dense's
+    40 / 50 us: 10 + 20 + 2 * (2 + 3) + 3 * (40 + 50) = 310 us of calls; a ReLU's forward is its arithmetic + 2 us."""
+    model = mlp()
+    fixed = machines.Overheads(layer_forward_s=1e-5, layer_backward_s=2e-5,
+                               layer_calls={"ReLU": (2e-6, 3e-6), "Dense": (4e-5, 5e-5)})
+    bare, p = predict(model, 8, 1, machine()), predict(model, 8, 1, machine(overheads=fixed))
+    assert p.overhead_s == pytest.approx(310e-6, rel=1e-12)
+    relu, relu_bare = p.layers[2], bare.layers[2]
+    assert relu.kind == "ReLU" and relu.forward_s == pytest.approx(relu_bare.forward_s + 2e-6, rel=1e-12)
+    assert p.layers[0].forward_s == pytest.approx(1e-5)  # Flatten: no kind of its own, the common cost
+
+
 def test_each_kernel_class_scales_with_threads_by_its_own_factor():
     """gemm (the Dense layers) gains 1.25x at 2 threads, the rest the machine's 2x: every phase of a Dense
     layer takes 1/1.25 of its one-thread time, every ReLU phase half."""

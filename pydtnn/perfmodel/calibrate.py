@@ -18,9 +18,11 @@ What is measured, and how each figure agrees with the rest of the model:
   layer's arithmetic takes well under a microsecond. layer_forward_s and layer_backward_s: the mean over
   the model's layers of each layer's median forward (backward) span; parameter_s: the median optimizer
   span over the number of parameter tensors; step_s: the median of the step span less its layer spans
-  and its optimizer span (data, loss, the trainer's and the containers' bookkeeping). They are measured
+  and its optimizer span (data, loss, the trainer's and the containers' bookkeeping).
+  layer_calls[kind]: the same two means over the layers of one kind (class name: Conv2D, BatchNorm,
+  ReLU, MaxPool2D, Flatten, Dense), which predict uses for layers of that kind. They are measured
   first, and each shape's rate above is its FLOPs over its median time LESS one forward and one backward
-  call (predict adds them back), so a prediction still gives back the measured time.
+  call of its kind (predict adds them back), so a prediction still gives back the measured time.
 - thread_scaling {t: s}: the same layers at t threads (runtime.configure(threads=t)); s is the median
   over the kernel classes of each class's rate at t threads over its rate at one. Thread counts not
   measured keep the base's entries. thread_scaling_by_class[k] {t: s}: class k's own ratio, which
@@ -191,7 +193,8 @@ class Probe:
 def kernel_timings(probes, threads, quick=False, progress=None, call_s=0.0):
     """{t: [Timing] of every probe with the CPU backend at t threads} for t in `threads`, visited in
     interleaved rounds (every thread count in turn, every probe in turn); call_s: the fixed seconds of a
-    forward and a backward call, left out of the rates."""
+    forward and a backward call, left out of the rates: a number, or a function of the layer's class name."""
+    call_of = call_s if callable(call_s) else (lambda kind: call_s)
     from pydtnn import runtime
 
     progress = progress or (lambda line: None)
@@ -203,7 +206,8 @@ def kernel_timings(probes, threads, quick=False, progress=None, call_s=0.0):
             runtime.configure(threads=t)
             for i, probe in enumerate(probes):
                 samples[t, i] += probe.visit(repeats, min_seconds)
-    out = {t: [probe.timing(samples[t, i], call_s) for i, probe in enumerate(probes)] for t in threads}
+    out = {t: [probe.timing(samples[t, i], call_of(type(probe.layer).__name__)) for i, probe in enumerate(probes)]
+           for t in threads}
     for t in threads:
         for probe, timing in zip(probes, out[t]):
             extra = f", {timing.bandwidth / 1e9:.2f} GB/s" if timing.kernel_class == "elementwise" else ""
@@ -256,14 +260,15 @@ def fixed_costs(quick=False):
     data = SyntheticDataset(warm_up + steps, model.input_shape, 2, seed=0)
     trainer.fit(data, epochs=1, batch_size=1, steps_per_epoch=warm_up + steps)
     return fixed_costs_from_trace(tracer.events, [name for name, _ in model.layers()], len(model.parameters()),
-                                  warm_up)
+                                  warm_up, kinds={name: type(layer).__name__ for name, layer in model.layers()})
 
 
-def fixed_costs_from_trace(events, layers, tensors, warm_up):
+def fixed_costs_from_trace(events, layers, tensors, warm_up, kinds=None):
     """(Overheads, {"layers", "parameters", "steps", "step_s", "optimizer_s"}) from a Trainer's trace
     (Chrome-trace events, times in µs) of a model whose arithmetic is negligible, after `warm_up` steps:
     layer_forward_s (layer_backward_s) the mean over `layers` (their span names) of each one's median
-    forward (backward) span per step; parameter_s the median optimizer span over `tensors` parameter
+    forward (backward) span per step, and with kinds ({layer: class name}) layer_calls[kind] the same means
+    over the layers of each kind; parameter_s the median optimizer span over `tensors` parameter
     tensors; step_s the median over the steps of the step span less the layer and optimizer spans in it."""
     from pydtnn.perfmodel.machine import Overheads
 
@@ -287,11 +292,17 @@ def fixed_costs_from_trace(events, layers, tensors, warm_up):
         elif e["tid"] == 1 and e["cat"] == "optimizer":
             optimizer_s[i] += e["dur"] / 1e6
             inside[i] += e["dur"] / 1e6
-    call = {phase: statistics.mean(statistics.median(layer_s[phase, name]) for name in layers)
-            for phase in ("forward", "backward")}
+    def call(phase, names):
+        return statistics.mean(statistics.median(layer_s[phase, name]) for name in names)
+
+    by_kind = {}
+    for name in layers if kinds else ():
+        by_kind.setdefault(kinds[name], []).append(name)
     rest = statistics.median(e["dur"] / 1e6 - s for e, s in zip(step_spans, inside))
-    fixed = Overheads(layer_forward_s=call["forward"], layer_backward_s=call["backward"],
-                      parameter_s=statistics.median(optimizer_s) / tensors, step_s=max(0.0, rest))
+    fixed = Overheads(layer_forward_s=call("forward", layers), layer_backward_s=call("backward", layers),
+                      parameter_s=statistics.median(optimizer_s) / tensors, step_s=max(0.0, rest),
+                      layer_calls={kind: (call("forward", names), call("backward", names))
+                                   for kind, names in by_kind.items()})
     detail = {"layers": len(layers), "parameters": tensors, "steps": n,
               "step_s": statistics.median(e["dur"] / 1e6 for e in step_spans),
               "optimizer_s": statistics.median(optimizer_s)}
@@ -541,7 +552,7 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
     progress(f"building {len(shapes(quick))} layers")
     probes = [Probe(s) for s in shapes(quick)]
     try:
-        timings = kernel_timings(probes, threads, quick, progress, fixed.layer_forward_s + fixed.layer_backward_s)
+        timings = kernel_timings(probes, threads, quick, progress, lambda kind: sum(fixed.call_s(kind)))
         rates = {t: class_rates(timings[t]) for t in threads}
         runtime.configure(threads=1)
         bandwidth = memory_bandwidth(repeats=repeats)
@@ -603,6 +614,9 @@ def summary(machine, report, base_name):
                  f"backward; {o.parameter_s * 1e6:.1f} us per parameter tensor; {o.step_s * 1e6:.0f} us per step; "
                  f"{o.oversubscribed_collective_s * 1e3:.2f} ms per collective on oversubscribed cores "
                  f"({'measured' if report.oversubscribed is not None else f'from {base_name}'})")
+    if o.layer_calls:
+        lines.append("  layer calls by kind: " + ", ".join(f"{kind} {f * 1e6:.1f} / {b * 1e6:.1f} us"
+                                                           for kind, (f, b) in sorted(o.layer_calls.items())))
     lines.append(f"memory bandwidth {machine.memory_bandwidth / 1e9:.2f} GB/s, reduce rate "
                  f"{machine.reduce_rate / 1e9:.2f} GB/s")
     for level in LEVELS:

@@ -23,6 +23,8 @@ layout (YAML or JSON, same keys):
       parameter_s: 5.0e-6                     # per parameter tensor and step (the optimizer's loop)
       step_s: 4.0e-4                          # per step: data, loss, the trainer's bookkeeping
       oversubscribed_collective_s: 2.0e-3     # per collective when a node's ranks x threads exceed its cores
+      layer_calls:                            # per layer kind (class name) where measured; others use the above
+        ReLU: {forward_s: 1.0e-5, backward_s: 1.2e-5}
 """
 
 import dataclasses
@@ -43,6 +45,7 @@ OPTIONAL_FIELDS = ("thread_scaling_by_class", "overheads")
 LINK_FIELDS = ("latency_s", "bandwidth_bytes_per_s")
 LINK_OPTIONAL_FIELDS = ("collectives",)
 OVERHEAD_FIELDS = ("layer_forward_s", "layer_backward_s", "parameter_s", "step_s", "oversubscribed_collective_s")
+CALL_FIELDS = ("forward_s", "backward_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,17 +54,34 @@ class Overheads:
     per parameter tensor and step (the optimizer's loop over the parameters), per step (data, loss,
     the trainer's bookkeeping), and per collective where a node's ranks x threads exceed its cores (the
     wait, at each point where every rank must run at once, for ranks that are off the cores; measured at
-    twice as many ranks as cores). All default to 0, the pure roofline."""
+    twice as many ranks as cores). All default to 0, the pure roofline. layer_calls[kind] = (forward_s,
+    backward_s): the calls of one layer kind (its class name) where measured apart; call_s(kind) gives
+    them, or layer_forward_s and layer_backward_s."""
 
     layer_forward_s: float = 0.0
     layer_backward_s: float = 0.0
     parameter_s: float = 0.0
     step_s: float = 0.0
     oversubscribed_collective_s: float = 0.0
+    layer_calls: dict = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         for f in OVERHEAD_FIELDS:
             _check_number(f"overheads.{f}", getattr(self, f), "seconds", allow_zero=True)
+        _check_mapping("overheads.layer_calls", self.layer_calls)
+        calls = {}
+        for kind, pair in self.layer_calls.items():
+            if not isinstance(kind, str) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ConfigError(f"machine field overheads.layer_calls has {kind!r}: {pair!r}; expected a layer "
+                                  "class name and its (forward_s, backward_s)")
+            for f, value in zip(CALL_FIELDS, pair):
+                _check_number(f"overheads.layer_calls[{kind!r}].{f}", value, "seconds", allow_zero=True)
+            calls[kind] = tuple(float(v) for v in pair)
+        object.__setattr__(self, "layer_calls", types.MappingProxyType(calls))
+
+    def call_s(self, kind):
+        """(forward, backward) seconds of one call of a layer of class name `kind`."""
+        return self.layer_calls.get(kind, (self.layer_forward_s, self.layer_backward_s))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +214,15 @@ def to_dict(machine):
             "links": {level: _link_dict(link) for level, link in machine.links.items()},
             "thread_scaling_by_class": {k: {int(t): float(s) for t, s in v.items()}
                                         for k, v in machine.thread_scaling_by_class.items()},
-            "overheads": {f: float(getattr(machine.overheads, f)) for f in OVERHEAD_FIELDS}}
+            "overheads": _overheads_dict(machine.overheads)}
+
+
+def _overheads_dict(overheads):
+    """Overheads' layout; "layer_calls" only where some kind has its own."""
+    out = {f: float(getattr(overheads, f)) for f in OVERHEAD_FIELDS}
+    if overheads.layer_calls:
+        out["layer_calls"] = {kind: dict(zip(CALL_FIELDS, pair)) for kind, pair in overheads.layer_calls.items()}
+    return out
 
 
 def _link_dict(link):
@@ -235,7 +263,12 @@ def from_dict(data, source="machine description"):
             _check_mapping(f"thread_scaling_by_class[{kernel!r}]", scaling)
         overheads = data.get("overheads") or {}
         _check_mapping("overheads", overheads)
-        _check_keys("overheads", overheads, (), optional=OVERHEAD_FIELDS)
+        _check_keys("overheads", overheads, (), optional=OVERHEAD_FIELDS + ("layer_calls",))
+        calls = overheads.get("layer_calls") or {}
+        _check_mapping("overheads.layer_calls", calls)
+        for kind, call in calls.items():
+            _check_mapping(f"overheads.layer_calls[{kind!r}]", call)
+            _check_keys(f"overheads.layer_calls[{kind!r}]", call, CALL_FIELDS)
         return Machine(
             name=data["name"], cores=data["cores"], processes_per_node=data["processes_per_node"],
             rates={k: _number(v) for k, v in data["rates"].items()},
@@ -243,7 +276,8 @@ def from_dict(data, source="machine description"):
             memory_bandwidth=_number(data["memory_bandwidth"]), reduce_rate=_number(data["reduce_rate"]),
             links=links,
             thread_scaling_by_class={k: {_threads(t): _number(s) for t, s in v.items()} for k, v in by_class.items()},
-            overheads=Overheads(**{k: _number(v) for k, v in overheads.items()}))
+            overheads=Overheads(**{k: _number(v) for k, v in overheads.items() if k != "layer_calls"},
+                                layer_calls={k: tuple(_number(c[f]) for f in CALL_FIELDS) for k, c in calls.items()}))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 

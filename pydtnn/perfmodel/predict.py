@@ -15,7 +15,7 @@ ratio.
 Fixed costs (machine.overheads), which threads do not speed up (oversubscribed cores slow them like the
 rest): every layer's forward call adds layer_forward_s (counted in its forward_s) and its backward call
 layer_backward_s (counted in its backward_data_s, since the call happens even where backward-data is
-skipped); every parameter tensor adds parameter_s (the optimizer's loop), and every step step_s (data,
+skipped), or its kind's own pair where overheads.layer_calls has one; every parameter tensor adds parameter_s (the optimizer's loop), and every step step_s (data,
 loss, the trainer's bookkeeping). Their sum is overhead_s.
 
 Oversubscribed cores. Where a node's processes x threads exceed its cores, each collective is a point
@@ -160,9 +160,10 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     crowding = max(1.0, per_node * threads / machine.cores)  # how much slower shared cores make everything
     costs = layer_costs(held, batch_size)
     fixed = machine.overheads
-    call_fwd, call_bwd = fixed.layer_forward_s * crowding, fixed.layer_backward_s * crowding
-    times, compute_s, memory_s = [], 0.0, 0.0
+    times, compute_s, memory_s, calls_s = [], 0.0, 0.0, 0.0
     for c in costs:
+        call_fwd, call_bwd = (s * crowding for s in fixed.call_s(c.kind))
+        calls_s += call_fwd + call_bwd
         speed = thread_speedup(machine, threads, c.kernel_class) / crowding
         parts = [phase_seconds(ph, c.kernel_class, machine, speed) for ph in (c.forward, c.backward_data,
                                                                              c.backward_weights)]
@@ -181,7 +182,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                                                          / crowding)
     group = split.group_messages(steps, batch_size, model.backend.dtype.itemsize, m, machine, algorithm)
     group_s = sum(seconds for *_, seconds in group)  # blocking, on the critical path
-    overhead_s = (len(times) * (call_fwd + call_bwd) + len(model.parameters()) * fixed.parameter_s * crowding
+    overhead_s = (calls_s + len(model.parameters()) * fixed.parameter_s * crowding
                   + fixed.step_s * crowding)
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
