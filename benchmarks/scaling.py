@@ -421,6 +421,36 @@ def drive(args):
         plot(records, nps, args.plot, args)
 
 
+def merged(paths):
+    """The runs saved in these --json files as one: records joined (np=1 records once per model), models,
+    process counts, networks and strategies in order of first appearance, the first file's other settings."""
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            runs.append(json.load(f))
+    out = dict(runs[0], args=dict(runs[0]["args"]), records=[], wall_s=sum(r["wall_s"] for r in runs))
+
+    def union(key, default):
+        seen = []
+        for r in runs:
+            for v in str(r["args"].get(key, default)).split(","):
+                if v not in seen:
+                    seen.append(v)
+        return seen
+
+    for key, default in (("models", ""), ("net", "none"), ("strategies", ",".join(PYDTNN_STRATEGIES))):
+        out["args"][key] = ",".join(union(key, default))
+    out["args"]["nps"] = ",".join(map(str, sorted({int(p) for p in union("nps", "1")})))
+    seen = set()
+    for r in runs:
+        for rec in r["records"]:
+            key = (rec["lib"], rec["model"], rec["strategy"], rec["np"], rec.get("net"))
+            if key not in seen:
+                seen.add(key)
+                out["records"].append(rec)
+    return out
+
+
 def machine_info():
     import platform
 
@@ -487,6 +517,8 @@ def report(records, nps, args, info, wall):
             for lib, strats, ref in (("pydtnn", strategies, "none"), ("torch", TORCH_STRATEGIES, "no_sync")):
                 base = _base(records, lib, model)
                 for s in strats:
+                    if not any(_find(records, lib, model, s, p, net) for p in multi):
+                        continue  # not run on this network (merged runs)
                     cells = []
                     for p in multi:
                         r, rr = _find(records, lib, model, s, p, net), _find(records, lib, model, ref, p, net)
@@ -659,7 +691,9 @@ def main():
     p.add_argument("--out", help="also write the tables (markdown) here")
     p.add_argument("--json", help="also write every record here")
     p.add_argument("--plot", metavar="PREFIX", help="write PREFIX_scaling.png and PREFIX_exposed.png")
-    p.add_argument("--from_json", metavar="FILE", help="print the tables (and --plot) of a run saved with --json")
+    p.add_argument("--from_json", metavar="FILE", nargs="+",
+                   help="print the tables (and --plot) of runs saved with --json; several files are merged (their "
+                        "models, process counts, networks and strategies joined; --json writes the merged file)")
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                    help="emulated rates: 1, every rank in one namespace (default); 2, two nodes of np/2 ranks "
                         "joined by a capped veth pair (netem.py --nodes 2)")
@@ -683,13 +717,15 @@ def main():
             p.error(f"--strategies: {spec!r}; expected none, blocking, per_layer, bucketed, hierarchical, topk:D or "
                     "fp16, optionally +thread or +mpich")
     if args.from_json:
-        with open(args.from_json, encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = merged(args.from_json)
         run = argparse.Namespace(**saved["args"])
         nps = [int(p) for p in run.nps.split(",")]
         print(report(saved["records"], nps, run, saved["machine"], saved["wall_s"]))
         if args.plot:
             plot(saved["records"], nps, args.plot, run)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(saved, f, indent=1)
         return None
     return drive(args)
 
