@@ -107,7 +107,7 @@ class ProgressThread:
     tested by two threads at once. Needs MPI_THREAD_MULTIPLE (MPIComm.progress_thread checks).
     """
 
-    INTERVAL = 2e-4  # seconds between rounds: measured in docs/benchmarks.md (Background progress)
+    INTERVAL = 2e-4  # seconds between rounds (docs/benchmarks.md, Background progress, measures this value)
     _live = weakref.WeakSet()  # stopped at exit, before MPI's own finalization (registered earlier)
 
     def __init__(self, interval=INTERVAL):
