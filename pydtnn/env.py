@@ -8,6 +8,7 @@ exit code 2 at the command line) naming the variable, its value and what was exp
 | PYDTNN_CPU_KERNELS | backends/cpu/backend.py | auto (default: numba when installed), numba, numpy |
 | PYDTNN_CONV_AUTOTUNE | run.py | default of --conv_autotune: 1/0 (true/false, yes/no, on/off); unset: true |
 | PYDTNN_CUDA_AWARE_MPI | distributed/gpu_comm.py | 1/0 (true/false, yes/no, on/off); unset: ask the MPI library |
+| PYDTNN_VECTOR_BITS | backends/cpu/isa.py | vector width of the compiled CPU kernels: 128, 256 or 512; unset: the CPU's |
 | OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/cpu/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first) |
 
 The launchers' variables (PMI_SIZE, OMPI_COMM_WORLD_RANK, ...) are read by distributed/launch.py, and
@@ -41,6 +42,19 @@ def cpu_kernels():
     if value.lower() not in CPU_KERNELS:
         raise _bad("PYDTNN_CPU_KERNELS", f"one of {', '.join(CPU_KERNELS)}")
     return value.lower()
+
+
+VECTOR_BITS = (128, 256, 512)
+
+
+def vector_bits():
+    """PYDTNN_VECTOR_BITS: 128, 256 or 512; None when unset (the kernels then use the CPU's width)."""
+    value = _get("PYDTNN_VECTOR_BITS")
+    if value is None:
+        return None
+    if value not in {str(b) for b in VECTOR_BITS}:
+        raise _bad("PYDTNN_VECTOR_BITS", "128, 256 or 512 (or unset: the CPU's own width)")
+    return int(value)
 
 
 def conv_autotune():

@@ -963,17 +963,20 @@ def test_the_kernels_use_the_chosen_vector_width():
     assert conv_direct.dense_layout(1, 1, 1, 1, 4)[1] == 2 * lanes  # one output column: two whole vectors
 
 
-def test_vector_width_follows_the_cpu_flags_and_a_bad_override_is_one_line():
+def test_vector_width_follows_the_cpu_flags_and_a_bad_override_is_one_line(monkeypatch):
     from pydtnn.backends.cpu import isa
     from pydtnn.errors import ConfigError
 
     assert isa.native_bits(frozenset({"sse2", "avx", "avx2", "fma", "avx512f"})) == 512
     assert isa.native_bits(frozenset({"sse2", "avx", "avx2", "fma"})) == 256
     assert isa.native_bits(frozenset({"sse2", "avx"})) == 128  # AVX without FMA: the portable path
-    assert isa.chosen_bits({"PYDTNN_VECTOR_BITS": "128"}) == 128
-    assert isa.chosen_bits({}) == isa.native_bits()
-    with pytest.raises(ConfigError, match=r"^PYDTNN_VECTOR_BITS='384'; expected 128, 256 or 512"):
-        isa.chosen_bits({"PYDTNN_VECTOR_BITS": "384"})
+    monkeypatch.setenv("PYDTNN_VECTOR_BITS", "128")
+    assert isa.chosen_bits() == 128
+    monkeypatch.delenv("PYDTNN_VECTOR_BITS")
+    assert isa.chosen_bits() == isa.native_bits()
+    monkeypatch.setenv("PYDTNN_VECTOR_BITS", "384")
+    with pytest.raises(ConfigError, match=r"^environment variable PYDTNN_VECTOR_BITS=384: expected 128, 256 or 512"):
+        isa.chosen_bits()
 
 
 @pytest.mark.slow

@@ -17,11 +17,10 @@ machine. A forced width other than the CPU's keeps its compiled kernels in a cac
 """
 
 import functools
-import os
 
-from pydtnn.errors import ConfigError
+from pydtnn import env
 
-WIDTHS = (128, 256, 512)
+WIDTHS = env.VECTOR_BITS
 
 
 @functools.cache
@@ -48,14 +47,9 @@ def native_bits(flags=None):
     return 128
 
 
-def chosen_bits(environ=os.environ):
-    """$PYDTNN_VECTOR_BITS when set (ConfigError unless 128, 256 or 512), else native_bits()."""
-    text = environ.get("PYDTNN_VECTOR_BITS", "").strip()
-    if not text:
-        return native_bits()
-    if text not in {str(w) for w in WIDTHS}:
-        raise ConfigError(f"PYDTNN_VECTOR_BITS={text!r}; expected 128, 256 or 512 (or unset: the CPU's own)")
-    return int(text)
+def chosen_bits():
+    """$PYDTNN_VECTOR_BITS when set (env.vector_bits: ConfigError unless 128, 256 or 512), else native_bits()."""
+    return env.vector_bits() or native_bits()
 
 
 VECTOR_BITS = chosen_bits()
