@@ -149,6 +149,12 @@ def test_progress_thread_is_refused_where_the_reducer_cannot_use_it(tmp_path):
     for name in ("blocking", "hierarchical", "topk"):
         with pytest.raises(ConfigError, match=f"{name} reducer: progress 'thread'; expected test$"):
             reducers.create(name, SingleProcess(), progress="thread")
+
+    class OtherComm(SingleProcess):  # a communicator without MPI's requests, of two processes
+        name, size = "nccl", 2
+
+    with pytest.raises(ConfigError, match="progress thread: this run's communicator is nccl; expected mpi"):
+        reducers.create("bucketed", OtherComm(), progress="thread")
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--dataset", "mnist5k",
            "--num_epochs", "1", "--steps_per_epoch", "3", "--progress", "false", "--reduction", "blocking",
            "--reduction_progress", "thread"]

@@ -64,7 +64,12 @@ class Reducer:
             raise ConfigError(f"{self.name} reducer: progress {progress!r}; expected {' or '.join(self.PROGRESS)}")
         self.comm = comm
         self.progress = progress
-        self._thread = comm.progress_thread() if progress == "thread" and comm.size > 1 else None
+        self._thread = None
+        if progress == "thread" and comm.size > 1:
+            if not hasattr(comm, "progress_thread"):
+                raise ConfigError(f"progress thread: this run's communicator is "
+                                  f"{getattr(comm, 'name', type(comm).__name__)}; expected mpi (CPU training)")
+            self._thread = comm.progress_thread()
         if self._thread is not None:
             weakref.finalize(self, self._thread.close)  # the thread ends with the reducer
         self.wire_dtype = np.float16 if compression == "fp16" else None
