@@ -104,7 +104,7 @@ def test_padded_dataset_centres_the_image_on_normalized_black():
 # -- every family trains from its default learning rate ---------------------------------------
 # Families that take the 28x28 digits; the others (inceptionv3, densenet121/169/201) stop with one
 # line on them (above) and are trained on synthetic images of a size they take.
-HEAVY = {"googlenet": 8, "densenet100": 8}  # steps: 1.5 and 0.6 GFLOPs a sample forward; the rest take 12 or 48
+HEAVY = {"googlenet": 8, "densenet100": 8}  # steps: 1.5 and 0.6 GFLOPs a sample forward; the rest take 8 or 24
 DIGIT_FAMILIES = sorted(f for f in FAMILIES if f not in ("inceptionv3", "densenet121", "densenet169", "densenet201"))
 
 
@@ -122,7 +122,7 @@ def _losses(family, shape, train, processes=2, steps=None):
     r = recipe(choice.name)
     lr = r.get("learning_rate", DEFAULT_LR["sgd"]) * processes
     n = r["batch_size"] * processes
-    steps = steps or max(12, 1536 // n)  # 1,536 samples: 12 steps at the default batch, 48 for VGG's small ones
+    steps = steps or max(8, 768 // n)  # 768 samples: 8 steps at the default batch, 24 for VGG's small ones
     opt, loss_fn = SGD(model.parameters(), lr=lr, momentum=0.9), SoftmaxCrossEntropy()
     order, out = np.random.default_rng(0).permutation(len(train)), []
     for step in range(steps):
