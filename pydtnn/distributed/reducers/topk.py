@@ -11,8 +11,8 @@ The k largest are found without sorting or partitioning all n entries where n is
 that a little more than k entries exceed is read off a fixed random sample of the magnitudes, the
 entries above it are gathered (about 1.25 k of them), and the k largest of those are kept. When fewer
 than k entries pass the threshold (a sample that missed the tail), the whole vector is partitioned:
-the result is always exactly the k largest. On VGG-11's 9.2 M gradients at density 0.01 that is 15 ms
-against 59 ms for np.argpartition over all of them.
+the result is always exactly the k largest. On 9.2 M random float32 magnitudes at density 0.01 that is
+15 ms against 59 ms for np.argpartition over all of them (AMD EPYC, AVX2, 2-core VM, while loaded).
 
 Per step each rank sends 12-16 bytes per kept entry instead of 4-8 per gradient: at density 0.01 about
 3% (float32) of a dense allreduce's bytes, and every rank receives P times that. The residuals are
