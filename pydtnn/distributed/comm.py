@@ -28,6 +28,11 @@ import numpy as np
 from pydtnn.errors import PydtnnError
 
 
+# A wait spins (yielding the core) this long before it starts to sleep between polls: a sleep lasts
+# 60 us or more, about twenty times a small collective's own time.
+SPIN_S = 2e-3
+
+
 class CollectiveMismatch(PydtnnError):
     """Ranks issued different collectives (found by --debug_collectives)."""
 
@@ -391,15 +396,18 @@ class MPIComm:
         # rank 0 knows who has arrived, so it reports first; the others only if rank 0 does not
         limit = self.stall_timeout if self.rank == 0 else 1.5 * self.stall_timeout + 1
         while not req.Test():
+            waited = time.monotonic() - start
+            if waited < SPIN_S:  # most collectives end within microseconds: yield the core, do not sleep
+                os.sched_yield()
+                continue
             self._drain()
             gone = {r: last for r, last in self.left.items() if last < seq}
             if gone:  # it left before entering this collective: nothing will complete it
                 self._report_departure(what, gone)
-            waited = time.monotonic() - start
             if waited > limit:
                 self._report_stall(what, seq, waited)
             time.sleep(pause)
-            pause = min(pause + 1e-5, 1e-3)  # spin first, then back off to a millisecond
+            pause = min(pause + 1e-5, 1e-3)  # then back off to a millisecond
 
     def _report_stall(self, what, seq, waited):
         msg = f"pydtnn: error: rank {self.rank}: stalled {waited:.1f} s in {self.describe(what)}"
