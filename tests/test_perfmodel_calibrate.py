@@ -112,6 +112,34 @@ def test_a_rate_leaves_out_the_fixed_cost_of_the_calls():
         calibrate.Timing("y", "gemm", None, 1, 1, seconds=1e-5, call_s=2e-5)
 
 
+def test_thread_fit_recovers_the_serial_part_and_the_speed_ups_it_was_given():
+    """Timings made by the model itself (a call of s seconds takes a + (s - a) / S at 2 threads, a per kernel
+    call) give back a and each class's S; without a serial part, S is the plain ratio of the times."""
+    def timing(label, cls, seconds, phases=3):
+        return calibrate.Timing(label, cls, None, 1, 1, seconds, 0.0, phases)
+
+    speed, serial = {"gemm": 1.6, "direct3x3": 1.9}, 1.2e-4
+    large = [("g1", "gemm", 20e-3, 3), ("g2", "gemm", 9e-3, 2), ("d1", "direct3x3", 7e-3, 3)]
+    small = [("g1 b1", "gemm", 1.2e-3, 3), ("g2 b1", "gemm", 6e-4, 2), ("d1 b1", "direct3x3", 4e-4, 3)]
+
+    def at(rows, threads, a):
+        return [timing(n, c, s if threads == 1 else a * p + (s - a * p) / speed[c], p) for n, c, s, p in rows]
+
+    scaling, got = calibrate.thread_fit(at(large, 1, serial), at(large, 2, serial), at(small, 1, serial),
+                                        at(small, 2, serial), 2)
+    assert got == pytest.approx(serial, rel=1e-6) and scaling == pytest.approx(speed, rel=1e-6)
+    scaling, got = calibrate.thread_fit(at(large, 1, 0), at(large, 2, 0), at(small, 1, 0), at(small, 2, 0), 2)
+    assert got == pytest.approx(0, abs=1e-12) and scaling == pytest.approx(speed, rel=1e-9)
+
+
+def test_small_shapes_are_the_large_ones_at_a_smaller_batch():
+    small = calibrate.small_shapes()
+    large = {s.label: s for s in calibrate.shapes()}
+    assert small and all(s.batch == max(1, large[s.label.rsplit(" ", 1)[0]].batch // calibrate.SMALL_DIVISOR)
+                         for s in small)
+    assert {calibrate.Probe(s).cost.kernel_class for s in small} == {"gemm", "direct3x3", "depthwise"}
+
+
 def test_every_kernel_class_has_a_shape_in_quick_and_full():
     for quick in (True, False):
         classes = {calibrate.Probe(s).cost.kernel_class for s in calibrate.shapes(quick)}
@@ -139,6 +167,7 @@ def test_quick_calibration_writes_a_plausible_machine(tmp_path):
     assert m.thread_scaling[1] == 1.0 and 0.05 < m.thread_scaling[2] < 4
     assert set(m.thread_scaling_by_class) == set(KERNEL_CLASSES)
     assert all(s[1] == 1.0 and 0.05 < s[2] < 4 for s in m.thread_scaling_by_class.values())
+    assert set(m.thread_serial_s) == {2} and 0 <= m.thread_serial_s[2] < 1e-2 and "serial part" in r.stdout
     o = m.overheads  # a layer call costs microseconds, a step of the tiny model less than a second
     assert 1e-7 < o.layer_forward_s < 1e-2 and 1e-7 < o.layer_backward_s < 1e-2 and 0 < o.parameter_s < 1e-2
     assert 0 <= o.step_s < 1.0 and "fixed costs: layer call" in r.stdout

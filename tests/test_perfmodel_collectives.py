@@ -216,10 +216,17 @@ def test_fixed_costs_and_class_scaling_round_trip_and_default_to_none(tmp_path):
     # the class's own scaling where it has one, the machine's otherwise; the largest count measured beyond
     assert m.thread_speedup(2, "gemm") == 1.5 and m.thread_speedup(2, "depthwise") == 1.9
     assert m.thread_speedup(8, "gemm") == 1.5 and m.thread_speedup(2) == 1.9
+    serial = dataclasses.replace(m, thread_serial_s={2: 1.5e-4})
+    for suffix in (".yaml", ".json"):
+        save(serial, tmp_path / f"s{suffix}")
+        assert load(tmp_path / f"s{suffix}") == serial and load(tmp_path / f"s{suffix}").serial_s(2) == 1.5e-4
     old = to_dict(machine())  # a file written before these fields existed
-    del old["overheads"], old["thread_scaling_by_class"]
+    del old["overheads"], old["thread_scaling_by_class"], old["thread_serial_s"]
     loaded = from_dict(old)
     assert loaded.overheads == Overheads() and dict(loaded.thread_scaling_by_class) == {}
+    assert dict(loaded.thread_serial_s) == {} and loaded.threaded_seconds(1e-3, 2) == pytest.approx(1e-3 / 1.9)
+    with pytest.raises(ConfigError, match=r"thread_serial_s\[2\].*-1e-05"):
+        from_dict({**old, "thread_serial_s": {2: -1e-5}})
     partial = from_dict({**old, "overheads": {"parameter_s": "5e-6"}})
     assert partial.overheads == Overheads(parameter_s=5e-6)
 

@@ -107,6 +107,25 @@ def test_each_kernel_class_scales_with_threads_by_its_own_factor():
             assert b.backward_weights_s == pytest.approx(a.backward_weights_s / factor, rel=1e-12), a.name
 
 
+def test_the_serial_part_of_each_call_runs_on_one_thread_by_hand():
+    """thread_serial_s {2: 0.1 ms}: a phase of t seconds on one thread takes 0.1 ms + (t - 0.1 ms) / 2 at two
+    threads, or t where t is no longer than 0.1 ms (a small call gains nothing); one thread is unchanged."""
+    model = mlp()
+    m = machine(thread_serial_s={2: 1e-4})
+    one, two = predict(model, 8, 1, m), predict(model, 8, 1, m, threads=2)
+    assert [t.forward_s for t in one.layers] == [t.forward_s for t in predict(model, 8, 1, machine()).layers]
+    seen = set()
+    for a, b in zip(one.layers, two.layers):
+        for f in ("forward_s", "backward_weights_s"):
+            t = getattr(a, f)
+            want = t if t <= 1e-4 else 1e-4 + (t - 1e-4) / 2
+            assert getattr(b, f) == pytest.approx(want, rel=1e-12), (a.name, f)
+            seen.add(t > 1e-4)
+    assert seen == {True, False}  # both sides of the serial part were checked
+    assert m.serial_s(1) == 0.0 and m.serial_s(2) == 1e-4 and m.serial_s(8) == 1e-4  # the largest count below
+    assert m.threaded_seconds(3e-4, 2) == pytest.approx(2e-4) and m.threaded_seconds(5e-5, 2) == 5e-5
+
+
 def test_blocking_reduction_is_one_ring_allreduce_of_all_gradients_by_hand():
     model = mlp()
     n = sum(g.nbytes for _, _, g in model.parameters())

@@ -23,10 +23,13 @@ What is measured, and how each figure agrees with the rest of the model:
   ReLU, MaxPool2D, Flatten, Dense), which predict uses for layers of that kind. They are measured
   first, and each shape's rate above is its FLOPs over its median time LESS one forward and one backward
   call of its kind (predict adds them back), so a prediction still gives back the measured time.
-- thread_scaling {t: s}: the same layers at t threads (runtime.configure(threads=t)); s is the median
-  over the kernel classes of each class's rate at t threads over its rate at one. Thread counts not
-  measured keep the base's entries. thread_scaling_by_class[k] {t: s}: class k's own ratio, which
-  predict uses for the layers of that class.
+- thread_scaling_by_class[k] {t: s} and thread_serial_s {t: a}: the same layers at t threads
+  (runtime.configure(threads=t)), and small_shapes() (the non-elementwise ones at a 16 times smaller
+  batch, 0.2-1 ms calls) at 1 and t threads. A kernel call of s seconds on one thread is modelled as
+  a + (s - a) / S at t threads (Machine.threaded_seconds): thread_fit solves for the serial part a of
+  every call and each class's speed-up S beyond it, from the large shapes (mostly S) and the small
+  ones (mostly a) in turn. thread_scaling {t: s}: the median of the classes' S. Thread counts not
+  measured keep the base's entries.
 - memory_bandwidth: np.copyto between two 64 MiB float32 arrays on one thread, bytes read plus bytes
   written over the median time.
 - reduce_rate: np.add(a, b, out=a) on 64 MiB float32 buffers on one thread, bytes of a over the
@@ -82,6 +85,7 @@ STREAM_REPEATS = 10  # timed copies and additions (5 with quick)
 FIXED_WARM_UP, FIXED_STEPS = 30, 200  # trainer steps of tiny_model(): untimed, then timed (10 and 60 with quick)
 MPI_TIMEOUT_S = 120.0
 BURST_S = 2e-3  # compute between two collectives in the oversubscribed probe: a layer's worth, on one thread
+SMALL_DIVISOR = 16  # small_shapes(): the large shapes' batch over this
 FIT_ALGORITHM = "ring"  # the formula a collective's own link is fitted through (MPICH's for large messages)
 
 
@@ -132,6 +136,12 @@ class Timing:
     bytes: int
     seconds: float
     call_s: float = 0.0
+    phases: int = 3  # kernel calls in a forward + backward: forward, backward-data, backward-weights where they work
+
+    @property
+    def arithmetic_s(self):
+        """The median seconds less the calls' fixed cost."""
+        return self.seconds - self.call_s
 
     def __post_init__(self):
         if not self.seconds > self.call_s:
@@ -186,8 +196,9 @@ class Probe:
         call_s are the calls' fixed cost."""
         c = self.cost
         work = c.forward + c.backward_data + c.backward_weights
+        phases = sum(1 for ph in (c.forward, c.backward_data, c.backward_weights) if ph.flops or ph.bytes)
         return Timing(self.shape.label, c.kernel_class, c.algorithm, work.flops, work.bytes,
-                      statistics.median(samples), call_s)
+                      statistics.median(samples), call_s, max(1, phases))
 
 
 def kernel_timings(probes, threads, quick=False, progress=None, call_s=0.0):
@@ -215,6 +226,51 @@ def kernel_timings(probes, threads, quick=False, progress=None, call_s=0.0):
                      f"{t} thread{'s' if t > 1 else ''}: {timing.seconds * 1e3:.2f} ms, "
                      f"{timing.rate / 1e9:.2f} GFLOP/s{extra}")
     return out
+
+
+def small_shapes(quick=False):
+    """shapes() at a batch SMALL_DIVISOR times smaller (at least 1), elementwise ones left out: calls of
+    0.2-1 ms on one thread, whose speed-up at more threads (less than the large shapes') gives
+    thread_serial_s (thread_fit)."""
+    from pydtnn.layers import BatchNorm, ReLU
+
+    return [dataclasses.replace(s, label=f"{s.label} b{max(1, s.batch // SMALL_DIVISOR)}",
+                                batch=max(1, s.batch // SMALL_DIVISOR))
+            for s in shapes(quick) if not isinstance(s.make(), (ReLU, BatchNorm))]
+
+
+def thread_fit(large_1, large_t, small_1, small_t, threads, iterations=200):
+    """({kernel class: speed-up}, serial seconds per kernel call) at t threads, from the large shapes'
+    Timings at 1 and t threads (large_1[i] and large_t[i] the same shape) and the small shapes' likewise.
+    The model (Machine.threaded_seconds): a call of s seconds on one thread takes a + (s - a) / S at t
+    threads, a the serial part of each of its kernel calls (Timing.phases of them) and S its class's
+    speed-up. A class's S is the median over its large shapes of the S that gives back their time at t
+    threads given a; a is the median over the small shapes of the a that gives back theirs given their
+    class's S (0 where they gained as much as the large ones). The two are solved in turn until they
+    settle. No class is given more than `threads` times. Arithmetic seconds (Timing.arithmetic_s) throughout: the calls' fixed cost is apart."""
+    def speedup(one, many, serial):
+        serial = min(serial, 0.9 * many)
+        return (one - serial) / (many - serial)
+
+    serial = 0.0
+    for _ in range(iterations):
+        by_class = {}
+        for a, b in zip(large_1, large_t):
+            by_class.setdefault(a.kernel_class, []).append(
+                speedup(a.arithmetic_s, b.arithmetic_s, serial * a.phases))
+        scaling = {k: min(statistics.median(v), float(threads)) for k, v in by_class.items()}
+        parts = []
+        for a, b in zip(small_1, small_t):
+            s = scaling.get(a.kernel_class)
+            if s is None or s <= 1.0:
+                continue  # a class that gains nothing from threads says nothing about the serial part
+            part = (b.arithmetic_s - a.arithmetic_s / s) / (1.0 - 1.0 / s)
+            parts.append(min(max(part, 0.0), a.arithmetic_s) / a.phases)
+        new = statistics.median(parts) if parts else 0.0
+        if abs(new - serial) <= 1e-13:
+            break
+        serial = new
+    return scaling, serial
 
 
 def class_rates(timings):
@@ -498,6 +554,7 @@ class Report:
     reduce_rate: float
     fixed: dict = dataclasses.field(default_factory=dict)  # fixed_costs()'s detail
     oversubscribed: dict = None  # the oversubscribed probe's result, or None
+    small_timings: dict = None  # threads -> [Timing] of small_shapes()
 
 
 def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=False, mpi=True,
@@ -549,10 +606,13 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
     progress(f"fixed costs: layer call {fixed.layer_forward_s * 1e6:.1f} us forward, "
              f"{fixed.layer_backward_s * 1e6:.1f} us backward; {fixed.parameter_s * 1e6:.1f} us per parameter "
              f"tensor; {fixed.step_s * 1e6:.0f} us per step")
-    progress(f"building {len(shapes(quick))} layers")
+    progress(f"building {len(shapes(quick)) + len(small_shapes(quick))} layers")
     probes = [Probe(s) for s in shapes(quick)]
+    small = [Probe(s) for s in small_shapes(quick)] if len(threads) > 1 else []
     try:
-        timings = kernel_timings(probes, threads, quick, progress, lambda kind: sum(fixed.call_s(kind)))
+        every = kernel_timings(probes + small, threads, quick, progress, lambda kind: sum(fixed.call_s(kind)))
+        timings = {t: every[t][:len(probes)] for t in threads}
+        small_timings = {t: every[t][len(probes):] for t in threads}
         rates = {t: class_rates(timings[t]) for t in threads}
         runtime.configure(threads=1)
         bandwidth = memory_bandwidth(repeats=repeats)
@@ -565,11 +625,14 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
 
     scaling = dict(base.thread_scaling)
     by_class = {k: dict(v) for k, v in base.thread_scaling_by_class.items()}
-    for t in threads:
-        scaling[t] = 1.0 if t == 1 else statistics.median(rates[t][k] / rates[1][k] for k in KERNEL_CLASSES)
-        if t > 1:
-            for k in KERNEL_CLASSES:
-                by_class.setdefault(k, {1: 1.0})[t] = rates[t][k] / rates[1][k]
+    serial = dict(base.thread_serial_s)
+    for t in threads[1:]:
+        classes, serial[t] = thread_fit(timings[1], timings[t], small_timings[1], small_timings[t], t)
+        scaling[t] = statistics.median(classes[k] for k in KERNEL_CLASSES)
+        for k in KERNEL_CLASSES:
+            by_class.setdefault(k, {1: 1.0})[t] = classes[k]
+        progress(f"{t} threads: {serial[t] * 1e6:.0f} us of each kernel call serial; speed-up beyond it "
+                 + ", ".join(f"{k} {classes[k]:.2f}" for k in KERNEL_CLASSES))
 
     if probe is not None:
         try:
@@ -590,8 +653,8 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
     name = name or (f"{model_name} ({n_cores} cores)" if model_name else f"{n_cores}-core machine")
     machine = Machine(name=name, cores=n_cores, processes_per_node=processes_per_node, rates=rates[1],
                       thread_scaling=scaling, memory_bandwidth=bandwidth, reduce_rate=gamma_rate, links=links,
-                      thread_scaling_by_class=by_class, overheads=fixed)
-    return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate, fixed_detail, crowded)
+                      thread_scaling_by_class=by_class, thread_serial_s=serial, overheads=fixed)
+    return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate, fixed_detail, crowded, small_timings)
 
 
 def summary(machine, report, base_name):
@@ -603,12 +666,14 @@ def summary(machine, report, base_name):
     for k in KERNEL_CLASSES:
         count = sum(t.kernel_class == k for t in report.timings[1])
         row = f"{k:<12} {report.rates[1][k] / 1e9:>9.2f} {count:>6}"
-        row += "".join(f" {report.rates[t][k] / report.rates[1][k]:>7.2f}" for t in threads[1:])
+        row += "".join(f" {machine.thread_speedup(t, k):>7.2f}" for t in threads[1:])
         if k == "elementwise":
             moved = statistics.median(t.bandwidth for t in report.timings[1] if t.kernel_class == k)
             row += f"   ({moved / 1e9:.2f} GB/s moved)"
         lines.append(row)
-    lines.append("thread scaling: " + ", ".join(f"{t}: {s:.2f}" for t, s in sorted(machine.thread_scaling.items())))
+    lines.append("thread scaling: " + ", ".join(f"{t}: {s:.2f}" for t, s in sorted(machine.thread_scaling.items()))
+                 + "; serial part of each kernel call: " + (", ".join(
+                     f"{t} threads {s * 1e6:.0f} us" for t, s in sorted(machine.thread_serial_s.items())) or "none"))
     o = machine.overheads
     lines.append(f"fixed costs: layer call {o.layer_forward_s * 1e6:.1f} us forward, {o.layer_backward_s * 1e6:.1f} us "
                  f"backward; {o.parameter_s * 1e6:.1f} us per parameter tensor; {o.step_s * 1e6:.0f} us per step; "

@@ -17,6 +17,7 @@ layout (YAML or JSON, same keys):
     #   links[level].collectives: {op: {latency_s, bandwidth_bytes_per_s}}  the link as one collective sees it,
     #   fitted on that operation's own times (calibrate's MPI probe); ops without one use the level's figures
     thread_scaling_by_class: {gemm: {2: 1.9}, depthwise: {2: 1.3}}  # per kernel class; default thread_scaling
+    thread_serial_s: {2: 1.0e-4}              # seconds of each kernel call that t threads do not share (default 0)
     overheads:                                # seconds, fixed costs outside the layers' arithmetic (default 0)
       layer_forward_s: 2.0e-5                 # one layer's forward call (dispatch, output allocation, launch)
       layer_backward_s: 2.5e-5                # one layer's backward call
@@ -41,7 +42,7 @@ KERNEL_CLASSES = ("gemm", "direct3x3", "depthwise", "elementwise")
 LEVELS = ("intra", "inter")
 FIELDS = ("name", "cores", "processes_per_node", "rates", "thread_scaling", "memory_bandwidth", "reduce_rate",
           "links")
-OPTIONAL_FIELDS = ("thread_scaling_by_class", "overheads")
+OPTIONAL_FIELDS = ("thread_scaling_by_class", "thread_serial_s", "overheads")
 LINK_FIELDS = ("latency_s", "bandwidth_bytes_per_s")
 LINK_OPTIONAL_FIELDS = ("collectives",)
 OVERHEAD_FIELDS = ("layer_forward_s", "layer_backward_s", "parameter_s", "step_s", "oversubscribed_collective_s")
@@ -123,8 +124,10 @@ class Machine:
     """A machine, per process: rates[kernel class] in FLOP/s on one thread, thread_scaling[threads] the
     speed-up over one thread, memory_bandwidth and reduce_rate in bytes/s, links[level] a Link for
     "intra" (same node) and "inter" (between nodes); thread_scaling_by_class[kernel class][threads] the
-    speed-up of that class where it differs from thread_scaling; overheads the fixed costs outside the
-    arithmetic. Every field is checked when it is made (ConfigError)."""
+    speed-up of that class where it differs from thread_scaling; thread_serial_s[threads] the seconds of
+    each kernel call (a layer's phase) that `threads` threads do not share (a small call gains less from
+    threads than a large one; see threaded_seconds); overheads the fixed costs outside the arithmetic.
+    Every field is checked when it is made (ConfigError)."""
 
     name: str
     cores: int
@@ -135,6 +138,7 @@ class Machine:
     reduce_rate: float
     links: dict
     thread_scaling_by_class: dict = dataclasses.field(default_factory=dict)
+    thread_serial_s: dict = dataclasses.field(default_factory=dict)
     overheads: Overheads = dataclasses.field(default_factory=lambda: Overheads())
 
     def __post_init__(self):
@@ -159,6 +163,10 @@ class Machine:
                 raise ConfigError(f"machine field thread_scaling_by_class has key {kernel!r}; expected kernel class "
                                   f"names ({', '.join(KERNEL_CLASSES)})")
             _check_scaling(f"thread_scaling_by_class[{kernel!r}]", scaling)
+        _check_mapping("thread_serial_s", self.thread_serial_s)
+        for threads, seconds in self.thread_serial_s.items():
+            _check_count(f"thread_serial_s key {threads!r}", threads)
+            _check_number(f"thread_serial_s[{threads}]", seconds, "seconds", allow_zero=True)
         if not isinstance(self.overheads, Overheads):
             raise ConfigError(f"machine field overheads = {self.overheads!r} is invalid; expected Overheads")
         _check_number("memory_bandwidth", self.memory_bandwidth, "bytes/s")
@@ -171,7 +179,7 @@ class Machine:
             if not isinstance(link, Link):
                 raise ConfigError(f"machine field links[{level!r}] = {link!r} is invalid; expected a Link")
         # read-only views, so that a frozen Machine cannot be changed through its dicts
-        for field in ("rates", "thread_scaling", "links"):
+        for field in ("rates", "thread_scaling", "links", "thread_serial_s"):
             object.__setattr__(self, field, types.MappingProxyType(dict(getattr(self, field))))
         object.__setattr__(self, "thread_scaling_by_class", types.MappingProxyType(
             {k: types.MappingProxyType(dict(v)) for k, v in self.thread_scaling_by_class.items()}))
@@ -185,6 +193,20 @@ class Machine:
             return float(scaling[threads])
         below = [t for t in scaling if t <= threads]
         return float(scaling[max(below)]) if below else 1.0
+
+    def serial_s(self, threads):
+        """thread_serial_s at `threads` threads: its entry, else the largest count's below, else 0."""
+        below = [t for t in self.thread_serial_s if t <= threads]
+        return float(self.thread_serial_s[max(below)]) if below else 0.0
+
+    def threaded_seconds(self, seconds, threads, kernel_class=None):
+        """A kernel call of `seconds` on one thread, at `threads` threads: its first serial_s(threads)
+        seconds run as on one thread, the rest thread_speedup times faster (Amdahl's law with a fixed
+        serial part); a call no longer than the serial part gains nothing."""
+        serial = self.serial_s(threads)
+        if seconds <= serial:
+            return seconds
+        return serial + (seconds - serial) / self.thread_speedup(threads, kernel_class)
 
     @property
     def gamma(self):
@@ -214,6 +236,7 @@ def to_dict(machine):
             "links": {level: _link_dict(link) for level, link in machine.links.items()},
             "thread_scaling_by_class": {k: {int(t): float(s) for t, s in v.items()}
                                         for k, v in machine.thread_scaling_by_class.items()},
+            "thread_serial_s": {int(t): float(s) for t, s in machine.thread_serial_s.items()},
             "overheads": _overheads_dict(machine.overheads)}
 
 
@@ -261,6 +284,8 @@ def from_dict(data, source="machine description"):
         _check_mapping("thread_scaling_by_class", by_class)
         for kernel, scaling in by_class.items():
             _check_mapping(f"thread_scaling_by_class[{kernel!r}]", scaling)
+        serial = data.get("thread_serial_s") or {}
+        _check_mapping("thread_serial_s", serial)
         overheads = data.get("overheads") or {}
         _check_mapping("overheads", overheads)
         _check_keys("overheads", overheads, (), optional=OVERHEAD_FIELDS + ("layer_calls",))
@@ -276,6 +301,7 @@ def from_dict(data, source="machine description"):
             memory_bandwidth=_number(data["memory_bandwidth"]), reduce_rate=_number(data["reduce_rate"]),
             links=links,
             thread_scaling_by_class={k: {_threads(t): _number(s) for t, s in v.items()} for k, v in by_class.items()},
+            thread_serial_s={_threads(t): _number(s) for t, s in serial.items()},
             overheads=Overheads(**{k: _number(v) for k, v in overheads.items() if k != "layer_calls"},
                                 layer_calls={k: tuple(_number(c[f]) for f in CALL_FIELDS) for k, c in calls.items()}))
     except ConfigError as e:

@@ -5,9 +5,10 @@ gradient reduction the trainer really runs (collectives.py), step by step as the
     p.step_s, p.compute_s, p.memory_s, p.comm_s, p.exposed_comm_s; p.layers (per-layer times)
 
 Compute. Each phase of each layer (forward, backward-data, backward-weights) takes the longer of its
-FLOPs at the rate of its kernel class and its bytes at the memory bandwidth (a roofline per phase),
-both scaled by the thread speed-up of the layer's kernel class; the phase counts as compute- or
-memory-bound by which was longer. The optimizer update is memory-bound: SGD with momentum reads p, g
+FLOPs at the rate of its kernel class and its bytes at the memory bandwidth on one thread (a roofline
+per phase); at more threads its first machine.thread_serial_s seconds run as on one thread and the rest
+at the thread speed-up of the layer's kernel class (Machine.threaded_seconds: small calls gain little
+from threads); the phase counts as compute- or memory-bound by which was longer. The optimizer update is memory-bound: SGD with momentum reads p, g
 and its buffer and writes p and the buffer (5 passes over the parameters' bytes), Adam 7, SGD without
 momentum 3. When the processes of a node ask for more threads than it has cores, compute slows by that
 ratio.
@@ -113,12 +114,16 @@ def thread_speedup(machine, threads, kernel_class=None):
     return machine.thread_speedup(threads, kernel_class)
 
 
-def phase_seconds(phase, kernel_class, machine, speed):
+def phase_seconds(phase, kernel_class, machine, threads=1, crowding=1.0):
     """(seconds, bound) of one phase: the longer of its FLOPs at its class's rate and its bytes at the
-    memory bandwidth, both times `speed` (the class's thread speed-up over any oversubscription)."""
-    compute = phase.flops / (machine.rates[kernel_class] * speed)
-    memory = phase.bytes / (machine.memory_bandwidth * speed)
-    return (compute, "compute") if compute >= memory else (memory, "memory")
+    memory bandwidth on one thread, at `threads` threads by Machine.threaded_seconds (the class's
+    speed-up beyond the machine's serial part of a call), times `crowding` (oversubscribed cores)."""
+    if phase.flops == 0 and phase.bytes == 0:
+        return 0.0, "compute"
+    compute = phase.flops / machine.rates[kernel_class]
+    memory = phase.bytes / machine.memory_bandwidth
+    one, bound = (compute, "compute") if compute >= memory else (memory, "memory")
+    return machine.threaded_seconds(one, threads, kernel_class) * crowding, bound
 
 
 def allreduce_seconds(nbytes, p, machine, algorithm, level=None):
@@ -164,9 +169,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     for c in costs:
         call_fwd, call_bwd = (s * crowding for s in fixed.call_s(c.kind))
         calls_s += call_fwd + call_bwd
-        speed = thread_speedup(machine, threads, c.kernel_class) / crowding
-        parts = [phase_seconds(ph, c.kernel_class, machine, speed) for ph in (c.forward, c.backward_data,
-                                                                             c.backward_weights)]
+        parts = [phase_seconds(ph, c.kernel_class, machine, threads, crowding)
+                 for ph in (c.forward, c.backward_data, c.backward_weights)]
         for s, bound in parts:
             compute_s += s if bound == "compute" else 0.0
             memory_s += s if bound == "memory" else 0.0
