@@ -1005,3 +1005,31 @@ def test_every_vector_width_matches_the_numpy_path():
 
         passed = re.search(r"(\d+) passed", out)
         assert passed and int(passed.group(1)) >= 25 and "failed" not in out, f"{w}-bit vectors:\n{out[-3000:]}"
+
+
+NO_FMA_SCRIPT = r"""
+import re, numpy as np
+from pydtnn.backends.cpu.backend import CPUBackend
+from pydtnn.backends.cpu.kernels import conv3x3
+from pydtnn.layers import Conv2D
+from pydtnn.model import Model
+x = np.random.default_rng(0).standard_normal((2, 8, 12, 12)).astype(np.float32)
+y = [Model([Conv2D(8, 3, padding=1)], (8, 12, 12), backend=CPUBackend(np.float32, kernels=k, seed=0)).forward(x)
+     for k in ("numba", "numpy")]
+asm = "".join(conv3x3.conv3x3_dense_forward.inspect_asm(s) for s in conv3x3.conv3x3_dense_forward.signatures)
+print(float(np.abs(y[0] - y[1]).max()), len(re.findall("fmadd", asm)), len(re.findall(r"\bfmaf\b", asm)),
+      len(re.findall("mulps", asm)))
+"""
+
+
+def test_a_cpu_without_fma_gets_a_multiply_and_an_add(tmp_path):
+    """Compiled for the baseline x86-64 CPU (SSE2, no FMA) at 128 bits, the direct kernel's multiply-adds are
+    multiplies and adds (no FMA instruction, no call to the C library's fma per lane), and it computes what
+    the NumPy path does."""
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "PYDTNN_VECTOR_BITS": "128",
+           "NUMBA_CACHE_DIR": str(tmp_path)}  # a cache of its own: the code is compiled, so it can be read
+    r = subprocess.run([sys.executable, "-c", NO_FMA_SCRIPT], env=env, check=False, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    diff, fused, calls, multiplies = r.stdout.split()
+    assert float(diff) < 1e-5 and int(fused) == 0 and int(calls) == 0 and int(multiplies) > 0, r.stdout

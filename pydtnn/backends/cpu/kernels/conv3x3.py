@@ -57,7 +57,7 @@ def _forward_block(vectors):
                     for m in range(m_):
                         wv = e.splat(wrow, I64(k * m_ + m))
                         for v in range(vectors):
-                            acc[m * vectors + v] = e.fma(wv, xv[v], acc[m * vectors + v])
+                            acc[m * vectors + v] = e.muladd(wv, xv[v], acc[m * vectors + v])
                 return acc
 
             acc = e.counted_loop(I64(0), c_, I64(1), [zero] * (m_ * vectors), body)
@@ -107,7 +107,7 @@ def _grad_block(typingctx, xs, dyw, acc, offs, cb, ci, i, n0, n1, lx, span, arow
             for m in range(m_):
                 dv = e.vload(drows[m], t)
                 for j in range(3):
-                    acc[m * 3 + j] = e.fma(dv, xv[j], acc[m * 3 + j])
+                    acc[m * 3 + j] = e.muladd(dv, xv[j], acc[m * 3 + j])
             return acc
 
         def sample(n, acc):

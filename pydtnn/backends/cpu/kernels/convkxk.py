@@ -64,7 +64,7 @@ def _forward_block(vectors):
                     for m in range(m_):
                         wv = e.splat(wk, I64(m))
                         for v in range(vectors):
-                            acc[m * vectors + v] = e.fma(wv, xv[v], acc[m * vectors + v])
+                            acc[m * vectors + v] = e.muladd(wv, xv[v], acc[m * vectors + v])
                     return acc
 
                 return e.counted_loop(I64(0), taps, I64(1), acc, tap)
