@@ -17,7 +17,9 @@ initial parameters and the same samples in the same order: only the reduction di
 difference from dense is read. A reduction is
 `bucketed` (the dense default), `fp16` (bucketed with --gradient_compression fp16: every gradient
 rounded to half precision on the wire) or `topk:D` (--reduction topk --density D: each process sends
-its D share of largest-magnitude entries and keeps the rest as a residual for the next step).
+its D share of largest-magnitude entries and keeps the rest as a residual for the next step) or
+`topkmc:D` (topk with --momentum_correction: SGD's momentum applied by each process before it selects,
+the optimizer without it).
 
 Reported: the final test accuracy over the 10,000 test images (the metrics file's `final` line), per
 seed and its mean over the seeds, the difference of the means from the same model's dense mean in
@@ -41,6 +43,8 @@ def reduction_flags(name):
         return ["--reduction", "bucketed", "--gradient_compression", "fp16"]
     if name.startswith("topk:"):
         return ["--reduction", "topk", "--density", name.split(":", 1)[1]]
+    if name.startswith("topkmc:"):
+        return ["--reduction", "topk", "--density", name.split(":", 1)[1], "--momentum_correction", "true"]
     return ["--reduction", name]
 
 
@@ -117,8 +121,9 @@ def main(argv=None):
                 "(apt-get install dataset-fashion-mnist)")
     reductions = args.reductions.split(",")
     for r in reductions:
-        if r not in ("blocking", "per_layer", "bucketed", "hierarchical", "fp16") and not r.startswith("topk:"):
-            p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16 or topk:DENSITY")
+        if r not in ("blocking", "per_layer", "bucketed", "hierarchical", "fp16") and not r.startswith(("topk:", "topkmc:")):
+            p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16, topk:DENSITY "
+                    "or topkmc:DENSITY")
     if "bucketed" in reductions:
         reductions = ["bucketed"] + [r for r in reductions if r != "bucketed"]
     if args.quick:

@@ -206,6 +206,10 @@ def build_parser(suppress_defaults=False):
       help="hierarchical: processes per node, consecutive ranks (default: those sharing memory)")
     f(g, "density", type=positive_float, default=0.01,
       help="topk: the share of gradient entries each process sends per step, in (0, 1] (default 0.01)")
+    f(g, "momentum_correction", type=parse_bool, default=False,
+      help="topk with SGD: each process applies SGD's momentum to its own gradients before selecting, and clears "
+           "what it sends (Deep Gradient Compression's momentum correction and factor masking); the optimizer "
+           "then runs without momentum (default false)")
     f(g, "reduction_progress", choices=("test", "thread"), default="test",
       help="per_layer, bucketed: how outstanding gradient allreduces advance during backward: test (MPI entered "
            "between layers, the default) or thread (a helper thread enters MPI every 0.2 ms; needs "

@@ -143,9 +143,10 @@ def run(args):
         base = options["lr"]
         options["lr"] *= world  # the global batch grew P times (Goyal et al. 2017)
         lr_note = f" = {base:g} x {world} processes (linear scaling; --learning_rate_scaling false keeps {base:g})"
+    reducer, strategy = None, reduction_strategy(args, world)
+    corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
     optimizer = optim.create(args.optimizer, model.parameters(), backend=model.backend, **options)
     schedules = build_schedules(args, world)
-    reducer, strategy = None, reduction_strategy(args, world)
     if strategy is not None:
         reducer_options = {"compression": args.gradient_compression, "progress": args.reduction_progress}
         if strategy in ("bucketed", "hierarchical"):
@@ -153,7 +154,7 @@ def run(args):
         if strategy == "hierarchical":
             reducer_options["ranks_per_node"] = args.ranks_per_node
         if strategy == "topk":
-            reducer_options["density"] = args.density
+            reducer_options.update(density=args.density, momentum=corrected)
         reducer = reducers.create(strategy, grad_comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,
@@ -162,6 +163,8 @@ def run(args):
     if args.sync_batchnorm:
         trainer.sync_batchnorm()
     effective = effective_values(args, choice, options, world, schedules, strategy, mp_size)
+    if corrected:
+        effective["topk_momentum"] = corrected  # the optimizer's momentum is 0: the reducer applies this one
     trainer.callbacks = build_callbacks(args, trainer, config, effective)
 
     start_epoch = 0
@@ -265,6 +268,24 @@ def fill_defaults(args, model_name):
     for key, value in recipe(model_name, args.optimizer).items():
         if key != "learning_rate" and getattr(args, key) is None:
             setattr(args, key, value)
+
+
+def momentum_correction(args, strategy, options):
+    """--momentum_correction: SGD's momentum, which the topk reducer then applies to each rank's gradients
+    before it selects (the optimizer's momentum is set to 0 in `options`); 0.0 without the flag. A
+    ConfigError where it does not apply."""
+    if not args.momentum_correction:
+        return 0.0
+    if strategy != "topk":
+        raise ConfigError(f"--momentum_correction applies to the topk reducer over several processes; this run "
+                          f"reduces with {strategy or 'no reducer (one process)'}: add --reduction topk and launch 2 "
+                          "or more processes")
+    if args.optimizer != "sgd" or options.get("nesterov"):
+        raise ConfigError(f"--momentum_correction moves SGD's momentum into the topk reducer; got --optimizer "
+                          f"{args.optimizer}{' with --nesterov' if options.get('nesterov') else ''}: expected "
+                          "--optimizer sgd without Nesterov")
+    momentum, options["momentum"] = options["momentum"], 0.0
+    return momentum
 
 
 def reduction_strategy(args, world):

@@ -165,14 +165,16 @@ def test_progress_thread_is_refused_where_the_reducer_cannot_use_it(tmp_path):
     assert r.returncode == 0 and "final:" in r.stdout, r.stderr[-2000:]
 
 
-def test_a_topk_run_resumes_bit_identically_with_every_ranks_residual(tmp_path):
+@pytest.mark.parametrize("corrected", [False, True])
+def test_a_topk_run_resumes_bit_identically_with_every_ranks_residual(tmp_path, corrected):
     """The residuals (what each rank has not sent) are saved with the checkpoint, one row per rank, and each
-    rank gets its own back: 1 + 1 epochs end exactly where 2 epochs do, residuals included."""
+    rank gets its own back: 1 + 1 epochs end exactly where 2 epochs do, residuals included; with momentum
+    correction the velocities too."""
     from safetensors.numpy import load_file
 
     base = [MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--dataset", "mnist5k",
             "--dtype", "float64", "--global_batch_size", "32", "--steps_per_epoch", "4", "--progress", "false",
-            "--reduction", "topk", "--density", "0.1"]
+            "--reduction", "topk", "--density", "0.1", "--momentum_correction", str(corrected).lower()]
     for extra in (["--num_epochs", "2", "--checkpoint_dir", "full"], ["--num_epochs", "1", "--checkpoint_dir", "part"]):
         r = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
         assert r.returncode == 0, r.stderr[-2000:]
@@ -182,8 +184,41 @@ def test_a_topk_run_resumes_bit_identically_with_every_ranks_residual(tmp_path):
     for name in ("model.safetensors", "optimizer.safetensors"):
         full, part = load_file(str(tmp_path / "full" / name)), load_file(str(tmp_path / "part" / name))
         assert full.keys() == part.keys() and all(np.array_equal(full[k], part[k]) for k in full), name
-    residual = load_file(str(tmp_path / "part" / "optimizer.safetensors"))["@reducer.residual"]
-    assert residual.shape[0] == 2 and not np.array_equal(residual[0], residual[1]) and np.abs(residual).sum() > 0
+    saved = load_file(str(tmp_path / "part" / "optimizer.safetensors"))
+    for name in ("residual", "velocity") if corrected else ("residual",):
+        state = saved[f"@reducer.{name}"]
+        assert state.shape[0] == 2 and not np.array_equal(state[0], state[1]) and np.abs(state).sum() > 0, name
+    assert ("@reducer.velocity" in saved) == corrected
+
+
+def test_topk_momentum_correction_at_density_one_equals_one_process_without_momentum(tmp_path):
+    """Momentum correction clears the velocity of every entry sent: at density 1 every entry is sent each step, so
+    2 processes apply plain SGD to the global batch's gradient, as one process with --momentum 0 does (float64,
+    1e-12); and the flag is refused in one line where it does not apply."""
+    from safetensors.numpy import load_file
+
+    common = ["-m", "pydtnn", "--model", "simplecnn", "--dataset", "mnist5k", "--dtype", "float64",
+              "--global_batch_size", "32", "--steps_per_epoch", "4", "--num_epochs", "1", "--progress", "false"]
+    runs = {"np2": [MPIEXEC, "-n", "2", sys.executable, *common, "--reduction", "topk", "--density", "1.0",
+                    "--momentum_correction", "true", "--checkpoint_dir", "np2"],
+            "np1": [sys.executable, *common, "--momentum", "0", "--checkpoint_dir", "np1"]}
+    for argv in runs.values():
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b = (load_file(str(tmp_path / k / "model.safetensors")) for k in ("np2", "np1"))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-14, err_msg=k)
+    for extra, words in ((["--momentum_correction", "true"], "applies to the topk reducer over several processes"),
+                         (["--momentum_correction", "true", "--optimizer", "adam"], None)):
+        r = subprocess.run([sys.executable, *common, *extra], capture_output=True, text=True, timeout=120, env=ENV,
+                           cwd=tmp_path)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert words is None or words in r.stderr, r.stderr
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *common, "--reduction", "topk", "--optimizer", "adam",
+                        "--momentum_correction", "true"], capture_output=True, text=True, timeout=120, env=ENV,
+                       cwd=tmp_path)
+    assert r.returncode == 2 and "expected --optimizer sgd without Nesterov" in r.stderr, r.stderr[-2000:]
 
 
 def test_topk_sends_the_largest_entries_and_keeps_exactly_the_rest():
@@ -213,6 +248,47 @@ def test_topk_sends_the_largest_entries_and_keeps_exactly_the_rest():
         Model([Flatten(), Dense(7)], (1, 4, 4), CPUBackend("float64")))
     other.load_state_dict(state)
     np.testing.assert_array_equal(other.residual, kept)
+
+
+def test_topk_momentum_correction_accumulates_velocities_and_clears_what_it_sends():
+    """u = m u + w g; the accumulation gains u; what is sent is cleared in both (momentum factor masking); the
+    state round-trips, and a state without velocities is refused."""
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+    from pydtnn.errors import ConfigError
+    from pydtnn.layers import Dense, Flatten
+    from pydtnn.model import Model
+
+    def made(momentum):
+        model = Model([Flatten(), Dense(7)], (1, 4, 4), CPUBackend("float64"))
+        return model, reducers.create("topk", SingleProcess(), density=0.1, momentum=momentum).attach(model)
+
+    model, red = made(0.9)
+    rng = np.random.default_rng(1)
+    u, kept = np.zeros(model.grad_buffer.size), np.zeros(model.grad_buffer.size)
+    for weight in (1.0, 0.5, 1.0, 1.0):
+        g = rng.standard_normal(model.grad_buffer.size)
+        model.grad_buffer[...] = g
+        red.begin_step(weight)
+        red.finish()
+        u = 0.9 * u + weight * g
+        acc = kept + u
+        sent = model.grad_buffer.copy()
+        assert np.count_nonzero(sent) == red.k
+        assert np.abs(acc[sent != 0]).min() >= np.abs(acc[sent == 0]).max()
+        np.testing.assert_allclose(sent + red.residual, acc, rtol=1e-14, atol=1e-14)
+        u[sent != 0] = 0
+        np.testing.assert_array_equal(red.velocity, u)
+        kept = red.residual.copy()
+    other = made(0.9)[1]
+    other.load_state_dict(red.state_dict())
+    np.testing.assert_array_equal(other.velocity, u)
+    with pytest.raises(ConfigError, match="saved without momentum correction"):
+        made(0.9)[1].load_state_dict({"residual": kept})
+    with pytest.raises(ConfigError, match="saved with momentum correction"):
+        made(0.0)[1].load_state_dict(red.state_dict())
+    with pytest.raises(ConfigError, match=r"momentum must be in \[0, 1\), got 1.5"):
+        made(1.5)
 
 
 def test_topk_finds_exactly_the_k_largest_from_a_sample_or_falls_back_to_a_full_partition():
