@@ -284,6 +284,12 @@ def momentum_correction(args, strategy, options):
         raise ConfigError(f"--momentum_correction moves SGD's momentum into the topk reducer; got --optimizer "
                           f"{args.optimizer}{' with --nesterov' if options.get('nesterov') else ''}: expected "
                           "--optimizer sgd without Nesterov")
+    if not options.get("momentum"):
+        raise ConfigError("--momentum_correction moves SGD's momentum into the topk reducer, but --momentum is 0; "
+                          "expected a momentum in (0, 1)")
+    if options.get("weight_decay"):
+        raise ConfigError(f"--momentum_correction with --decay {options['weight_decay']:g}: the decay would skip the "
+                          "reducer's momentum; expected --decay 0")
     momentum, options["momentum"] = options["momentum"], 0.0
     return momentum
 
@@ -340,6 +346,9 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
         yield f"pydtnn: one process, batch {args.batch_size}"
     extras = [f"{k.replace('_', ' ')} {v:g}" for k, v in eff.items()
               if k in ("momentum", "weight_decay", "beta1", "beta2") and isinstance(v, float)]
+    if "topk_momentum" in eff:  # the optimizer's momentum is 0: the reducer applies it
+        extras = [e for e in extras if not e.startswith("momentum ")] + [
+            f"momentum {eff['topk_momentum']:g} in the topk reducer (momentum correction)"]
     schedules = ",".join(_chosen(args)) or "none"
     if "warm_up" in eff:
         w = eff["warm_up"]
@@ -580,6 +589,20 @@ def reducer_state(trainer):
     return out
 
 
+def check_reducer_state(trainer, extras, where):
+    """ConfigError, before anything is restored, where the checkpoint's reducer state (its extras) is not the kind
+    this run's reducer keeps: topk saved with momentum correction (residuals and velocities) resumed without it,
+    or the reverse."""
+    prefix = f"{checkpoint.EXTRA}reducer."
+    saved = {k[len(prefix):] for k in extras if k.startswith(prefix)}
+    own = set(trainer.reducer.state_dict()) if trainer.reducer is not None else set()
+    if saved and own and saved != own:
+        how = ("give --momentum_correction true as the saved run did" if "velocity" in saved else
+               "the saved run had no --momentum_correction: resume without it")
+        raise ConfigError(f"{where}: the checkpoint's topk reducer state is {', '.join(sorted(saved))}, this run's "
+                          f"is {', '.join(sorted(own))}; {how}")
+
+
 def restore_reducer(trainer, extras):
     """Give each rank its saved reducer state: its own row at the saved process count; at another count rank 0
     takes the sum of the rows (topk: every gradient not yet sent stays in the run) and the others zeros."""
@@ -609,6 +632,7 @@ def resume(directory, trainer, lr=None, scaled=False):
 
     def check(meta, where):  # before anything is restored: a refused checkpoint leaves the trainer as it was
         checkpoint.check_training_meta(meta, where, trainer.model.backend.rng, restorable)
+        check_reducer_state(trainer, extras, where)
 
     extras = {}
     meta = checkpoint.load(directory, trainer.model, trainer.optimizer, check_meta=check, extras=extras)

@@ -184,6 +184,11 @@ def test_a_topk_run_resumes_bit_identically_with_every_ranks_residual(tmp_path, 
     for name in ("model.safetensors", "optimizer.safetensors"):
         full, part = load_file(str(tmp_path / "full" / name)), load_file(str(tmp_path / "part" / name))
         assert full.keys() == part.keys() and all(np.array_equal(full[k], part[k]) for k in full), name
+    r = subprocess.run(base[:4] + ["-m", "pydtnn", "--resume", "part", "--num_epochs", "3", "--momentum_correction",
+                                   str(not corrected).lower()], capture_output=True, text=True, timeout=120, env=ENV,
+                       cwd=tmp_path)  # the other kind of reducer state: refused before anything is restored
+    want = "give --momentum_correction true as the saved run did" if corrected else "resume without it"
+    assert r.returncode == 2 and want in r.stderr, r.stderr[-2000:]
     saved = load_file(str(tmp_path / "part" / "optimizer.safetensors"))
     for name in ("residual", "velocity") if corrected else ("residual",):
         state = saved[f"@reducer.{name}"]
@@ -215,10 +220,12 @@ def test_topk_momentum_correction_at_density_one_equals_one_process_without_mome
                            cwd=tmp_path)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert words is None or words in r.stderr, r.stderr
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *common, "--reduction", "topk", "--optimizer", "adam",
-                        "--momentum_correction", "true"], capture_output=True, text=True, timeout=120, env=ENV,
-                       cwd=tmp_path)
-    assert r.returncode == 2 and "expected --optimizer sgd without Nesterov" in r.stderr, r.stderr[-2000:]
+    for extra, words in ((["--optimizer", "adam"], "expected --optimizer sgd without Nesterov"),
+                         (["--momentum", "0"], "but --momentum is 0; expected a momentum in (0, 1)"),
+                         (["--decay", "1e-4"], "--decay 0.0001: the decay would skip the reducer's momentum")):
+        r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *common, "--reduction", "topk", "--momentum_correction",
+                            "true", *extra], capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+        assert r.returncode == 2 and words in r.stderr, r.stderr[-2000:]
 
 
 def test_topk_sends_the_largest_entries_and_keeps_exactly_the_rest():

@@ -29,7 +29,8 @@ from pydtnn.errors import PydtnnError
 
 
 # A wait spins (yielding the core) this long before it starts to sleep between polls: a sleep lasts
-# 60 us or more, about twenty times a small collective's own time.
+# 60 us or more, about twenty times a small collective's own time. Not where a node's ranks outnumber
+# its cores: there the spinning rank would hold a core that the rank it waits for needs.
 SPIN_S = 2e-3
 
 
@@ -189,6 +190,9 @@ class MPIComm:
         # arrival notes travel apart from the collectives; made whatever the flags, so that ranks
         # started with different ones still reach the start-up comparison that names the difference
         self.side = self.comm.Dup()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.spin_s = SPIN_S if node.Get_size() <= len(os.sched_getaffinity(0)) else 0.0
+        node.Free()
         if stall_timeout:
             self._sends = []
             self.left = {}  # rank -> last collective it entered, for processes that have ended
@@ -397,7 +401,7 @@ class MPIComm:
         limit = self.stall_timeout if self.rank == 0 else 1.5 * self.stall_timeout + 1
         while not req.Test():
             waited = time.monotonic() - start
-            if waited < SPIN_S:  # most collectives end within microseconds: yield the core, do not sleep
+            if waited < self.spin_s:  # most collectives end within microseconds: yield the core, do not sleep
                 os.sched_yield()
                 continue
             self._drain()

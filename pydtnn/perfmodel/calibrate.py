@@ -250,6 +250,8 @@ def thread_fit(large_1, large_t, small_1, small_t, threads, iterations=200):
     settle. No class is given more than `threads` times. Arithmetic seconds (Timing.arithmetic_s) throughout: the calls' fixed cost is apart."""
     def speedup(one, many, serial):
         serial = min(serial, 0.9 * many)
+        if one <= serial:  # slower at t threads than the serial part allows: the plain ratio
+            return one / many
         return (one - serial) / (many - serial)
 
     serial = 0.0
