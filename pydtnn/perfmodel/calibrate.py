@@ -151,11 +151,11 @@ class Timing:
 
     @property
     def rate(self):
-        return self.flops / (self.seconds - self.call_s)
+        return self.flops / self.arithmetic_s
 
     @property
     def bandwidth(self):
-        return self.bytes / (self.seconds - self.call_s)
+        return self.bytes / self.arithmetic_s
 
 
 class Probe:
@@ -247,7 +247,8 @@ def thread_fit(large_1, large_t, small_1, small_t, threads, iterations=200):
     speed-up. A class's S is the median over its large shapes of the S that gives back their time at t
     threads given a; a is the median over the small shapes of the a that gives back theirs given their
     class's S (0 where they gained as much as the large ones). The two are solved in turn until they
-    settle. No class is given more than `threads` times. Arithmetic seconds (Timing.arithmetic_s) throughout: the calls' fixed cost is apart."""
+    settle. No class is given more than `threads` times. Arithmetic seconds (Timing.arithmetic_s)
+    throughout: the calls' fixed cost is apart."""
     def speedup(one, many, serial):
         serial = min(serial, 0.9 * many)
         if one <= serial:  # slower at t threads than the serial part allows: the plain ratio

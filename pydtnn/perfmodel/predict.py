@@ -8,10 +8,10 @@ Compute. Each phase of each layer (forward, backward-data, backward-weights) tak
 FLOPs at the rate of its kernel class and its bytes at the memory bandwidth on one thread (a roofline
 per phase); at more threads its first machine.thread_serial_s seconds run as on one thread and the rest
 at the thread speed-up of the layer's kernel class (Machine.threaded_seconds: small calls gain little
-from threads); the phase counts as compute- or memory-bound by which was longer. The optimizer update is memory-bound: SGD with momentum reads p, g
-and its buffer and writes p and the buffer (5 passes over the parameters' bytes), Adam 7, SGD without
-momentum 3. When the processes of a node ask for more threads than it has cores, compute slows by that
-ratio.
+from threads); the phase counts as compute- or memory-bound by which was longer. The optimizer
+update is memory-bound: SGD with momentum reads p, g and its buffer and writes p and the buffer (5
+passes over the parameters' bytes), Adam 7, SGD without momentum 3. When the processes of a node ask
+for more threads than it has cores, compute slows by that ratio.
 
 Fixed costs (machine.overheads), which threads do not speed up (oversubscribed cores slow them like the
 rest): every layer's forward call adds layer_forward_s (counted in its forward_s) and its backward call
