@@ -23,12 +23,17 @@ setup(
         "threadpoolctl>=3",
     ],
     extras_require={
-        "test": ["pytest>=7", "torch==2.13.0", "mpi4py>=4", "mpich", "onnx>=1.15", "onnxruntime>=1.17"],
+        "test": ["pytest>=7", "torch==2.13.0", "mpi4py>=4", "mpich", "onnx>=1.15", "onnxruntime>=1.17",
+                 "cuda-pathfinder>=1.3.4"],  # the GPU backend's library discovery, tested without a GPU
         # data-parallel runs under mpirun/mpiexec; use your cluster's MPI instead of the mpich wheel if it has one
         "mpi": ["mpi4py>=4", "mpich"],
         # GPU backend (--enable_gpu): CuPy, cuDNN and its frontend, NCCL (--enable_nccl)
-        "gpu": ["cupy-cuda12x>=13", "nvidia-cudnn-cu12>=9", "nvidia-cudnn-frontend>=1.10", "nvidia-nccl-cu12"],
-        "gpu-cuda13": ["cupy-cuda13x>=14", "nvidia-cudnn-cu13>=9", "nvidia-cudnn-frontend>=1.10", "nvidia-nccl-cu13"],
+        # (cuda-pathfinder finds libcudart, libcublasLt and libcudnn for the cuDNN frontend; CuPy links the CUDA
+        # runtime statically, so the runtime itself comes from CUDA wheels: [ctk], or nvidia-cuda-runtime-cu12)
+        "gpu": ["cupy-cuda12x>=13", "nvidia-cuda-runtime-cu12", "nvidia-cublas-cu12", "nvidia-cudnn-cu12>=9",
+                "nvidia-cudnn-frontend>=1.10", "nvidia-nccl-cu12", "cuda-pathfinder>=1.3.4"],
+        "gpu-cuda13": ["cupy-cuda13x[ctk]>=14", "nvidia-cudnn-cu13>=9", "nvidia-cudnn-frontend>=1.10",
+                       "nvidia-nccl-cu13", "cuda-pathfinder>=1.3.4"],
         # ONNX export (pydtnn-export, pydtnn.export.to_onnx)
         "onnx": ["onnx>=1.15"],
     },

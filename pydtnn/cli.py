@@ -246,6 +246,9 @@ def build_parser(suppress_defaults=False):
       help="compute on an NVIDIA GPU, one per process (CuPy + cuDNN frontend; pip install -e '.[gpu-cuda13]')")
     f(g, "enable_nccl", type=parse_bool, default=False,
       help="reduce gradients with NCCL on a side stream (with --enable_gpu; otherwise MPI through pinned host memory)")
+    f(g, "sync_every", type=positive_int, default=None,
+      help="steps between reads of the loss and metrics, each a wait for the device, and the check that the loss "
+           "is finite (default 1 on CPU, 32 with --enable_gpu; 1 stops a diverging run before its update)")
 
     g = p.add_argument_group("tracing")
     f(g, "tracing", type=parse_bool, default=False, help="write a Chrome-trace timeline (see --tracer_output)")

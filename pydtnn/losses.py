@@ -3,22 +3,52 @@
     loss = SoftmaxCrossEntropy()
     value = loss.forward(logits, labels)   # Python float, mean over the batch
     dy = loss.backward()                   # dL/dlogits of that mean, same shape and dtype as logits
+    v = loss.value(logits, labels)         # the same mean as a 0-d array, left on the device (no sync)
 
 Every loss works on NumPy or CuPy arrays alike (the array module of its input) and keeps the
 input's dtype: float32 logits give float32 gradients. Targets are checked; a bad one raises a
-one-line error naming the bad value and what was expected.
+one-line error naming the bad value and what was expected. Checking the values of a target on a
+GPU reads them back, a synchronization: the trainer checks its batches on the host before they are
+copied and computes inside `targets_checked_on_host()`, where device targets' values are not read.
 """
 
-from pydtnn.backends import array_module
+import contextlib
+import contextvars
+
+from pydtnn.backends import array_module, is_device_array
+
+_CHECKED_ON_HOST = contextvars.ContextVar("pydtnn_targets_checked_on_host", default=False)
+
+
+@contextlib.contextmanager
+def targets_checked_on_host():
+    """Within it, losses and metrics check device targets' shapes and dtypes but do not read their values
+    (the caller checked them on the host): no device synchronization."""
+    token = _CHECKED_ON_HOST.set(True)
+    try:
+        yield
+    finally:
+        _CHECKED_ON_HOST.reset(token)
+
+
+def _read_values(target):
+    """Whether a target's values are checked here (always, except device arrays the caller checked)."""
+    return not (_CHECKED_ON_HOST.get() and is_device_array(target))
 from pydtnn.errors import ConfigError, DataError, ShapeError
 
 
 class Loss:
-    """Base class: forward(y, target) -> float, backward() -> dL/dy. Calling a loss is forward."""
+    """Base class: value(y, target) -> 0-d array, forward(y, target) -> float, backward() -> dL/dy.
+    A loss defines value (or only forward, then the trainer reads it every step). Calling it is forward."""
 
     name = "loss"
 
     def forward(self, y, target):
+        """The mean loss of the batch as a Python float (on a GPU, a read: the host waits)."""
+        return float(self.value(y, target))
+
+    def value(self, y, target):
+        """The mean loss of the batch as a 0-d array of y's module, not read back."""
         raise NotImplementedError
 
     def backward(self):
@@ -53,7 +83,7 @@ class SoftmaxCrossEntropy(Loss):
     def __repr__(self):
         return f"SoftmaxCrossEntropy(label_smoothing={self.label_smoothing})"
 
-    def forward(self, y, target):
+    def value(self, y, target):
         xp = array_module(y)
         if y.ndim != 2:
             raise ShapeError(f"{self.name}: expects logits (N, K), got shape {y.shape}")
@@ -76,7 +106,7 @@ class SoftmaxCrossEntropy(Loss):
                 per_sample -= (eps / k) * logp.sum(axis=1)
         else:
             per_sample = -(q * logp).sum(axis=1)
-        return float(per_sample.sum() / n)
+        return per_sample.sum() / n
 
     def backward(self):
         n, k = self.probs.shape
@@ -103,19 +133,20 @@ class BinaryCrossEntropy(Loss):
     def __init__(self):
         self.probs = self.t = None
 
-    def forward(self, y, target):
+    def value(self, y, target):
         xp = array_module(y)
         _check_same_shape(self.name, y, target, "targets in [0, 1] of the logits' shape")
         _check_nonempty(self.name, y)
         t = target.astype(y.dtype, copy=False)
-        lo, hi = float(t.min()), float(t.max())
-        if not (0 <= lo and hi <= 1):  # also catches NaN
-            bad = lo if not 0 <= lo else hi
-            raise DataError(f"{self.name}: target value {bad} out of range; expected probabilities in [0, 1]")
+        if _read_values(t):
+            lo, hi = float(t.min()), float(t.max())
+            if not (0 <= lo and hi <= 1):  # also catches NaN
+                bad = lo if not 0 <= lo else hi
+                raise DataError(f"{self.name}: target value {bad} out of range; expected probabilities in [0, 1]")
         e = xp.exp(-xp.abs(y))  # in (0, 1]: never overflows
         self.probs = xp.where(y >= 0, 1 / (1 + e), e / (1 + e))
         self.t = t
-        return float((xp.maximum(y, 0) - y * t + xp.log1p(e)).mean())
+        return (xp.maximum(y, 0) - y * t + xp.log1p(e)).mean()
 
     def backward(self):
         dy = self.probs - self.t
@@ -131,14 +162,27 @@ class MeanSquaredError(Loss):
     def __init__(self):
         self.diff = None
 
-    def forward(self, y, target):
+    def value(self, y, target):
         _check_same_shape(self.name, y, target, "targets of the outputs' shape")
         _check_nonempty(self.name, y)
         self.diff = y - target.astype(y.dtype, copy=False)
-        return float((self.diff * self.diff).mean())
+        return (self.diff * self.diff).mean()
 
     def backward(self):
         return self.diff * (2 / self.diff.size)
+
+
+def check_host_targets(loss, target, output_shape):
+    """Check a batch's targets on the host, before they are copied to the device, as `loss` would on the
+    device: int labels against the model's classes, or BinaryCrossEntropy's targets in [0, 1]."""
+    if is_device_array(target):
+        return
+    if isinstance(loss, BinaryCrossEntropy):
+        if target.size and not (0 <= float(target.min()) and float(target.max()) <= 1):
+            bad = float(target.min()) if not 0 <= float(target.min()) else float(target.max())
+            raise DataError(f"{loss.name}: target value {bad} out of range; expected probabilities in [0, 1]")
+    elif target.ndim == 1 and len(output_shape) == 1:
+        check_batch_labels(target, len(target), output_shape[0], loss.name)
 
 
 def check_batch_labels(target, n, k, who):
@@ -150,7 +194,7 @@ def check_batch_labels(target, n, k, who):
     if target.dtype.kind not in "iu":
         raise DataError(f"{who}: labels of dtype {target.dtype}; expected integer class labels, "
                         f"or probabilities of shape ({n}, {k})")
-    if n == 0:
+    if n == 0 or not _read_values(target):
         return target
     lo, hi = int(target.min()), int(target.max())
     if lo < 0 or hi >= k:

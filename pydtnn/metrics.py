@@ -12,7 +12,9 @@ Names accepted by `get` (and by the CLI's `--metrics accuracy,top5_accuracy`):
 Scores y may be logits or probabilities: the ranking is the same. Classification targets are int
 labels (N,) or one-hot/probability rows (N, K), reduced to labels by argmax. Ties in y are broken
 towards the lower class index, like argmax, so top1_accuracy == accuracy always.
-Works on NumPy or CuPy arrays alike (the array module of y).
+Works on NumPy or CuPy arrays alike (the array module of y). With read=False a metric returns
+its value as a 0-d array of y's module instead, not read back from the device (the trainer adds
+them up on the GPU and reads the sums every few steps).
 """
 
 import functools
@@ -23,13 +25,14 @@ from pydtnn.errors import ConfigError, ShapeError
 from pydtnn.losses import check_batch_labels
 
 
-def accuracy(y, target):
+def accuracy(y, target, read=True):
     """Fraction of rows of y (N, K) whose argmax is the target class."""
     labels = _labels(y, target, "accuracy")
-    return float((y.argmax(axis=1) == labels).sum()) / y.shape[0]
+    hits = (y.argmax(axis=1) == labels).sum()
+    return float(hits) / y.shape[0] if read else hits / y.shape[0]
 
 
-def top_k_accuracy(y, target, k=5):
+def top_k_accuracy(y, target, k=5, read=True):
     """Fraction of rows of y (N, K) whose target class ranks among the k highest scores.
 
     Rank of the target = number of classes with a higher score, plus those with an equal score
@@ -42,18 +45,21 @@ def top_k_accuracy(y, target, k=5):
     n, num_classes = y.shape
     s = xp.take_along_axis(y, labels[:, None], axis=1)  # (N, 1): the target's score
     ahead = (y > s) | ((y == s) & (xp.arange(num_classes)[None, :] < labels[:, None]))
-    return float((ahead.sum(axis=1) < k).sum()) / n
+    hits = (ahead.sum(axis=1) < k).sum()
+    return float(hits) / n if read else hits / n
 
 
-def mse(y, target):
+def mse(y, target, read=True):
     """mean((y - target)^2) over all elements; int labels (N,) with y (N, K) compare against one-hot rows."""
     d = y - _dense_target(y, target, "mse")
-    return float((d * d).mean())
+    v = (d * d).mean()
+    return float(v) if read else v
 
 
-def mae(y, target):
+def mae(y, target, read=True):
     """mean(|y - target|) over all elements; int labels (N,) with y (N, K) compare against one-hot rows."""
-    return float(array_module(y).abs(y - _dense_target(y, target, "mae")).mean())
+    v = array_module(y).abs(y - _dense_target(y, target, "mae")).mean()
+    return float(v) if read else v
 
 
 def _labels(y, target, who):
@@ -103,7 +109,7 @@ def canonical(name):
 
 
 def get(name):
-    """Metric function (y, target) -> float by name: one of NAMES, or 'topK_accuracy' for any K >= 1."""
+    """Metric function (y, target, read=True) -> float by name: one of NAMES, or 'topK_accuracy' for any K >= 1."""
     if name in _FUNCTIONS:
         return _FUNCTIONS[name]
     m = re.fullmatch(r"top([1-9][0-9]*)_accuracy", name)

@@ -158,7 +158,7 @@ def run(args):
         reducer = reducers.create(strategy, grad_comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,
-                      log=log, comm=replicas, reducer=reducer, is_root=comm.rank == 0)
+                      log=log, comm=replicas, reducer=reducer, is_root=comm.rank == 0, sync_every=args.sync_every)
     trainer.accumulation_steps = args.accumulation_steps
     if args.sync_batchnorm:
         trainer.sync_batchnorm()

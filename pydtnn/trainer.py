@@ -24,6 +24,7 @@ from pydtnn import runtime
 from pydtnn.data.dataset import batch_slices, epoch_order
 from pydtnn.errors import ConfigError, DataError, TrainingDiverged
 from pydtnn.files import is_terminal
+from pydtnn.losses import Loss, check_host_targets, targets_checked_on_host
 from pydtnn.optim.schedules import learning_rate
 from pydtnn.randomness import SampleStreams
 
@@ -83,7 +84,7 @@ class Trainer:
 
     def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
                  callbacks=(), schedules=(), log=None, comm=None, reducer=None, prefetch=True, epoch_lines=None,
-                 is_root=None):
+                 is_root=None, sync_every=None):
         runtime.ensure_configured()
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
@@ -113,6 +114,9 @@ class Trainer:
         self._params = model.parameters()
         self._bn_sync = None
         self.prefetch = prefetch
+        if sync_every is not None and (int(sync_every) != sync_every or sync_every < 1):
+            raise ConfigError(f"sync_every must be a positive integer, got {sync_every!r}")
+        self.sync_every = sync_every  # None: 1 where arrays are on the host, SYNC_EVERY_DEVICE on a GPU
 
     def sync_batchnorm(self):
         """BatchNorm statistics over the global batch (all ranks) instead of each rank's share.
@@ -128,13 +132,15 @@ class Trainer:
                 layer.synchronize(self._bn_sync)
 
     # -- one step ------------------------------------------------------------------------
-    def train_step(self, x, y, weight=1.0):
+    def train_step(self, x, y, weight=1.0, read=True):
         """Forward, loss, backward, gradient reduction and update on one batch. Returns (loss, outputs).
 
         weight: this rank's share of the global batch (its gradients count that much in the average).
+        read: the loss as a Python float, checked to be finite before the update (TrainingDiverged); with
+        read=False it is a 0-d array left on the device, unchecked (fit reads it later).
         """
         if self.accumulation_steps > 1:
-            return self._accumulated_step(x, y, weight)
+            return self._accumulated_step(x, y, weight, read)
         if self._bn_sync is not None:
             self._bn_sync.weight = weight
         if self.reducer is not None:
@@ -142,9 +148,7 @@ class Trainer:
         with self._span("forward"):
             out = self.model.forward(x, training=True)
         with self._span("loss"):
-            loss = self.loss.forward(out, y)
-            if not math.isfinite(loss):
-                raise TrainingDiverged(f"loss is {loss}")
+            loss = self._loss(out, y, read)
             dy = self.loss.backward()
         with self._span("backward"):
             self.model.backward(dy)
@@ -155,7 +159,16 @@ class Trainer:
             self.optimizer.step()
         return loss, out
 
-    def _accumulated_step(self, x, y, weight):
+    def _loss(self, out, y, read):
+        """The batch's mean loss: a float checked to be finite, or (read=False) a 0-d device array."""
+        if read or type(self.loss).value is Loss.value:  # a loss with only forward is read every step
+            loss = self.loss.forward(out, y)
+            if not math.isfinite(loss):
+                raise TrainingDiverged(f"loss is {loss}")
+            return loss
+        return self.loss.value(out, y)
+
+    def _accumulated_step(self, x, y, weight, read=True):
         """The batch in `accumulation_steps` micro-batches, gradients summed, one reduction, one update.
 
         Memory for activations is that of a micro-batch; the update is that of the whole batch.
@@ -178,9 +191,7 @@ class Trainer:
                 with self._span("forward"):
                     out = self.model.forward(x[a:b], training=True)
                 with self._span("loss"):
-                    loss = self.loss.forward(out, y[a:b])
-                    if not math.isfinite(loss):
-                        raise TrainingDiverged(f"loss is {loss}")
+                    loss = self._loss(out, y[a:b], read)
                     dy = self.loss.backward()
                 with self._span("backward"):
                     self.model.backward(dy)
@@ -190,6 +201,8 @@ class Trainer:
                         self.model.backend.xp.multiply(g, share, out=acc)
                     else:
                         acc += self.model.backend.xp.multiply(g, share, out=g)  # g is rewritten next backward
+                if not read:  # in float64, as a Python float adds up when the loss is read
+                    loss = self.model.backend.xp.asarray(loss, dtype=self.model.backend.xp.float64)
                 total += loss * share
                 outs.append(out)
         for acc, (_, _, g) in zip(self._acc, params):
@@ -298,10 +311,20 @@ class Trainer:
         bar = tqdm(slices, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
         self.model.train()
+        every = self.steps_between_reads()
+        pending = []  # (step, n, [loss, metrics...] as 0-d device arrays), read every `every` steps
         with _Prefetcher(load, len(slices), self.prefetch) as batches:
             for step, (a, b) in enumerate(bar):
-                loss, out, y, n = self._train_batch(batches, step, epoch, a, b, *shares[step])
-                if n:
+                loss, out, y, n = self._train_batch(batches, step, epoch, a, b, *shares[step], read=every == 1)
+                if every > 1:
+                    with targets_checked_on_host():  # _train_batch checked them: no value is read here
+                        values = [loss] + [fn(out, y, read=False) if n else 0.0 for fn in self.metric_fns.values()]
+                    pending.append((step, n, values))
+                    if len(pending) >= every or step == len(slices) - 1:
+                        seen = self._read_pending(pending, sums, seen, epoch, every)
+                        if seen:
+                            bar.set_postfix({k: f"{v / seen:.4f}" for k, v in sums.items()}, refresh=False)
+                elif n:
                     sums["loss"] += loss * n
                     for m, fn in self.metric_fns.items():
                         sums[m] += fn(out, y) * n
@@ -315,30 +338,70 @@ class Trainer:
         record.setdefault("accuracy", None)
         return record, seen
 
-    def _train_batch(self, batches, step, epoch, a, b, indices, n):
+    SYNC_EVERY_DEVICE = 32  # steps between reads of the loss and metrics when they live on a GPU
+
+    def steps_between_reads(self):
+        """How often fit reads the loss and metrics back and checks the loss is finite: sync_every, or by
+        default every step where arrays are on the host (reading is free) and every SYNC_EVERY_DEVICE
+        steps on a GPU, where each read makes the host wait for the device."""
+        if self.sync_every is not None:
+            return self.sync_every
+        return 1 if self.model.backend.xp is np else self.SYNC_EVERY_DEVICE
+
+    def _read_pending(self, pending, sums, seen, epoch, every):
+        """Read the pending steps' losses and metrics in one transfer, check each loss is finite, add them to
+        the epoch's sums (in step order, as a read every step would); returns the samples seen."""
+        settle = getattr(getattr(self.reducer, "comm", None), "settle", None)
+        if settle is not None:  # NCCL: wait for queued reductions from the host, watched for stalls
+            settle()
+        xp = self.model.backend.xp
+        rows = self.model.backend.to_numpy(xp.stack([xp.stack([xp.asarray(v, dtype=xp.float64) for v in values])
+                                                     for _, _, values in pending]))
+        for i, ((step, n, _), row) in enumerate(zip(pending, rows)):
+            loss = float(row[0])
+            if not math.isfinite(loss):
+                later = len(pending) - 1 - i
+                raise self._diverged(f"loss is {loss}", epoch, step, (
+                    f"the loss is read every {every} steps here, so the parameters have taken {later + 1} "
+                    f"update{'s' if later else ''} since (sync_every 1 stops before the update)"))
+            if n:
+                sums["loss"] += loss * n
+                for m, v in zip(self.metric_fns, row[1:]):
+                    sums[m] += float(v) * n
+                seen += n
+        pending.clear()
+        return seen
+
+    def _diverged(self, what, epoch, step, parameters):
+        last = self.history[-1] if self.history else None
+        where = f" on rank {self.comm.rank}" if self.world_size > 1 else ""
+        return TrainingDiverged(
+            f"{what} at epoch {epoch + 1} step {step + 1}{where}; {parameters}; last completed epoch: "
+            f"{json.dumps(last) if last else 'none'}; try a smaller learning rate")
+
+    def _train_batch(self, batches, step, epoch, a, b, indices, n, read=True):
         """One step of _train_epoch on global batch [a, b), of which this rank has n samples (dataset rows
-        `indices`)."""
-        backend, rank, size = self.model.backend, self.comm.rank, self.world_size
+        `indices`). read=False leaves the loss on the device (a 0-d array, checked by _read_pending); the
+        labels are then checked on the host here, before they are copied."""
+        backend, rank = self.model.backend, self.comm.rank
         if self.schedules:
             self.optimizer.lr = learning_rate(self.base_lr, self.schedules, epoch, step, len(batches))
         t_step = time.perf_counter_ns()
         with self._span("data"):
             x, y = batches.get(step)
+            if not read:  # the values are checked here, on the host, and not read again on the device
+                check_host_targets(self.loss, y, self.model.output_shape)
             x, y = backend.batch_to_device(x), backend.batch_to_device(y)  # the GPU overlaps these copies
         # dropout masks from each sample's stream (pydtnn.randomness): the same at any process count, nothing
         # to checkpoint; the Generator, reseeded per step and rank, serves only layers outside a Model
         backend.reseed([self.seed, epoch, step, rank, 1])
         backend.sample_streams = SampleStreams(self.seed, epoch, indices)
         try:
-            loss, out = self.train_step(x, y, weight=n / (b - a))
+            with nullcontext() if read else targets_checked_on_host():
+                loss, out = self.train_step(x, y, weight=n / (b - a), read=read)
         except TrainingDiverged as e:
             backend.sample_streams = None
-            last = self.history[-1] if self.history else None
-            where = f" on rank {rank}" if size > 1 else ""
-            raise TrainingDiverged(
-                f"{e} at epoch {epoch + 1} step {step + 1}{where}; parameters keep the values of the step "
-                f"before; last completed epoch: {json.dumps(last) if last else 'none'}; try a smaller learning rate"
-            ) from None
+            raise self._diverged(str(e), epoch, step, "parameters keep the values of the step before") from None
         backend.sample_streams = None
         if self.tracer is not None:
             self.tracer.add(f"step {step + 1}", "step", t_step, time.perf_counter_ns(), tid=0, epoch=epoch + 1)
@@ -377,14 +440,22 @@ class Trainer:
         first, last = bounds[self.comm.rank], bounds[self.comm.rank + 1]
         self.model.eval()
         sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
+        # on a GPU the sums stay on the device (float64) and are read once, at the end
+        read = backend.xp is np or type(self.loss).value is Loss.value
         try:
             for a, b in batch_slices(last - first, max(batch_size, 1)):
                 x, y = data.get_batch(np.arange(first + a, first + b), backend.dtype)
-                x, y = backend.asarray(x), backend.asarray(y)
+                if not read:
+                    check_host_targets(self.loss, y, self.model.output_shape)
+                x, y = backend.batch_to_device(x), backend.batch_to_device(y)
                 out = self.model.forward(x, training=False)
-                sums["loss"] += self.loss.forward(out, y) * (b - a)
-                for m, fn in self.metric_fns.items():
-                    sums[m] += fn(out, y) * (b - a)
+                with nullcontext() if read else targets_checked_on_host():
+                    if read:
+                        sums["loss"] += self.loss.forward(out, y) * (b - a)
+                    else:
+                        sums["loss"] += backend.xp.asarray(self.loss.value(out, y), dtype=np.float64) * (b - a)
+                    for m, fn in self.metric_fns.items():
+                        sums[m] += fn(out, y) * (b - a) if read else fn(out, y, read=False) * (b - a)
                 seen += b - a
         finally:
             self.model.training = was_training

@@ -165,3 +165,63 @@ def test_a_failed_background_read_is_raised_in_the_training_thread(mnist5k):
     t = make_trainer(model="simplemlp")
     with pytest.raises(OSError, match="deliberate read error in batch 3"):
         t.fit(_Watched(train, fail_at=3), epochs=1, batch_size=32, steps_per_epoch=6)
+
+
+# -- reading the loss every few steps (what a GPU does to avoid a wait per step) -------------------
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_reading_every_few_steps_changes_nothing(mnist5k, accumulation):
+    """sync_every 5 (and a last read of 3 steps) gives the history and parameters of a read every step,
+    exactly: the same sums in the same order, metrics included."""
+    train = mnist5k[0].subset(np.arange(0, 1664))
+    runs = []
+    for every in (1, 5):
+        t = make_trainer(model="simplemlp", metrics=("accuracy", "top3_accuracy", "mse"), sync_every=every)
+        t.accumulation_steps = accumulation
+        assert t.steps_between_reads() == every
+        runs.append((t.fit(train, epochs=2, batch_size=64), t.model.params_sha256()))
+    strip = [[{k: v for k, v in r.items() if k not in ("time_s", "samples_per_second")} for r in h] for h, _ in runs]
+    assert strip[0] == strip[1] and runs[0][1] == runs[1][1]
+    assert strip[0][0]["top3_accuracy"] > strip[0][0]["accuracy"] > 0.3
+
+
+def test_cpu_reads_every_step_by_default_and_sync_every_is_checked():
+    from pydtnn.errors import ConfigError
+
+    assert make_trainer(model="simplemlp").steps_between_reads() == 1
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ConfigError, match=f"sync_every must be a positive integer, got {bad}"):
+            make_trainer(model="simplemlp", sync_every=bad)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
+def test_a_nan_read_late_names_its_step_and_the_updates_since(mnist5k):
+    train = mnist5k[0].subset(np.arange(0, 640))
+
+    class Explode:
+        def on_batch_end(self, trainer, step, logs):
+            if step == 2:
+                trainer.optimizer.lr = 1e30
+
+    steps = []
+    for every in (1, 4):
+        t = make_trainer(model="simplemlp", sync_every=every, callbacks=[Explode()])
+        with pytest.raises(TrainingDiverged) as e:
+            t.fit(train, epochs=1, batch_size=64)
+        steps.append(int(str(e.value).split(" step ")[1].split()[0].rstrip(";")))
+        msg = str(e.value)
+        if every == 1:
+            assert "parameters keep the values of the step before" in msg
+        else:
+            assert "the loss is read every 4 steps here, so the parameters have taken" in msg
+            assert "sync_every 1 stops before the update" in msg
+    assert steps[0] == steps[1] > 3  # the same first bad step, whenever it is read
+
+
+def test_bad_labels_are_refused_on_the_host_when_reads_are_deferred(mnist5k):
+    from pydtnn.errors import DataError
+
+    train = mnist5k[0].subset(np.arange(0, 256))
+    train.y[100] = 12
+    t = make_trainer(model="simplemlp", sync_every=8)
+    with pytest.raises(DataError, match=r"label 12 .* out of range; expected labels in \[0, 10\)"):
+        t.fit(train, epochs=1, batch_size=64)

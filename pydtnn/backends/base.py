@@ -57,7 +57,13 @@ class Backend:
         return np.asarray(a)
 
     def batch_to_device(self, a):
-        """A training batch on this device (a GPU overlaps the copy with the step before)."""
+        """A training batch on this device (a GPU overlaps the copy with the step before; the array may be
+        a buffer that later batches of the same shape reuse, so it is valid for its step)."""
+        return self.asarray(a)
+
+    def upload(self, a):
+        """A host array made during a step (a dropout mask), on this device; a GPU copies it without
+        making the host wait for the work already queued."""
         return self.asarray(a)
 
     def synchronize(self):
@@ -181,7 +187,7 @@ class Backend:
             keep = streams.rows(stream).uniform_rows(shape, np.float32) >= rate
         else:
             keep = self.rng.random(shape, dtype=np.float32) >= rate  # float32 draws: half the bytes
-        return self.asarray(keep.astype(dtype) * np.dtype(dtype).type(1 / (1 - rate)))
+        return self.upload(keep.astype(dtype) * np.dtype(dtype).type(1 / (1 - rate)))
 
     # -- optimizer updates ---------------------------------------------------------------------
     def sgd_update(self, p, g, buf, tmp, lr, weight_decay, momentum, dampening, nesterov, first):

@@ -13,11 +13,17 @@ test()/wait(), bcast, bcast_obj, allreduce_sum, barrier, abort), for the GPU bac
 - NcclComm reduces gradients with NCCL. Each reduction runs on a dedicated stream, after an event
   recorded on the computing stream once the gradients are produced, so it overlaps the rest of
   backward; wait() makes the computing stream wait for it (the host does not block). The NCCL unique
-  id travels from rank 0 over MPI as JSON (a list of byte values). Collectives of other kinds go to
-  the wrapped DeviceComm.
+  id travels from rank 0 over MPI as JSON (a list of byte values, and whether CuPy gave bytes, as
+  CuPy 14 does, or signed chars, as CuPy 13 does). Every reduction checks NCCL's asynchronous errors;
+  settle() waits from the host for what is queued, watched by stall_timeout like MPI's collectives.
+  Collectives of other kinds go to the wrapped DeviceComm.
 
 Neither module imports CuPy until it is constructed: the CPU path never touches it.
 """
+
+import contextlib
+import sys
+import time
 
 import numpy as np
 
@@ -165,8 +171,9 @@ class NcclComm:
             raise ConfigError("NcclComm: CuPy cannot load the NCCL library; pip install nvidia-nccl-cu13 (or -cu12)")
         self.cupy, self.nccl, self.comm = cupy, nccl, comm
         self.rank, self.size = comm.rank, comm.size
-        uid = comm.bcast_obj([int(b) for b in nccl.get_unique_id()] if comm.rank == 0 else None, root=0)
-        self.nccl_comm = nccl.NcclCommunicator(comm.size, tuple(uid), comm.rank)
+        wire = comm.bcast_obj(nccl_id_to_wire(nccl.get_unique_id()) if comm.rank == 0 else None, root=0)
+        self.nccl_comm = nccl.NcclCommunicator(comm.size, nccl_id_from_wire(wire), comm.rank)
+        self._pending = []  # (event recorded after a reduction, its label, when it was queued)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._types = {np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32,
                        np.dtype(np.float64): nccl.NCCL_FLOAT64}
@@ -186,7 +193,41 @@ class NcclComm:
                                  self.stream.ptr)
         done = self.cupy.cuda.Event(disable_timing=True)
         done.record(self.stream)
+        self.check_errors()
+        self._pending = [p for p in self._pending if not p[0].done] + [(done, label, time.monotonic())]
         return _NcclRequest(done)
+
+    def check_errors(self):
+        """Raise NCCL's asynchronous error of this communicator, if any (a failed peer, a network error)."""
+        check = getattr(self.nccl_comm, "check_async_error", None)
+        if check is not None:
+            check()
+
+    def settle(self):
+        """Wait, from the host, until every reduction queued so far has completed, checking NCCL's errors.
+        With stall_timeout set, a reduction still running that long after it was queued is reported
+        (one line, like MPIComm's stalls) and the job aborted, instead of the host blocking forever in the
+        next read of a device value. The trainer calls it before it reads the loss."""
+        stall = getattr(self.comm, "stall_timeout", None)
+        pause = 0.0
+        while self._pending:
+            done, label, queued = self._pending[0]
+            if done.done:
+                self._pending.pop(0)
+                continue
+            self.check_errors()
+            waited = time.monotonic() - queued
+            if stall and waited > stall:
+                print(f"pydtnn: error: rank {self.rank}: stalled {waited:.1f} s in NCCL allreduce"
+                      f"{f' ({label})' if label else ''}; aborting (stall_timeout={stall:g} s)",
+                      file=sys.stderr, flush=True)
+                with contextlib.suppress(Exception):
+                    self.nccl_comm.abort()
+                self.abort(1)
+                return
+            time.sleep(pause)
+            pause = min(pause + 1e-5, 1e-3)
+        self.check_errors()
 
     def allreduce(self, buf, label=""):
         self.iallreduce(buf, label).wait()
@@ -206,6 +247,24 @@ class NcclComm:
 
     def abort(self, code=1):
         self.comm.abort(code)
+
+
+def nccl_id_to_wire(uid):
+    """An NCCL unique id as a list of 128 byte values 0..255, for bcast_obj. CuPy 14 gives bytes; CuPy 13
+    gives a tuple of signed chars (-128..127)."""
+    values = [int(b) & 0xFF for b in uid]
+    if len(values) != 128:
+        raise ValueError(f"NCCL unique id of {len(values)} bytes; expected 128")
+    return ["bytes" if isinstance(uid, (bytes, bytearray)) else "signed", values]
+
+
+def nccl_id_from_wire(wire):
+    """The id in the form rank 0's CuPy gave it (the same CuPy on every rank takes it back): bytes for
+    CuPy 14, a tuple of signed ints for CuPy 13."""
+    kind, values = wire
+    if kind == "bytes":
+        return bytes(values)
+    return tuple(v - 256 if v > 127 else v for v in values)
 
 
 class _NcclRequest:

@@ -25,7 +25,9 @@ CuPy and cuDNN only when a backend is made.
     backend.py      GPUBackend: the contract's operations on CuPy, cuDNN and the kernels below
     conv_graphs.py  ConvGraphs: the cuDNN frontend graphs of a backend's convolutions
     kernels.py      CUDA sources (pooling, dropout masks) and the elementwise SGD/Adam update kernels
-    device.py       what is installed and visible (gpu_status), and which GPU a rank takes
+    device.py       what is installed and visible (gpu_status), the CUDA libraries the cuDNN frontend
+                    needs (load_cuda_libraries), and which GPU a rank takes
+    transfers.py    host-to-device copies that never wait for the GPU (batches on a copy stream)
 """
 
 from pydtnn.backends.gpu.backend import GPUBackend

@@ -8,6 +8,7 @@ from pydtnn.backends.base import Backend
 from pydtnn.backends.gpu.conv_graphs import ConvGraphs
 from pydtnn.backends.gpu.device import local_rank, require_cupy
 from pydtnn.backends.gpu.kernels import DROPOUT_SRC, POOL_SRC, update_kernels
+from pydtnn.backends.gpu.transfers import BatchCopier, Uploader
 from pydtnn.errors import ConfigError
 
 
@@ -36,7 +37,7 @@ class GPUBackend(Backend):
         self._pool = cp.RawModule(code=POOL_SRC)
         self._dropout = cp.ElementwiseKernel("uint64 seed, float32 rate, float32 scale", "T mask", DROPOUT_SRC,
                                              "pydtnn_dropout_mask")
-        self._pinned = {}
+        self._batches, self._uploads = BatchCopier(cp), Uploader(cp)
 
     def __repr__(self):
         return f"GPUBackend(device={self.device_id}, dtype={self.dtype.name}, seed={self.seed})"
@@ -50,39 +51,17 @@ class GPUBackend(Backend):
         return cp.asarray(np.asarray(a, dtype=dtype))
 
     def batch_to_device(self, a):
-        """A training batch on this GPU. Host arrays of 64 KB and more are copied asynchronously through
-        page-locked buffers, two per shape used in turn: the host waits only for the copy out of the
-        buffer it is about to refill (two batches back), not for the computation queued since, so it
-        prepares the next step while the GPU runs this one. Only batches take this path, so page-locked
-        memory stays at two batches per shape (at most 8 shapes)."""
-        cp = self.cupy
-        if isinstance(a, cp.ndarray):
+        """A training batch on this GPU, copied on a stream of its own while the GPU computes the step
+        before (transfers.BatchCopier; the array is valid for its step). Device arrays pass through."""
+        if isinstance(a, self.cupy.ndarray):
             return a
-        a = np.asarray(a)
-        if a.nbytes < (1 << 16) or not a.flags.c_contiguous:
-            return cp.asarray(a)
-        key = (a.shape, a.dtype.str)
-        slots = self._pinned.get(key)
-        if slots is None:
-            import cupyx
+        return self._batches(a)
 
-            if len(self._pinned) >= 8:  # batches come in a few shapes; anything else is not kept forever
-                for _, done in self._pinned.pop(next(iter(self._pinned))):
-                    if done is not None:
-                        done.synchronize()
-            slots = self._pinned[key] = [[cupyx.empty_pinned(a.shape, a.dtype), None] for _ in range(2)]
-        slots.append(slots.pop(0))  # round robin
-        slot = slots[-1]
-        host, done = slot
-        if done is not None:
-            done.synchronize()  # the copy that last read this buffer is over
-        host[...] = a
-        stream = cp.cuda.get_current_stream()
-        out = cp.empty(a.shape, a.dtype)
-        out.set(host, stream=stream)
-        slot[1] = cp.cuda.Event(disable_timing=True)
-        slot[1].record(stream)
-        return out
+    def upload(self, a):
+        """A host array made during the step (a dropout mask), copied asynchronously (transfers.Uploader)."""
+        if isinstance(a, self.cupy.ndarray):
+            return a
+        return self._uploads(a)
 
     def to_numpy(self, a):
         return a.get() if isinstance(a, self.cupy.ndarray) else np.asarray(a)

@@ -72,9 +72,20 @@ class ConvGraphs:
             graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
             graph.check_support()
             graph.build_plans()
-        except Exception as e:
-            raise RuntimeError(f"cuDNN has no engine for conv {kind} with batch {n}, weight {w_shape}, {g}: {e}") from e
+        except Exception as e:  # the frontend's own error, with what was being built added to it
+            raise with_context(e, f"while building the cuDNN graph of conv {kind} with batch {n}, weight {w_shape}, "
+                                  f"{g}") from None
         return graph, t, graph.get_workspace_size()
+
+
+def with_context(error, context):
+    """`error` itself, its message kept whole, with `context` added: a note (Python 3.11+), else a line in
+    its arguments. The caller raises what this returns, so the type the library chose is kept."""
+    if hasattr(error, "add_note"):
+        error.add_note(context)
+    else:
+        error.args = (f"{error.args[0] if error.args else ''} ({context})",) + tuple(error.args[1:])
+    return error
 
 
 def _row_major(dim):

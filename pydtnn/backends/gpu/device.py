@@ -1,10 +1,27 @@
-"""What is installed and visible (gpu_status), and which GPU a rank takes (local_rank)."""
+"""What is installed and visible (gpu_status), the CUDA libraries the cuDNN frontend needs
+(load_cuda_libraries), and which GPU a rank takes (local_rank)."""
 
+import ctypes
 import os
 
 from pydtnn.errors import ConfigError
 
 _INSTALL = "pip install -e '.[gpu-cuda13]' (CUDA 13) or '.[gpu]' (CUDA 12)"
+
+# (cuda.pathfinder's name, the library, how to get it): what the cuDNN frontend needs in the process.
+# CuPy links the CUDA runtime statically, so a CuPy-only process has no libcudart loaded; the frontend
+# dlopens it by soname, and finds libcudnn only on LD_LIBRARY_PATH or in sysconfig's purelib.
+CUDA_LIBRARIES = (
+    ("cudart", "the CUDA runtime (libcudart.so.13 or .12)",
+     "pip install 'cupy-cuda13x[ctk]' (CUDA 13) or nvidia-cuda-runtime-cu12 (CUDA 12), or put a CUDA toolkit's "
+     "lib64 on LD_LIBRARY_PATH"),
+    ("cublasLt", "cuBLASLt (libcublasLt.so.13 or .12)",
+     "pip install 'cupy-cuda13x[ctk]' (CUDA 13) or nvidia-cublas-cu12 (CUDA 12), or put a CUDA toolkit's lib64 "
+     "on LD_LIBRARY_PATH"),
+    ("cudnn", "cuDNN 9 (libcudnn.so.9)",
+     "pip install nvidia-cudnn-cu13 (CUDA 13) or nvidia-cudnn-cu12 (CUDA 12), or put cuDNN's lib folder on "
+     "LD_LIBRARY_PATH"),
+)
 
 
 def gpu_status():
@@ -31,7 +48,53 @@ def require_cupy():
     return cupy
 
 
+def load_cuda_libraries():
+    """Load the CUDA runtime, cuBLASLt and cuDNN into this process, where the cuDNN frontend will find them;
+    {name: path}. Raises ConfigError naming the first library missing and how to install it.
+
+    Found by cuda.pathfinder (already loaded, then NVIDIA wheels on sys.path, conda, the dynamic linker,
+    CUDNN_PATH/CUDA_HOME), except that a libcudnn.so.9 on LD_LIBRARY_PATH comes first, as the frontend
+    itself prefers it: one cuDNN in the process, whichever looks for it. CUDNN_FRONTEND_CUDART_LIB_NAME is
+    set to the runtime found (unless already set), so the frontend uses that one runtime.
+    """
+    try:
+        from cuda.pathfinder import DynamicLibNotFoundError, load_nvidia_dynamic_lib
+    except ImportError as e:
+        raise ConfigError(f"the GPU backend needs cuda-pathfinder to find the CUDA libraries ({e}); pip install "
+                          f"cuda-pathfinder (CuPy 14 installs it; part of {_INSTALL})") from None
+    found = {}
+    for name, what, install in CUDA_LIBRARIES:
+        if name == "cudnn":
+            preferred = cudnn_on_ld_library_path()
+            if preferred is not None:
+                try:
+                    ctypes.CDLL(preferred)
+                except OSError as e:
+                    raise ConfigError(f"the GPU backend cannot load {preferred} (found on LD_LIBRARY_PATH): {e}; "
+                                      f"{install}") from None
+        try:
+            found[name] = load_nvidia_dynamic_lib(name).abs_path
+        except DynamicLibNotFoundError as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"the GPU backend needs {what}, which was not found or could not be loaded ({why}); "
+                              f"{install}") from None
+    if found.get("cudart"):
+        os.environ.setdefault("CUDNN_FRONTEND_CUDART_LIB_NAME", found["cudart"])
+    return found
+
+
+def cudnn_on_ld_library_path():
+    """The first libcudnn.so.9 (or libcudnn.so) in LD_LIBRARY_PATH's folders, as the frontend looks; or None."""
+    for folder in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        for name in ("libcudnn.so.9", "libcudnn.so"):
+            if folder and os.path.exists(os.path.join(folder, name)):
+                return os.path.join(folder, name)
+    return None
+
+
 def require_cudnn():
+    """The cuDNN frontend module, imported after load_cuda_libraries(); ConfigError if anything is missing."""
+    load_cuda_libraries()
     try:
         import cudnn
     except ImportError as e:
