@@ -19,7 +19,8 @@ difference from dense is read. A reduction is
 rounded to half precision on the wire) or `topk:D` (--reduction topk --density D: each process sends
 its D share of largest-magnitude entries and keeps the rest as a residual for the next step) or
 `topkmc:D` (topk with --momentum_correction: SGD's momentum applied by each process before it selects,
-the optimizer without it).
+the optimizer without it); `topk:D:W` and `topkmc:D:W` add --density_warmup_epochs W (the density falls
+from 0.25 to D over the first W epochs).
 
 Reported: the final test accuracy over the 10,000 test images (the metrics file's `final` line), per
 seed and its mean over the seeds, the difference of the means from the same model's dense mean in
@@ -41,10 +42,12 @@ DATA = "/usr/share/datasets/fashion-mnist"
 def reduction_flags(name):
     if name == "fp16":
         return ["--reduction", "bucketed", "--gradient_compression", "fp16"]
-    if name.startswith("topk:"):
-        return ["--reduction", "topk", "--density", name.split(":", 1)[1]]
-    if name.startswith("topkmc:"):
-        return ["--reduction", "topk", "--density", name.split(":", 1)[1], "--momentum_correction", "true"]
+    if name.startswith(("topk:", "topkmc:")):
+        kind, density, *warmup = name.split(":")
+        flags = ["--reduction", "topk", "--density", density]
+        if warmup:
+            flags += ["--density_warmup_epochs", warmup[0]]
+        return flags + (["--momentum_correction", "true"] if kind == "topkmc" else [])
     return ["--reduction", name]
 
 
@@ -123,7 +126,7 @@ def main(argv=None):
     for r in reductions:
         if r not in ("blocking", "per_layer", "bucketed", "hierarchical", "fp16") and not r.startswith(("topk:", "topkmc:")):
             p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16, topk:DENSITY "
-                    "or topkmc:DENSITY")
+                    "or topkmc:DENSITY (either with :WARMUP_EPOCHS)")
     if "bucketed" in reductions:
         reductions = ["bucketed"] + [r for r in reductions if r != "bucketed"]
     if args.quick:

@@ -311,6 +311,8 @@ class Trainer:
         bar = tqdm(slices, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
         self.model.train()
+        if self.reducer is not None:
+            self.reducer.begin_epoch(epoch)
         every = self.steps_between_reads()
         pending = []  # (step, n, [loss, metrics...] as 0-d device arrays), read every `every` steps
         with _Prefetcher(load, len(slices), self.prefetch) as batches:

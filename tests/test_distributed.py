@@ -257,6 +257,45 @@ def test_topk_sends_the_largest_entries_and_keeps_exactly_the_rest():
     np.testing.assert_array_equal(other.residual, kept)
 
 
+def test_topk_density_warm_up_falls_from_a_quarter_to_the_density_epoch_by_epoch():
+    """Over W warm-up epochs the density falls geometrically from 0.25 to --density: epoch e of W sends
+    0.25 (density / 0.25)^(e / W); the trainer's begin_epoch sets it; each step then sends that many."""
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+    from pydtnn.errors import ConfigError
+    from pydtnn.layers import Dense, Flatten
+    from pydtnn.model import Model
+
+    model = Model([Flatten(), Dense(50)], (1, 8, 8), CPUBackend("float64"))  # 3,250 gradient entries
+    red = reducers.create("topk", SingleProcess(), density=0.01, warmup_epochs=2).attach(model)
+    assert [red.density_at(e) for e in range(4)] == pytest.approx([0.25, 0.05, 0.01, 0.01], rel=1e-12)
+    rng = np.random.default_rng(2)
+    for epoch, want in enumerate((813, 163, 33, 33)):  # ceil(density x 3,250)
+        red.begin_epoch(epoch)
+        model.grad_buffer[...] = rng.standard_normal(model.grad_buffer.size)
+        red.begin_step(1.0)
+        red.finish()
+        assert red.k == want and np.count_nonzero(model.grad_buffer) == want, epoch
+    plain = reducers.create("topk", SingleProcess(), density=0.01).attach(model)
+    plain.begin_epoch(0)
+    assert plain.k == 33 and plain.density_at(0) == 0.01
+    assert reducers.create("topk", SingleProcess(), density=0.5, warmup_epochs=3).density_at(0) == 0.5
+    with pytest.raises(ConfigError, match="a whole number of epochs >= 0, got 1.5"):
+        reducers.create("topk", SingleProcess(), density=0.01, warmup_epochs=1.5)
+
+
+def test_the_command_line_warms_topk_up_and_refuses_a_warm_up_without_topk(tmp_path):
+    cmd = [sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--dataset", "mnist5k", "--num_epochs", "2",
+           "--steps_per_epoch", "2", "--progress", "false", "--density_warmup_epochs", "1"]
+    r = subprocess.run([MPIEXEC, "-n", "2", *cmd, "--reduction", "topk", "--density", "0.05"], capture_output=True,
+                       text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0 and "topk density from 0.25 to 0.05 over 1 epoch" in r.stderr, r.stderr[-2000:]
+    bad = subprocess.run([MPIEXEC, "-n", "2", *cmd, "--reduction", "bucketed"], capture_output=True, text=True,
+                         timeout=120, env=ENV, cwd=tmp_path)
+    assert bad.returncode == 2 and "--density_warmup_epochs applies to the topk reducer; this run reduces with " \
+        "bucketed" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_topk_momentum_correction_accumulates_velocities_and_clears_what_it_sends():
     """u = m u + w g; the accumulation gains u; what is sent is cleared in both (momentum factor masking); the
     state round-trips, and a state without velocities is refused."""

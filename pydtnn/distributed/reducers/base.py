@@ -119,6 +119,9 @@ class Reducer:
     def setup(self):
         """Allocate buffers once the parameters are known."""
 
+    def begin_epoch(self, epoch):
+        """Called by the trainer before each epoch (0-based); topk's density warm-up follows it."""
+
     def begin_step(self, weight):
         self.weight = weight
 

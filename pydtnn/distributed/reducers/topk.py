@@ -57,15 +57,20 @@ def largest(mag, k, sample=None):
 class TopKReducer(Reducer):
     name = "topk"
 
-    def __init__(self, comm, density=0.01, compression="none", progress="test", momentum=0.0):
+    WARMUP_START = 0.25  # the density of the first warm-up epoch (Deep Gradient Compression's)
+
+    def __init__(self, comm, density=0.01, compression="none", progress="test", momentum=0.0, warmup_epochs=0):
         if compression != "none":
             raise ConfigError(f"the topk reducer sends values in the gradients' dtype; got compression {compression!r}")
         if not 0 < density <= 1:
             raise ConfigError(f"topk density must be in (0, 1], got {density!r}")
         if not 0 <= momentum < 1:
             raise ConfigError(f"topk momentum correction: momentum must be in [0, 1), got {momentum!r}")
+        if int(warmup_epochs) != warmup_epochs or warmup_epochs < 0:
+            raise ConfigError(f"topk density warm-up: a whole number of epochs >= 0, got {warmup_epochs!r}")
         super().__init__(comm, compression, progress)
-        self.density, self.momentum = float(density), float(momentum)
+        self.density, self.momentum, self.warmup_epochs = float(density), float(momentum), int(warmup_epochs)
+        self.epoch_density = self.density
 
     def setup(self):
         self.names = [n for n, _, _ in self.params]
@@ -73,7 +78,7 @@ class TopKReducer(Reducer):
             self.buf, self.views = self.flat, None  # the model's own gradient buffer, overwritten with the sum
         else:
             self.buf, self.views = flat_buffer([g for _, _, g in self.params])
-        self.k = min(self.buf.size, max(1, int(np.ceil(self.density * self.buf.size))))
+        self.k = self._k(self.epoch_density)
         self.residual = array_module(self.buf).zeros_like(self.buf)
         self.velocity = array_module(self.buf).zeros_like(self.buf) if self.momentum else None
         n = self.buf.size
@@ -81,6 +86,22 @@ class TopKReducer(Reducer):
         if n >= 8 * SAMPLE and self.k < n:  # fixed positions, the same on every rank and every run
             picked = np.sort(np.random.default_rng(n).choice(n, SAMPLE, replace=False))
             self.sample = array_module(self.buf).asarray(picked)
+
+    def _k(self, density):
+        return min(self.buf.size, max(1, int(np.ceil(density * self.buf.size))))
+
+    def density_at(self, epoch):
+        """The density of an epoch (0-based): with warm-up over W epochs, epoch e < W sends
+        0.25 x (density / 0.25)^(e / W) of the entries, falling geometrically from 0.25 to the density
+        (Deep Gradient Compression's exponential warm-up); then the density itself."""
+        if epoch >= self.warmup_epochs or self.density >= self.WARMUP_START:
+            return self.density
+        return self.WARMUP_START * (self.density / self.WARMUP_START) ** (epoch / self.warmup_epochs)
+
+    def begin_epoch(self, epoch):
+        self.epoch_density = self.density_at(epoch)
+        if getattr(self, "buf", None) is not None:
+            self.k = self._k(self.epoch_density)
 
     def finish(self):
         self.order_done = True
