@@ -413,3 +413,66 @@ def test_uploads_arrive_whole_though_pinned_buffers_are_reused(prefer):
     gpu.drain()
     for i, (m, out) in enumerate(zip(sent, outs)):
         np.testing.assert_array_equal(out.value, m, err_msg=f"upload {i}")
+
+
+# -- CUDA-aware MPI detection ----------------------------------------------------------------------
+def test_mpi_libraries_are_found_in_the_process_map(tmp_path):
+    from pydtnn.distributed.gpu_comm import loaded_mpi_libraries
+
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r--p 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        "7f02-7f03 r--p 00000000 08:01 2 /opt/venv/lib/libmpi.so.12\n"
+        "7f04-7f05 r-xp 00001000 08:01 2 /opt/venv/lib/libmpi.so.12\n"
+        "7f06-7f07 rw-p 00000000 00:00 0 \n"
+        "7f08-7f09 r--p 00000000 08:01 3 /opt/ompi/lib/libmpi.so.40.30.0\n"
+        "7f0a-7f0b r--p 00000000 08:01 4 /opt/x/libmpix_helper.so\n")
+    assert loaded_mpi_libraries(str(maps)) == ["/opt/venv/lib/libmpi.so.12", "/opt/ompi/lib/libmpi.so.40.30.0"]
+    assert loaded_mpi_libraries(str(tmp_path / "absent")) == []
+
+
+def test_this_machines_mpi_is_asked_and_says_it_takes_no_device_buffers(monkeypatch):
+    """MPICH from its wheel (no CUDA) has MPIX_Query_cuda_support, found through the process map; it says 0.
+    The environment variable overrides it."""
+    import ctypes
+
+    MPI = pytest.importorskip("mpi4py.MPI")
+    from pydtnn.distributed.gpu_comm import loaded_mpi_libraries, mpi_cuda_aware
+
+    monkeypatch.delenv("PYDTNN_CUDA_AWARE_MPI", raising=False)
+    libs = loaded_mpi_libraries()
+    assert libs, f"no MPI library mapped after importing mpi4py ({MPI.Get_library_version()[:40]})"
+    if not any(hasattr(ctypes.CDLL(p), "MPIX_Query_cuda_support") for p in libs):
+        pytest.skip("this MPI library has no MPIX_Query_cuda_support")
+    assert mpi_cuda_aware() is False
+    monkeypatch.setenv("PYDTNN_CUDA_AWARE_MPI", "1")
+    assert mpi_cuda_aware() is True
+
+
+# -- the cuDNN graph cache -----------------------------------------------------------------------
+def test_conv_graph_cache_is_bounded_and_drops_the_least_recently_used(monkeypatch):
+    from pydtnn.backends.gpu import conv_graphs
+
+    ran = []
+    fake = types.SimpleNamespace(create_handle=lambda: 1, destroy_handle=lambda h: None,
+                                 set_stream=lambda handle, stream: None)
+    monkeypatch.setattr(conv_graphs, "require_cudnn", lambda: fake)
+    backend = types.SimpleNamespace(cupy=types.SimpleNamespace(
+        cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0)),
+        empty=lambda n, dtype: np.empty(n, np.uint8), uint8=np.uint8))
+    graphs = conv_graphs.ConvGraphs(backend, max_graphs=3)
+    built = []
+
+    class Graph:
+        def execute(self, arrays, ws, handle):
+            ran.append(arrays)
+
+    def build(kind, n, g, w_shape):
+        built.append(n)
+        return Graph(), {"X": "X"}, 16
+
+    monkeypatch.setattr(graphs, "_build", build)
+    for n in (1, 2, 3, 1, 4, 2, 1):  # 1 is used again before 4 arrives, so 2 is dropped, then built again
+        graphs.run("fprop", n, "g", (8, 3, 3, 3), {"X": n})
+    assert built == [1, 2, 3, 4, 2] and len(graphs.cache) == 3
+    assert [key[1] for key in graphs.cache] == [4, 2, 1] and len(ran) == 7

@@ -33,7 +33,13 @@ from pydtnn.backends import is_device_array
 
 def mpi_cuda_aware():
     """Whether MPI accepts device pointers: PYDTNN_CUDA_AWARE_MPI if set (1 or 0), else the library's
-    MPIX_Query_cuda_support() (False when the library has no such function)."""
+    MPIX_Query_cuda_support() (False when the library has no such function).
+
+    The function is looked up in every MPI library mapped into the process (/proc/self/maps: mpi4py
+    may load libmpi itself rather than link it), then through mpi4py's module (its dependencies), then
+    in the global namespace. A yes means MPI takes device buffers; it does not promise that their
+    non-blocking reductions progress without the host, so reductions still overlap only as far as
+    the MPI library progresses them."""
     said = env.cuda_aware_mpi()
     if said is not None:
         return said
@@ -43,9 +49,7 @@ def mpi_cuda_aware():
         from mpi4py import MPI
     except ImportError:
         return False
-    # the MPI library mpi4py links (dlsym on the module also searches its dependencies), or one
-    # loaded into the process some other way
-    for handle in (MPI.__file__, None):
+    for handle in (*loaded_mpi_libraries(), MPI.__file__, None):
         try:
             query = ctypes.CDLL(handle).MPIX_Query_cuda_support
         except (AttributeError, OSError):
@@ -53,6 +57,21 @@ def mpi_cuda_aware():
         query.restype = ctypes.c_int
         return bool(query())
     return False
+
+
+def loaded_mpi_libraries(maps="/proc/self/maps"):
+    """Paths of the MPI libraries mapped into this process (libmpi*, libmpich*), in the order first mapped."""
+    found = []
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
+                name = path.rsplit("/", 1)[-1]
+                if path.startswith("/") and name.startswith(("libmpi.", "libmpich.", "libmpi_")) and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
 
 
 class DeviceComm:

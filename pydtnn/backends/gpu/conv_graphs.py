@@ -1,5 +1,6 @@
 """The cuDNN frontend graphs of a GPU backend's convolutions."""
 
+import collections
 import contextlib
 
 from pydtnn.backends.gpu.device import require_cudnn
@@ -10,13 +11,19 @@ class ConvGraphs:
 
     fprop: Y = conv(X, W); dgrad: DX = conv_dgrad(DY, W); wgrad: DW = conv_wgrad(X, DY). NCHW tensors,
     grouped convolutions through the weight's channel count (C / groups), float32 compute.
+
+    At most `max_graphs` are kept, the least recently used dropped first (a run sees a few batch sizes:
+    training, its last smaller batch, evaluation; a program that feeds many sizes does not grow without
+    bound). All graphs share one workspace, grown to the largest asked: they run on one stream, one
+    after the other.
     """
 
-    def __init__(self, backend):
+    def __init__(self, backend, max_graphs=1024):
         self.backend = backend
         self.cudnn = require_cudnn()
         self.handle = self.cudnn.create_handle()
-        self.cache = {}
+        self.cache = collections.OrderedDict()
+        self.max_graphs = max_graphs
         self.workspace = None
 
     def __del__(self):
@@ -28,6 +35,10 @@ class ConvGraphs:
         entry = self.cache.get(key)
         if entry is None:
             entry = self.cache[key] = self._build(kind, n, g, tuple(w_shape))
+            while len(self.cache) > self.max_graphs:
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(key)
         graph, tensors, ws_size = entry
         ws = self._workspace(ws_size)
         cp = self.backend.cupy
