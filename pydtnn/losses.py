@@ -172,6 +172,21 @@ class MeanSquaredError(Loss):
         return self.diff * (2 / self.diff.size)
 
 
+def defers(loss):
+    """Whether `loss.value` computes what `loss.forward` returns, so it can be left on the device: a loss
+    that defines value and does not override forward below it (a subclass adding a term to forward is
+    read through forward)."""
+    cls = type(loss)
+    if cls.value is Loss.value:
+        return False
+    for klass in cls.__mro__:  # the class that defines forward must not be below the one that defines value
+        if "value" in vars(klass):
+            return True
+        if "forward" in vars(klass):
+            return False
+    return False
+
+
 def check_host_targets(loss, target, output_shape):
     """Check a batch's targets on the host, before they are copied to the device, as `loss` would on the
     device: int labels against the model's classes, or BinaryCrossEntropy's targets in [0, 1]."""
@@ -181,7 +196,7 @@ def check_host_targets(loss, target, output_shape):
         if target.size and not (0 <= float(target.min()) and float(target.max()) <= 1):
             bad = float(target.min()) if not 0 <= float(target.min()) else float(target.max())
             raise DataError(f"{loss.name}: target value {bad} out of range; expected probabilities in [0, 1]")
-    elif target.ndim == 1 and len(output_shape) == 1:
+    elif target.ndim == 1 and target.dtype.kind in "iu" and len(output_shape) == 1:
         check_batch_labels(target, len(target), output_shape[0], loss.name)
 
 

@@ -24,7 +24,7 @@ from pydtnn import runtime
 from pydtnn.data.dataset import batch_slices, epoch_order
 from pydtnn.errors import ConfigError, DataError, TrainingDiverged
 from pydtnn.files import is_terminal
-from pydtnn.losses import Loss, check_host_targets, targets_checked_on_host
+from pydtnn.losses import check_host_targets, defers, targets_checked_on_host
 from pydtnn.optim.schedules import learning_rate
 from pydtnn.randomness import SampleStreams
 
@@ -161,7 +161,7 @@ class Trainer:
 
     def _loss(self, out, y, read):
         """The batch's mean loss: a float checked to be finite, or (read=False) a 0-d device array."""
-        if read or type(self.loss).value is Loss.value:  # a loss with only forward is read every step
+        if read or not defers(self.loss):
             loss = self.loss.forward(out, y)
             if not math.isfinite(loss):
                 raise TrainingDiverged(f"loss is {loss}")
@@ -393,11 +393,14 @@ class Trainer:
             x, y = batches.get(step)
             if not read:  # the values are checked here, on the host, and not read again on the device
                 check_host_targets(self.loss, y, self.model.output_shape)
-            x, y = backend.batch_to_device(x), backend.batch_to_device(y)  # the GPU overlaps these copies
+            x, y = backend.batch_to_device(x, y)  # a GPU copies them while it computes the step before
         # dropout masks from each sample's stream (pydtnn.randomness): the same at any process count, nothing
         # to checkpoint; the Generator, reseeded per step and rank, serves only layers outside a Model
         backend.reseed([self.seed, epoch, step, rank, 1])
         backend.sample_streams = SampleStreams(self.seed, epoch, indices)
+        settle = getattr(getattr(self.reducer, "comm", None), "settle", None)
+        if read and settle is not None:  # NCCL: the last step's reductions, watched for stalls
+            settle()
         try:
             with nullcontext() if read else targets_checked_on_host():
                 loss, out = self.train_step(x, y, weight=n / (b - a), read=read)
@@ -442,14 +445,14 @@ class Trainer:
         first, last = bounds[self.comm.rank], bounds[self.comm.rank + 1]
         self.model.eval()
         sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
-        # on a GPU the sums stay on the device (float64) and are read once, at the end
-        read = backend.xp is np or type(self.loss).value is Loss.value
+        # read every batch, or (on a GPU; sync_every > 1) the sums stay on the device in float64, read once
+        read = self.steps_between_reads() == 1 or not defers(self.loss)
         try:
             for a, b in batch_slices(last - first, max(batch_size, 1)):
                 x, y = data.get_batch(np.arange(first + a, first + b), backend.dtype)
                 if not read:
                     check_host_targets(self.loss, y, self.model.output_shape)
-                x, y = backend.batch_to_device(x), backend.batch_to_device(y)
+                x, y = backend.batch_to_device(x, y)
                 out = self.model.forward(x, training=False)
                 with nullcontext() if read else targets_checked_on_host():
                     if read:
@@ -457,10 +460,17 @@ class Trainer:
                     else:
                         sums["loss"] += backend.xp.asarray(self.loss.value(out, y), dtype=np.float64) * (b - a)
                     for m, fn in self.metric_fns.items():
-                        sums[m] += fn(out, y) * (b - a) if read else fn(out, y, read=False) * (b - a)
+                        if read:
+                            sums[m] += fn(out, y) * (b - a)
+                        else:
+                            sums[m] += backend.xp.asarray(fn(out, y, read=False), dtype=np.float64) * (b - a)
                 seen += b - a
         finally:
             self.model.training = was_training
+        if not read and seen:  # one transfer for every sum
+            xp = backend.xp
+            values = backend.to_numpy(xp.stack([xp.asarray(v, dtype=np.float64) for v in sums.values()]))
+            sums = dict(zip(sums, (float(v) for v in values)))
         totals = self.comm.allreduce_sum(list(sums.values()) + [seen])
         return {k: float(v) / max(totals[-1], 1) for k, v in zip(sums, totals)}
 

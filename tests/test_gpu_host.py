@@ -263,6 +263,7 @@ class _Gpu:
 
     def __init__(self, prefer="copy"):
         self.prefer, self.streams = prefer, []
+        self.clobbered = []  # fresh memory written before the work queued earlier had finished with it
         self.compute = self.stream("compute")
 
     def stream(self, name):
@@ -345,22 +346,31 @@ def _sim_cupy(gpu):
         Event=lambda disable_timing=True: _SimEvent(gpu),
         get_current_stream=lambda: gpu.compute,
     )
-    cp.empty = lambda shape, dtype: _SimArray(gpu, shape, dtype)
+    def empty(shape, dtype):
+        """Memory from a stream-ordered pool: work queued earlier on the computing stream may still read
+        it (a freed activation), so a write ordered before that work clobbers it."""
+        a = _SimArray(gpu, shape, dtype)
+        a.value[...] = -7
+        gpu.compute.enqueue(lambda: None if (a.value == -7).all() else gpu.clobbered.append(a))
+        return a
+
+    cp.empty = empty
     return cp
 
 
-def _train_like(copier_cls, gpu, steps=12, **kw):
-    """Batches of two shapes (inputs and labels) per step, each read by the computation of its step;
-    returns (what was sent, what the computation read)."""
+def _train_like(copier_cls, gpu, steps=12, same_shape=False, **kw):
+    """Inputs and targets per step (of two shapes, or of one), each read by the computation of its step,
+    with a last smaller batch; returns (what was sent, what the computation read)."""
     cp = _sim_cupy(gpu)
     copier = copier_cls(cp, empty_pinned=lambda shape, dtype: np.empty(shape, dtype), **kw)
     rng = np.random.default_rng(0)
     sent, read = [], []
-    for _ in range(steps):
-        x = rng.standard_normal((4, 3)).astype(np.float32)
-        y = rng.integers(0, 10, 4)
+    for step in range(steps):
+        n = 4 if step < steps - 1 else 2
+        x = rng.standard_normal((n, 3)).astype(np.float32)
+        y = rng.standard_normal((n, 3)).astype(np.float32) if same_shape else rng.integers(0, 10, n)
         sent.append((x.copy(), y.copy()))
-        dx, dy = copier(x), copier(y)
+        dx, dy = copier(x, y)
         x[...], y[...] = 0, 0  # the caller may reuse its arrays at once
         got = []
         gpu.compute.enqueue(lambda dx=dx, dy=dy, got=got: got.extend([dx.value.copy(), dy.value.copy()]))
@@ -369,11 +379,14 @@ def _train_like(copier_cls, gpu, steps=12, **kw):
     return sent, read
 
 
+@pytest.mark.parametrize("same_shape", [False, True], ids=["labels", "targets-shaped-like-inputs"])
 @pytest.mark.parametrize("prefer", ["copy", "compute"])
-def test_batch_copier_gives_each_step_its_own_batch_in_any_order_cuda_allows(prefer):
+def test_batch_copier_gives_each_step_its_own_batch_in_any_order_cuda_allows(prefer, same_shape):
     from pydtnn.backends.gpu.transfers import BatchCopier
 
-    sent, read = _train_like(BatchCopier, _Gpu(prefer))
+    gpu = _Gpu(prefer)
+    sent, read = _train_like(BatchCopier, gpu, same_shape=same_shape)
+    assert not gpu.clobbered
     for i, ((x, y), got) in enumerate(zip(sent, read)):
         np.testing.assert_array_equal(got[0], x, err_msg=f"step {i} inputs")
         np.testing.assert_array_equal(got[1], y, err_msg=f"step {i} labels")
@@ -411,6 +424,7 @@ def test_uploads_arrive_whole_though_pinned_buffers_are_reused(prefer):
         outs.append(up(m))
         m[...] = 0
     gpu.drain()
+    assert not gpu.clobbered
     for i, (m, out) in enumerate(zip(sent, outs)):
         np.testing.assert_array_equal(out.value, m, err_msg=f"upload {i}")
 

@@ -172,16 +172,34 @@ def test_a_failed_background_read_is_raised_in_the_training_thread(mnist5k):
 def test_reading_every_few_steps_changes_nothing(mnist5k, accumulation):
     """sync_every 5 (and a last read of 3 steps) gives the history and parameters of a read every step,
     exactly: the same sums in the same order, metrics included."""
-    train = mnist5k[0].subset(np.arange(0, 1664))
+    train, test = mnist5k[0].subset(np.arange(0, 1664)), mnist5k[1].subset(np.arange(0, 300))
     runs = []
     for every in (1, 5):
         t = make_trainer(model="simplemlp", metrics=("accuracy", "top3_accuracy", "mse"), sync_every=every)
         t.accumulation_steps = accumulation
         assert t.steps_between_reads() == every
-        runs.append((t.fit(train, epochs=2, batch_size=64), t.model.params_sha256()))
-    strip = [[{k: v for k, v in r.items() if k not in ("time_s", "samples_per_second")} for r in h] for h, _ in runs]
-    assert strip[0] == strip[1] and runs[0][1] == runs[1][1]
-    assert strip[0][0]["top3_accuracy"] > strip[0][0]["accuracy"] > 0.3
+        history = t.fit(train, epochs=2, batch_size=64, val=test, test=test)
+        runs.append((history, t.model.params_sha256(), {k: v for k, v in t.final.items() if k.startswith("test_")}))
+    strip = [[{k: v for k, v in r.items() if k not in ("time_s", "samples_per_second")} for r in h] for h, _, _ in runs]
+    assert strip[0] == strip[1] and runs[0][1] == runs[1][1] and runs[0][2] == runs[1][2]
+    assert strip[0][0]["top3_accuracy"] > strip[0][0]["accuracy"] > 0.3 and strip[0][1]["val_mse"] > 0
+
+
+def test_a_loss_whose_forward_adds_a_term_is_read_through_forward(mnist5k):
+    from pydtnn.losses import MeanSquaredError, defers
+
+    class Penalized(SoftmaxCrossEntropy):
+        def forward(self, y, target):
+            return super().forward(y, target) + 1.0
+
+    assert defers(SoftmaxCrossEntropy()) and defers(MeanSquaredError()) and not defers(Penalized())
+    train = mnist5k[0].subset(np.arange(0, 320))
+    losses = []
+    for loss in (SoftmaxCrossEntropy(), Penalized()):
+        m = models.create("simplemlp", backend=CPUBackend(seed=0))
+        t = Trainer(m, loss, SGD(m.parameters(), lr=0.05), progress=False, sync_every=4)
+        losses.append(t.fit(train, epochs=1, batch_size=64)[0]["loss"])
+    assert losses[1] == pytest.approx(losses[0] + 1.0, rel=1e-12)
 
 
 def test_cpu_reads_every_step_by_default_and_sync_every_is_checked():

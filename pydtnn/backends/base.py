@@ -7,7 +7,7 @@ without a generic form (convolution, pooling) raise NotImplementedError here. La
 methods and nothing else of a backend: no layer asks whether a method exists or which backend it has.
 
     backend.xp, backend.dtype, backend.rng, backend.reseed(key)
-    asarray / to_numpy / batch_to_device / synchronize           moving data
+    asarray / to_numpy / batch_to_device / upload / synchronize    moving data
     matmul                                                         Dense
     conv2d_plan / conv2d_forward / conv2d_backward                 Conv2D (a plan chosen once per layer)
     bias_forward / bias_backward                                   a convolution's bias
@@ -56,10 +56,12 @@ class Backend:
         """A NumPy array on the host."""
         return np.asarray(a)
 
-    def batch_to_device(self, a):
-        """A training batch on this device (a GPU overlaps the copy with the step before; the array may be
-        a buffer that later batches of the same shape reuse, so it is valid for its step)."""
-        return self.asarray(a)
+    def batch_to_device(self, *arrays):
+        """One step's batch arrays (inputs, targets) on this device: one array gives one array, several a
+        tuple. A GPU copies them while it computes the step before, into buffers that later calls reuse:
+        queue every use of a step's arrays before asking for the next step's."""
+        out = tuple(self.asarray(a) for a in arrays)
+        return out[0] if len(out) == 1 else out
 
     def upload(self, a):
         """A host array made during a step (a dropout mask), on this device; a GPU copies it without

@@ -213,7 +213,9 @@ class NcclComm:
         done = self.cupy.cuda.Event(disable_timing=True)
         done.record(self.stream)
         self.check_errors()
-        self._pending = [p for p in self._pending if not p[0].done] + [(done, label, time.monotonic())]
+        while self._pending and self._pending[0][0].done:  # one stream: they complete in order
+            self._pending.pop(0)
+        self._pending.append((done, label, time.monotonic()))
         return _NcclRequest(done)
 
     def check_errors(self):

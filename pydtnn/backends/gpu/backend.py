@@ -50,12 +50,16 @@ class GPUBackend(Backend):
             return a if dtype is None or a.dtype == dtype else a.astype(dtype)
         return cp.asarray(np.asarray(a, dtype=dtype))
 
-    def batch_to_device(self, a):
-        """A training batch on this GPU, copied on a stream of its own while the GPU computes the step
-        before (transfers.BatchCopier; the array is valid for its step). Device arrays pass through."""
-        if isinstance(a, self.cupy.ndarray):
-            return a
-        return self._batches(a)
+    def batch_to_device(self, *arrays):
+        """One step's batch arrays (inputs, targets) on this GPU, copied on a stream of their own while the
+        GPU computes the step before (transfers.BatchCopier): queue every use of them before the next
+        call. Device arrays pass through. One array gives one array, several a tuple."""
+        cp = self.cupy
+        host = [i for i, a in enumerate(arrays) if not isinstance(a, cp.ndarray)]
+        out = list(arrays)
+        for i, d in zip(host, self._batches(*(arrays[i] for i in host)) if host else ()):
+            out[i] = d
+        return out[0] if len(out) == 1 else tuple(out)
 
     def upload(self, a):
         """A host array made during the step (a dropout mask), copied asynchronously (transfers.Uploader)."""

@@ -3,12 +3,12 @@
 A copy from pageable host memory is synchronous: the host waits until everything queued on the
 stream has run. Copies from page-locked (pinned) memory are asynchronous. Two ways are used:
 
-- BatchCopier, for training batches: its own CUDA stream and, per batch shape, a ring of pinned host
-  buffers and device buffers used in turn. The copy of batch n+1 runs while the GPU computes step n;
-  the computing stream waits for it through an event, the host never does, except for a pinned buffer
-  whose previous copy is still running (two batches back). The array returned is one of the ring's
-  device buffers: valid until `depth` more batches of that shape have been copied, which is how the
-  trainer uses it (one batch of each shape per step).
+- BatchCopier, for training batches: its own CUDA stream and, per batch array and shape, a ring of
+  pinned host buffers and device buffers used in turn. The copy of batch n+1 runs while the GPU
+  computes step n; the computing stream waits for it through an event, the host never does, except
+  for a pinned buffer whose previous copy is still running (two batches back). The arrays returned
+  are ring buffers: the caller queues every use of a step's batch before it asks for the next one,
+  as the trainer does.
 - Uploader, for arrays made on the host during a step (dropout masks drawn from per-sample streams):
   a fresh device array, copied on the computing stream from a pinned buffer taken from a pool; the
   host waits only for an earlier copy out of the same pinned buffer.
@@ -29,33 +29,48 @@ class _Slot:
 
 
 class BatchCopier:
-    """Training batches to the GPU on a copy stream (see the module docstring)."""
+    """Training batches to the GPU on a copy stream (see the module docstring).
 
-    def __init__(self, cp, depth=2, max_shapes=8, empty_pinned=None):
+    Each call is one step's batch: `copier(x, y)` returns their device copies. Every use of a step's
+    arrays must be queued before the next call: the call records, on the computing stream, the point
+    after which the previous call's buffers are free, and a buffer is refilled only after that point
+    (with `depth` 2, two calls later). Rings are kept per (position in the call, shape, dtype), so
+    inputs and targets of one shape never share a ring.
+    """
+
+    def __init__(self, cp, depth=2, max_shapes=16, empty_pinned=None):
         self.cp, self.empty_pinned = cp, empty_pinned or _empty_pinned()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.depth, self.max_shapes = depth, max_shapes
-        self.rings = {}  # (shape, dtype) -> slots, the next one to use first
-        self.last = {}  # (shape, dtype) -> the slot handed out most recently
+        self.rings = {}  # (position, shape, dtype) -> slots, the next one to use first
+        self.handed = []  # the slots the previous call handed out
 
-    def __call__(self, a):
+    def __call__(self, *arrays):
         cp = self.cp
-        a = np.ascontiguousarray(a)
-        key = (a.shape, a.dtype.str)
+        compute = cp.cuda.get_current_stream()
+        now = cp.cuda.Event(disable_timing=True)
+        now.record(compute)  # every use of the previous call's batches is queued before this point
+        for slot in self.handed:
+            slot.released = now
+        self.handed = []
+        return [self._copy(i, np.ascontiguousarray(a), compute) for i, a in enumerate(arrays)]
+
+    def _copy(self, position, a, compute):
+        cp = self.cp
+        key = (position, a.shape, a.dtype.str)
         ring = self.rings.get(key)
         if ring is None:
             if len(self.rings) >= self.max_shapes:  # batches come in a few shapes; others are not kept forever
                 self._drop(next(iter(self.rings)))
             ring = self.rings[key] = [_Slot(self.empty_pinned(a.shape, a.dtype), cp.empty(a.shape, a.dtype))
                                       for _ in range(self.depth)]
-        compute = cp.cuda.get_current_stream()
-        previous = self.last.get(key)
-        if previous is not None:  # the batch before this one: its uses are all queued by now
-            previous.released = cp.cuda.Event(disable_timing=True)
-            previous.released.record(compute)
+            fresh = cp.cuda.Event(disable_timing=True)
+            fresh.record(compute)  # memory from the pool may still be read by work queued before this point
+            for slot in ring:
+                slot.released = fresh
         slot = ring.pop(0)
         ring.append(slot)
-        self.last[key] = slot
+        self.handed.append(slot)
         if slot.copied is not None:
             slot.copied.synchronize()  # the pinned buffer's last copy has left it
         slot.host[...] = a
@@ -72,7 +87,6 @@ class BatchCopier:
         for slot in self.rings.pop(key):
             if slot.copied is not None:
                 slot.copied.synchronize()
-        self.last.pop(key, None)
 
 
 class Uploader:
@@ -92,9 +106,10 @@ class Uploader:
                 if event is not None:
                     event.synchronize()
         buffers = self.pool.setdefault(key, [])
-        if len(buffers) < self.per_size:
-            buffers.append([self.empty_pinned(a.size, a.dtype), None])
-        entry = buffers.pop(0)
+        if len(buffers) < self.per_size:  # a new buffer, used at once
+            entry = [self.empty_pinned(a.size, a.dtype), None]
+        else:  # the least recently used one
+            entry = buffers.pop(0)
         buffers.append(entry)
         if entry[1] is not None:
             entry[1].synchronize()
