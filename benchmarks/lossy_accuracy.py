@@ -20,7 +20,8 @@ rounded to half precision on the wire) or `topk:D` (--reduction topk --density D
 its D share of largest-magnitude entries and keeps the rest as a residual for the next step) or
 `topkmc:D` (topk with --momentum_correction: SGD's momentum applied by each process before it selects,
 the optimizer without it); `topk:D:W` and `topkmc:D:W` add --density_warmup_epochs W (the density falls
-from 0.25 to D over the first W epochs).
+from 0.25 to D over the first W epochs), and a last field `:layer` adds --topk_selection per_layer (each
+layer's own largest entries), e.g. `topkmc:0.01:1:layer`.
 
 Reported: the final test accuracy over the 10,000 test images (the metrics file's `final` line), per
 seed and its mean over the seeds, the difference of the means from the same model's dense mean in
@@ -43,10 +44,10 @@ def reduction_flags(name):
     if name == "fp16":
         return ["--reduction", "bucketed", "--gradient_compression", "fp16"]
     if name.startswith(("topk:", "topkmc:")):
-        kind, density, *warmup = name.split(":")
+        kind, density, *more = name.split(":")
         flags = ["--reduction", "topk", "--density", density]
-        if warmup:
-            flags += ["--density_warmup_epochs", warmup[0]]
+        for field in more:
+            flags += ["--topk_selection", "per_layer"] if field == "layer" else ["--density_warmup_epochs", field]
         return flags + (["--momentum_correction", "true"] if kind == "topkmc" else [])
     return ["--reduction", name]
 
@@ -126,7 +127,7 @@ def main(argv=None):
     for r in reductions:
         if r not in ("blocking", "per_layer", "bucketed", "hierarchical", "fp16") and not r.startswith(("topk:", "topkmc:")):
             p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16, topk:DENSITY "
-                    "or topkmc:DENSITY (either with :WARMUP_EPOCHS)")
+                    "or topkmc:DENSITY (either with :WARMUP_EPOCHS and/or :layer)")
     if "bucketed" in reductions:
         reductions = ["bucketed"] + [r for r in reductions if r != "bucketed"]
     if args.quick:

@@ -206,6 +206,9 @@ def build_parser(suppress_defaults=False):
       help="hierarchical: processes per node, consecutive ranks (default: those sharing memory)")
     f(g, "density", type=positive_float, default=0.01,
       help="topk: the share of gradient entries each process sends per step, in (0, 1] (default 0.01)")
+    f(g, "topk_selection", choices=("global", "per_layer"), default="global",
+      help="topk: the largest entries of all gradients together (global, the default) or of each layer's gradient "
+           "separately (per_layer, as Deep Gradient Compression selects)")
     f(g, "density_warmup_epochs", type=non_negative_int, default=0,
       help="topk: epochs over which the density falls geometrically from 0.25 to --density (Deep Gradient "
            "Compression's warm-up; default 0: --density from the first step)")

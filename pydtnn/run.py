@@ -145,6 +145,9 @@ def run(args):
         lr_note = f" = {base:g} x {world} processes (linear scaling; --learning_rate_scaling false keeps {base:g})"
     reducer, strategy = None, reduction_strategy(args, world)
     corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
+    if args.topk_selection != "global" and strategy != "topk":
+        raise ConfigError(f"--topk_selection applies to the topk reducer; this run reduces with "
+                          f"{strategy or 'nothing (one process)'}: give --reduction topk or leave it out")
     if args.density_warmup_epochs and strategy != "topk":
         raise ConfigError(f"--density_warmup_epochs applies to the topk reducer; this run reduces with "
                           f"{strategy or 'nothing (one process)'}: give --reduction topk or leave it out")
@@ -157,7 +160,8 @@ def run(args):
         if strategy == "hierarchical":
             reducer_options["ranks_per_node"] = args.ranks_per_node
         if strategy == "topk":
-            reducer_options.update(density=args.density, momentum=corrected, warmup_epochs=args.density_warmup_epochs)
+            reducer_options.update(density=args.density, momentum=corrected, warmup_epochs=args.density_warmup_epochs,
+                                   selection=args.topk_selection)
         reducer = reducers.create(strategy, grad_comm, **reducer_options)
     trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,
@@ -352,6 +356,8 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
     if "topk_momentum" in eff:  # the optimizer's momentum is 0: the reducer applies it
         extras = [e for e in extras if not e.startswith("momentum ")] + [
             f"momentum {eff['topk_momentum']:g} in the topk reducer (momentum correction)"]
+    if eff.get("reduction") == "topk" and args.topk_selection == "per_layer":
+        extras.append("topk selection per layer")
     if eff.get("reduction") == "topk" and args.density_warmup_epochs:
         extras.append(f"topk density from 0.25 to {args.density:g} over {_count(args.density_warmup_epochs, 'epoch')}")
     schedules = ",".join(_chosen(args)) or "none"

@@ -296,6 +296,44 @@ def test_the_command_line_warms_topk_up_and_refuses_a_warm_up_without_topk(tmp_p
         "bucketed" in bad.stderr, bad.stderr[-2000:]
 
 
+def test_topk_per_layer_selection_sends_each_gradients_own_largest():
+    """Global selection can leave a layer with small gradients unsent; per_layer sends ceil(density x size)
+    of each gradient's own largest, and the residual still holds exactly the rest."""
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+    from pydtnn.layers import Dense, Flatten
+    from pydtnn.model import Model
+
+    def made(selection):
+        model = Model([Flatten(), Dense(20), Dense(5)], (1, 4, 4), CPUBackend("float64"))
+        return model, reducers.create("topk", SingleProcess(), density=0.1, selection=selection).attach(model)
+
+    rng = np.random.default_rng(3)
+    g = None
+    for selection in ("global", "per_layer"):
+        model, red = made(selection)
+        spans = [red.offsets[n] for n, _, _ in model.parameters()]
+        if g is None:
+            g = rng.standard_normal(model.grad_buffer.size)
+            a, b = spans[-1]  # the last layer's bias: tiny gradients
+            g[a:b] *= 1e-6
+        model.grad_buffer[...] = g
+        red.begin_step(1.0)
+        red.finish()
+        sent = model.grad_buffer.copy()
+        counts = [np.count_nonzero(sent[a:b]) for a, b in spans]
+        if selection == "global":
+            assert counts[-1] == 0 and sum(counts) == red.k == 45  # ceil(0.1 x 445)
+        else:
+            assert counts == [int(np.ceil(0.1 * (b - a))) for a, b in spans] == red.ks and red.k == sum(counts)
+            for a, b in spans:
+                part = np.abs(g[a:b])
+                assert part[sent[a:b] != 0].min() >= part[sent[a:b] == 0].max()
+        np.testing.assert_array_equal(sent + red.residual, g)
+    with pytest.raises(Exception, match="topk selection must be global or per_layer, got 'layer'"):
+        reducers.create("topk", SingleProcess(), density=0.1, selection="layer")
+
+
 def test_topk_momentum_correction_accumulates_velocities_and_clears_what_it_sends():
     """u = m u + w g; the accumulation gains u; what is sent is cleared in both (momentum factor masking); the
     state round-trips, and a state without velocities is refused."""
