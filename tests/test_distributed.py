@@ -284,16 +284,19 @@ def test_topk_density_warm_up_falls_from_a_quarter_to_the_density_epoch_by_epoch
         reducers.create("topk", SingleProcess(), density=0.01, warmup_epochs=1.5)
 
 
-def test_the_command_line_warms_topk_up_and_refuses_a_warm_up_without_topk(tmp_path):
+def test_the_command_line_warms_topk_up_selects_per_layer_and_refuses_both_without_topk(tmp_path):
     cmd = [sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--dataset", "mnist5k", "--num_epochs", "2",
-           "--steps_per_epoch", "2", "--progress", "false", "--density_warmup_epochs", "1"]
-    r = subprocess.run([MPIEXEC, "-n", "2", *cmd, "--reduction", "topk", "--density", "0.05"], capture_output=True,
-                       text=True, timeout=120, env=ENV, cwd=tmp_path)
-    assert r.returncode == 0 and "topk density from 0.25 to 0.05 over 1 epoch" in r.stderr, r.stderr[-2000:]
-    bad = subprocess.run([MPIEXEC, "-n", "2", *cmd, "--reduction", "bucketed"], capture_output=True, text=True,
-                         timeout=120, env=ENV, cwd=tmp_path)
-    assert bad.returncode == 2 and "--density_warmup_epochs applies to the topk reducer; this run reduces with " \
-        "bucketed" in bad.stderr, bad.stderr[-2000:]
+           "--steps_per_epoch", "2", "--progress", "false"]
+    warm, layer = ["--density_warmup_epochs", "1"], ["--topk_selection", "per_layer"]
+    r = subprocess.run([MPIEXEC, "-n", "2", *cmd, *warm, *layer, "--reduction", "topk", "--density", "0.05"],
+                       capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "topk density from 0.25 to 0.05 over 1 epoch" in r.stderr and "topk selection per layer" in r.stderr
+    for flags, name in ((warm, "--density_warmup_epochs"), (layer, "--topk_selection")):
+        bad = subprocess.run([MPIEXEC, "-n", "2", *cmd, *flags, "--reduction", "bucketed"], capture_output=True,
+                             text=True, timeout=120, env=ENV, cwd=tmp_path)
+        assert bad.returncode == 2 and f"{name} applies to the topk reducer; this run reduces with bucketed" \
+            in bad.stderr, bad.stderr[-2000:]
 
 
 def test_topk_per_layer_selection_sends_each_gradients_own_largest():
