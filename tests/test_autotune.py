@@ -25,7 +25,7 @@ CONV5 = ConvGeometry(8, 16, 16, 5, 5, pt=2, pb=2, pl=2, pr=2)
 
 
 @pytest.mark.parametrize("g,co,numba,numpy", [
-    (CONV3, 16, ("direct", "gemm"), ("gemm",)),
+    (CONV3, 16, ("direct", "winograd", "gemm"), ("gemm",)),
     (DEPTHWISE, 32, ("direct", "depthwise", "gemm"), ("depthwise", "gemm")),
     (DEPTHWISE_S2, 32, ("direct_stride2", "depthwise", "gemm"), ("depthwise", "gemm")),
     (POINTWISE, 64, ("pointwise", "gemm"), ("pointwise", "gemm")),
@@ -160,15 +160,18 @@ def conv_algorithms(model):
     return [model.backend.plan_in_use(layer.plan).algorithm for _, layer in model.layers() if isinstance(layer, Conv2D)]
 
 
-@pytest.mark.parametrize("measure", [FakeMeasure("gemm"), autotune.measure], ids=["all-gemm", "measured"])
+@pytest.mark.parametrize("measure", [FakeMeasure("gemm"), FakeMeasure("winograd"), autotune.measure],
+                         ids=["all-gemm", "winograd", "measured"])
 def test_a_tuned_model_trains_like_the_threshold_choice(tmp_path, measure):
     ref_model, ref = losses_of(CPUBackend(np.float64, seed=3))
     tuner = autotune.Tuner(path=str(tmp_path / "tune.json"), measure=measure)
     model, got = losses_of(CPUBackend(np.float64, seed=3, autotune=tuner))  # timed at the first forward
     np.testing.assert_allclose(got, ref, rtol=1e-9)
-    if isinstance(measure, FakeMeasure):  # every plan replaced: the comparison covers other algorithms
+    if isinstance(measure, FakeMeasure) and measure.fastest == "gemm":  # every plan replaced
         assert conv_algorithms(model) == ["gemm"] * 5
         assert conv_algorithms(ref_model) != ["gemm"] * 5
+    elif isinstance(measure, FakeMeasure):  # the one-group 3x3 stride-1 layer, the only one it computes
+        assert conv_algorithms(model)[0] == "winograd" and conv_algorithms(model).count("winograd") == 1
 
 
 def test_without_autotune_the_backend_times_nothing(tmp_path):

@@ -1033,3 +1033,48 @@ def test_a_cpu_without_fma_gets_a_multiply_and_an_add(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     diff, fused, calls, multiplies = r.stdout.split()
     assert float(diff) < 1e-5 and int(fused) == 0 and int(calls) == 0 and int(multiplies) > 0, r.stdout
+
+
+# -- Winograd F(2x2, 3x3) ----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("c,h,w,k,pads", [
+    (3, 8, 8, 5, (1, 1, 1, 1)),   # same padding, even sizes
+    (4, 7, 9, 6, (0, 0, 0, 0)),   # no padding: odd output rows and columns, dx padded by 2
+    (5, 6, 5, 3, (2, 2, 2, 2)),   # padding of the kernel's reach
+    (2, 5, 6, 4, (0, 1, 1, 0)),   # uneven padding
+    (8, 1, 1, 4, (1, 1, 1, 1)),   # one pixel: a single tile, mostly padding
+    (17, 12, 10, 33, (1, 1, 1, 1)),
+])
+def test_winograd_equals_im2col_gemm(c, h, w, k, pads, dtype, rtol):
+    """y, dx and dw of the Winograd plan equal im2col + GEMM's; the forward without keep gives the same y."""
+    from pydtnn.backends.cpu import conv_plan
+
+    g = ConvGeometry(c, h, w, 3, 3, pt=pads[0], pb=pads[1], pl=pads[2], pr=pads[3])
+    rng = np.random.default_rng(c * h + w)
+    x = rng.standard_normal((3, c, h, w)).astype(dtype)
+    wt = rng.standard_normal((k, c, 3, 3)).astype(dtype)
+    dy = rng.standard_normal((3, k, g.ho, g.wo)).astype(dtype)
+    b = CPUBackend(dtype)
+    got = {}
+    for alg in ("gemm", "winograd"):
+        plan = conv_plan.plan_for(g, alg)
+        y, ctx = b.conv2d_forward(x, wt, plan)
+        got[alg] = (y, *b.conv2d_backward(dy, wt, ctx, plan))
+        y2, _ = b.conv2d_forward(x, wt, plan, keep=False)
+        np.testing.assert_array_equal(y2, y)
+    for name, a, want in zip(("y", "dx", "dw"), got["winograd"], got["gemm"]):
+        assert a.shape == want.shape and a.dtype == want.dtype, name
+        np.testing.assert_allclose(a, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=name)
+
+
+def test_winograd_is_a_candidate_only_for_one_group_3x3_stride_1():
+    from pydtnn.backends.cpu.conv_winograd import winograd_ok
+
+    assert winograd_ok(ConvGeometry(8, 8, 8, 3, 3, pt=1, pb=1, pl=1, pr=1), 8)
+    assert winograd_ok(ConvGeometry(8, 8, 8, 3, 3, pt=2, pb=0, pl=0, pr=2), 8)
+    for g in (ConvGeometry(8, 8, 8, 3, 3, 2, 2, pt=1, pb=1, pl=1, pr=1),  # stride 2
+              ConvGeometry(8, 8, 8, 3, 3, dh=2, dw=2, pt=2, pb=2, pl=2, pr=2),  # dilated
+              ConvGeometry(8, 8, 8, 3, 3, pt=1, pb=1, pl=1, pr=1, groups=8),  # depthwise
+              ConvGeometry(8, 8, 8, 5, 5, pt=2, pb=2, pl=2, pr=2),  # 5x5
+              ConvGeometry(8, 8, 8, 3, 3, pt=3, pb=3, pl=3, pr=3)):  # padding past the kernel's reach
+        assert not winograd_ok(g, 8), g

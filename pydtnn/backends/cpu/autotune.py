@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pydtnn.backends.cpu import conv_plan, threads
+from pydtnn.backends.cpu import conv_plan, conv_winograd, threads
 from pydtnn.errors import ConfigError
 from pydtnn.files import read_bytes, write_atomic
 
@@ -76,6 +76,8 @@ def candidates(g, co, kernels, tuning):
         found.append("direct_stride2")
     if compiled and conv_plan.direct_ok(g, co):
         found.append("direct")
+    if compiled and conv_winograd.winograd_ok(g, co):
+        found.append("winograd")
     if g.c == g.groups and g.sh == g.sw:
         found.append("depthwise")
     if conv_plan.pointwise_ok(g, co, tuning):

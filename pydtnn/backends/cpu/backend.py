@@ -21,6 +21,7 @@ from pydtnn.backends.cpu import (
     conv_gemm,
     conv_plan,
     conv_pointwise,
+    conv_winograd,
     elementwise,
     normalization,
     pooling,
@@ -38,6 +39,7 @@ _CONV = {  # algorithm -> (forward(b, x, w, g, keep), backward(b, dy, w, ctx, g,
     "depthwise": (conv_depthwise.forward, conv_depthwise.backward),
     "pointwise": (conv_pointwise.forward, conv_pointwise.backward),
     "gemm": (conv_gemm.forward, conv_gemm.backward),
+    "winograd": (conv_winograd.forward, conv_winograd.backward),
 }
 
 

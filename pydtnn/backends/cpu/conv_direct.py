@@ -85,6 +85,31 @@ def backward(b, dy, w, ctx, g, need_dx):
 
     dy = np.ascontiguousarray(dy)
     n, co = dy.shape[0], dy.shape[1]
+    dw = weight_grad(b, dy, w, ctx, g)
+    if not need_dx:
+        return None, dw
+    dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
+    pt, pl = (g.kh - 1) * g.dh - g.pt, (g.kw - 1) * g.dw - g.pl
+    if g.groups == 1:
+        m = conv3x3.BLOCK_CHANNELS
+        fwd, fwd_chunks, _, _, ks = dense_kernels(g.kh)
+        wt = channel_blocks(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1], m)
+        threes, length, lxt, _ = dense_layout(g.h, g.w, g.dh, g.dw, dy.itemsize, g.kh)
+        kernel, chunks = fwd, fwd_chunks
+        args = (dy, wt, dx, np.zeros((0, 0), dy.dtype), lxt, False, pt, pl, *ks, g.dh, g.dw, threes, length)
+    else:
+        kernel, chunks = depthwise3x3.depthwise3x3_forward, depthwise3x3.depthwise3x3_forward_chunks
+        args = (dy, np.ascontiguousarray(w[:, :, ::-1, ::-1]), dx, pt, pl, g.dh, g.dw)
+    b.split_compiled(kernel, chunks, n, args, dx.nbytes * g.kh * g.kw * (co if g.groups == 1 else 1))
+    return dx, dw
+
+
+def weight_grad(b, dy, w, ctx, g):
+    """dw of the direct kernels from dy (contiguous) and forward's ctx (released here): one-group layers
+    from the kept padded layout, split over blocks of output channels; depthwise ones from x."""
+    from pydtnn.backends.cpu.kernels import conv3x3, depthwise3x3
+
+    n, co = dy.shape[0], dy.shape[1]
     dw = np.empty(w.shape, dy.dtype)
     dense = g.groups == 1
     if dense:
@@ -94,7 +119,7 @@ def backward(b, dy, w, ctx, g, need_dx):
         ykey, dyw = b.pool.take("dyw", (blocks * m, n * lx), dy.dtype, g)  # zero where dy is not written
         chunk = max(1, b.tuning.direct_chunk_bytes // (g.c * lx * dy.itemsize))
         args = (xs, lx, dy, dyw, dw, g.dh, g.dw, chunk)
-        fwd, fwd_chunks, grad, grad_chunks, ks = dense_kernels(g.kh)
+        _, _, grad, grad_chunks, _ = dense_kernels(g.kh)
         b.split_compiled(grad, grad_chunks, blocks, args, xs.nbytes * g.kh * g.kw * co)
         b.pool.give(ykey, dyw)
     else:
@@ -103,20 +128,7 @@ def backward(b, dy, w, ctx, g, need_dx):
         kernels = depthwise3x3.depthwise3x3_weight_grad, depthwise3x3.depthwise3x3_weight_grad_chunks
         b.split_compiled(*kernels, co, args, x.nbytes * 9)
     ctx.release()
-    if not need_dx:
-        return None, dw
-    dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
-    pt, pl = (g.kh - 1) * g.dh - g.pt, (g.kw - 1) * g.dw - g.pl
-    if dense:
-        wt = channel_blocks(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1], m)
-        threes, length, lxt, _ = dense_layout(g.h, g.w, g.dh, g.dw, dy.itemsize, g.kh)
-        kernel, chunks = fwd, fwd_chunks
-        args = (dy, wt, dx, np.zeros((0, 0), dy.dtype), lxt, False, pt, pl, *ks, g.dh, g.dw, threes, length)
-    else:
-        kernel, chunks = depthwise3x3.depthwise3x3_forward, depthwise3x3.depthwise3x3_forward_chunks
-        args = (dy, np.ascontiguousarray(w[:, :, ::-1, ::-1]), dx, pt, pl, g.dh, g.dw)
-    b.split_compiled(kernel, chunks, n, args, dx.nbytes * g.kh * g.kw * (co if dense else 1))
-    return dx, dw
+    return dw
 
 
 def forward_stride2(b, x, w, g, g1, keep):

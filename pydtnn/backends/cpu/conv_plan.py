@@ -9,13 +9,15 @@
     pointwise       one-group 1x1 stride-1 layers: one GEMM per sample on x and dy as they lie
                     (conv_pointwise.py)
     gemm            im2col + GEMM, everything else (conv_gemm.py)
+    winograd        Winograd F(2x2, 3x3) for one-group 3x3 stride-1 layers (conv_winograd.py): only where
+                    the measured choice (autotune.py) finds it faster, never by threshold
 """
 
 from dataclasses import dataclass, replace
 
 from pydtnn.backends.geometry import ConvGeometry
 
-ALGORITHMS = ("direct", "direct_stride2", "depthwise", "pointwise", "gemm")
+ALGORITHMS = ("direct", "direct_stride2", "depthwise", "pointwise", "gemm", "winograd")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ Numba and LLVM, about 100 MB of memory) only when a layer first uses one.
 - convkxk.py       one-group 5x5 and 7x7 stride-1 convolution: conv3x3.py's layout and blocks, the
                    k*k taps a loop in the forward block, the weight gradient in groups of three taps
 - depthwise3x3.py  depthwise 3x3 stride-1 convolution: a 9-tap row sum LLVM vectorizes
+- winograd.py      Winograd F(2x2, 3x3) input and output transforms (the 16 products are BLAS GEMMs)
 - col2im.py        a strided convolution's dx from its per-position shares; dx's flipped weights
 - normalization.py training-mode BatchNorm, one channel at a time through all its passes
 - elementwise.py   the convolution bias, ReLU

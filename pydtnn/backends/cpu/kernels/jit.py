@@ -24,7 +24,7 @@ exact = numba.njit(nogil=True, error_model="numpy", cache=True)
 parallel = numba.njit(parallel=True, nogil=True, cache=True)
 
 MODULES = ("col2im", "conv3x3", "convkxk", "depthwise3x3", "elementwise", "normalization", "pooling", "updates",
-           "vectors")
+           "vectors", "winograd")
 
 
 def cache_dir():

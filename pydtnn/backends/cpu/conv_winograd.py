@@ -1,0 +1,80 @@
+"""Winograd F(2x2, 3x3) convolution of one-group 3x3 stride-1 layers (kernels/winograd.py): a candidate
+the measured algorithm choice (autotune.py) may take where it is faster, never the threshold choice.
+
+Forward: the input transform split over samples, the 16 GEMMs (K x C) @ (C x T) split over the 16
+positions (BLAS, one thread each), the output transform split over samples. dx is the same
+convolution of dy with the flipped, transposed weights (padding 2 - p on each side). dw is the direct
+kernels' (conv_direct.weight_grad), from the padded layout forward writes when it keeps state: the
+Winograd weight gradient F(3x3, 2x2) would need its own transforms for a third of the work.
+"""
+
+import numpy as np
+
+from pydtnn.backends.cpu import conv_direct
+
+# G of F(2x2, 3x3): U = G g G^T
+G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+
+
+def winograd_ok(g, co):
+    """One group, 3x3, stride 1, no dilation, padding at most 2 on every side (so dx's is at least 0)."""
+    return ((g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.groups) == (3, 3, 1, 1, 1, 1, 1)
+            and 0 <= min(g.pt, g.pb, g.pl, g.pr) and max(g.pt, g.pb, g.pl, g.pr) <= 2)
+
+
+def transformed_weights(w):
+    """U (16, K, C) = G w G^T for each filter pair, in float64 and then rounded to w's dtype."""
+    u = np.einsum("ai,kcij,bj->abkc", G, w.astype(np.float64), G)
+    return np.ascontiguousarray(u.reshape(16, w.shape[0], w.shape[1]).astype(w.dtype))
+
+
+def convolve(b, x, u, pt, pl, ho, wo, g, tag):
+    """y (N, K, ho, wo) = the 3x3 stride-1 convolution of x (N, C, H, W) with transformed weights u, the
+    input padded by pt above and pl to the left (zeros wherever a tile reads outside x)."""
+    from pydtnn.backends.cpu.kernels import winograd as wk
+
+    x = np.ascontiguousarray(x)
+    n, c = x.shape[0], x.shape[1]
+    k = u.shape[1]
+    th, tw = -(-ho // 2), -(-wo // 2)
+    t = n * th * tw
+    vkey, v = b.pool.take(f"{tag}_v", (16, c, t), x.dtype, g)
+    b.split_compiled(wk.input_transform, wk.input_transform_chunks, n, (x, v, pt, pl, th, tw), v.nbytes)
+    mkey, m = b.pool.take(f"{tag}_m", (16, k, t), x.dtype, g)
+
+    def products(lo, hi):
+        np.matmul(u[lo:hi], v[lo:hi], out=m[lo:hi])
+
+    b.split(16, products, b.gemm_bytes(2 * 16 * k * c * t, v))
+    b.pool.give(vkey, v)
+    y = np.empty((n, k, ho, wo), x.dtype)
+    b.split_compiled(wk.output_transform, wk.output_transform_chunks, n, (m, y, th, tw), m.nbytes)
+    b.pool.give(mkey, m)
+    return y
+
+
+def forward(b, x, w, g, keep):
+    """y by Winograd; with keep, the padded layout of x for the direct weight gradient (pooled, like the
+    direct forward's)."""
+    from pydtnn.backends.cpu.kernels import winograd as wk
+
+    x = np.ascontiguousarray(x)
+    y = convolve(b, x, transformed_weights(w), g.pt, g.pl, g.ho, g.wo, g, "wgf")
+    if not keep:
+        return y, None
+    n = x.shape[0]
+    _, _, lx, tail = conv_direct.dense_layout(g.ho, g.wo, 1, 1, x.itemsize, 3)
+    key, xs = b.pool.take("xs", (g.c, n * lx + tail), x.dtype, g)
+    args = (xs, x, lx, g.pt, g.pl, g.ho + 2, g.wo + 2)
+    b.split_compiled(wk.pad_samples, wk.pad_samples_chunks, n, args, x.nbytes)
+    return y, b.pool.loan(key, xs)
+
+
+def backward(b, dy, w, ctx, g, need_dx):
+    dy = np.ascontiguousarray(dy)
+    dw = conv_direct.weight_grad(b, dy, w, ctx, g)
+    if not need_dx:
+        return None, dw
+    wt = np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
+    return convolve(b, dy, transformed_weights(wt), 2 - g.pt, 2 - g.pl, g.h, g.w, g, "wgb"), dw
+
