@@ -145,12 +145,16 @@ def run(args):
         lr_note = f" = {base:g} x {world} processes (linear scaling; --learning_rate_scaling false keeps {base:g})"
     reducer, strategy = None, reduction_strategy(args, world)
     corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
-    if args.topk_selection != "global" and strategy != "topk":
-        raise ConfigError(f"--topk_selection applies to the topk reducer; this run reduces with "
-                          f"{strategy or 'nothing (one process)'}: give --reduction topk or leave it out")
-    if args.density_warmup_epochs and strategy != "topk":
-        raise ConfigError(f"--density_warmup_epochs applies to the topk reducer; this run reduces with "
-                          f"{strategy or 'nothing (one process)'}: give --reduction topk or leave it out")
+    for flag, given in (("--topk_selection", args.topk_selection != "global"),
+                        ("--density_warmup_epochs", bool(args.density_warmup_epochs))):
+        if given and strategy != "topk":
+            raise ConfigError(f"{flag} applies to the topk reducer over several processes; this run reduces with "
+                              f"{strategy or 'nothing (one process)'}: add --reduction topk and launch 2 or more "
+                              f"processes, or leave {flag} out")
+    if strategy == "topk" and args.density_warmup_epochs > args.num_epochs:
+        raise ConfigError(f"--density_warmup_epochs {args.density_warmup_epochs} is more than --num_epochs "
+                          f"{args.num_epochs}: the density would never reach --density {args.density:g}; give at "
+                          f"most {args.num_epochs}")
     optimizer = optim.create(args.optimizer, model.parameters(), backend=model.backend, **options)
     schedules = build_schedules(args, world)
     if strategy is not None:
@@ -358,7 +362,7 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
             f"momentum {eff['topk_momentum']:g} in the topk reducer (momentum correction)"]
     if eff.get("reduction") == "topk" and args.topk_selection == "per_layer":
         extras.append("topk selection per layer")
-    if eff.get("reduction") == "topk" and args.density_warmup_epochs:
+    if eff.get("reduction") == "topk" and args.density_warmup_epochs and args.density < 0.25:
         extras.append(f"topk density from 0.25 to {args.density:g} over {_count(args.density_warmup_epochs, 'epoch')}")
     schedules = ",".join(_chosen(args)) or "none"
     if "warm_up" in eff:

@@ -105,7 +105,8 @@ def test_the_cache_is_keyed_by_cpu_isa_threads_dtype_kernels_batch_and_shape(tmp
 
 @pytest.mark.parametrize("content", [b"{not json", b"\x80\x81\xff", b"[1, 2]", b"[" * 100000,
                                      b'{"format": "other", "choices": {}}',
-                                     b'{"format": "pydtnn conv autotune 1", "choices": []}'])
+                                     b'{"format": "pydtnn conv autotune 2", "choices": []}',
+                                     b'{"format": "pydtnn conv autotune 1", "choices": {}}'])  # before Winograd
 def test_a_corrupt_cache_file_is_ignored_and_rewritten(tmp_path, content):
     path = tmp_path / "tune.json"
     path.write_bytes(content)
@@ -122,6 +123,9 @@ def test_a_cached_algorithm_that_cannot_compute_the_shape_is_ignored(tmp_path):
     assert autotune.Tuner(path=str(path)).cached(CONV3, 16, np.float32, "numba", TUNING) is None
     path.write_text(json.dumps({"format": autotune.FORMAT, "choices": {k: "no_such_algorithm"}}))
     assert autotune.Tuner(path=str(path)).read() == {}
+    # a name this build lacks (another build's algorithm) stays in the file when this build saves
+    autotune.Tuner(path=str(path), measure=FakeMeasure("gemm")).choose([(POINTWISE, 64)], np.float32, "numba", TUNING)
+    assert json.loads(path.read_text())["choices"][k] == "no_such_algorithm"
 
 
 def test_measure_times_every_candidate():

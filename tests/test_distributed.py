@@ -295,8 +295,12 @@ def test_the_command_line_warms_topk_up_selects_per_layer_and_refuses_both_witho
     for flags, name in ((warm, "--density_warmup_epochs"), (layer, "--topk_selection")):
         bad = subprocess.run([MPIEXEC, "-n", "2", *cmd, *flags, "--reduction", "bucketed"], capture_output=True,
                              text=True, timeout=120, env=ENV, cwd=tmp_path)
-        assert bad.returncode == 2 and f"{name} applies to the topk reducer; this run reduces with bucketed" \
-            in bad.stderr, bad.stderr[-2000:]
+        assert bad.returncode == 2 and f"{name} applies to the topk reducer over several processes; this run " \
+            "reduces with bucketed: add --reduction topk" in bad.stderr, bad.stderr[-2000:]
+    long = subprocess.run([MPIEXEC, "-n", "2", *cmd, "--density_warmup_epochs", "3", "--reduction", "topk"],
+                          capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert long.returncode == 2 and "--density_warmup_epochs 3 is more than --num_epochs 2" in long.stderr, \
+        long.stderr[-2000:]
 
 
 def test_topk_per_layer_selection_sends_each_gradients_own_largest():

@@ -294,6 +294,31 @@ def test_a_measured_convolution_plan_is_the_one_costed(tmp_path):
     assert "direct" in before.values() and set(after.values()) == {"gemm"}
 
 
+def test_every_convolution_algorithm_has_a_cost_and_winograd_counts_its_products(tmp_path):
+    """Each algorithm the CPU backend may run is costed; a layer the autotuner gave to Winograd costs
+    2 macs / 2.25 FLOPs forward and backward_data, and the direct kernels' weight gradient."""
+    from pydtnn.backends.cpu import autotune, conv_plan
+    from pydtnn.perfmodel import costs
+
+    assert set(costs._CONV_ALGORITHMS) == set(conv_plan.ALGORITHMS)
+
+    class AllWinograd:
+        def __call__(self, g, co, algorithms, dtype, kernels, tuning, batch):
+            return {a: 1.0 if a == "winograd" else 2.0 for a in algorithms}
+
+    layers = [Conv2D(16, 3, padding=1), Conv2D(16, 3, padding=1)]
+    direct = Model(layers, (8, 16, 16), CPUBackend(kernels="numba"))
+    backend = CPUBackend(kernels="numba", autotune=autotune.Tuner(path=str(tmp_path / "t.json"), measure=AllWinograd()))
+    tuned = Model([Conv2D(16, 3, padding=1), Conv2D(16, 3, padding=1)], (8, 16, 16), backend)
+    backend.tune_convolutions()
+    plain, wino = (next(c for c in layer_costs(m, 4) if c.name == "1") for m in (direct, tuned))
+    assert wino.algorithm == "winograd" and wino.kernel_class == "gemm"
+    macs = 4 * 16 * 16 * 16 * 16 * 9
+    assert wino.forward.flops == int(2 * macs / 2.25) + 4 * 16 * 16 * 16  # the products, and the bias
+    assert wino.backward_data.flops == int(2 * macs / 2.25)
+    assert wino.backward_weights.flops == plain.backward_weights.flops
+
+
 def test_a_5x5_direct_convolution_counts_its_25_taps():
     """The compiled direct path takes one-group 5x5 layers too: dx's FLOPs are 2 N H W C Co x 25."""
     model = Model([Conv2D(8, 3, padding=1), Conv2D(16, 5, padding=2)], (4, 16, 16), CPUBackend(kernels="numba"))

@@ -26,7 +26,9 @@ from pydtnn.backends.cpu import conv_plan, conv_winograd, threads
 from pydtnn.errors import ConfigError
 from pydtnn.files import read_bytes, write_atomic
 
-FORMAT = "pydtnn conv autotune 1"  # the cache file's "format": a file of another format is ignored
+# the cache file's "format": a file of another format is ignored. 2: Winograd joined the candidates, so
+# shapes timed without it are timed again
+FORMAT = "pydtnn conv autotune 2"
 CACHE_LIMIT = 16 << 20  # bytes: a cache file is a few kilobytes per machine
 
 
@@ -156,7 +158,12 @@ class Tuner:
         return f"Tuner(path={self.path!r}, margin={self.margin}, batch={self.batch})"
 
     def read(self):
-        """{key: algorithm} from the cache file; {} when it is missing or does not parse."""
+        """{key: algorithm} from the cache file, algorithms this build has; {} when it is missing or does not
+        parse."""
+        return {k: a for k, a in self._stored().items() if a in conv_plan.ALGORITHMS}
+
+    def _stored(self):
+        """Every {key: name} the file holds, names this build lacks included (save keeps them)."""
         if self.path is None:
             return {}
         try:
@@ -165,7 +172,7 @@ class Tuner:
             return {}
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("choices"), dict):
             return {}
-        return {k: a for k, a in doc["choices"].items() if isinstance(k, str) and a in conv_plan.ALGORITHMS}
+        return {k: a for k, a in doc["choices"].items() if isinstance(k, str) and isinstance(a, str)}
 
     def choices(self):
         if self._choices is None:
@@ -215,7 +222,7 @@ class Tuner:
         self.choices().update(choices)
         if self.path is None:
             return
-        merged = {**self.read(), **choices}
+        merged = {**self._stored(), **choices}
         text = json.dumps({"format": FORMAT, "choices": dict(sorted(merged.items()))}, indent=1)
         try:
             write_atomic(self.path, text.encode("utf-8"))

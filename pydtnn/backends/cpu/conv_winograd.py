@@ -30,7 +30,8 @@ def transformed_weights(w):
 
 def convolve(b, x, u, pt, pl, ho, wo, g, tag):
     """y (N, K, ho, wo) = the 3x3 stride-1 convolution of x (N, C, H, W) with transformed weights u, the
-    input padded by pt above and pl to the left (zeros wherever a tile reads outside x)."""
+    input padded by pt above and pl to the left (zeros wherever a tile reads outside x). Forward and dx
+    share the pooled V and M of a layer (one tag) where their shapes agree (C = K, same padding)."""
     from pydtnn.backends.cpu.kernels import winograd as wk
 
     x = np.ascontiguousarray(x)
@@ -59,7 +60,7 @@ def forward(b, x, w, g, keep):
     from pydtnn.backends.cpu.kernels import winograd as wk
 
     x = np.ascontiguousarray(x)
-    y = convolve(b, x, transformed_weights(w), g.pt, g.pl, g.ho, g.wo, g, "wgf")
+    y = convolve(b, x, transformed_weights(w), g.pt, g.pl, g.ho, g.wo, g, "wg")
     if not keep:
         return y, None
     n = x.shape[0]
@@ -76,5 +77,5 @@ def backward(b, dy, w, ctx, g, need_dx):
     if not need_dx:
         return None, dw
     wt = np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
-    return convolve(b, dy, transformed_weights(wt), 2 - g.pt, 2 - g.pl, g.h, g.w, g, "wgb"), dw
+    return convolve(b, dy, transformed_weights(wt), 2 - g.pt, 2 - g.pl, g.h, g.w, g, "wg"), dw
 

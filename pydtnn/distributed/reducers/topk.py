@@ -94,11 +94,16 @@ class TopKReducer(Reducer):
         self.k = self._k(self.epoch_density)
         self.residual = array_module(self.buf).zeros_like(self.buf)
         self.velocity = array_module(self.buf).zeros_like(self.buf) if self.momentum else None
-        n = self.buf.size
-        self.sample = None
-        if n >= 8 * SAMPLE and self.k < n:  # fixed positions, the same on every rank and every run
-            picked = np.sort(np.random.default_rng(n).choice(n, SAMPLE, replace=False))
-            self.sample = array_module(self.buf).asarray(picked)
+        self.sample = self._sample(self.buf.size)
+        self.layer_samples = [self._sample(b - a) for a, b in self.spans]  # per_layer: for the large ones
+
+    def _sample(self, n):
+        """SAMPLE fixed positions of a vector of n entries, the same on every rank and every run; None under
+        8 x SAMPLE entries (those are partitioned whole)."""
+        if n < 8 * SAMPLE:
+            return None
+        picked = np.sort(np.random.default_rng(n).choice(n, SAMPLE, replace=False))
+        return array_module(self.buf).asarray(picked)
 
     def _k(self, density):
         """Entries sent per step: ceil(density x size), of the whole buffer or of each gradient (per_layer,
@@ -139,8 +144,8 @@ class TopKReducer(Reducer):
             idx = xp.arange(acc.size, dtype=np.int64)
         elif self.selection == "per_layer":  # each gradient's own largest: no layer starves
             idx = xp.concatenate([xp.arange(a, b, dtype=np.int64) if k == b - a else
-                                  a + largest(xp.abs(acc[a:b]), k).astype(np.int64)
-                                  for (a, b), k in zip(self.spans, self.ks)])
+                                  a + largest(xp.abs(acc[a:b]), k, sample).astype(np.int64)
+                                  for (a, b), k, sample in zip(self.spans, self.ks, self.layer_samples)])
             idx.sort()
         else:
             idx = largest(xp.abs(acc), self.k, self.sample).astype(np.int64)
