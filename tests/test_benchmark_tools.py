@@ -191,3 +191,16 @@ def test_parallelism_benchmark_tables_and_redraws_a_saved_run_without_mpi(tmp_pa
     assert [p["measured"] for p in redone] == [p["measured"] for p in points]
     assert redone[0]["predicted"]["step_s"] > 0 and redone[1]["predicted"]["group_comm_s"] > 0
     assert redone[0]["predicted"]["group_comm_s"] == 0 and redone[2]["predicted"] is None
+
+
+def test_conv_algorithms_times_every_candidate_and_writes_the_table(tmp_path):
+    """benchmarks/conv_algorithms.py: one row per shape with the direct, Winograd and GEMM times and the pick."""
+    import conv_algorithms
+
+    out = tmp_path / "t.md"
+    conv_algorithms.main(["--shapes", "8x8,4x5", "--batch", "2", "--rounds", "1", "--out", str(out)])
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| 8 ->") or r.startswith("| 4 ->")]
+    assert len(rows) == 2 and all(r.count(" ms") == 3 for r in rows), rows
+    assert rows[0].split("|")[-2].strip() in ("direct", "winograd", "gemm")
+    with pytest.raises(SystemExit):
+        conv_algorithms.main(["--shapes", "8by8"])
