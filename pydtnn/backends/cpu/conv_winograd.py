@@ -14,6 +14,7 @@ from pydtnn.backends.cpu import conv_direct
 
 # G of F(2x2, 3x3): U = G g G^T
 G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
+GG = np.kron(G, G)  # (16, 9): position 4a + b of U from tap 3i + j of g
 
 
 def winograd_ok(g, co):
@@ -23,9 +24,10 @@ def winograd_ok(g, co):
 
 
 def transformed_weights(w):
-    """U (16, K, C) = G w G^T for each filter pair, in float64 and then rounded to w's dtype."""
-    u = np.einsum("ai,kcij,bj->abkc", G, w.astype(np.float64), G)
-    return np.ascontiguousarray(u.reshape(16, w.shape[0], w.shape[1]).astype(w.dtype))
+    """U (16, K, C) = G w G^T for each filter pair, in w's dtype (G's entries are exact in binary): one
+    GEMM, since vec(G g G^T) = (G kron G) vec(g)."""
+    k, c = w.shape[0], w.shape[1]
+    return (GG.astype(w.dtype) @ w.reshape(k * c, 9).T).reshape(16, k, c)
 
 
 def convolve(b, x, u, pt, pl, ho, wo, g, tag):
