@@ -199,7 +199,8 @@ def build_parser(suppress_defaults=False):
            "node then between nodes (hierarchical), or each rank's largest entries with error feedback "
            "(topk, --density); docs/distributed.md")
     f(g, "gradient_compression", choices=("none", "fp16"), default="none",
-      help="wire format of gradient reductions: fp16 halves the bytes, rounds every gradient to fp16")
+      help="wire format of gradient reductions: fp16 halves the bytes, rounds every gradient to fp16 "
+           "(each scaled by a power of two into its range)")
     f(g, "bucket_size_mb", type=positive_float, default=25.0,
       help="bucketed, hierarchical: bucket size in MB (default 25)")
     f(g, "ranks_per_node", type=positive_int, default=None,

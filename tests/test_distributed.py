@@ -614,6 +614,70 @@ def test_fp16_compression_keeps_its_own_wire_buffer():
     assert comm.seen and all(b.dtype == np.float16 and not np.shares_memory(b, model.grad_buffer) for b in comm.seen)
 
 
+class TwoAlike(SingleProcess):
+    """Two ranks whose gradients are the same: every sum is twice this rank's values, rounded as the wire's
+    dtype rounds (an fp16 sum is computed in fp16, as MPI's operator for it does)."""
+
+    size = 2
+
+    def allreduce(self, buf, label=""):
+        np.add(buf, buf, out=buf)
+        return buf
+
+    def iallreduce(self, buf, label=""):
+        self.allreduce(buf, label)
+        return super().iallreduce(buf, label)
+
+    def allreduce_sum(self, values, label="metrics"):
+        return 2 * np.array(values, dtype=np.float64)
+
+
+@pytest.mark.parametrize("strategy", ["blocking", "bucketed", "per_layer"])
+@pytest.mark.parametrize("size", [1e-9, 1e5])
+def test_fp16_wire_scales_gradients_out_of_its_range_into_it(strategy, size):
+    """Gradients of 1e-9 lie under fp16's smallest value (6e-8) and would arrive as zeros; of 1e5 over its
+    largest (65504) and would arrive as infinities. Scaled by a power of two per gradient, each keeps fp16's
+    11 significant bits: two alike ranks at weight 1/2 give back each rank's gradient to that precision."""
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+
+    x = np.random.default_rng(0).standard_normal((4, 1, 28, 28)).astype(np.float32)
+    dy = (np.random.default_rng(1).standard_normal((4, 10)) * size).astype(np.float32)
+    want = models.create("simplecnn", backend=CPUBackend("float32", seed=1))
+    want.forward(x, training=True)
+    want.backward(dy)
+    model = models.create("simplecnn", backend=CPUBackend("float32", seed=1))
+    options = {"bucket_mb": 0.05, "first_bucket_mb": 0.01} if strategy == "bucketed" else {}
+    red = reducers.create(strategy, TwoAlike(), compression="fp16", **options).attach(model)
+    red.begin_step(0.5)
+    model.forward(x, training=True)
+    model.backward(dy)
+    red.finish()
+    assert len(red.wire_scales) == len(model.parameters())
+    for (name, _, g), (_, _, ref) in zip(model.parameters(), want.parameters()):
+        top = float(np.abs(ref).max())
+        assert 2.0**-9 < top / size < 2.0**12, (name, top)  # the gradients really are that far out of range
+        np.testing.assert_allclose(g, ref, rtol=2.0**-11, atol=top * 2.0**-24, err_msg=name)
+
+
+def test_fp16_wire_scale_is_one_where_the_bound_is_zero_or_not_finite():
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+
+    model = models.create("simplecnn", backend=CPUBackend("float32", seed=1))
+    red = reducers.create("blocking", TwoAlike(), compression="fp16").attach(model)
+    (a, _, ga), (b, _, gb), (c, _, gc) = model.parameters()[:3]
+    for _, _, g in model.parameters():
+        g[...] = 0.25
+    ga[...], gb.flat[0], gc[...] = 0.0, np.nan, 3.0
+    red.begin_step(0.5)
+    red.finish()
+    assert red.wire_scales[a] == 1.0 and red.wire_scales[b] == 1.0 and red.wire_scales[c] == 2.0**13
+    assert np.all(ga == 0) and np.isnan(gb.flat[0]) and np.all(gc == 3.0)
+
+
 def test_shard_bounds():
     assert shard_bounds(10, 3) == [0, 4, 7, 10]
     assert shard_bounds(2, 3) == [0, 1, 2, 2]

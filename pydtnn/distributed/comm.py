@@ -67,8 +67,8 @@ class SingleProcess:
         recv[...] = send.reshape(recv.shape)
         return recv
 
-    def allreduce_sum(self, values):
-        """Sum of a small float vector over ranks (a new array)."""
+    def allreduce_sum(self, values, label="metrics"):
+        """Sum of a small float vector over ranks (a new array); label names it in reports."""
         return np.array(values, dtype=np.float64)
 
     def barrier(self):
@@ -331,9 +331,9 @@ class MPIComm:
         """
         self._wait(nonblocking(*args), self.current)
 
-    def allreduce_sum(self, values):
+    def allreduce_sum(self, values, label="metrics"):
         buf = np.array(values, dtype=np.float64)
-        return self.allreduce(buf, "metrics")
+        return self.allreduce(buf, label)
 
     def barrier(self):
         self._enter("barrier", None)

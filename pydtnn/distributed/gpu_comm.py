@@ -143,8 +143,8 @@ class DeviceComm:
     def bcast_obj(self, obj, root=0):
         return self.comm.bcast_obj(obj, root)
 
-    def allreduce_sum(self, values):
-        return self.comm.allreduce_sum([float(v) for v in values])
+    def allreduce_sum(self, values, label="metrics"):
+        return self.comm.allreduce_sum([float(v) for v in values], label)
 
     def barrier(self):
         self.comm.barrier()
@@ -260,8 +260,8 @@ class NcclComm:
     def bcast_obj(self, obj, root=0):
         return self.comm.bcast_obj(obj, root)
 
-    def allreduce_sum(self, values):
-        return self.comm.allreduce_sum(values)
+    def allreduce_sum(self, values, label="metrics"):
+        return self.comm.allreduce_sum(values, label)
 
     def barrier(self):
         self.comm.barrier()
