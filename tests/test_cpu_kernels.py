@@ -149,6 +149,58 @@ def test_maxpool2x2_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, dty
     np.testing.assert_array_equal(dx.view(bits), want.view(bits))
 
 
+MAXPOOL_WINDOWS = [  # (kh, kw, sh, sw, dh, dw, pt, pb, pl, pr)
+    (3, 3, 1, 1, 1, 1, 1, 1, 1, 1),  # Inception's: overlapping, padded
+    (3, 3, 2, 2, 1, 1, 1, 1, 1, 1),  # ResNet's stem
+    (3, 3, 2, 2, 1, 1, 0, 1, 0, 1),  # ceil mode: an extra row and column of padding at the end
+    (2, 3, 2, 1, 1, 1, 0, 0, 0, 0),  # rectangular
+    (3, 2, 1, 2, 2, 1, 2, 2, 0, 1),  # dilated, uneven padding
+    (2, 2, 1, 1, 1, 1, 1, 1, 1, 1),  # 2x2 at stride 1: windows of padding and one corner
+    (2, 2, 2, 2, 1, 1, 1, 1, 1, 1),  # 2x2 at stride 2, padded: not the 2x2 kernels' case
+    (1, 1, 1, 1, 1, 1, 0, 0, 0, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("window", MAXPOOL_WINDOWS)
+@pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 3, 9, 7), (2, 2, 2, 3)])
+def test_maxpool_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, window, dtype):
+    """The generic compiled max pooling against the NumPy passes, every window shape the zoo uses and
+    more: ties (a ReLU's zeros, 0.0 against -0.0), NaN and infinities in x and dy, windows that hold
+    padding with -inf or NaN; y, the argmax and dx compared as bits (dx sums where windows overlap)."""
+    fast, ref = CPUBackend(kernels="numba"), CPUBackend(kernels="numpy")
+    _, c, h, w = shape
+    g = ConvGeometry(c, h, w, *window)
+    if g.ho < 1 or g.wo < 1:
+        pytest.skip("no output")
+    assert not pooling.compiled_2x2(fast, g)
+    rng = np.random.default_rng(0)
+    x = np.maximum(rng.integers(-3, 3, size=shape), 0).astype(dtype)
+    x.flat[::13], x.flat[5::17], x.flat[7::19], x.flat[2::23] = np.nan, -np.inf, np.inf, -0.0
+    x[-1, -1, 0, 0] = -np.inf  # a corner window of padding and -inf
+    bits = np.dtype(f"i{x.itemsize}")
+    y, idx = fast.maxpool2d_forward(x, g)
+    y_ref, idx_ref = ref.maxpool2d_forward(x, g)
+    np.testing.assert_array_equal(y.view(bits), y_ref.view(bits))
+    np.testing.assert_array_equal(idx, idx_ref)
+    assert idx.dtype == idx_ref.dtype
+    np.testing.assert_array_equal(fast.maxpool2d_forward(x, g, keep=False)[0].view(bits), y.view(bits))
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    dy.flat[::5], dy.flat[1::7], dy.flat[3::11] = np.nan, -np.inf, -0.0
+    dx = fast.maxpool2d_backward(dy, idx, g)
+    np.testing.assert_array_equal(dx.view(bits), ref.maxpool2d_backward(dy, idx_ref, g).view(bits))
+    # dx adds up dy where windows overlap: against a float64 sum of the routed dy
+    want = np.zeros(x.shape)
+    for oi in range(g.ho):
+        for oj in range(g.wo):
+            i, j = np.divmod(idx[:, :, oi, oj].astype(np.int64), g.kw)
+            r, q = oi * g.sh - g.pt + i * g.dh, oj * g.sw - g.pl + j * g.dw
+            inside = (r >= 0) & (r < h) & (q >= 0) & (q < w)
+            for s_, c_ in zip(*np.nonzero(inside)):
+                want[s_, c_, r[s_, c_], q[s_, c_]] += dy[s_, c_, oi, oj]
+    np.testing.assert_allclose(dx, want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 3, 9, 7), (1, 2, 2, 3)])
 def test_avgpool2x2_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, dtype):

@@ -107,6 +107,16 @@ def test_depthwise_3x3_numpy():
     assert c.backward_data == PhaseCost(flops, (xf + 2 * wk + yw + 2 * xf + 2 * x) * F32 + w)
 
 
+def test_maxpool_other_windows_compiled():
+    # 3x3 at stride 1, padded (Inception's): (3, 8, 8) -> (3, 8, 8), batch 2: x and y 384 elements each
+    c, _ = only([MaxPool2D(3, stride=1, padding=1)], (3, 8, 8), "numba")
+    assert c.algorithm == "compiled" and c.kernel_class == "elementwise" and c.forward.flops == 384 * 9
+    assert c.forward.bytes == 384 * F32 + 384 * (F32 + 1)
+    assert c.backward_data == PhaseCost(384, 384 * F32 + 384 * (F32 + 1))  # overlapping: one add per output
+    c, _ = only([MaxPool2D(3, stride=3)], (3, 9, 9), "numba")  # disjoint windows: dy copied, no add
+    assert c.algorithm == "compiled" and c.backward_data == PhaseCost(0, 486 * F32 + 54 * (F32 + 1))
+
+
 @pytest.mark.parametrize("kernels", ["numba", "numpy"])
 def test_maxpool_2x2(kernels):
     # (3, 8, 8) -> (3, 4, 4), batch 2: x 384, y 96 elements, uint8 indices

@@ -85,9 +85,9 @@ class LayerCost:
     """The cost of one layer (or one block's combining step) in a training step of batch_size samples.
 
     name: dotted path as in Model.layers(); kind: class name; algorithm: the backend's choice
-    (Conv2D: plan.algorithm; pooling: "compiled_2x2" or "numpy"; else None); kernel_class: whose
-    FLOP rate applies, one of KERNEL_CLASSES; params, param_bytes: trainable parameters; activation_bytes:
-    the output for the whole batch; need_dx: whether dL/dinput is wanted.
+    (Conv2D: plan.algorithm; pooling: "compiled_2x2", "compiled" (max pooling's other windows) or "numpy";
+    else None); kernel_class: whose FLOP rate applies, one of KERNEL_CLASSES; params, param_bytes: trainable
+    parameters; activation_bytes: the output for the whole batch; need_dx: whether dL/dinput is wanted.
     """
 
     name: str
@@ -477,6 +477,8 @@ def _maxpool(layer, n, need_dx):
     """MaxPool2D, forward flops N*Ho*Wo*C*kk (Layer.flops), backward none (a scatter; adds N*Ho*Wo*C*kk
     where windows overlap). i = bytes of an index (1 up to 256 window positions, else 4).
     compiled 2x2: forward x read, y and its uint8 index written; backward dy and index read, dx written.
+    compiled, other windows: forward x read, y and its index written (a window's rows come from cache);
+    backward dx zeroed and written (X*s), dy and the index read, one add per output where windows overlap.
     NumPy, per kernel position k touching Yk outputs: forward y set from the first position (Yk read and
     written) or to -inf (Y written), the index zeroed (Y*i), then per other position the window's view
     read twice, y's read twice and written, a bool mask written and read, the index updated
@@ -488,13 +490,16 @@ def _maxpool(layer, n, need_dx):
     fwd_flops = n * layer.flops()
     if cpu_pooling.compiled_2x2(layer.backend, g):
         return "compiled_2x2", "elementwise", PhaseCost(fwd_flops, x * s + y * s + y), PhaseCost(0, y * s + y + x * s), ZERO
-    pos = positions(g)
     i = 1 if g.kh * g.kw <= 256 else 4
+    disjoint, _ = window_layout(g)
+    if layer.backend.kernels == "numba":
+        bwd = PhaseCost(0 if disjoint else y, x * s + y * (s + i))
+        return "compiled", "elementwise", PhaseCost(fwd_flops, x * s + y * (s + i)), bwd, ZERO
+    pos = positions(g)
     yk = [n * g.c * t for t in _touched(g)]
     full = pos[0][0] == 0 and pos[0][3] == slice(0, g.ho) and pos[0][4] == slice(0, g.wo)
     fwd = y * i + (2 * yk[0] * s if full else y * s)
     fwd += sum(t * (5 * s + 2 + 4 * i) for t in (yk[1:] if full else yk))
-    disjoint, _ = window_layout(g)
     per = (2 * s + 1) if disjoint else (3 * s + 1)
     bwd = x * s + sum(t * (i + 1 + per) for t in yk)
     bwd_flops = 0 if disjoint else sum(yk)

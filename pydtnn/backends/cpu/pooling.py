@@ -1,6 +1,8 @@
 """Max and average pooling on the CPU: one NumPy pass per kernel position over strided views of the
-unpadded input, split over samples; 2x2 windows at stride 2 without padding (VGG's) take one compiled
-pass each way instead (kernels/pooling.py), with the same results bit for bit."""
+unpadded input, split over samples. With the compiled kernels (kernels/pooling.py), 2x2 windows at
+stride 2 without padding (VGG's) take one compiled pass each way, and max pooling over any other
+windows (Inception's 3x3 at stride 1, ResNet's 3x3 at stride 2 with padding) one generic compiled pass
+each way, all with the NumPy path's results bit for bit."""
 
 import numpy as np
 
@@ -9,7 +11,11 @@ from pydtnn.backends.geometry import positions, window_layout
 
 def compiled_2x2(b, g):
     """Whether pooling runs the compiled 2x2 stride-2 kernels (no padding, floor mode)."""
-    return b.kernels == "numba" and (g.kh, g.kw, g.sh, g.sw) == (2, 2, 2, 2) and not g.padded
+    return b.kernels == "numba" and (g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) == (2, 2, 2, 2, 1, 1) and not g.padded
+
+
+def _window_args(g):
+    return g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.pt, g.pl
 
 
 def maxpool_forward(b, x, g, keep):
@@ -24,8 +30,16 @@ def maxpool_forward(b, x, g, keep):
         args = (np.ascontiguousarray(x), y, idx, keep)
         b.split_compiled(pooling.maxpool2x2_forward, pooling.maxpool2x2_forward_chunks, n, args, x.nbytes)
         return y, (idx if keep else None)
+    index = np.uint8 if g.kh * g.kw <= 256 else np.int32
+    if b.kernels == "numba":
+        from pydtnn.backends.cpu.kernels import pooling
+
+        idx = np.empty(y.shape if keep else (0, 0, 0, 0), index)
+        args = (np.ascontiguousarray(x), y, idx, keep, *_window_args(g))
+        b.split_compiled(pooling.maxpool_forward, pooling.maxpool_forward_chunks, n, args, x.nbytes * g.kh * g.kw)
+        return y, (idx if keep else None)
     pos = positions(g)
-    idx = np.zeros(y.shape, np.uint8 if g.kh * g.kw <= 256 else np.int32) if keep else None
+    idx = np.zeros(y.shape, index) if keep else None
     won = np.empty(y.shape, idx.dtype) if keep else None
     full = pos[0][0] == 0 and pos[0][3] == slice(0, g.ho) and pos[0][4] == slice(0, g.wo)
 
@@ -61,6 +75,13 @@ def maxpool_backward(b, dy, idx, g):
         b.split_compiled(pooling.maxpool2x2_backward, pooling.maxpool2x2_backward_chunks, n, args, 2 * dx.nbytes)
         return dx
     disjoint, _ = window_layout(g)
+    if b.kernels == "numba":
+        from pydtnn.backends.cpu.kernels import pooling
+
+        dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
+        args = (np.ascontiguousarray(dy), np.ascontiguousarray(idx), dx, *_window_args(g)[1:], disjoint)
+        b.split_compiled(pooling.maxpool_backward, pooling.maxpool_backward_chunks, n, args, 2 * dx.nbytes)
+        return dx
     dx = np.zeros((n, g.c, g.h, g.w), dy.dtype)
     pos = positions(g)
 

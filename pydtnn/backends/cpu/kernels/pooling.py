@@ -1,4 +1,5 @@
-"""Max and average pooling over 2x2 windows at stride 2: one pass each way."""
+"""Max and average pooling over 2x2 windows at stride 2: one pass each way; max pooling over any other
+windows (size, stride, dilation, padding): one pass each way too."""
 
 import numba
 import numpy as np
@@ -101,6 +102,82 @@ def maxpool2x2_backward(dy, idx, dx, lo, hi):
 def maxpool2x2_backward_chunks(n, t, dy, idx, dx):
     for i in numba.prange(t):
         maxpool2x2_backward(dy, idx, dx, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def maxpool_forward(x, y, idx, keep, kh, kw, sh, sw, dh, dw, pt, pl, lo, hi):
+    """y = max over each window of x (N, C, H, W) and, with keep, idx = i*kw + j of its first maximum,
+    for samples lo..hi-1. Window (oi, oj) reads rows oi*sh - pt + i*dh and columns oj*sw - pl + j*dw;
+    those outside x are padding, never a maximum (-inf where a window holds padding alone, index 0).
+    The NumPy path's rule: positions in order, a position wins when it is greater than the running
+    maximum, which np.maximum's rule updates (NaN sticks)."""
+    c_, h, w = x.shape[1], x.shape[2], x.shape[3]
+    ho, wo = y.shape[2], y.shape[3]
+    lowest = -np.inf
+    for s in range(lo, hi):
+        for c in range(c_):
+            xp = x[s, c]
+            for oi in range(ho):
+                r0 = oi * sh - pt
+                for oj in range(wo):
+                    c0 = oj * sw - pl
+                    m = y.dtype.type(lowest)
+                    k = 0
+                    for i in range(kh):
+                        r = r0 + i * dh
+                        if r < 0 or r >= h:
+                            continue
+                        for j in range(kw):
+                            q = c0 + j * dw
+                            if q < 0 or q >= w:
+                                continue
+                            v = xp[r, q]
+                            if v > m:
+                                k = i * kw + j
+                            m = _max(m, v)
+                    y[s, c, oi, oj] = m
+                    if keep:
+                        idx[s, c, oi, oj] = k
+
+
+@_pjit
+def maxpool_forward_chunks(n, t, x, y, idx, keep, kh, kw, sh, sw, dh, dw, pt, pl):
+    for i in numba.prange(t):
+        maxpool_forward(x, y, idx, keep, kh, kw, sh, sw, dh, dw, pt, pl, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def maxpool_backward(dy, idx, dx, kw, sh, sw, dh, dw, pt, pl, disjoint, lo, hi):
+    """dx = each window's dy at the input its idx names, +0.0 where no window's maximum lies, for
+    samples lo..hi-1 (dx's planes zeroed here). Disjoint windows copy dy; overlapping ones add it in
+    the NumPy path's order, kernel position by kernel position, which for one input is the outputs
+    from last to first: the same sums bit for bit. A maximum's position in padding (a window of
+    padding and NaN or -inf) routes nowhere."""
+    c_, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
+    h, w = dx.shape[2], dx.shape[3]
+    zero = dx.dtype.type(0)
+    for s in range(lo, hi):
+        for c in range(c_):
+            dp = dx[s, c]
+            dp[...] = zero
+            for oi in range(ho - 1, -1, -1):
+                for oj in range(wo - 1, -1, -1):
+                    k = np.int64(idx[s, c, oi, oj])
+                    i = k // kw
+                    r = oi * sh - pt + i * dh
+                    q = oj * sw - pl + (k - i * kw) * dw
+                    if r < 0 or r >= h or q < 0 or q >= w:
+                        continue
+                    if disjoint:
+                        dp[r, q] = dy[s, c, oi, oj]
+                    else:
+                        dp[r, q] += dy[s, c, oi, oj]
+
+
+@_pjit
+def maxpool_backward_chunks(n, t, dy, idx, dx, kw, sh, sw, dh, dw, pt, pl, disjoint):
+    for i in numba.prange(t):
+        maxpool_backward(dy, idx, dx, kw, sh, sw, dh, dw, pt, pl, disjoint, n * i // t, n * (i + 1) // t)
 
 
 @_exact
