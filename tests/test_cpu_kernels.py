@@ -201,6 +201,22 @@ def test_maxpool_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, window
     np.testing.assert_allclose(dx, want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("window", [(2, 2, 2, 2), (3, 3, 1, 1, 1, 1, 1, 1, 1, 1)])
+def test_compiled_maxpool_refuses_arrays_of_another_shape(window):
+    """The compiled kernels do not check bounds: an input or gradient of another shape than the layer's
+    would be read and written past its end; it is refused, as the NumPy path refuses it."""
+    from pydtnn.errors import ShapeError
+
+    b, g = CPUBackend(kernels="numba"), ConvGeometry(3, 8, 8, *window)
+    with pytest.raises(ShapeError, match=r"x of shape \(4, 48, 8, 8\); this layer takes \(N, 3, 8, 8\)"):
+        b.maxpool2d_forward(np.zeros((4, 48, 8, 8), np.float32), g)
+    y, idx = b.maxpool2d_forward(np.zeros((4, 3, 8, 8), np.float32), g)
+    with pytest.raises(ShapeError, match="dy of shape"):
+        b.maxpool2d_backward(np.zeros((4, 3, g.ho + 1, g.wo), np.float32), idx, g)
+    with pytest.raises(ShapeError, match="argmax of a forward of"):
+        b.maxpool2d_backward(np.zeros((8, 3, g.ho, g.wo), np.float32), idx, g)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(3, 4, 8, 8), (2, 3, 9, 7), (1, 2, 2, 3)])
 def test_avgpool2x2_compiled_kernels_match_the_numpy_path_bit_for_bit(shape, dtype):

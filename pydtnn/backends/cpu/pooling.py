@@ -7,6 +7,7 @@ each way, all with the NumPy path's results bit for bit."""
 import numpy as np
 
 from pydtnn.backends.geometry import positions, window_layout
+from pydtnn.errors import ShapeError
 
 
 def compiled_2x2(b, g):
@@ -18,11 +19,21 @@ def _window_args(g):
     return g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.pt, g.pl
 
 
+def _check(what, a, want):
+    """The compiled kernels index without bounds checks: an array of another shape than the layer's
+    geometry is refused here (the NumPy path refuses it when it broadcasts)."""
+    if tuple(a.shape[1:]) != want:
+        raise ShapeError(f"max pooling: {what} of shape {tuple(a.shape)}; this layer takes "
+                         f"(N, {', '.join(map(str, want))})")
+
+
 def maxpool_forward(b, x, g, keep):
     """(y, ctx): ctx is the index k = i*kw + j of the first maximum in each window (ties go to the
     first, as in PyTorch); padding counts as -inf."""
     n = x.shape[0]
     y = np.empty((n, g.c, g.ho, g.wo), x.dtype)
+    if b.kernels == "numba":
+        _check("x", x, (g.c, g.h, g.w))
     if compiled_2x2(b, g):
         from pydtnn.backends.cpu.kernels import pooling
 
@@ -66,6 +77,11 @@ def maxpool_backward(b, dy, idx, g):
     """dx: each window's dy added at its first maximum, exactly +0.0 where no window's maximum lies
     (PyTorch's scatter: a NaN or infinite dy reaches the maximum's input only)."""
     n = dy.shape[0]
+    if b.kernels == "numba":
+        _check("dy", dy, (g.c, g.ho, g.wo))
+        if idx.shape != dy.shape:
+            raise ShapeError(f"max pooling: dy of shape {tuple(dy.shape)} for the argmax of a forward of "
+                             f"{tuple(idx.shape)}")
     if compiled_2x2(b, g):
         from pydtnn.backends.cpu.kernels import pooling
 
