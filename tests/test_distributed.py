@@ -615,13 +615,17 @@ def test_fp16_compression_keeps_its_own_wire_buffer():
 
 
 class TwoAlike(SingleProcess):
-    """Two ranks whose gradients are the same: every sum is twice this rank's values, rounded as the wire's
-    dtype rounds (an fp16 sum is computed in fp16, as MPI's operator for it does)."""
+    """Two ranks whose gradients are alike: the other rank's are `other` times this rank's, so every sum is
+    (1 + other) times this rank's values, rounded as the wire's dtype rounds (an fp16 sum is computed in
+    fp16, as MPI's operator for it does)."""
 
     size = 2
 
+    def __init__(self, other=1.0):
+        self.other = other
+
     def allreduce(self, buf, label=""):
-        np.add(buf, buf, out=buf)
+        np.add(buf, buf * buf.dtype.type(self.other), out=buf)
         return buf
 
     def iallreduce(self, buf, label=""):
@@ -629,15 +633,17 @@ class TwoAlike(SingleProcess):
         return super().iallreduce(buf, label)
 
     def allreduce_sum(self, values, label="metrics"):
-        return 2 * np.array(values, dtype=np.float64)
+        return (1 + self.other) * np.array(values, dtype=np.float64)
 
 
 @pytest.mark.parametrize("strategy", ["blocking", "bucketed", "per_layer"])
-@pytest.mark.parametrize("size", [1e-9, 1e5])
-def test_fp16_wire_scales_gradients_out_of_its_range_into_it(strategy, size):
+@pytest.mark.parametrize("size,other", [(1e-9, 1.0), (1e5, 1.0), (1.0, 3.0)])
+def test_fp16_wire_scales_gradients_out_of_its_range_into_it(strategy, size, other):
     """Gradients of 1e-9 lie under fp16's smallest value (6e-8) and would arrive as zeros; of 1e5 over its
     largest (65504) and would arrive as infinities. Scaled by a power of two per gradient, each keeps fp16's
-    11 significant bits: two alike ranks at weight 1/2 give back each rank's gradient to that precision."""
+    11 significant bits: two alike ranks at weight 1/2 give back each rank's gradient to that precision.
+    Where the other rank's gradients are 3 times larger, a scale from this rank's alone would put the sum
+    over fp16's largest: the scale bounds the sum over the ranks."""
     from pydtnn import models
     from pydtnn.backends import CPUBackend
     from pydtnn.distributed import reducers
@@ -649,7 +655,7 @@ def test_fp16_wire_scales_gradients_out_of_its_range_into_it(strategy, size):
     want.backward(dy)
     model = models.create("simplecnn", backend=CPUBackend("float32", seed=1))
     options = {"bucket_mb": 0.05, "first_bucket_mb": 0.01} if strategy == "bucketed" else {}
-    red = reducers.create(strategy, TwoAlike(), compression="fp16", **options).attach(model)
+    red = reducers.create(strategy, TwoAlike(other), compression="fp16", **options).attach(model)
     red.begin_step(0.5)
     model.forward(x, training=True)
     model.backward(dy)
@@ -658,7 +664,8 @@ def test_fp16_wire_scales_gradients_out_of_its_range_into_it(strategy, size):
     for (name, _, g), (_, _, ref) in zip(model.parameters(), want.parameters()):
         top = float(np.abs(ref).max())
         assert 2.0**-9 < top / size < 2.0**12, (name, top)  # the gradients really are that far out of range
-        np.testing.assert_allclose(g, ref, rtol=2.0**-11, atol=top * 2.0**-24, err_msg=name)
+        mean = ref * ((1 + other) / 2)
+        np.testing.assert_allclose(g, mean, rtol=2.0**-10, atol=top * 2.0**-22, err_msg=name)
 
 
 def test_fp16_wire_scale_is_one_where_the_bound_is_zero_or_not_finite():

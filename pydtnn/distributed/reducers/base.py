@@ -36,8 +36,8 @@ over the ranks stays under 2^15 (fp16's largest value is 65504) with its largest
 fp16 keeps 11 significant bits from 2^15 down to its smallest normal value 2^-14, and unscaled
 gradients lie mostly under that (19-90% of a ResNet-20's entries per rank, where fp16 keeps fewer
 bits, or none under 6e-8). The powers come from one small reduction per message before it (the sum
-over the ranks of each gradient's largest magnitude, a bound on every partial sum); multiplying and
-dividing by them is exact.
+over the ranks of each gradient's largest magnitude, a bound on every partial sum; not counted in
+bytes_reduced); multiplying and dividing by them is exact.
 """
 
 import itertools
