@@ -16,7 +16,7 @@ initial parameters and the same samples in the same order: only the reduction di
 (--seeds) show how far two runs of one reduction differ, the scale against which a lossy reduction's
 difference from dense is read. A reduction is
 `bucketed` (the dense default), `fp16` (bucketed with --gradient_compression fp16: every gradient
-rounded to half precision on the wire) or `topk:D` (--reduction topk --density D: each process sends
+scaled by a power of two and rounded to half precision on the wire) or `topk:D` (--reduction topk --density D: each process sends
 its D share of largest-magnitude entries and keeps the rest as a residual for the next step) or
 `topkmc:D` (topk with --momentum_correction: SGD's momentum applied by each process before it selects,
 the optimizer without it); `topk:D:W` and `topkmc:D:W` add --density_warmup_epochs W (the density falls
