@@ -102,6 +102,22 @@ def test_padded_dataset_centres_the_image_on_normalized_black():
 
 
 # -- every family trains from its default learning rate ---------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def every_core():
+    """The training tests below take minutes: they split their kernels over every core this process may
+    use (BLAS one thread inside each split, as the trainer sets it), whatever thread count the tests
+    before them left; the count is restored after the module."""
+    from threadpoolctl import threadpool_limits
+
+    from pydtnn.backends.cpu import threads
+
+    before = threads.threads()
+    threads.set_threads(threads.default_threads())
+    with threadpool_limits(1, user_api="blas"):
+        yield
+    threads.set_threads(before)
+
+
 # Families that take the 28x28 digits; the others (inceptionv3, densenet121/169/201) stop with one
 # line on them (above) and are trained on synthetic images of a size they take.
 HEAVY = {"googlenet": 8, "densenet100": 8}  # steps: 1.5 and 0.6 GFLOPs a sample forward; the rest take 8 or 24
