@@ -645,12 +645,14 @@ def _kernels_run(x, dy_rng, tuning):
     """Forward and backward of every threaded kernel on x, on backends of this Tuning; returns all
     outputs and gradients."""
     be = CPUBackend(np.float32, tuning=tuning)
+    numpy_path = CPUBackend(np.float32, kernels="numpy", tuning=tuning)
     out = []
     for k, s, p in ((2, 2, 0), (3, 2, 1), (3, 1, 0)):
         g = ConvGeometry(c=x.shape[1], h=x.shape[2], w=x.shape[3], kh=k, kw=k, sh=s, sw=s, pt=p, pb=p, pl=p, pr=p)
         dy = dy_rng.standard_normal((x.shape[0], g.c, g.ho, g.wo)).astype(np.float32)
-        y, ctx = be.maxpool2d_forward(x, g)
-        out += [y, be.maxpool2d_backward(dy, ctx, g)]
+        for b in (be, numpy_path):  # compiled (every max pooling window) and NumPy
+            y, ctx = b.maxpool2d_forward(x, g)
+            out += [y, b.maxpool2d_backward(dy, ctx, g)]
         y, ctx = be.avgpool2d_forward(x, g)
         out += [y, be.avgpool2d_backward(dy, ctx, g)]
     for mult, s in ((1, 1), (2, 1), (1, 2)):
@@ -741,9 +743,10 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
     assert any(chunked)  # the pool's splits did cut their work
     # every pooling, convolution, BatchNorm and ReLU call went through a splitter: the pool's, or
     # Numba's threads for the compiled kernels (forward, dw and dx of the stride-1 and stride-2
-    # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU, 2x2 max and average pooling, bias)
+    # depthwise layers and the dense 3x3 layer, BatchNorm, ReLU, 2x2 max and average pooling, bias,
+    # max pooling's other windows)
     assert len(calls) >= 10 + 2 * 5
-    assert len(compiled_calls) == 3 + 3 + 3 + 2 + 2 + 4 + 2
+    assert len(compiled_calls) == 3 + 3 + 3 + 2 + 2 + 4 + 2 + 4
     assert len(want) == len(got)
     for i, (a, b) in enumerate(zip(want, got)):
         if isinstance(a, BlasRounded):
