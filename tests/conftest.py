@@ -40,6 +40,10 @@ def return_freed_memory():
     memory for the next training step (pydtnn.runtime, which the trainer configures); over a thousand tests that build models of
     every size, each of malloc's arenas would keep its own peak, and the suite's process grew past 24 GB."""
     yield
+    _collect_and_trim()
+
+
+def _collect_and_trim():
     import ctypes
     import gc
 
@@ -62,11 +66,4 @@ def trim_when_large():
     except (OSError, ValueError, IndexError):
         return
     if resident > 6 << 30:
-        import ctypes
-        import gc
-
-        gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+        _collect_and_trim()

@@ -32,22 +32,19 @@ def maxpool_forward(b, x, g, keep):
     first, as in PyTorch); padding counts as -inf."""
     n = x.shape[0]
     y = np.empty((n, g.c, g.ho, g.wo), x.dtype)
-    if b.kernels == "numba":
-        _check("x", x, (g.c, g.h, g.w))
-    if compiled_2x2(b, g):
-        from pydtnn.backends.cpu.kernels import pooling
-
-        idx = np.empty(y.shape if keep else (0, 0, 0, 0), np.uint8)
-        args = (np.ascontiguousarray(x), y, idx, keep)
-        b.split_compiled(pooling.maxpool2x2_forward, pooling.maxpool2x2_forward_chunks, n, args, x.nbytes)
-        return y, (idx if keep else None)
     index = np.uint8 if g.kh * g.kw <= 256 else np.int32
     if b.kernels == "numba":
         from pydtnn.backends.cpu.kernels import pooling
 
+        _check("x", x, (g.c, g.h, g.w))
         idx = np.empty(y.shape if keep else (0, 0, 0, 0), index)
-        args = (np.ascontiguousarray(x), y, idx, keep, *_window_args(g))
-        b.split_compiled(pooling.maxpool_forward, pooling.maxpool_forward_chunks, n, args, x.nbytes * g.kh * g.kw)
+        if compiled_2x2(b, g):
+            args = (np.ascontiguousarray(x), y, idx, keep)
+            b.split_compiled(pooling.maxpool2x2_forward, pooling.maxpool2x2_forward_chunks, n, args, x.nbytes)
+        else:
+            args = (np.ascontiguousarray(x), y, idx, keep, *_window_args(g))
+            kernels = pooling.maxpool_forward, pooling.maxpool_forward_chunks
+            b.split_compiled(*kernels, n, args, x.nbytes * g.kh * g.kw)
         return y, (idx if keep else None)
     pos = positions(g)
     idx = np.zeros(y.shape, index) if keep else None
@@ -77,26 +74,23 @@ def maxpool_backward(b, dy, idx, g):
     """dx: each window's dy added at its first maximum, exactly +0.0 where no window's maximum lies
     (PyTorch's scatter: a NaN or infinite dy reaches the maximum's input only)."""
     n = dy.shape[0]
-    if b.kernels == "numba":
-        _check("dy", dy, (g.c, g.ho, g.wo))
-        if idx.shape != dy.shape:
-            raise ShapeError(f"max pooling: dy of shape {tuple(dy.shape)} for the argmax of a forward of "
-                             f"{tuple(idx.shape)}")
-    if compiled_2x2(b, g):
-        from pydtnn.backends.cpu.kernels import pooling
-
-        dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
-        bits = np.dtype(f"i{dy.itemsize}")  # the kernel moves float bits through an integer mask
-        args = (np.ascontiguousarray(dy).view(bits), idx, dx.view(bits))
-        b.split_compiled(pooling.maxpool2x2_backward, pooling.maxpool2x2_backward_chunks, n, args, 2 * dx.nbytes)
-        return dx
     disjoint, _ = window_layout(g)
     if b.kernels == "numba":
         from pydtnn.backends.cpu.kernels import pooling
 
+        _check("dy", dy, (g.c, g.ho, g.wo))
+        if idx.shape != dy.shape:
+            raise ShapeError(f"max pooling: dy of shape {tuple(dy.shape)} for the argmax of a forward of "
+                             f"{tuple(idx.shape)}")
         dx = np.empty((n, g.c, g.h, g.w), dy.dtype)
-        args = (np.ascontiguousarray(dy), np.ascontiguousarray(idx), dx, *_window_args(g)[1:], disjoint)
-        b.split_compiled(pooling.maxpool_backward, pooling.maxpool_backward_chunks, n, args, 2 * dx.nbytes)
+        if compiled_2x2(b, g):
+            bits = np.dtype(f"i{dy.itemsize}")  # the kernel moves float bits through an integer mask
+            args = (np.ascontiguousarray(dy).view(bits), idx, dx.view(bits))
+            kernels = pooling.maxpool2x2_backward, pooling.maxpool2x2_backward_chunks
+        else:
+            args = (np.ascontiguousarray(dy), np.ascontiguousarray(idx), dx, *_window_args(g)[1:], disjoint)
+            kernels = pooling.maxpool_backward, pooling.maxpool_backward_chunks
+        b.split_compiled(*kernels, n, args, 2 * dx.nbytes)
         return dx
     dx = np.zeros((n, g.c, g.h, g.w), dy.dtype)
     pos = positions(g)

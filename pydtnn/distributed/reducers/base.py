@@ -47,7 +47,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from pydtnn.backends import array_module
+from pydtnn.backends import array_module, is_device_array
 
 PIECE_BYTES = 16 * 2**20  # largest single message; see the module docstring
 WIRE_TOP = 15  # fp16 wire: every gradient's sum over the ranks is scaled under 2^WIRE_TOP (fp16's largest: 65504)
@@ -163,7 +163,7 @@ class Reducer:
         grads = [self.grads[n] for n in names]
         xp = array_module(grads[0])
         local = xp.stack([xp.abs(g).max() if g.size else xp.zeros((), g.dtype) for g in grads])
-        local = np.asarray(local.get() if hasattr(local, "get") else local, np.float64) * abs(self.weight)
+        local = np.asarray(local.get() if is_device_array(local) else local, np.float64) * abs(self.weight)
         bound = np.asarray(self.comm.allreduce_sum(local, "fp16 scales"), np.float64)
         ok = np.isfinite(bound) & (bound > 0)
         _, exponent = np.frexp(np.where(ok, bound, 1.0))  # bound < 2^exponent
