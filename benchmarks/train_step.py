@@ -2,7 +2,7 @@
 
     python benchmarks/train_step.py [--models simplecnn,vgg11_cifar10,resnet20_cifar10,mobilenetv1_cifar10]
                                     [--batches 32,64] [--threads 1,2] [--warmup 3] [--steps N] [--wait_idle 15] [--retries 1]
-                                    [--rounds 1] [--json FILE] [--out FILE] [--plot FILE.png]
+                                    [--rounds 1] [--conv_autotune] [--json FILE] [--out FILE] [--plot FILE.png]
     python benchmarks/train_step.py --quick                   # smoke run: batch 32, 1 thread, 1 + 2 steps
     python benchmarks/train_step.py --from_json FILE [FILE ...] [--out FILE] [--plot FILE.png]
 
@@ -113,7 +113,8 @@ def pydtnn_worker(args):
     from pydtnn.trainer import Trainer
 
     import_mb = peak_rss_mb()
-    model = models.create(args.model, backend=CPUBackend(seed=0))
+    backend = CPUBackend(seed=0, autotune=True) if args.conv_autotune else CPUBackend(seed=0)
+    model = models.create(args.model, backend=backend)
     if model.params_sha256() != args.sha256:
         raise SystemExit(f"train_step.py: pydtnn {args.model} from seed 0 has parameters {model.params_sha256()[:12]}, "
                          f"the driver's had {args.sha256[:12]}: the two libraries would not start equal")
@@ -135,6 +136,8 @@ def pydtnn_worker(args):
         threads.set_threads(args.threads)
         blas_threads = getattr(threads, "BLAS_THREADS", blas_threads)
     with threadpool_limits(blas_threads):
+        if args.conv_autotune:  # the measured algorithms, at this thread count, before the warm-up steps
+            backend.tune_convolutions(say=lambda line: print(line, file=sys.stderr, flush=True))
         times, foreign = time_steps(lambda i: trainer.train_step(*data[i % 3]), args.warmup, args.steps)
     return record(args, times, foreign, import_mb)
 
@@ -195,7 +198,7 @@ def run_worker(lib, name, batch, threads, steps, args, prepared, tmp):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", lib, "--model", name, "--batch", str(batch),
            "--threads", str(threads), "--warmup", str(args.warmup), "--steps", str(steps), "--result", result]
     if lib == "pydtnn":
-        cmd += ["--sha256", prepared["sha256"]]
+        cmd += ["--sha256", prepared["sha256"]] + (["--conv_autotune"] if args.conv_autotune else [])
     else:
         cmd += ["--twin", prepared["twin"], "--classes", str(prepared["classes"]),
                 "--shape", *map(str, prepared["shape"])]
@@ -368,7 +371,9 @@ def report(run):
              f"PyTorch {m['torch']}"), "",
              (f"pydtnn at {commit} ({src['path']}). float32, SGD(lr={LR}, momentum={MOMENTUM}), softmax "
              f"cross-entropy; {a['warmup']} warm-up step(s), then the median of {steps} timed steps; "
-             f"script wall time {run['wall_s']:.0f} s."), "",
+             f"script wall time {run['wall_s']:.0f} s."
+             + (" Convolution algorithms measured per layer shape (autotune)." if a.get("conv_autotune") else "")),
+             "",
              ("| model | batch | threads | ours ms/step | torch ms/step | ours/torch | ours peak RSS MB "
              "| torch peak RSS MB | RSS ratio | above imports MB (ours / torch) "
              "| other processes, cores (ours / torch) |" + (" ours/torch per round |" if rounds else "")),
@@ -492,6 +497,9 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="measure each configuration this many times, pydtnn and PyTorch alternating; report each "
                         "side's median round and every round's ratio")
+    p.add_argument("--conv_autotune", action="store_true",
+                   help="pydtnn measures each convolution shape's algorithm (CPUBackend(autotune=True), its cache "
+                        "in ~/.cache/pydtnn) instead of the threshold choice")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 32, 1 thread, 1 warm-up + 2 timed steps")
     p.add_argument("--out", help="also write the report (markdown) here")
     p.add_argument("--json", help="also write every record here")

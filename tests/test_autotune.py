@@ -105,8 +105,9 @@ def test_the_cache_is_keyed_by_cpu_isa_threads_dtype_kernels_batch_and_shape(tmp
 
 @pytest.mark.parametrize("content", [b"{not json", b"\x80\x81\xff", b"[1, 2]", b"[" * 100000,
                                      b'{"format": "other", "choices": {}}',
-                                     b'{"format": "pydtnn conv autotune 2", "choices": []}',
-                                     b'{"format": "pydtnn conv autotune 1", "choices": {}}'])  # before Winograd
+                                     b'{"format": "pydtnn conv autotune 3", "choices": []}',
+                                     b'{"format": "pydtnn conv autotune 1", "choices": {}}',  # before Winograd
+                                     b'{"format": "pydtnn conv autotune 2", "choices": {}}'])  # Winograd's old dw
 def test_a_corrupt_cache_file_is_ignored_and_rewritten(tmp_path, content):
     path = tmp_path / "tune.json"
     path.write_bytes(content)
@@ -114,6 +115,21 @@ def test_a_corrupt_cache_file_is_ignored_and_rewritten(tmp_path, content):
     assert tuner.read() == {}
     assert tuner.choose([(CONV3, 16)], np.float32, "numba", TUNING) == {(CONV3, 16): "direct"}
     assert autotune.Tuner(path=str(path)).cached(CONV3, 16, np.float32, "numba", TUNING) == "direct"
+
+
+def test_choices_timed_before_winograds_own_weight_gradient_are_timed_again(tmp_path):
+    """A cache of format 2 timed Winograd with the direct kernels' dw: its choices are not used, and the
+    file is rewritten in the current format."""
+    import json
+
+    tuner = autotune.Tuner(path=str(tmp_path / "tune.json"), measure=FakeMeasure("winograd"))
+    stored = {tuner.key(CONV3, 16, np.float32, "numba"): "gemm"}
+    for fmt, want in ((autotune.FORMAT, "gemm"), ("pydtnn conv autotune 2", None)):
+        (tmp_path / "tune.json").write_text(json.dumps({"format": fmt, "choices": stored}))
+        fresh = autotune.Tuner(path=str(tmp_path / "tune.json"), measure=FakeMeasure("winograd"))
+        assert fresh.cached(CONV3, 16, np.float32, "numba", TUNING) == want, fmt
+    assert fresh.choose([(CONV3, 16)], np.float32, "numba", TUNING) == {(CONV3, 16): "winograd"}
+    assert json.loads((tmp_path / "tune.json").read_text())["format"] == autotune.FORMAT
 
 
 def test_a_cached_algorithm_that_cannot_compute_the_shape_is_ignored(tmp_path):

@@ -1138,6 +1138,29 @@ def test_winograd_equals_im2col_gemm(c, h, w, k, pads, dtype, rtol):
         np.testing.assert_allclose(a, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=name)
 
 
+def test_winograd_keeps_x_and_splits_over_threads_bit_identically():
+    """The forward keeps x itself for the F(3x3, 2x2) weight gradient (released by backward); 1 and 3
+    threads give the same bits (transforms split over samples, each position's GEMMs on one thread)."""
+    from pydtnn.backends.cpu import conv_plan
+
+    g = ConvGeometry(6, 9, 7, 3, 3, pt=1, pb=1, pl=1, pr=1)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((5, 6, 9, 7)).astype(np.float32)
+    w = rng.standard_normal((8, 6, 3, 3)).astype(np.float32)
+    dy = rng.standard_normal((5, 8, 9, 7)).astype(np.float32)
+    be = CPUBackend(np.float32, tuning=Tuning(split_min_bytes=0))
+    plan = conv_plan.plan_for(g, "winograd")
+    runs = []
+    for threads in (1, 3):
+        with thread_count(threads):
+            y, ctx = be.conv2d_forward(x, w, plan)
+            assert ctx.array is x
+            runs.append((y, *be.conv2d_backward(dy, w, ctx, plan)))
+            assert ctx.array is None
+    for name, a, b in zip(("y", "dx", "dw"), *runs):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_winograd_is_a_candidate_only_for_one_group_3x3_stride_1():
     from pydtnn.backends.cpu.conv_winograd import winograd_ok
 

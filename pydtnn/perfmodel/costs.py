@@ -441,10 +441,10 @@ def _conv_winograd(layer, n, need_dx):
     """Winograd F(2x2, 3x3) (conv_winograd.py), T = N*ceil(Ho/2)*ceil(Wo/2) tiles, V = 16*C*T and
     M = 16*Co*T (the transformed input and products):
     forward         2*macs/2.25 flops (the 16 GEMMs); bytes: x read, V written and read, U (16*Co*C) read,
-                    M written and read, y written; with keep, x read again and written into the direct
-                    kernels' padded layout xs
+                    M written and read, y written
     backward_data   the same on dy and the flipped weights, over dx's tiles
-    backward_weights the direct kernels' weight gradient (conv_direct.weight_grad), as _direct counts it
+    backward_weights F(3x3, 2x2): 2*macs/2.25 flops (the 16 GEMMs (Co x T) @ (T x C)); bytes: x read, V
+                    written and read, dy read, Z = 16*Co*T written and read, P (16*Co*C) written and read
     """
     g, co, s = layer.geometry, layer.filters, layer.dtype.itemsize
     x, y = n * g.c * g.h * g.w, n * co * g.ho * g.wo
@@ -452,11 +452,9 @@ def _conv_winograd(layer, n, need_dx):
     t_fwd = n * -(-g.ho // 2) * -(-g.wo // 2)
     t_bwd = n * -(-g.h // 2) * -(-g.w // 2)
     u = 16 * co * g.c
-    _, _, lx, tail = dense_layout(g.ho, g.wo, 1, 1, s, 3)
-    xs = g.c * (n * lx + tail)
-    fwd = PhaseCost(int(2 * macs / 2.25), (x + 2 * 16 * g.c * t_fwd + u + 2 * 16 * co * t_fwd + y + x + xs) * s)
+    fwd = PhaseCost(int(2 * macs / 2.25), (x + 2 * 16 * g.c * t_fwd + u + 2 * 16 * co * t_fwd + y) * s)
     bwd_d = PhaseCost(int(2 * macs / 2.25), (y + 2 * 16 * co * t_bwd + u + 2 * 16 * g.c * t_bwd + x) * s)
-    bwd_w = _direct(layer, g, n, need_dx, y)[2]
+    bwd_w = PhaseCost(int(2 * macs / 2.25), (x + 2 * 16 * g.c * t_fwd + y + 2 * 16 * co * t_fwd + 2 * u) * s)
     return fwd, bwd_d, bwd_w
 
 

@@ -26,9 +26,9 @@ from pydtnn.backends.cpu import conv_plan, conv_winograd, threads
 from pydtnn.errors import ConfigError
 from pydtnn.files import read_bytes, write_atomic
 
-# the cache file's "format": a file of another format is ignored. 2: Winograd joined the candidates, so
-# shapes timed without it are timed again
-FORMAT = "pydtnn conv autotune 2"
+# the cache file's "format": a file of another format is ignored, so its shapes are timed again. 2: Winograd
+# joined the candidates. 3: Winograd's weight gradient became its own, F(3x3, 2x2), and its times changed
+FORMAT = "pydtnn conv autotune 3"
 CACHE_LIMIT = 16 << 20  # bytes: a cache file is a few kilobytes per machine
 
 

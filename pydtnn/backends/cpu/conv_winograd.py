@@ -3,14 +3,14 @@ the measured algorithm choice (autotune.py) may take where it is faster, never t
 
 Forward: the input transform split over samples, the 16 GEMMs (K x C) @ (C x T) split over the 16
 positions (BLAS, one thread each), the output transform split over samples. dx is the same
-convolution of dy with the flipped, transposed weights (padding 2 - p on each side). dw is the direct
-kernels' (conv_direct.weight_grad), from the padded layout forward writes when it keeps state: the
-Winograd weight gradient F(3x3, 2x2) would need its own transforms for a third of the work.
+convolution of dy with the flipped, transposed weights (padding 2 - p on each side). dw is Winograd
+F(3x3, 2x2) from x, which forward keeps (not copied): x's and dy's transforms split over samples, the
+16 GEMMs (K x T) @ (T x C) over the positions, and G^T P G as one GEMM.
 """
 
 import numpy as np
 
-from pydtnn.backends.cpu import conv_direct
+from pydtnn.backends.cpu.scratch import Kept
 
 # G of F(2x2, 3x3): U = G g G^T
 G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
@@ -57,27 +57,41 @@ def convolve(b, x, u, pt, pl, ho, wo, g, tag):
 
 
 def forward(b, x, w, g, keep):
-    """y by Winograd; with keep, the padded layout of x for the direct weight gradient (pooled, like the
-    direct forward's)."""
-    from pydtnn.backends.cpu.kernels import winograd as wk
-
+    """y by Winograd; with keep, x itself for the weight gradient."""
     x = np.ascontiguousarray(x)
     y = convolve(b, x, transformed_weights(w), g.pt, g.pl, g.ho, g.wo, g, "wg")
-    if not keep:
-        return y, None
-    n = x.shape[0]
-    _, _, lx, tail = conv_direct.dense_layout(g.ho, g.wo, 1, 1, x.itemsize, 3)
-    key, xs = b.pool.take("xs", (g.c, n * lx + tail), x.dtype, g)
-    args = (xs, x, lx, g.pt, g.pl, g.ho + 2, g.wo + 2)
-    b.split_compiled(wk.pad_samples, wk.pad_samples_chunks, n, args, x.nbytes)
-    return y, b.pool.loan(key, xs)
+    return y, (Kept(x) if keep else None)
+
+
+def weight_grad(b, dy, x, g):
+    """dw (K, C, 3, 3) by F(3x3, 2x2) over forward's tiles (kernels/winograd.py): V of x as forward made
+    it, Z of dy, P[xi] = Z[xi] @ V[xi]^T, dw = G^T P G for each filter pair."""
+    from pydtnn.backends.cpu.kernels import winograd as wk
+
+    n, c, k = x.shape[0], x.shape[1], dy.shape[1]
+    th, tw = -(-g.ho // 2), -(-g.wo // 2)
+    t = n * th * tw
+    vkey, v = b.pool.take("wg_v", (16, c, t), x.dtype, g)
+    b.split_compiled(wk.input_transform, wk.input_transform_chunks, n, (x, v, g.pt, g.pl, th, tw), v.nbytes)
+    zkey, z = b.pool.take("wg_z", (16, k, t), x.dtype, g)
+    b.split_compiled(wk.grad_transform, wk.grad_transform_chunks, n, (dy, z, th, tw), z.nbytes)
+    p = np.empty((16, k, c), x.dtype)
+
+    def products(lo, hi):
+        for xi in range(lo, hi):
+            np.matmul(z[xi], v[xi].T, out=p[xi])
+
+    b.split(16, products, b.gemm_bytes(2 * 16 * k * c * t, v, z))
+    b.pool.give(zkey, z)
+    b.pool.give(vkey, v)
+    return (p.reshape(16, k * c).T @ GG.astype(x.dtype)).reshape(k, c, 3, 3)
 
 
 def backward(b, dy, w, ctx, g, need_dx):
     dy = np.ascontiguousarray(dy)
-    dw = conv_direct.weight_grad(b, dy, w, ctx, g)
+    dw = weight_grad(b, dy, ctx.array, g)
+    ctx.release()
     if not need_dx:
         return None, dw
     wt = np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
     return convolve(b, dy, transformed_weights(wt), 2 - g.pt, 2 - g.pl, g.h, g.w, g, "wg"), dw
-

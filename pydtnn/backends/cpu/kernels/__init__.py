@@ -7,11 +7,12 @@ Numba and LLVM, about 100 MB of memory) only when a layer first uses one.
 - convkxk.py       one-group 5x5 and 7x7 stride-1 convolution: conv3x3.py's layout and blocks, the
                    k*k taps a loop in the forward block, the weight gradient in groups of three taps
 - depthwise3x3.py  depthwise 3x3 stride-1 convolution: a 9-tap row sum LLVM vectorizes
-- winograd.py      Winograd F(2x2, 3x3) input and output transforms (the 16 products are BLAS GEMMs)
+- winograd.py      Winograd F(2x2, 3x3) input and output transforms, and dy's F(3x3, 2x2) transform
+                   for the weight gradient (the 16 products each way are BLAS GEMMs)
 - col2im.py        a strided convolution's dx from its per-position shares; dx's flipped weights
 - normalization.py training-mode BatchNorm, one channel at a time through all its passes
 - elementwise.py   the convolution bias, ReLU
-- pooling.py       2x2 stride-2 max and average pooling
+- pooling.py       max pooling over any window, 2x2 stride-2 average pooling
 - updates.py       SGD and Adam/AdamW updates (the math of pydtnn/backends/base.py, same order)
 - vectors.py       IR vector helpers, vector copies and padding, of the width isa.py picks (the
                    CPU's: 512 bits with AVX-512F, 256 with AVX2, 128 otherwise; $PYDTNN_VECTOR_BITS

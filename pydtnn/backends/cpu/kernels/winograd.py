@@ -14,15 +14,22 @@ transforms' memory traffic: V and M are 4x the input's and the output's size.
 
 input_transform writes V (16, C, T) for samples n0..n1-1 (each tile's 16 values are one column of
 the 16 matrices); output_transform reads M (16, K, T) and writes y (N, K, Ho, Wo) for samples
-n0..n1-1, dropping the tile rows and columns past Ho and Wo. pad_samples lays the input out for
-the direct kernels' weight gradient, which the Winograd layers use (backends/cpu/conv_winograd.py).
+n0..n1-1, dropping the tile rows and columns past Ho and Wo.
+
+The weight gradient is Winograd F(3x3, 2x2), the same identity read for the filter: with e the 2x2
+tile of dy (zero past Ho and Wo) and d the tile's input patch as above,
+
+    Z = A e A^T        (16 values per tile and output channel; grad_transform, additions only)
+    P[xi] = Z[xi] @ V[xi]^T  for each position: 16 GEMMs (K x T) @ (T x C), the sum over tiles inside
+    dw = G^T P G       (the 3x3 filter gradient of each pair; one GEMM on the host)
+
+since sum over the tile of e * (A^T (U . V) A) = sum of Z . U . V, and U = G g G^T is linear in g.
 """
 
 import numba
 import numpy as np
 
 from pydtnn.backends.cpu.kernels.jit import jit as _jit
-from pydtnn.backends.cpu.kernels.vectors import pad_into
 
 
 @_jit
@@ -97,14 +104,37 @@ def output_transform_chunks(n, t, m, y, th, tw):
 
 
 @_jit
-def pad_samples(xs, x, lx, pt, pl, hp, wp, n0, n1):
-    """Samples n0..n1-1 of x into the direct kernels' padded layout (conv3x3.py): sample n's grid at
-    column n * lx of xs, for their weight gradient."""
+def grad_transform(dy, z, th, tw, n0, n1):
+    """Z = A e A^T of every 2x2 tile e of dy (N, K, Ho, Wo), samples n0..n1-1, into z (16, K, T), with
+    A^T = [[1, 1, 1, 0], [0, 1, -1, -1]]: e's rows and columns past Ho and Wo are zeros."""
+    k_, ho, wo = dy.shape[1], dy.shape[2], dy.shape[3]
+    pad = np.zeros((2 * th, 2 * tw), dtype=dy.dtype)  # one channel; only [0, Ho) x [0, Wo) is ever written
+    e = np.empty((2, 4, tw), dtype=dy.dtype)  # a row of tiles after the column transform
     for n in range(n0, n1):
-        pad_into(xs, n * lx, x[n], pt, pl, hp, wp, 0, x.shape[1])
+        for k in range(k_):
+            for r in range(ho):
+                for s in range(wo):
+                    pad[r, s] = dy[n, k, r, s]
+            for i in range(th):
+                t0 = (n * th + i) * tw
+                for a in range(2):  # e A^T, along each of the tile's two rows
+                    row = 2 * i + a
+                    for j in range(tw):
+                        g0, g1 = pad[row, 2 * j], pad[row, 2 * j + 1]
+                        e[a, 0, j] = g0
+                        e[a, 1, j] = g0 + g1
+                        e[a, 2, j] = g0 - g1
+                        e[a, 3, j] = -g1
+                for b in range(4):  # A (e A^T), down the columns
+                    for j in range(tw):
+                        e0, e1 = e[0, b, j], e[1, b, j]
+                        z[b, k, t0 + j] = e0
+                        z[4 + b, k, t0 + j] = e0 + e1
+                        z[8 + b, k, t0 + j] = e0 - e1
+                        z[12 + b, k, t0 + j] = -e1
 
 
 @numba.njit(parallel=True, nogil=True, cache=True)
-def pad_samples_chunks(n, t, xs, x, lx, pt, pl, hp, wp):
+def grad_transform_chunks(n, t, dy, z, th, tw):
     for i in numba.prange(t):
-        pad_samples(xs, x, lx, pt, pl, hp, wp, n * i // t, n * (i + 1) // t)
+        grad_transform(dy, z, th, tw, n * i // t, n * (i + 1) // t)
