@@ -284,7 +284,8 @@ CONV_CASES = [
     ((2, 3, 6, 6), 4, {"kernel_size": 1, "padding": 1}),  # 1x1 padded: transposed padding is a crop
     ((2, 3, 6, 6), 4, {"kernel_size": 3, "padding": 3}),  # padding beyond k-1: transposed crop
     ((2, 3, 8, 8), 5, {"kernel_size": 3, "dilation": (2, 1), "padding": (1, 2)}),
-    ((1, 2, 5, 5), 3, {"kernel_size": 5}),  # kernel as large as the input
+    ((1, 2, 5, 5), 3, {"kernel_size": 5}),  # kernel as large as the input: dx by W^T dy and col2im
+    ((3, 2, 6, 6), 4, {"kernel_size": 5}),  # 2x2 output from 6x6 (9x the pixels): W^T dy in blocks of samples
     ((3, 3, 5, 4), 4, {"kernel_size": 3, "padding": 1}),  # 20 pixels: 2-sample GEMM blocks at 40 columns
     ((2, 3, 7, 9), 5, {"kernel_size": 3, "padding": 1}),  # direct 3x3 (compiled)
     ((2, 2, 6, 5), 3, {"kernel_size": 3}),  # direct, no padding: dx padded by 2

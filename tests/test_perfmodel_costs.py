@@ -67,11 +67,23 @@ def test_gemm_conv_3x3_stride2_padding1(kernels):
     assert c.forward.flops == 2 * layer.flops()
     # dy regrouped (read, written), dyk and cols read by the dW GEMM, dW written, copied to grads, db
     assert c.backward_weights == PhaseCost(2 * macs + y, (3 * y + cols) * F32 + w + 2 * w + y * F32)
-    # dcols = W^T dy (written whole), then col2im into dx: compiled reads dcols and writes dx; NumPy
-    # zeroes dx, then per kernel offset reads and writes dx's view and reads dcols'
+    # dcols = W^T dy (written whole; 2 P < 128: per block of samples, so written and read once more in
+    # the reorder), then col2im into dx: compiled reads dcols and writes dx; NumPy zeroes dx, then per
+    # kernel offset reads and writes dx's view and reads dcols'
     dcols = 2 * 3 * 9 * 16
     scatter = dcols + x if kernels == "numba" else x + 3 * cols_w
-    assert c.backward_data == PhaseCost(2 * macs + cols_w, (y + dcols + scatter) * F32 + w)
+    assert c.backward_data == PhaseCost(2 * macs + cols_w, (y + 3 * dcols + scatter) * F32 + w)
+
+
+def test_gemm_conv_output_much_smaller_than_input_takes_dx_by_col2im(kernels):
+    """A 4x4 kernel on a 4x4 input (1x1 output, as LeNet-5's C5 with its 5x5): dx is W^T dy and col2im,
+    not a convolution of dy padded by 3, which would cost 16x the forward's multiplications."""
+    c, layer = only([Conv2D(12, 4, use_bias=False)], (4, 4, 4), kernels, need_dx_first=True)
+    assert c.algorithm == layer.plan.algorithm == "gemm"
+    x, y, w, macs = 2 * 64, 2 * 12, 12 * 64 * F32, 2 * 12 * 64
+    cols_w = dcols = 2 * 64  # C*kh*kw*N*P, no padding
+    scatter = dcols + x if kernels == "numba" else x + 3 * cols_w
+    assert c.backward_data == PhaseCost(2 * macs + cols_w, (y + 3 * dcols + scatter) * F32 + w)
 
 
 def test_pointwise_conv():

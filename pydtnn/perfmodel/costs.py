@@ -39,6 +39,7 @@ from pydtnn.backends.cpu import CPUBackend
 from pydtnn.backends.cpu import pooling as cpu_pooling
 from pydtnn.backends.cpu.conv_depthwise import wide_layout
 from pydtnn.backends.cpu.conv_direct import dense_layout
+from pydtnn.backends.cpu.conv_gemm import SCATTER_AREA_RATIO
 from pydtnn.backends.geometry import positions, transposed, window_layout
 from pydtnn.distributed.model_parallel import Gather, SumGrad
 from pydtnn.layers import (
@@ -305,7 +306,9 @@ def _conv_gemm(layer, n, need_dx):
                     (2*|W|*s, none for 1x1), dy's column matrix written and read like forward's (none
                     for an unpadded 1x1: dyk is its columns), W read, dx written (and reordered where
                     H*W < gemm_min_columns);
-                    larger strides: dcols = W^T dy (2*macs flops; dyk and W read, dcols written), then
+                    larger strides, and stride-1 layers whose input has SCATTER_AREA_RATIO times their
+                    output's pixels: dcols = W^T dy (2*macs flops; dyk and W read, dcols written, and
+                    written and read once more where 2*P < gemm_min_columns: blocks of samples), then
                     col2im adds each kernel position's share into dx (cols_w flops); compiled: dcols
                     read, dx written; NumPy: dx zeroed, then per position dx read and written, dcols read
     """
@@ -321,7 +324,7 @@ def _conv_gemm(layer, n, need_dx):
     bwd_w = PhaseCost(2 * macs, (2 * y + y + cols) * s + w)
     if not need_dx:
         return fwd, ZERO, bwd_w
-    if (g.sh, g.sw) == (1, 1):
+    if (g.sh, g.sw) == (1, 1) and g.h * g.w < SCATTER_AREA_RATIO * p:
         gt = transposed(g, co)
         pt = gt.ho * gt.wo
         flops = 2 * n * pt * g.c * (co // g.groups) * g.kh * g.kw
@@ -339,7 +342,8 @@ def _conv_gemm(layer, n, need_dx):
         scatter = dcols + x
     else:
         scatter = x + 3 * cols_w
-    return fwd, PhaseCost(2 * macs + cols_w, (y + dcols + scatter) * s + w), bwd_w
+    blocks = 2 * dcols if 2 * p < tuning.gemm_min_columns else 0
+    return fwd, PhaseCost(2 * macs + cols_w, (y + dcols + blocks + scatter) * s + w), bwd_w
 
 
 def _conv_pointwise(layer, n, need_dx):
