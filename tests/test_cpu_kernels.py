@@ -756,6 +756,35 @@ def test_threaded_kernels_give_bit_identical_results(threads, gemm_columns, monk
             np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("cap", [None, 6.0])
+def test_compiled_relu_matches_numpy_and_torch_at_the_edges(cap, dtype):
+    """ReLU and ReLU6 (cap 6), compiled and split over 3 threads, against the NumPy path and PyTorch at
+    0, -0.0, the cap, just either side of it, infinities and NaN: y equal (NaN goes through); dx
+    is dy where 0 < y < cap, else 0, as PyTorch's hardtanh backward gives it, and its threshold backward
+    but at NaN (which PyTorch's ReLU passes dy through). Equal values: the compiled ReLU keeps -0.0's
+    sign, NumPy's maximum gives +0.0."""
+    edges = [0.0, -0.0, 6.0, np.nextafter(dtype(6), dtype(0)), np.nextafter(dtype(6), dtype(7)), 1e-30, -1e-30,
+             np.inf, -np.inf, np.nan, 3.5, -2.0, 7.0]
+    x = np.concatenate([np.array(edges, dtype), np.random.default_rng(2).uniform(-3, 9, 1000).astype(dtype)])
+    x = x.reshape(1, -1)
+    dy = np.random.default_rng(3).standard_normal(x.shape).astype(dtype)
+    fast = CPUBackend(dtype, kernels="numba", tuning=Tuning(split_min_bytes=0))
+    ref = CPUBackend(dtype, kernels="numpy")
+    with thread_count(3):
+        y = fast.relu_forward(x, cap)
+        dx = fast.relu_backward(dy, y, cap)
+    y_ref = ref.relu_forward(x, cap)
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(dx, ref.relu_backward(dy, y_ref, cap))
+    tx = torch.from_numpy(x.copy()).requires_grad_()
+    ty = F.relu(tx) if cap is None else F.relu6(tx)
+    ty.backward(torch.from_numpy(dy))
+    np.testing.assert_array_equal(y, ty.detach().numpy())
+    routed = ~np.isnan(x) if cap is None else np.ones(x.shape, bool)
+    np.testing.assert_array_equal(dx[routed], tx.grad.numpy()[routed])
+
+
 def test_pointwise_convolution_works_on_x_and_dy_as_they_lie():
     """A one-group 1x1 stride-1 layer with enough pixels takes one GEMM per sample and keeps x itself
     (no im2col matrix); its results match the im2col path's, and every thread count gives the same

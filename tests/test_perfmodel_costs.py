@@ -18,6 +18,7 @@ from pydtnn.layers import (
     Layer,
     MaxPool2D,
     ReLU,
+    ReLU6,
 )
 from pydtnn.model import Model
 from pydtnn.perfmodel.costs import LayerCost, PhaseCost, gradient_ready_order, layer_costs, parameter_bytes, totals
@@ -165,6 +166,16 @@ def test_relu(kernels):
     assert c.forward == PhaseCost(512, 2 * 512 * F32)
     assert c.backward_data == PhaseCost(512, 3 * 512 * F32 + (0 if kernels == "numba" else 2 * 512))
     assert c.backward_weights == PhaseCost(0, 0) and c.params == 0
+
+
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
+def test_relu6_is_a_capped_relu(kernels):
+    """Compiled: one pass each way, as ReLU; NumPy: the cap's pass over y, and y < 6's mask and the &."""
+    c, _ = only([ReLU6()], (4, 8, 8), kernels)
+    e = 512
+    numpy = kernels == "numpy"
+    assert c.forward == PhaseCost(e, (4 if numpy else 2) * e * F32)
+    assert c.backward_data == PhaseCost(e, (4 if numpy else 3) * e * F32 + (6 * e if numpy else 0))
 
 
 def test_blocks_cost_their_additions_and_copies():

@@ -12,7 +12,7 @@ methods and nothing else of a backend: no layer asks whether a method exists or 
     conv2d_plan / conv2d_forward / conv2d_backward                 Conv2D (a plan chosen once per layer)
     bias_forward / bias_backward                                   a convolution's bias
     maxpool2d_* / avgpool2d_*                                      MaxPool2D, AvgPool2D
-    relu_forward / relu_backward                                   ReLU
+    relu_forward / relu_backward                                   ReLU, ReLU6 (cap=6)
     batchnorm_forward / batchnorm_backward                         BatchNorm, training on its own batch
     channel_moments / channel_affine / channel_sums / channel_centered_dot / channel_affine_dx
                                                                    BatchNorm otherwise (running or
@@ -117,13 +117,18 @@ class Backend:
         raise NotImplementedError(f"{type(self).__name__} has no pooling")
 
     # -- ReLU ------------------------------------------------------------------------------------
-    def relu_forward(self, x):
-        """y = max(x, 0); NaN goes through."""
-        return self.xp.maximum(x, x.dtype.type(0))
+    def relu_forward(self, x, cap=None):
+        """y = max(x, 0), and with a cap min(that, cap) (ReLU6: cap 6); NaN goes through."""
+        y = self.xp.maximum(x, x.dtype.type(0))
+        if cap is not None:
+            self.xp.minimum(y, x.dtype.type(cap), out=y)
+        return y
 
-    def relu_backward(self, dy, y):
-        """dy where y > 0, else 0."""
-        return dy * (y > 0)
+    def relu_backward(self, dy, y, cap=None):
+        """dy where y > 0 (and, with a cap, y < cap), else 0."""
+        if cap is None:
+            return dy * (y > 0)
+        return dy * ((y > 0) & (y < cap))
 
     # -- batch normalization -------------------------------------------------------------------
     # Per channel c of x (N, C) or (N, C, H, W), with m = N*H*W values per channel:

@@ -30,11 +30,12 @@ class ReLU6(_Elementwise):
     """y = min(max(x, 0), 6) (MobileNet's activation)."""
 
     def forward(self, x, training=True):
-        self.mask = ((x > 0) & (x < 6)) if training else None
-        return self.xp.clip(x, 0, 6)
+        y = self.backend.relu_forward(x, cap=6.0)
+        self.y = y if training else None
+        return y
 
     def backward(self, dy):
-        return dy * self.mask
+        return self.backend.relu_backward(dy, self.y, cap=6.0)
 
 
 class LeakyReLU(_Elementwise):

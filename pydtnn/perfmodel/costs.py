@@ -575,18 +575,22 @@ def _batchnorm(layer, n, need_dx):
 
 
 def _relu(layer, n, need_dx):
-    """ReLU: E flops each way; forward x read, y written (2*X*s); backward dy and y read, dx written
-    (3*X*s), and with the NumPy kernels the mask y > 0 written and read (2*E bytes)."""
+    """ReLU and ReLU6 (capped): E flops each way; forward x read, y written (2*X*s);
+    backward dy and y read, dx written (3*X*s). With the NumPy kernels the mask y > 0 written and read
+    (2*E bytes); capped, the cap's pass over y (2*X*s) and y < cap's mask and their & (X*s + 4*E)."""
     s = layer.dtype.itemsize
     e = n * _size(layer.input_shape)
-    mask = 0 if layer.backend.kernels == "numba" else 2 * e
-    return None, "elementwise", PhaseCost(e, 2 * e * s), PhaseCost(e, 3 * e * s + mask), ZERO
+    capped = isinstance(layer, ReLU6)
+    if layer.backend.kernels == "numba":
+        fwd_extra = bwd_extra = 0
+    else:
+        fwd_extra, bwd_extra = (2 * e * s, e * s + 6 * e) if capped else (0, 2 * e)
+    return None, "elementwise", PhaseCost(e, 2 * e * s + fwd_extra), PhaseCost(e, 3 * e * s + bwd_extra), ZERO
 
 
 # (forward, backward) bytes of NumPy activations as (a, b): a*X*s + b*E, one term per array each
 # expression of activation.py reads or writes (bool masks 1 byte); and backward FLOPs per element.
 _ACTIVATIONS = {
-    ReLU6: ((4, 5), (2, 1), 1),  # x>0, x<6, &, clip / dy*mask
     LeakyReLU: ((7, 3), (5, 1), 2),  # x>0, x>0, x*a, where / dy*a, where
     Sigmoid: ((19, 2), (8, 0), 3),  # abs, neg, exp, x>=0, 1+e (twice), 1/., e/., where / dy*y, 1-y, *
     Tanh: ((2, 0), (7, 0), 3),  # tanh / y*y, 1-., dy*.
@@ -595,7 +599,7 @@ _ACTIVATIONS = {
 
 
 def _activation(layer, n, need_dx):
-    """ReLU6, LeakyReLU, Sigmoid, Tanh, Softmax: NumPy expressions; forward flops Layer.flops, bytes
+    """LeakyReLU, Sigmoid, Tanh, Softmax: NumPy expressions; forward flops Layer.flops, bytes
     a*X*s + b*E from the table above (one term per array each expression reads or writes)."""
     s = layer.dtype.itemsize
     e = n * _size(layer.input_shape)
@@ -672,7 +676,7 @@ _FORMULAS = (  # (layer class, formula(layer, n, need_dx) -> (algorithm, kernel_
     (GlobalAvgPool2D, _global_avgpool),
     (AdaptiveAvgPool2D, _adaptive_avgpool),
     (BatchNorm, _batchnorm),
-    (ReLU, _relu),
+    ((ReLU, ReLU6), _relu),
     (tuple(_ACTIVATIONS), _activation),
     (Dropout, _dropout),
     (Flatten, _flatten),

@@ -225,11 +225,11 @@ class CPUBackend(Backend):
         return pooling.avgpool_backward(self, dy, g)
 
     # -- ReLU ------------------------------------------------------------------------------------
-    def relu_forward(self, x):
-        return elementwise.relu_forward(self, x)
+    def relu_forward(self, x, cap=None):
+        return elementwise.relu_forward(self, x, cap)
 
-    def relu_backward(self, dy, y):
-        return elementwise.relu_backward(self, dy, y)
+    def relu_backward(self, dy, y, cap=None):
+        return elementwise.relu_backward(self, dy, y, cap)
 
     # -- batch normalization -------------------------------------------------------------------
     def channel_sums(self, a):

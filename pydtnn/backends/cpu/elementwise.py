@@ -1,5 +1,5 @@
-"""The convolution bias and ReLU on the CPU: compiled one-pass kernels (kernels/elementwise.py) split over
-the threads in contiguous runs, or NumPy."""
+"""The convolution bias and ReLU (capped too: ReLU6) on the CPU: compiled one-pass kernels
+(kernels/elementwise.py) split over the threads in contiguous runs, or NumPy."""
 
 import numpy as np
 
@@ -30,32 +30,41 @@ def bias_backward(b, dy, out):
     b.split_compiled(elementwise.bias_grad, elementwise.bias_grad_chunks, c, args, dy.nbytes)
 
 
-def relu_forward(b, x):
-    """max(x, 0): one compiled pass; in NumPy, against a contiguous sample of zeros (NumPy's maximum
-    against a scalar runs an unvectorized loop, against a contiguous array it is about twice as fast)."""
+def relu_forward(b, x, cap=None):
+    """max(x, 0), and with a cap min(that, cap): one compiled pass; in NumPy, against a contiguous sample
+    of zeros (NumPy's maximum against a scalar runs an unvectorized loop, against a contiguous array it
+    is about twice as fast), then the cap in place."""
     if b.kernels != "numba":
         per_sample = x[0].size if x.shape[0] else 0
         key, zeros = b.pool.take("relu_zeros", (per_sample,), x.dtype)  # never written: stays zero
         y = np.maximum(x.reshape(x.shape[0], per_sample), zeros).reshape(x.shape)
         b.pool.give(key, zeros)
+        if cap is not None:
+            np.minimum(y, x.dtype.type(cap), out=y)
         return y
     from pydtnn.backends.cpu.kernels import elementwise
 
     x = np.ascontiguousarray(x)
     y = np.empty_like(x)
     args = (x.reshape(-1), y.reshape(-1))
-    b.split_compiled(elementwise.relu_forward, elementwise.relu_forward_chunks, x.size, args, 2 * x.nbytes)
+    kernels = elementwise.relu_forward, elementwise.relu_forward_chunks
+    if cap is not None:
+        kernels, args = (elementwise.relu_cap_forward, elementwise.relu_cap_forward_chunks), (*args, x.dtype.type(cap))
+    b.split_compiled(*kernels, x.size, args, 2 * x.nbytes)
     return y
 
 
-def relu_backward(b, dy, y):
-    """dy where y > 0, else 0."""
+def relu_backward(b, dy, y, cap=None):
+    """dy where y > 0 (and, with a cap, y < cap), else 0."""
     if b.kernels != "numba":
-        return dy * (y > 0)
+        return dy * (y > 0) if cap is None else dy * ((y > 0) & (y < cap))
     from pydtnn.backends.cpu.kernels import elementwise
 
     dy, y = np.ascontiguousarray(dy), np.ascontiguousarray(y)
     dx = np.empty_like(dy)
     args = (dy.reshape(-1), y.reshape(-1), dx.reshape(-1))
-    b.split_compiled(elementwise.relu_backward, elementwise.relu_backward_chunks, dy.size, args, 3 * dy.nbytes)
+    kernels = elementwise.relu_backward, elementwise.relu_backward_chunks
+    if cap is not None:
+        kernels, args = (elementwise.relu_cap_backward, elementwise.relu_cap_backward_chunks), (*args, dy.dtype.type(cap))
+    b.split_compiled(*kernels, dy.size, args, 3 * dy.nbytes)
     return dx

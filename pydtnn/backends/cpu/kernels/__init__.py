@@ -11,7 +11,7 @@ Numba and LLVM, about 100 MB of memory) only when a layer first uses one.
                    for the weight gradient (the 16 products each way are BLAS GEMMs)
 - col2im.py        a strided convolution's dx from its per-position shares; dx's flipped weights
 - normalization.py training-mode BatchNorm, one channel at a time through all its passes
-- elementwise.py   the convolution bias, ReLU
+- elementwise.py   the convolution bias, ReLU (capped: ReLU6)
 - pooling.py       max pooling over any window, 2x2 stride-2 average pooling
 - updates.py       SGD and Adam/AdamW updates (the math of pydtnn/backends/base.py, same order)
 - vectors.py       IR vector helpers, vector copies and padding, of the width isa.py picks (the

@@ -1,4 +1,5 @@
-"""The convolution bias (added to y, summed from dy) and ReLU (one pass each way, no boolean temporaries)."""
+"""The convolution bias (added to y, summed from dy) and ReLU, capped or not (one pass each way, no boolean
+temporaries)."""
 
 import numba
 
@@ -72,3 +73,37 @@ def relu_backward(dy, y, dx, lo, hi):
 def relu_backward_chunks(n, t, dy, y, dx):
     for i in numba.prange(t):
         relu_backward(dy, y, dx, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def relu_cap_forward(x, y, cap, lo, hi):
+    """y = min(max(x, 0), cap) over the flat elements lo..hi-1 (ReLU6: cap 6); NaN goes through, as in
+    np.minimum(np.maximum(x, 0), cap)."""
+    z = x.dtype.type(0)
+    xr, yr = x[lo:hi], y[lo:hi]
+    for i in range(xr.shape[0]):
+        v = xr[i]
+        v = z if v < z else v
+        yr[i] = cap if v > cap else v
+
+
+@_pjit
+def relu_cap_forward_chunks(n, t, x, y, cap):
+    for i in numba.prange(t):
+        relu_cap_forward(x, y, cap, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def relu_cap_backward(dy, y, dx, cap, lo, hi):
+    """dx = dy where 0 < y < cap, else 0 (PyTorch's hardtanh_backward), over the flat elements lo..hi-1."""
+    z = dy.dtype.type(0)
+    gr, yr, dr = dy[lo:hi], y[lo:hi], dx[lo:hi]
+    for i in range(gr.shape[0]):
+        v = yr[i]
+        dr[i] = gr[i] if (v > z) & (v < cap) else z
+
+
+@_pjit
+def relu_cap_backward_chunks(n, t, dy, y, dx, cap):
+    for i in numba.prange(t):
+        relu_cap_backward(dy, y, dx, cap, n * i // t, n * (i + 1) // t)
