@@ -785,6 +785,19 @@ def test_compiled_relu_matches_numpy_and_torch_at_the_edges(cap, dtype):
     np.testing.assert_array_equal(dx[routed], tx.grad.numpy()[routed])
 
 
+def kept_x_runs(be, x, w, dy, plan):
+    """[(y, dx, dw)] on 1 and 3 threads of a convolution whose forward keeps x itself for its backward,
+    which releases it."""
+    runs = []
+    for threads in (1, 3):
+        with thread_count(threads):
+            y, ctx = be.conv2d_forward(x, w, plan)
+            assert ctx.array is x
+            runs.append((y, *be.conv2d_backward(dy, w, ctx, plan)))
+            assert ctx.array is None
+    return runs
+
+
 def test_pointwise_convolution_works_on_x_and_dy_as_they_lie():
     """A one-group 1x1 stride-1 layer with enough pixels takes one GEMM per sample and keeps x itself
     (no im2col matrix); its results match the im2col path's, and every thread count gives the same
@@ -804,13 +817,7 @@ def test_pointwise_convolution_works_on_x_and_dy_as_they_lie():
     dy = rng.standard_normal((19, 10, 12, 11)).astype(np.float32)
     be = CPUBackend(np.float32, tuning=Tuning(split_min_bytes=0))
     assert be.conv2d_plan(g, w.shape).algorithm == "pointwise"
-    runs = []
-    for threads in (1, 3):
-        with thread_count(threads):
-            y, ctx = be.conv2d_forward(x, w, g)
-            assert ctx.array is x
-            runs.append((y, *be.conv2d_backward(dy, w, ctx, g)))
-    (y1, dx1, dw1), (y3, dx3, dw3) = runs
+    (y1, dx1, dw1), (y3, dx3, dw3) = kept_x_runs(be, x, w, dy, g)
     np.testing.assert_array_equal(y1, y3)
     np.testing.assert_array_equal(dx1, dx3)
     np.testing.assert_array_equal(dw1, dw3)
@@ -1179,14 +1186,7 @@ def test_winograd_keeps_x_and_splits_over_threads_bit_identically():
     w = rng.standard_normal((8, 6, 3, 3)).astype(np.float32)
     dy = rng.standard_normal((5, 8, 9, 7)).astype(np.float32)
     be = CPUBackend(np.float32, tuning=Tuning(split_min_bytes=0))
-    plan = conv_plan.plan_for(g, "winograd")
-    runs = []
-    for threads in (1, 3):
-        with thread_count(threads):
-            y, ctx = be.conv2d_forward(x, w, plan)
-            assert ctx.array is x
-            runs.append((y, *be.conv2d_backward(dy, w, ctx, plan)))
-            assert ctx.array is None
+    runs = kept_x_runs(be, x, w, dy, conv_plan.plan_for(g, "winograd"))
     for name, a, b in zip(("y", "dx", "dw"), *runs):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
