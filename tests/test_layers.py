@@ -294,6 +294,29 @@ def test_relu6_clips_both_sides():
     assert (y == 6).any() and (y == 0).any()
 
 
+@pytest.mark.parametrize("make", [ReLU, ReLU6, Sigmoid, Tanh, Softmax])
+def test_activations_let_their_output_go_in_backward(make):
+    """The output an activation keeps for its backward is let go there: in a model whose next layer
+    copies its input (im2col), nothing holds it once backward has passed the activation; a second
+    backward without a forward says what to do."""
+    import gc
+    import weakref
+
+    from pydtnn.backends import CPUBackend
+    from pydtnn.model import Model
+
+    model = Model([Conv2D(4, 3, padding=1), make(), Conv2D(3, 3, padding=1)], (2, 6, 6),
+                  backend=CPUBackend(np.float64, kernels="numpy"))
+    act = model.layers()[1][1]
+    model.forward(np.random.default_rng(0).standard_normal((2, 2, 6, 6)), training=True)
+    kept = weakref.ref(act.y)
+    model.backward(np.ones((2, 3, 6, 6)))
+    gc.collect()
+    assert kept() is None
+    with pytest.raises(RuntimeError, match="run forward\\(x, training=True\\) before each backward"):
+        act.backward(np.ones((2, 4, 6, 6)))
+
+
 def test_sigmoid_and_softmax_do_not_overflow():
     for layer, x in ((Sigmoid(), [[-1e4, 1e4]]), (Softmax(), [[1e4, -1e4]])):
         layer.build((2,), np.float32)

@@ -1,4 +1,4 @@
-"""Element-wise activations and softmax. Each keeps the one tensor its backward needs."""
+"""Element-wise activations and softmax. Each keeps the one tensor its backward needs until that backward."""
 
 import numpy as np
 
@@ -13,6 +13,15 @@ class _Elementwise(Layer):
     def flops(self):
         return self.cost * int(np.prod(self.input_shape))
 
+    def _take_output(self):
+        """The output forward kept, handed to this backward and let go: during the rest of backward and
+        until the next forward this layer holds nothing (a second backward needs a new forward)."""
+        y, self.y = getattr(self, "y", None), None
+        if y is None:
+            raise RuntimeError(f"{self.name}: no saved forward state; run forward(x, training=True) before each "
+                               "backward")
+        return y
+
 
 class ReLU(_Elementwise):
     """y = max(x, 0)."""
@@ -23,7 +32,7 @@ class ReLU(_Elementwise):
         return y
 
     def backward(self, dy):
-        return self.backend.relu_backward(dy, self.y)
+        return self.backend.relu_backward(dy, self._take_output())
 
 
 class ReLU6(_Elementwise):
@@ -35,7 +44,7 @@ class ReLU6(_Elementwise):
         return y
 
     def backward(self, dy):
-        return self.backend.relu_backward(dy, self.y, cap=6.0)
+        return self.backend.relu_backward(dy, self._take_output(), cap=6.0)
 
 
 class LeakyReLU(_Elementwise):
@@ -69,7 +78,8 @@ class Sigmoid(_Elementwise):
         return y
 
     def backward(self, dy):
-        return dy * self.y * (1 - self.y)
+        y = self._take_output()
+        return dy * y * (1 - y)
 
 
 class Tanh(_Elementwise):
@@ -83,7 +93,8 @@ class Tanh(_Elementwise):
         return y
 
     def backward(self, dy):
-        return dy * (1 - self.y * self.y)
+        y = self._take_output()
+        return dy * (1 - y * y)
 
 
 class Softmax(_Elementwise):
@@ -100,5 +111,5 @@ class Softmax(_Elementwise):
         return y
 
     def backward(self, dy):
-        y = self.y
+        y = self._take_output()
         return y * (dy - (dy * y).sum(axis=1, keepdims=True))
