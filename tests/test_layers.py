@@ -294,11 +294,12 @@ def test_relu6_clips_both_sides():
     assert (y == 6).any() and (y == 0).any()
 
 
-@pytest.mark.parametrize("make", [ReLU, ReLU6, Sigmoid, Tanh, Softmax])
-def test_activations_let_their_output_go_in_backward(make):
-    """The output an activation keeps for its backward is let go there: in a model whose next layer
-    copies its input (im2col), nothing holds it once backward has passed the activation; a second
-    backward without a forward says what to do."""
+@pytest.mark.parametrize("make,kept", [(ReLU, "y"), (ReLU6, "y"), (Sigmoid, "y"), (Tanh, "y"), (Softmax, "y"),
+                                       (BatchNorm, "x")])
+def test_activations_and_batchnorm_let_what_they_keep_go_in_backward(make, kept):
+    """The tensor an activation (its output) or BatchNorm (its input) keeps for its backward is let go
+    there: in a model whose convolutions copy their input (im2col), nothing holds it once backward has
+    passed the layer; a second backward without a forward says what to do."""
     import gc
     import weakref
 
@@ -309,11 +310,11 @@ def test_activations_let_their_output_go_in_backward(make):
                   backend=CPUBackend(np.float64, kernels="numpy"))
     act = model.layers()[1][1]
     model.forward(np.random.default_rng(0).standard_normal((2, 2, 6, 6)), training=True)
-    kept = weakref.ref(act.y)
+    held = weakref.ref(getattr(act, kept))
     model.backward(np.ones((2, 3, 6, 6)))
     gc.collect()
-    assert kept() is None
-    with pytest.raises(RuntimeError, match="run forward\\(x, training=True\\) before each backward"):
+    assert held() is None
+    with pytest.raises(RuntimeError, match="no saved forward state; run forward.* before each backward"):
         act.backward(np.ones((2, 4, 6, 6)))
 
 

@@ -66,7 +66,10 @@ class BatchNorm(Layer):
         return y
 
     def backward(self, dy):
-        x, mean, inv_std, backend = self.x, self.mean, self.inv_std, self.backend
+        x, self.x = getattr(self, "x", None), None  # let go: no activation held here for the rest of backward
+        if x is None:
+            raise RuntimeError(f"{self.name}: no saved forward state; run forward before each backward")
+        mean, inv_std, backend = self.mean, self.inv_std, self.backend
         weight = self.params["weight"]
         if self.training and self.sync is None:
             dx, db, dw = backend.batchnorm_backward(dy, x, mean, inv_std, weight)
@@ -79,7 +82,7 @@ class BatchNorm(Layer):
         self.grads["weight"][...] = dw
         if not self.training:  # statistics were constants
             return backend.channel_affine(dy, weight * inv_std)
-        return self._global_dx(dy, db, dw)
+        return self._global_dx(dy, x, db, dw)
 
     def _update_running(self, mean, var, m):
         mom = self.momentum
@@ -108,7 +111,7 @@ class BatchNorm(Layer):
         var = xp.maximum(stats[c : 2 * c] / m - mean * mean, 0)
         return mean, var, m
 
-    def _global_dx(self, dy, db, dw):
+    def _global_dx(self, dy, x, db, dw):
         """dL_r/dx for the global objective sum_r w_r L_r, in this rank's own scale (divided by w_r)."""
         w, c = self.sync.weight, dy.shape[1]
         sums = self.xp.zeros(2 * c + 1, np.float64)
@@ -121,7 +124,7 @@ class BatchNorm(Layer):
         m = sums[-1]
         k = batchnorm_dx_coefficients(self.params["weight"], self.mean, self.inv_std, sums[:c] / (m * w),
                                       sums[c : 2 * c] / (m * w))
-        return self.backend.channel_affine_dx(dy, self.x, *k)
+        return self.backend.channel_affine_dx(dy, x, *k)
 
     def flops(self):
         return 4 * int(np.prod(self.input_shape))
