@@ -28,9 +28,10 @@ class PReLU(Layer):
         return self.xp.where(x > 0, x, x * self.params["weight"].reshape(self.shape))
 
     def backward(self, dy):
-        neg = self.x <= 0
+        x = self.take_saved("x")  # and let it go: nothing holds it for the rest of backward
+        neg = x <= 0
         axes = (0,) + tuple(range(2, dy.ndim))
-        self.grads["weight"][...] = (dy * self.x * neg).sum(axis=axes)
+        self.grads["weight"][...] = (dy * x * neg).sum(axis=axes)
         return self.xp.where(neg, dy * self.params["weight"].reshape(self.shape), dy)
 
 

@@ -318,6 +318,21 @@ def test_activations_and_batchnorm_let_what_they_keep_go_in_backward(make, kept)
         act.backward(np.ones((2, 4, 6, 6)))
 
 
+@pytest.mark.parametrize("make,x_shape,kept", [(lambda: Dense(3), (2, 5), "x"), (lambda: MaxPool2D(2), (2, 3, 4, 4), "ctx"),
+                                             (lambda: LeakyReLU(0.1), (2, 5), "mask")])
+def test_layers_let_their_saved_state_go_in_backward(make, x_shape, kept):
+    """Dense (its input), MaxPool2D (its argmax) and LeakyReLU (its mask) keep state for one backward:
+    let go there, so a second backward without a forward says what to do."""
+    layer = make()
+    layer.build(x_shape[1:], np.float64)
+    y = layer.forward(np.random.default_rng(0).standard_normal(x_shape))
+    assert getattr(layer, kept) is not None
+    layer.backward(np.ones_like(y))
+    assert getattr(layer, kept) is None
+    with pytest.raises(RuntimeError, match="no saved forward state"):
+        layer.backward(np.ones_like(y))
+
+
 def test_sigmoid_and_softmax_do_not_overflow():
     for layer, x in ((Sigmoid(), [[-1e4, 1e4]]), (Softmax(), [[1e4, -1e4]])):
         layer.build((2,), np.float32)

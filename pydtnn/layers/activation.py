@@ -13,15 +13,6 @@ class _Elementwise(Layer):
     def flops(self):
         return self.cost * int(np.prod(self.input_shape))
 
-    def _take_output(self):
-        """The output forward kept, handed to this backward and let go: during the rest of backward and
-        until the next forward this layer holds nothing (a second backward needs a new forward)."""
-        y, self.y = getattr(self, "y", None), None
-        if y is None:
-            raise RuntimeError(f"{self.name}: no saved forward state; run forward(x, training=True) before each "
-                               "backward")
-        return y
-
 
 class ReLU(_Elementwise):
     """y = max(x, 0)."""
@@ -32,7 +23,7 @@ class ReLU(_Elementwise):
         return y
 
     def backward(self, dy):
-        return self.backend.relu_backward(dy, self._take_output())
+        return self.backend.relu_backward(dy, self.take_saved("y"))
 
 
 class ReLU6(_Elementwise):
@@ -44,7 +35,7 @@ class ReLU6(_Elementwise):
         return y
 
     def backward(self, dy):
-        return self.backend.relu_backward(dy, self._take_output(), cap=6.0)
+        return self.backend.relu_backward(dy, self.take_saved("y"), cap=6.0)
 
 
 class LeakyReLU(_Elementwise):
@@ -62,7 +53,7 @@ class LeakyReLU(_Elementwise):
         return self.xp.where(x > 0, x, x * self.alpha)
 
     def backward(self, dy):
-        return self.xp.where(self.mask, dy, dy * self.alpha)
+        return self.xp.where(self.take_saved("mask"), dy, dy * self.alpha)
 
 
 class Sigmoid(_Elementwise):
@@ -78,7 +69,7 @@ class Sigmoid(_Elementwise):
         return y
 
     def backward(self, dy):
-        y = self._take_output()
+        y = self.take_saved("y")
         return dy * y * (1 - y)
 
 
@@ -93,7 +84,7 @@ class Tanh(_Elementwise):
         return y
 
     def backward(self, dy):
-        y = self._take_output()
+        y = self.take_saved("y")
         return dy * (1 - y * y)
 
 
@@ -111,5 +102,5 @@ class Softmax(_Elementwise):
         return y
 
     def backward(self, dy):
-        y = self._take_output()
+        y = self.take_saved("y")
         return y * (dy - (dy * y).sum(axis=1, keepdims=True))

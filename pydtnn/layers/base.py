@@ -92,6 +92,16 @@ class Layer:
     def __call__(self, x, training=True):
         return self.forward(x, training)
 
+    def take_saved(self, name):
+        """The state forward kept in self.<name> for this backward, let go here: nothing holds it for this
+        layer during the rest of backward or until the next forward (a second backward needs a new one)."""
+        value = getattr(self, name, None)
+        if value is None:
+            raise RuntimeError(f"{self.name}: no saved forward state; run forward(x, training=True) before each "
+                               "backward")
+        setattr(self, name, None)
+        return value
+
     # -- structure -----------------------------------------------------------------------
     def named_children(self):
         """(name, layer) pairs of sub-layers; a leaf has none."""

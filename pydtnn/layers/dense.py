@@ -36,7 +36,7 @@ class Dense(Layer):
         return y
 
     def backward(self, dy):
-        self.backend.matmul(dy.T, self.x, out=self.grads["weight"])
+        self.backend.matmul(dy.T, self.take_saved("x"), out=self.grads["weight"])
         if self.use_bias:
             dy.sum(axis=0, out=self.grads["bias"])
         return self.backend.matmul(dy, self.params["weight"]) if self.need_dx else None

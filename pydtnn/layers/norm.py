@@ -66,9 +66,7 @@ class BatchNorm(Layer):
         return y
 
     def backward(self, dy):
-        x, self.x = getattr(self, "x", None), None  # let go: no activation held here for the rest of backward
-        if x is None:
-            raise RuntimeError(f"{self.name}: no saved forward state; run forward before each backward")
+        x = self.take_saved("x")
         mean, inv_std, backend = self.mean, self.inv_std, self.backend
         weight = self.params["weight"]
         if self.training and self.sync is None:

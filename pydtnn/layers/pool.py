@@ -74,7 +74,7 @@ class MaxPool2D(_Pool2D):
         return y
 
     def backward(self, dy):
-        return self.backend.maxpool2d_backward(dy, self.ctx, self.geometry)
+        return self.backend.maxpool2d_backward(dy, self.take_saved("ctx"), self.geometry)
 
 
 class AvgPool2D(_Pool2D):
