@@ -134,7 +134,7 @@ def fingerprint(model):
 
 def write_json_atomic(path, obj):
     """Write `obj` as JSON to `path` via a synced temporary file and a rename (creates the folder)."""
-    files.write_atomic(path, (json.dumps(obj, indent=1, default=_json_default) + "\n").encode("utf-8"))
+    files.write_atomic(path, (json.dumps(obj, indent=1, default=_json_default) + "\n").encode("utf-8"), make_folder=True)
 
 
 def _serialize(arrays, to_numpy):
@@ -648,6 +648,8 @@ _RNG_POSITIONS = {"MT19937": ((("state", "pos"), 624),), "Philox": ((("buffer_po
 
 # -- the trainer's meta ----------------------------------------------------------------------------
 _JSON_SCALAR = (type(None), bool, int, float, str)
+MAX_PROCESSES = 1 << 24  # a saved run's replicas: more than any machine has run (the learning rate scales by it)
+MAX_COUNT = 2**53  # epochs and steps: exact in a float64, as JSON readers elsewhere hold numbers
 
 
 def check_training_meta(meta, where, generator=None, states=None):
@@ -666,10 +668,11 @@ def check_training_meta(meta, where, generator=None, states=None):
         if key not in meta:
             raise DataError(f"{where} has no meta.{key}; a checkpoint written by pydtnn's training has it")
     for key in ("epoch", "step"):
-        if key in meta and not _is_count(meta[key]):
-            raise bad(key, meta[key], "an integer >= 0")
-    if "world_size" in meta and not (_is_count(meta["world_size"]) and meta["world_size"] >= 1):
-        raise bad("world_size", meta["world_size"], "an integer >= 1")
+        if key in meta and not (_is_count(meta[key]) and meta[key] <= MAX_COUNT):
+            raise bad(key, meta[key], f"an integer in [0, {MAX_COUNT}]")
+    if "world_size" in meta and not (_is_count(meta["world_size"]) and 1 <= meta["world_size"] <= MAX_PROCESSES):
+        raise bad("world_size", meta["world_size"],
+                  f"an integer in [1, {MAX_PROCESSES}] (the saved run's model replicas)")
     lr = _finite(meta["base_lr"])
     if lr is None or lr < 0:
         raise bad("base_lr", meta["base_lr"], "a finite number >= 0")

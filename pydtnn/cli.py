@@ -65,10 +65,14 @@ fraction = _number(float, 0.0, hi=1.0)
 
 
 def scheduler_list(text):
+    from pydtnn.suggest import did_you_mean
+
     names = [s.strip() for s in str(text).split(",") if s.strip()]
     bad = [s for s in names if s not in SCHEDULERS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown scheduler {bad[0]!r}; expected a comma list of {', '.join(SCHEDULERS)}")
+        hint = did_you_mean(bad[0], SCHEDULERS)
+        raise argparse.ArgumentTypeError(f"unknown scheduler {bad[0]!r}{hint or ';'} expected a comma list of "
+                                         f"{', '.join(SCHEDULERS)}")
     return ",".join(names)
 
 
@@ -108,12 +112,21 @@ class Parser(argparse.ArgumentParser):
         group.add_argument(*names, dest=name, **kw)
 
 
+def program_name(argv0=None):
+    """How the user started this program, for --help and usage lines: 'pydtnn-train', 'python -m pydtnn'
+    or 'python train.py'."""
+    base = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    if base in ("__main__.py", "-m", "-c", ""):
+        return "python -m pydtnn"
+    return f"python {base}" if base.endswith(".py") else base
+
+
 def build_parser(suppress_defaults=False):
     """The parser; with suppress_defaults, parse_args returns only the flags actually given."""
     from pydtnn import data, losses, metrics, optim
     from pydtnn.models.families import DEFAULT_LR
 
-    p = Parser(prog="pydtnn", description="Train and evaluate a model with pydtnn.", allow_abbrev=False,
+    p = Parser(prog=program_name(), description="Train and evaluate a model with pydtnn.", allow_abbrev=False,
                argument_default=argparse.SUPPRESS if suppress_defaults else None)
     f = p.flag
 
@@ -355,17 +368,18 @@ def parse_args(argv=None):
     parser = build_parser()
     given = vars(build_parser(suppress_defaults=True).parse_args(argv))
     args = parser.parse_args(argv)
-    layered = {}
+    layered, notes = {}, []
     if args.config:
         layered.update(load_config_file(args.config, parser))
     if args.resume:
         from pydtnn.run import resumed_config
 
-        layered.update(check_values(resumed_config(args.resume, given), parser, f"checkpoint {args.resume}"))
+        layered.update(check_values(resumed_config(args.resume, given, notes), parser, f"checkpoint {args.resume}"))
     for k, v in layered.items():
         if k not in given:
             setattr(args, k, v)
     args.explicit = set(given)  # flags given on the command line (they win over a resumed run's)
+    args.notes = notes  # lines for the run to print (rank 0) before it starts
     return args
 
 
@@ -409,14 +423,19 @@ def _fail(message, code):
 
 def _profiled(fn, args):
     import cProfile
+    import marshal
     import pstats
+
+    from pydtnn.files import write_atomic
+    from pydtnn.run import PROFILE
 
     prof = cProfile.Profile()
     try:
         prof.runcall(fn, args)
     finally:
-        out = os.path.abspath("pydtnn.prof")
-        prof.dump_stats(out)
+        out = os.path.abspath(PROFILE)
+        prof.create_stats()  # what Profile.dump_stats writes, written atomically instead
+        write_atomic(out, marshal.dumps(prof.stats))
         pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
         print(f"pydtnn: profile written to {out} (open with python -m pstats or snakeviz)", file=sys.stderr)
     return 0

@@ -5,8 +5,12 @@ symlink) where a file is expected would block forever in open() or read until me
 reader of a file named by the user goes through open_regular() or read_bytes(): the file is opened
 without blocking and checked to be a regular file before a byte is read.
 
-Writing: every output (checkpoint, trace, history, ONNX graph) goes through write_atomic(): a
-synced temporary file renamed into place, so that a reader never sees half a file.
+Writing: every output (checkpoint, trace, history, ONNX graph, plot, machine file) goes through
+write_atomic(): a synced temporary file renamed into place, so that a reader never sees half a file.
+Before a command does any work it checks each output with check_writable() (its folder exists, and
+nothing but a regular file stands at its name) and all of them together with check_distinct() (no
+output is one of the command's inputs, another output, or a file of a folder it reads): one rule
+for every command, so a typo costs nothing and never replaces data.
 """
 
 import os
@@ -82,6 +86,9 @@ def check_writable(path, what, made=None):
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.basename(path):
+        raise ConfigError(f"cannot write {what} {path}: it names a folder; expected a file name")
+    check_name_length(path, what)
     if made is not None and not os.path.lexists(folder):
         made = os.path.abspath(made)
         if os.path.commonpath([folder, made]) == made:
@@ -89,6 +96,9 @@ def check_writable(path, what, made=None):
                 folder = os.path.dirname(folder)
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise ConfigError(f"cannot write {what} {path}: {folder} is not a writable directory")
+    if os.path.isdir(path + TMP) and not os.path.islink(path + TMP):  # write_atomic's temporary name
+        raise ConfigError(f"cannot write {what} {path}: {path + TMP}, where it is written first, is a directory; "
+                          f"remove it or choose another name")
     try:
         kind = kind_of(os.stat(path).st_mode)
     except FileNotFoundError:
@@ -100,6 +110,76 @@ def check_writable(path, what, made=None):
     return path
 
 
+def check_name_length(path, what):
+    """ConfigError unless the file name of `path`, with the temporary suffix write_atomic adds, fits the
+    file system's limit on a name (255 bytes on most)."""
+    name = os.fsencode(os.path.basename(os.fspath(path)) + TMP)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        limit = os.pathconf(folder if os.path.isdir(folder) else "/", "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        limit = 255
+    if len(name) > limit:
+        raise ConfigError(f"cannot write {what} {os.fspath(path)[:120]}...: its file name is {len(name) - len(TMP)} "
+                          f"bytes, and with the temporary suffix {TMP!r} more than the {limit} bytes a name may have "
+                          f"here; expected a shorter name")
+
+
+def same_file(a, b):
+    """Whether paths `a` and `b` name one file: the same path once links are resolved, or, both existing,
+    the same file on disk (a hard link)."""
+    a, b = os.fspath(a), os.fspath(b)
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def _inside(path, folder):
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    try:
+        return os.path.commonpath([path, folder]) == folder
+    except ValueError:  # different drives
+        return False
+
+
+def check_distinct(outputs, inputs=(), folders=()):
+    """ConfigError (one line naming both) unless every output is a file of its own.
+
+    outputs: (what, path) pairs the command will write; inputs: (what, path) files it reads; folders:
+    (what, path) folders it reads files from (a dataset's), where an output may be a new file but not
+    one that is already there. Paths are compared after resolving links, and existing files by what
+    they are on disk, so a symbolic or hard link to an input is that input. None paths are skipped.
+    """
+    outputs = [(w, os.fspath(p)) for w, p in outputs if p is not None]
+    inputs = [(w, os.fspath(p)) for w, p in inputs if p is not None]
+    for i, (what, path) in enumerate(outputs):
+        for other, given in inputs:
+            if same_file(path, given):
+                raise ConfigError(f"{what} {path} is the {other} {given} this command reads; writing it would "
+                                  f"replace it: give the {what} another path")
+        for other, given in outputs[:i]:
+            if same_file(path, given):
+                raise ConfigError(f"{what} {path} is also the {other} ({given}); each output needs a path of its own")
+        for other, folder in folders:
+            if folder is None or not os.path.isdir(folder):
+                continue
+            if os.path.lexists(path) and (_inside(path, folder) or _is_entry_of(path, folder)):
+                raise ConfigError(f"{what} {path} is a file of the {other} {folder}, which this command reads; "
+                                  f"give the {what} a path outside it")
+
+
+def _is_entry_of(path, folder):
+    """Whether the existing file at `path` is one of the files directly in `folder` (through a link)."""
+    try:
+        with os.scandir(folder) as entries:
+            return any(same_file(path, e.path) for e in entries)
+    except OSError:
+        return False
+
+
 def is_terminal(stream):
     """Whether `stream` (e.g. sys.stderr) is an interactive terminal; False for files, pipes, closed streams."""
     try:
@@ -108,13 +188,29 @@ def is_terminal(stream):
         return False
 
 
-def write_atomic(path, data):
+def write_atomic(path, data, make_folder=False):
     """Write bytes to `path` via a synced temporary file and a rename: readers never see half a file,
     and a failure leaves neither a temporary file nor a broken one (ConfigError naming the path).
-    Creates the folder holding `path`."""
+
+    Only a regular file is replaced: a device, FIFO, socket or folder at `path` is refused, never
+    swapped for a file. make_folder: create the folder holding `path` when it is missing (for folders
+    the program owns, such as a checkpoint directory); otherwise a missing folder is an error.
+    """
     path = os.fspath(path)
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        kind = kind_of(os.stat(path).st_mode)
+    except FileNotFoundError:
+        kind = None
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
+    if kind is not None:
+        raise ConfigError(f"cannot write {path}: it is {kind}; expected a regular file or a new name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not make_folder and not os.path.isdir(folder):
+        raise ConfigError(f"cannot write {path}: its folder {folder} does not exist; create it first")
+    try:
+        if make_folder:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         write_synced(path + TMP, data)
         os.replace(path + TMP, path)
     except OSError as e:

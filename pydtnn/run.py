@@ -19,12 +19,12 @@ from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
 from pydtnn.distributed import launch, model_parallel, reducers
 from pydtnn.distributed.consistency import broadcast_state
 from pydtnn.errors import ConfigError, DataError
-from pydtnn.files import write_atomic
+from pydtnn.files import same_file, write_atomic
 from pydtnn.optim import schedules as sch
 from pydtnn.trainer import MetricsFile, Trainer, format_record
 
 # flags that describe how to run rather than what to compute: not saved as the run's configuration
-_NOT_SAVED = ("config", "resume", "list_models", "profile", "explicit", "overwrite", "download")
+_NOT_SAVED = ("config", "resume", "list_models", "profile", "explicit", "notes", "overwrite", "download")
 # flags naming files and folders: saved as absolute paths, so a resumed run finds them from any directory
 PATH_FLAGS = ("dataset_train_path", "dataset_test_path", "weights_and_bias_filename", "checkpoint_dir",
               "metrics_file", "history_file", "tracer_output")
@@ -43,14 +43,16 @@ def saved_config(directory):
     return config
 
 
-def resumed_config(directory, given=None):
+def resumed_config(directory, given=None, notes=None):
     """The saved configuration of the checkpoint in `directory`, continued in `directory` itself.
 
     The run goes on writing checkpoints into `directory` (wherever the checkpoint was first written,
-    and wherever it has been moved since), or into the checkpoint_dir given now (a fork), and output
-    files that were inside the old checkpoint directory move there with it. `given` ({flag: value}
-    set now) are left out, as the caller sets them. An evaluation (evaluate_only given) inherits no
-    output file: it would replace the run's own metrics with its one record.
+    and wherever it has been moved since), or into the checkpoint_dir given now (a fork). A path from
+    a checkpoint is never trusted as a place to write: an output file that was inside the old
+    checkpoint directory moves with it, any other goes back to its default (no file), and `notes`
+    (a list, when given) receives a line saying so. `given` ({flag: value} set now) are left out, as
+    the caller sets them. An evaluation (evaluate_only given) inherits no output file: it would
+    replace the run's own metrics with its one record.
     """
     given = given or {}
     config = saved_config(directory)
@@ -59,15 +61,18 @@ def resumed_config(directory, given=None):
     if "checkpoint_dir" not in given:
         config["checkpoint_dir"] = here
     for key in _OUTPUTS:
+        path = config.pop(key, None)  # absent: the flag's default, as for any flag not saved
+        if key in given or not isinstance(path, str):
+            continue
         if given.get("evaluate_only") and key != "tracer_output":
             config[key] = None
             continue
-        path = config.get(key)
-        if key in given or not isinstance(path, str) or not isinstance(old, str):
-            continue
-        path, old_abs = os.path.abspath(path), os.path.abspath(old)
-        if os.path.commonpath([path, old_abs]) == old_abs:
-            config[key] = os.path.join(here, os.path.relpath(path, old_abs))
+        old_abs = os.path.abspath(old) if isinstance(old, str) else None
+        if old_abs is not None and os.path.commonpath([os.path.abspath(path), old_abs]) == old_abs:
+            config[key] = os.path.join(here, os.path.relpath(os.path.abspath(path), old_abs))
+        elif notes is not None and (key != "tracer_output" or config.get("tracing")):
+            notes.append(f"pydtnn: the checkpoint's --{key} {path[:200]} lies outside it and is not written "
+                         f"again; give --{key} to write one")
     return config
 
 
@@ -90,6 +95,9 @@ def run(args):
     comm = launch.init(args.threads_per_process, args.stall_timeout, args.debug_collectives)
     launch.install_abort_handler(comm)
     say = log if comm.rank == 0 else (lambda msg: None)
+    agree_on_flags(comm, args)  # before any collective that the flags shape (a split, a reducer's groups)
+    for note in getattr(args, "notes", ()):
+        say(note)
     if comm.size > 1 and args.parallel == "sequential":
         raise ConfigError(f"--parallel sequential, but {comm.size} processes were launched; use --parallel data, "
                           f"model or hybrid, or one process")
@@ -142,7 +150,8 @@ def run(args):
     if world > 1 and args.learning_rate_scaling and args.global_batch_size is None:
         base = options["lr"]
         options["lr"] *= world  # the global batch grew P times (Goyal et al. 2017)
-        lr_note = f" = {base:g} x {world} processes (linear scaling; --learning_rate_scaling false keeps {base:g})"
+        lr_note = (f" = {base:g} x {world} {'model replicas' if mp_size > 1 else 'processes'} (linear scaling; "
+                   f"--learning_rate_scaling false keeps {base:g})")
     reducer, strategy = None, reduction_strategy(args, world)
     corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
     for flag, given in (("--topk_selection", args.topk_selection != "global"),
@@ -182,7 +191,7 @@ def run(args):
     if args.resume:
         start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,
                              scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
-    check_agreement(comm, args, model, (train, val, test), start_epoch)
+    check_agreement(comm, model, (train, val, test), start_epoch)
     broadcast_state(replicas, model, optimizer)
     for line in header(args, choice, model, (train, val, test), effective, lr_note, data_shape):
         say(line)
@@ -373,6 +382,27 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
            f"{_count(args.num_epochs, 'epoch')}; schedules: {schedules}")
     if args.checkpoint_dir and not args.evaluate_only:
         yield f"pydtnn: checkpoints and the whole configuration (config.json) go to {args.checkpoint_dir}"
+    yield from scale_warnings(args, train, eff)
+    from pydtnn.models.families import expectation
+
+    expect = expectation(choice.name)
+    if expect and not args.evaluate_only:
+        yield f"pydtnn: what to expect: {expect}"
+
+
+def scale_warnings(args, train, eff):
+    """Warnings on a run whose sizes defeat its own settings: a global batch larger than the training
+    set, a warm-up longer than the run."""
+    n, batch = len(train), eff["global_batch_size"]
+    if batch > n:
+        yield (f"pydtnn: warning: the global batch of {batch:,} samples is larger than the {n:,} training samples: "
+               f"every step takes the whole set, one step an epoch; expected at most {n:,} (a smaller --batch_size)")
+    warm = eff.get("warm_up")
+    if warm and warm["epochs"] > args.num_epochs:
+        reached = warm["start_factor"] + (1 - warm["start_factor"]) * args.num_epochs / warm["epochs"]
+        yield (f"pydtnn: warning: warm_up ramps the learning rate over {_count(warm['epochs'], 'epoch')} but the run "
+               f"trains {_count(args.num_epochs, 'epoch')}: it never reaches the full rate (about {reached:.2g}x at "
+               f"the end); give --warm_up_epochs {args.num_epochs} or fewer")
 
 
 def _count(n, word):
@@ -391,21 +421,60 @@ def check_combinations(args):
         raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
 
 
+PROFILE = "pydtnn.prof"  # --profile's output, in the working directory
+# every file a checkpoint directory holds, each written under NAME.tmp first
+CHECKPOINT_FILES = (*checkpoint.TENSOR_FILES, checkpoint.META_FILE, "config.json")
+
+
 def check_outputs(args, comm):
-    """Every file and folder the run will write can be written, and no other run's checkpoint is in
-    the way: checked before training starts, on each rank for what that rank writes."""
-    from pydtnn.files import check_writable
+    """Every file and folder the run will write can be written, no output is a file the run reads or
+    another output, and no other run's checkpoint is in the way: checked before training starts, on
+    each rank for what that rank writes."""
+    from pydtnn.files import check_distinct, check_writable
 
     made = None if args.evaluate_only else args.checkpoint_dir
     if args.tracing:  # every rank writes its own trace
         check_writable(trace_path(args.tracer_output, comm), "trace file", made)
     if comm.rank:
         return
-    for key, what in (("metrics_file", "metrics file"), ("history_file", "history file")):
-        if getattr(args, key):
-            check_writable(getattr(args, key), what, made)
+    outputs = [(what, getattr(args, key)) for key, what in (("metrics_file", "metrics file"),
+                                                            ("history_file", "history file"))]
+    if args.profile:
+        outputs.append(("profile", os.path.abspath(PROFILE)))
+    for what, path in outputs:
+        if path:
+            check_writable(path, what, made)
+    if args.tracing:
+        from pydtnn.profiling import trace_paths
+
+        outputs += [("trace file", p) for p in trace_paths(args.tracer_output, comm.size)]
+    own = []  # the checkpoint's own files: replaced by each save, read back by --resume of the same directory
     if args.checkpoint_dir and not args.evaluate_only:
         check_checkpoint_dir(args.checkpoint_dir, args.resume, args.overwrite)
+        own = [("checkpoint file", os.path.join(args.checkpoint_dir, n + tmp)) for n in CHECKPOINT_FILES
+               for tmp in ("", checkpoint.TMP)]
+    inputs, folders = run_inputs(args)
+    resumed = [(w, p) for w, p in inputs if w == "checkpoint file being resumed"]
+    check_distinct(own, [(w, p) for w, p in inputs if (w, p) not in resumed and not
+                         (w == "config file" and any(same_file(p, q) for _, q in own))], folders)
+    check_distinct(outputs, inputs + own, folders)
+
+
+def run_inputs(args):
+    """([(what, path)] files the run reads, [(what, folder)] folders it reads files from)."""
+    files = [("config file", args.config), ("model file", getattr(args, "model_file", None))]
+    folders = [("training data folder", f) for f in data.source_folders(args.dataset, args.dataset_train_path,
+                                                                         args.dataset_test_path)]
+    for what, path in (("dataset train path", args.dataset_train_path), ("dataset test path", args.dataset_test_path),
+                       ("weights file", args.weights_and_bias_filename)):
+        if path and os.path.isdir(path):
+            folders.append((f"{what.replace(' file', '')} folder", path))
+        elif path:
+            files.append((what, path))
+    if args.resume:
+        files += [("checkpoint file being resumed", os.path.join(args.resume, n + tmp)) for n in CHECKPOINT_FILES
+                  for tmp in ("", checkpoint.TMP)]
+    return [(w, p) for w, p in files if p], folders
 
 
 def trace_path(path, comm):
@@ -422,7 +491,9 @@ def check_checkpoint_dir(directory, resume=None, overwrite=False):
 
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"cannot write checkpoint directory {directory}: it exists and is not a directory")
-    check_writable(os.path.join(directory, checkpoint.META_FILE), "checkpoint directory", made=directory)
+    for name in CHECKPOINT_FILES:  # each file a save writes, and its temporary name
+        for tmp in ("", checkpoint.TMP):
+            check_writable(os.path.join(directory, name + tmp), "checkpoint file", made=directory)
     held = [n for n in (checkpoint.META_FILE, checkpoint.META_FILE + checkpoint.TMP, *checkpoint.TENSOR_FILES)
             if os.path.lexists(os.path.join(directory, n))]
     if not held or overwrite or (resume and _same_dir(directory, resume)):
@@ -459,15 +530,26 @@ def check_monitored(args, val):
             sch.monitored(record, metric, who)
 
 
-def check_agreement(comm, args, model, datasets, start_epoch):
-    """Every rank runs the same computation: the flags that shape it, the data (sizes, shapes, a hash
-    of a few samples), the model and the epoch to start from agree; else one line names the first
-    difference and the ranks, before a collective can hang on it."""
+def agree_on_flags(comm, args):
+    """Every rank was started with the same flags (all but paths and what rank 0 alone does); else one
+    line names the first flag that differs and the ranks. The first collective of a run: a rank that
+    split the communicator for another layout would otherwise wait forever for the others."""
+    if comm.size == 1:
+        return
+    from pydtnn.distributed.consistency import check_agreement as agree
+
+    agree(comm, {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED + _PER_RANK})
+
+
+def check_agreement(comm, model, datasets, start_epoch):
+    """Every rank runs the same computation: the data (sizes, shapes, a hash of a few samples), the
+    model and the epoch to start from agree (the flags did, at the start); else one line names the
+    first difference and the ranks, before a collective can hang on it."""
     if comm.size == 1:
         return
     from pydtnn.distributed.consistency import check_agreement as agree, sample_digest
 
-    facts = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_SAVED + _PER_RANK}
+    facts = {}
     for name, ds in zip(("train", "validation", "test"), datasets):
         facts[f"{name} set"] = None if ds is None else sample_digest(ds)
     facts["model"] = f"{model.name}, {model.count_params():,} parameters, state {checkpoint.fingerprint(model)}"
@@ -604,18 +686,26 @@ def reducer_state(trainer):
     return out
 
 
-def check_reducer_state(trainer, extras, where):
+def check_reducer_state(trainer, extras, where, saved_ranks=None):
     """ConfigError, before anything is restored, where the checkpoint's reducer state (its extras) is not the kind
-    this run's reducer keeps: topk saved with momentum correction (residuals and velocities) resumed without it,
-    or the reverse."""
+    this run's reducer keeps (topk saved with momentum correction, residuals and velocities, resumed without it, or
+    the reverse); DataError where an array is not what a reducer saves: floating point, one row per saved rank
+    (saved_ranks, the meta's world_size), each row of this run's shape."""
     prefix = f"{checkpoint.EXTRA}reducer."
-    saved = {k[len(prefix):] for k in extras if k.startswith(prefix)}
-    own = set(trainer.reducer.state_dict()) if trainer.reducer is not None else set()
-    if saved and own and saved != own:
+    saved = {k[len(prefix):]: v for k, v in extras.items() if k.startswith(prefix)}
+    own = trainer.reducer.state_dict() if trainer.reducer is not None else {}
+    if saved and own and set(saved) != set(own):
         how = ("give --momentum_correction true as the saved run did" if "velocity" in saved else
                "the saved run had no --momentum_correction: resume without it")
         raise ConfigError(f"{where}: the checkpoint's topk reducer state is {', '.join(sorted(saved))}, this run's "
                           f"is {', '.join(sorted(own))}; {how}")
+    for name, every in saved.items():
+        shape = tuple(own[name].shape) if name in own else None
+        rows = "any" if saved_ranks is None else saved_ranks
+        if (every.dtype.kind != "f" or every.ndim < 1 or (saved_ranks is not None and every.shape[0] != saved_ranks)
+                or (shape is not None and tuple(every.shape[1:]) != shape)):
+            raise DataError(f"{where}: reducer state {name} is {every.dtype} of shape {tuple(every.shape)}; expected "
+                            f"floating point, {rows} rows (one per saved process) of shape {shape or '(its own)'}")
 
 
 def restore_reducer(trainer, extras):
@@ -647,7 +737,7 @@ def resume(directory, trainer, lr=None, scaled=False):
 
     def check(meta, where):  # before anything is restored: a refused checkpoint leaves the trainer as it was
         checkpoint.check_training_meta(meta, where, trainer.model.backend.rng, restorable)
-        check_reducer_state(trainer, extras, where)
+        check_reducer_state(trainer, extras, where, meta.get("world_size"))
 
     extras = {}
     meta = checkpoint.load(directory, trainer.model, trainer.optimizer, check_meta=check, extras=extras)
@@ -673,7 +763,7 @@ def evaluate_only(trainer, test, args):
     values = trainer.evaluate_as("test", test, args.batch_size)
     wall = time.perf_counter() - t0
     final = {"final": True, **values, "wall_time_s": wall, "samples_per_second": len(test) / wall,
-             "world_size": trainer.world_size, "params_sha256": trainer.model.params_sha256()}
+             **trainer.layout(), "params_sha256": trainer.model.params_sha256()}
     if not trainer.is_root:
         return final
     if args.metrics_file:
@@ -697,4 +787,4 @@ class HistoryCSV:
         w = csv.DictWriter(text, fieldnames=list(trainer.history[0]))
         w.writeheader()
         w.writerows(trainer.history)
-        write_atomic(self.path, text.getvalue().encode("utf-8"))
+        write_atomic(self.path, text.getvalue().encode("utf-8"), make_folder=True)

@@ -51,10 +51,10 @@ def _assert_close(name, got, want, rtol, atol):
     err = np.abs(got - want)
     bad = err > atol + rtol * np.abs(want)
     if bad.any():
-        i = np.unravel_index(np.argmax(err - rtol * np.abs(want)), err.shape)
-        raise AssertionError(
-            f"{name}: {bad.sum()} of {bad.size} entries differ; worst at {i}: got {got[i]!r}, expected {want[i]!r} "
-            f"(rtol={rtol}, atol={atol})"
+        i = tuple(int(k) for k in np.unravel_index(np.argmax(err - rtol * np.abs(want)), err.shape))
+        raise AssertionError(  # plain Python numbers: NumPy 2's repr would print np.float64(...)
+            f"{name}: {int(bad.sum())} of {bad.size} entries differ; worst at {i}: got {float(got[i])!r}, "
+            f"expected {float(want[i])!r}, difference {float(err[i]):.3g} (rtol={rtol}, atol={atol})"
         )
 
 

@@ -49,12 +49,19 @@ class MetricsFile:
                 self.f = open(self.path, "w", encoding="utf-8")
             except OSError as e:
                 raise ConfigError(f"cannot write metrics file {self.path}: {e.strerror}") from None
-        self.f.write(json.dumps(record) + "\n")
-        self.f.flush()
+        try:
+            self.f.write(json.dumps(record) + "\n")
+            self.f.flush()
+        except OSError as e:  # a full disk, a file size limit: what was flushed before stays whole
+            raise ConfigError(f"cannot write metrics file {self.path}: {e.strerror or e}") from None
 
     def close(self):
         if self.f is not None:
-            self.f.close()
+            f, self.f = self.f, None
+            try:
+                f.close()
+            except OSError:  # the write that failed raised already; a second error would hide it
+                pass
 
 
 class Trainer:
@@ -84,7 +91,7 @@ class Trainer:
 
     def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
                  callbacks=(), schedules=(), log=None, comm=None, reducer=None, prefetch=True, epoch_lines=None,
-                 is_root=None, sync_every=None):
+                 is_root=None, sync_every=None, progress_every=10.0):
         runtime.ensure_configured()
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
@@ -100,9 +107,11 @@ class Trainer:
         self.comm, self.world_size = comm, comm.size
         self.is_root = comm.rank == 0 if is_root is None else bool(is_root)
         self.reducer = reducer.attach(model) if reducer is not None else None
-        # bars only on a terminal (redirected to a file they would fill it with carriage returns);
-        # the one summary line per epoch is on wherever progress is, or as epoch_lines says
+        # bars only on a terminal (redirected to a file they would fill it with carriage returns); elsewhere
+        # (a log file, mpirun's pipes) a progress line every `progress_every` seconds; the one summary line
+        # per epoch (on stdout) is on wherever progress is, or as epoch_lines says
         self.progress = progress and self.is_root and is_terminal(sys.stderr)
+        self.progress_every = progress_every if progress and self.is_root and not self.progress else None
         self.epoch_lines = (progress if epoch_lines is None else epoch_lines) and self.is_root
         self.metrics_file = metrics_file if self.is_root else None
         say = log or (lambda msg: print(msg, file=sys.stderr))
@@ -117,6 +126,12 @@ class Trainer:
         if sync_every is not None and (int(sync_every) != sync_every or sync_every < 1):
             raise ConfigError(f"sync_every must be a positive integer, got {sync_every!r}")
         self.sync_every = sync_every  # None: 1 where arrays are on the host, SYNC_EVERY_DEVICE on a GPU
+
+    def layout(self):
+        """{"world_size": processes of the job, "replicas": model replicas (data parallelism), "model_parallel_size":
+        processes each replica is split over}: the layout as the final record names it."""
+        group = self.model.sharding.group.size if self.model.sharding is not None else 1
+        return {"world_size": self.world_size * group, "replicas": self.world_size, "model_parallel_size": group}
 
     def sync_batchnorm(self):
         """BatchNorm statistics over the global batch (all ranks) instead of each rank's share.
@@ -253,7 +268,7 @@ class Trainer:
                 if writer:
                     writer.write(record)
                 if self.epoch_lines:
-                    self.log(format_record(record))
+                    print(format_record(record), flush=True)
                 for sched in self.schedules:
                     sched.on_epoch_end(epoch, record)
                 self._callback("on_epoch_end", epoch, record)
@@ -262,7 +277,7 @@ class Trainer:
             self.final = {"final": True, **self.evaluate_as("test", test, batch_size)}
             self.final["wall_time_s"] = time.perf_counter() - t_start
             self.final["samples_per_second"] = train_samples / train_time if train_time > 0 else None
-            self.final["world_size"] = self.world_size
+            self.final.update(self.layout())
             self.final["params_sha256"] = self.model.params_sha256()
             if writer:
                 writer.write(self.final)
@@ -310,6 +325,8 @@ class Trainer:
 
         bar = tqdm(slices, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
+        lines = None if self.progress_every is None else ProgressLines(self.log, epoch, epochs, slices,
+                                                                        self.progress_every)
         self.model.train()
         if self.reducer is not None:
             self.reducer.begin_epoch(epoch)
@@ -332,6 +349,8 @@ class Trainer:
                         sums[m] += fn(out, y) * n
                     seen += n
                     bar.set_postfix({k: f"{v / seen:.4f}" for k, v in sums.items()}, refresh=False)
+                if lines is not None:
+                    lines.step_done(step, sums["loss"] / seen if seen else None)
                 self._callback("on_batch_end", step, None)
         bar.close()
         totals = self.comm.allreduce_sum(list(sums.values()) + [seen])  # one reduction per epoch
@@ -530,10 +549,47 @@ class _BatchNormSync:
         return self.comm.allreduce(buf, "batchnorm")
 
 
+class ProgressLines:
+    """Training progress as a line every `every` seconds, where no terminal shows a bar (a log file,
+    mpirun's pipes): epoch, step of steps, samples per second over all processes, the epoch's loss so
+    far (this process's share of the batches), and the time the epoch has left at that pace."""
+
+    def __init__(self, say, epoch, epochs, slices, every=10.0):
+        self.say, self.epoch, self.epochs, self.every = say, epoch, epochs, every
+        self.ends = np.cumsum([b - a for a, b in slices])  # global samples done after each step
+        self.start = self.last = time.monotonic()
+
+    def step_done(self, step, loss=None):
+        now = time.monotonic()
+        if now - self.last < self.every or step + 1 >= len(self.ends):
+            return
+        self.last, elapsed = now, now - self.start
+        done = int(self.ends[step])
+        rate = done / elapsed if elapsed > 0 else float("inf")
+        left = (int(self.ends[-1]) - done) / rate if rate > 0 else float("inf")
+        self.say(f"epoch {self.epoch + 1}/{self.epochs}: step {step + 1}/{len(self.ends)}, {rate:,.1f} samples/s"
+                 f"{'' if loss is None else f', loss {loss:.4f}'}, {_duration(left)} left in the epoch")
+
+
+def _duration(seconds):
+    """'42 s', '3 min 20 s', '2 h 05 min'."""
+    if not math.isfinite(seconds):
+        return "unknown time"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
 def format_record(r):
-    """'epoch 3: loss 0.1234, accuracy 0.9612, val_loss ...' for the log."""
+    """'epoch 3: loss 0.1234, accuracy 0.9612, val_loss ...' for the log; a final record names the layout
+    'processes 4, replicas 2, model_parallel_size 2'."""
     skip = {"epoch", "final", "params_sha256"}
-    parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in skip and v is not None]
+    names = {"world_size": "processes"}
+    parts = [f"{names.get(k, k)} {v:.4g}" if isinstance(v, float) else f"{names.get(k, k)} {v}"
+             for k, v in r.items() if k not in skip and v is not None]
     head = "final" if r.get("final") else f"epoch {r['epoch']}"
     return f"{head}: " + ", ".join(parts)
 

@@ -395,6 +395,7 @@ _PCG = {"bit_generator": "PCG64", "state": {"state": 1, "inc": 3}, "has_uint32":
     ("schedules", [{}, {"best": None, "wait": 1.5, "reductions": 0}]),
     ("callbacks", {}), ("callbacks", [[]]), ("callbacks", [{"best": None, "wait": 0}]),
     ("step", "2"), ("step", -2), ("step", 2.5), ("world_size", 0), ("world_size", "1"),
+    ("world_size", 10**30), ("epoch", 2**60), ("step", 10**20),
     ("rng", "pcg"), ("rng", []), ("rng", {**_PCG, "state": "x"}), ("rng", {**_PCG, "state": {"state": -1, "inc": 3}}),
     ("rng", {**_PCG, "state": {"state": [1], "inc": 3}}), ("rng", {**_PCG, "bit_generator": "MT19937"}),
     ("rng", {"bit_generator": "PCG64"}),
@@ -484,3 +485,24 @@ def test_set_rng_state_refuses_malformed_states_and_keeps_the_generator(bitgen, 
         checkpoint.set_rng_state(g, state)
     one_line(e)
     assert json.dumps(checkpoint.rng_state(g)) == before
+
+
+@pytest.mark.parametrize("saved,ranks,words", [
+    (np.zeros((2, 6), np.int32), 2, "int32"),
+    (np.zeros((2, 5), np.float32), 2, "shape (2, 5)"),
+    (np.zeros((3, 6), np.float32), 2, "2 rows"),
+    (np.zeros(6, np.float32), 1, "shape (6,)"),
+])
+def test_reducer_state_of_the_wrong_kind_is_refused(saved, ranks, words):
+    """A topk residual is floating point, one row per saved process, each of this run's shape; anything else is a
+    DataError before anything is restored."""
+    from types import SimpleNamespace
+
+    own = {"residual": np.zeros(6, np.float32)}
+    trainer = SimpleNamespace(reducer=SimpleNamespace(state_dict=lambda: own))
+    extras = {f"{checkpoint.EXTRA}reducer.residual": saved}
+    with pytest.raises(DataError, match="reducer state residual") as e:
+        run.check_reducer_state(trainer, extras, "ck/meta.json", ranks)
+    assert words in str(e.value), str(e.value)
+    run.check_reducer_state(trainer, {f"{checkpoint.EXTRA}reducer.residual": np.zeros((ranks, 6), np.float32)},
+                            "ck/meta.json", ranks)

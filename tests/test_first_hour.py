@@ -72,14 +72,78 @@ def test_misspelled_model_at_the_command_line():
     one_error_line(cli("--model", "mobilenet", *QUICK), "unknown model 'mobilenet'", "did you mean 'mobilenetv1'?")
 
 
-def test_without_a_terminal_no_bars_but_one_line_per_epoch(tmp_path):
+def test_without_a_terminal_no_bars_but_one_line_per_epoch_on_stdout(tmp_path):
     for progress in ([], ["--progress", "false"]):
         r = cli("--model", "simplemlp", "--num_epochs", "2", "--steps_per_epoch", "3", *progress)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "\r" not in r.stderr and "batch/s" not in r.stderr and "it/s" not in r.stderr
-        epochs = [s for s in r.stderr.splitlines() if s.startswith("epoch ")]
-        assert [s.split(":")[0] for s in epochs] == ["epoch 1", "epoch 2"], r.stderr
+        # results on stdout (epoch lines, then the final one), diagnostics on stderr
+        assert [s.split(":")[0] for s in r.stdout.splitlines()] == ["epoch 1", "epoch 2", "final"], r.stdout
+        assert "epoch 1:" not in r.stderr and r.stderr.startswith("pydtnn: model simplemlp")
         assert "configuration {" not in r.stderr  # no one-line JSON dump
+
+
+def test_without_a_terminal_progress_is_a_line_at_a_steady_interval():
+    """What mpirun's pipes and log files get instead of a bar (every 10 s from the command line; every step here)."""
+    import numpy as np
+
+    from pydtnn import models
+    from pydtnn.data import ArrayDataset
+    from pydtnn.losses import SoftmaxCrossEntropy
+    from pydtnn.optim import SGD
+    from pydtnn.trainer import Trainer
+
+    model = models.create("simplemlp", input_shape=(1, 4, 4), num_classes=3)
+    rng = np.random.default_rng(0)
+    train = ArrayDataset(rng.random((40, 1, 4, 4), np.float32), rng.integers(0, 3, 40), 3)
+    said = []
+    t = Trainer(model, SoftmaxCrossEntropy(), SGD(model.parameters(), lr=0.1), log=said.append, progress_every=0.0)
+    t.fit(train, epochs=2, batch_size=8)
+    assert len(said) == 2 * 4  # steps 1-4 of 5 in each epoch; the epoch's own line says the rest
+    first = said[0].split(", ")
+    assert first[0] == "epoch 1/2: step 1/5" and first[1].endswith(" samples/s")
+    assert first[2].startswith("loss ") and first[3].endswith(" left in the epoch"), said[0]
+    assert said[-1].startswith("epoch 2/2: step 4/5")
+    quiet = Trainer(model, SoftmaxCrossEntropy(), SGD(model.parameters(), lr=0.1), log=said.append, progress=False,
+                    progress_every=0.0)
+    quiet.fit(train, epochs=1, batch_size=8)
+    assert len(said) == 8  # --progress false: no lines either
+
+
+def test_warnings_for_a_global_batch_above_the_data_and_a_warm_up_above_the_run():
+    r = cli("--model", "simplemlp", "--num_epochs", "1", "--batch_size", "5000", "--lr_schedulers", "warm_up",
+            "--warm_up_epochs", "4", "--progress", "false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("pydtnn: warning: the global batch of 5,000 samples is larger than the 4,000 training samples"
+            in r.stderr), r.stderr
+    assert ("pydtnn: warning: warm_up ramps the learning rate over 4 epochs but the run trains 1 epoch: it never "
+            "reaches the full rate (about 0.33x at the end); give --warm_up_epochs 1 or fewer") in r.stderr
+
+
+def test_misspelled_scheduler_gets_a_suggestion():
+    with pytest.raises(ConfigError, match="unknown scheduler 'cosin'; did you mean 'cosine'"):
+        parse_args(["--lr_schedulers", "warm_up,cosin"])
+
+
+@pytest.mark.parametrize("how,prog", [(["-m", "pydtnn"], "python -m pydtnn"),
+                                      ([os.path.join("examples", "train.py")], "python train.py")])
+def test_help_names_the_command_that_was_run(how, prog):
+    r = subprocess.run([sys.executable, *how, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: {prog} "), r.stdout[:200]
+
+
+def test_a_failed_gradient_check_prints_plain_numbers():
+    import numpy as np
+
+    from pydtnn.layers import Dense
+    from pydtnn.testing import check_gradients
+
+    layer = Dense(3)
+    layer.build((4,), dtype=np.float64)
+    layer.backward = lambda dy: 2 * (dy @ layer.params["weight"])  # a wrong dx
+    with pytest.raises(AssertionError) as e:
+        check_gradients(layer, (2, 4))
+    assert "np." not in str(e.value) and "worst at (" in str(e.value), str(e.value)
 
 
 def test_config_json_holds_the_values_used_and_is_a_config_file(tmp_path):
@@ -211,4 +275,7 @@ def test_the_readme_command_from_examples(tmp_path):
     assert "pydtnn: model vgg16_cifar10 (from --model vgg16)" in r.stderr
     assert "2 processes, data parallel, bucketed gradient reduction, batch 16 per process (32 global)" in r.stderr
     assert "learning rate 0.01 = 0.005 x 2 processes" in r.stderr
-    assert r.stdout.startswith("final: test_loss")
+    assert "what to expect: VGG without BatchNorm stays near chance" in r.stderr  # its first epoch looks broken
+    assert [s.split(":")[0] for s in r.stdout.splitlines()] == ["epoch 1", "final"], r.stdout
+    assert r.stdout.splitlines()[-1].startswith("final: test_loss")
+    assert "processes 2, replicas 2, model_parallel_size 1" in r.stdout

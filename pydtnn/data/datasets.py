@@ -324,6 +324,22 @@ def locate(name, root=None):
     return _fetched_copy(name, os.fspath(root) if root else cache_dir())[0]
 
 
+def source_folders(name, train_path=None, test_path=None):
+    """The folders dataset `name` is read from (given, fetched, or embedded), without loading it: what a
+    command must not write into. Folders that do not exist are left out."""
+    if name not in LOADERS:
+        raise _unknown(name)
+    found = [train_path, test_path]
+    if train_path is None:
+        found.append(EMBEDDED_DIR if name == "mnist5k" else None)
+        if name in REMOTE:
+            try:
+                found.append(locate(name))
+            except ConfigError:  # a $PYDTNN_DATA that is no folder: load() says so
+                pass
+    return [os.fspath(f) for f in found if f is not None and os.path.isdir(f)]
+
+
 def download_size(name):
     """Bytes to download for dataset `name` (None if a size is not known); ConfigError if it has none."""
     _check_downloadable(name)

@@ -121,6 +121,15 @@ RECIPES = {
     "mobilenetv1": {"learning_rate": 0.025},
 }
 DEFAULT_RECIPE = {"batch_size": 64, "num_epochs": 10, "lr_schedulers": ""}
+# what a first run of a family looks like, where it would otherwise look broken (printed in the header)
+EXPECT = {f"vgg{d}": ("VGG without BatchNorm stays near chance (loss about 2.3) for its first ~100 updates, so its "
+                      "first epoch's accuracy can be 0.1-0.3; it then climbs (97.5% test accuracy after 7 epochs on "
+                      "the embedded digits, docs/models.md)") for d in (11, 13, 16, 19)}
+
+
+def expectation(name):
+    """A sentence on how training model `name` (registered or family) starts, where that looks unusual; else None."""
+    return EXPECT.get(family_of(name) or name)
 # learning rate per optimizer where neither --learning_rate nor the family's recipe gives one
 DEFAULT_LR = {"sgd": 0.05, "rmsprop": 0.001, "adam": 0.001, "adamw": 0.001, "nadam": 0.002}
 

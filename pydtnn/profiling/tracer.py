@@ -152,8 +152,8 @@ class Tracer:
 
         paths = [path] if world_size is None else trace_paths(path, world_size)
         meta = [{"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": self.name}}]
-        write_atomic(paths[0 if world_size is None else self.pid],
-                     json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}).encode())
+        data = json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}).encode()
+        write_atomic(paths[0 if world_size is None else self.pid], data, make_folder=True)
         return paths
 
 

@@ -189,9 +189,10 @@ class Tuner:
         a = self.choices().get(self.key(g, co, dtype, kernels))
         return a if a is not None and a in candidates(g, co, kernels, tuning) else None
 
-    def choose(self, shapes, dtype, kernels, tuning, say=None):
+    def choose(self, shapes, dtype, kernels, tuning, say=None, every=10.0):
         """{(g, co): algorithm} for every shape in `shapes`: from the cache, else timed now (and the cache
-        rewritten). say: prints one line before the first timing."""
+        rewritten). say: prints one line before the first timing, then one every `every` seconds while
+        timing goes on, and one when it ends."""
         out, todo = {}, []
         for g, co in shapes:
             a = self.cached(g, co, dtype, kernels, tuning)
@@ -205,8 +206,9 @@ class Tuner:
             where = f"cached in {self.path}" if self.path else "not cached"
             say(f"pydtnn: timing convolution algorithms for {len(todo)} layer shape{'s' * (len(todo) != 1)}, "
                 f"first run only ({where})")
-        timed = {}
-        for g, co in todo:
+        timed, start = {}, time.monotonic()
+        last = start
+        for i, (g, co) in enumerate(todo, 1):
             algorithms = candidates(g, co, kernels, tuning)
             if len(algorithms) == 1:
                 out[(g, co)] = algorithms[0]
@@ -214,6 +216,11 @@ class Tuner:
                 times = self.measure(g, co, algorithms, dtype, kernels, tuning, self.batch)
                 out[(g, co)] = pick(times, algorithms[0], self.margin)
             timed[self.key(g, co, dtype, kernels)] = out[(g, co)]
+            if say is not None and i < len(todo) and time.monotonic() - last >= every:
+                last = time.monotonic()
+                say(f"pydtnn: timed {i} of {len(todo)} layer shapes ({last - start:.0f} s)")
+        if say is not None:
+            say(f"pydtnn: timed {len(todo)} layer shape{'s' * (len(todo) != 1)} in {time.monotonic() - start:.1f} s")
         self.save(timed, say)
         return out
 
@@ -225,7 +232,7 @@ class Tuner:
         merged = {**self._stored(), **choices}
         text = json.dumps({"format": FORMAT, "choices": dict(sorted(merged.items()))}, indent=1)
         try:
-            write_atomic(self.path, text.encode("utf-8"))
+            write_atomic(self.path, text.encode("utf-8"), make_folder=True)
         except ConfigError as e:  # a read-only home: the choices hold for this run
             if say is not None:
                 say(f"pydtnn: convolution choices not cached: {e}")
