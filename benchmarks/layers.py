@@ -1,6 +1,11 @@
 """Forward and backward time of each layer type, pydtnn against PyTorch CPU, side by side.
 
     python benchmarks/layers.py [--threads 1] [--repeats 20] [--cases pool,depthwise] [--out FILE]
+    python benchmarks/layers.py --threads 1,2      # a table per count, then each library's speed-up
+
+Several thread counts run one fresh process each (the thread split is set once per process); a last
+table gives each library's speed-up from the first count to each other one per layer, beside the
+ratios ours / PyTorch, so that a layer that does not scale shows at a glance.
 
 Same dtype (float32), same thread count (pydtnn's set_threads, which splits every kernel over its own
 pool with one BLAS thread inside each chunk; torch.set_num_threads for PyTorch), inputs rotated among
@@ -14,7 +19,12 @@ and ours as a fraction of it.
 """
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -142,37 +152,88 @@ def bench(name, make, shape, torch_fn, threads, repeats):
             "gemm_gflops": 3 * flops / gemms / 1e9 if gemms else None}
 
 
+def measure(threads, cases, repeats):
+    """{"threads", "peaks", "rows"}: every case at one thread count, in this process."""
+    configure(threads=threads)  # pydtnn's pool; BLAS runs one thread inside each of its chunks
+    peaks, rows = [sgemm_peak(threads)], []
+    for case in cases:
+        rows.append(bench(*case, threads, repeats))
+        peaks.append(sgemm_peak(threads))
+    return {"threads": threads, "peaks": peaks, "rows": rows}
+
+
+def table(run):
+    """The markdown table and machine line of one thread count's run."""
+    n, peaks = run["threads"], run["peaks"]
+    head = (f"| layer (batch, float32, {n} thread{'s' * (n > 1)}) | ours fwd ms | ours bwd ms "
+            f"| torch fwd ms | torch bwd ms | ours/torch (fwd+bwd) | ours GFLOP/s (% of sgemm peak) "
+            f"| its GEMMs alone GFLOP/s (ours as %) |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r, peak in zip(run["rows"], peaks_around(peaks)):
+        g = f"{r['gflops']:.1f} ({100 * r['gflops'] / peak:.0f}%)" if r["gflops"] else ""
+        ga = f"{r['gemm_gflops']:.1f} ({100 * r['gflops'] / r['gemm_gflops']:.0f}%)" if r["gemm_gflops"] else ""
+        lines.append(f"| {r['name']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['torch_fwd_ms']:.2f} | "
+                     f"{r['torch_bwd_ms']:.2f} | {r['ratio']:.2f} | {g} | {ga} |")
+    machine = (f"{describe_cpu()}, NumPy {np.__version__}, PyTorch {torch.__version__}, "
+               f"sgemm peak measured {min(peaks):.0f}-{max(peaks):.0f} GFLOP/s on {n} thread(s), before "
+               f"the first layer and after each; a row's % is against the mean of the two around it")
+    return f"{machine}\n\n" + "\n".join(lines) + "\n"
+
+
+def speedups(runs):
+    """Markdown: per layer, each library's speed-up (fwd+bwd) from the first thread count to each other one,
+    beside the ratio ours / torch at both counts."""
+    base, out = runs[0], []
+    for run in runs[1:]:
+        a, b = base["threads"], run["threads"]
+        out += [f"| layer | ours {a} -> {b} threads | torch {a} -> {b} threads | ours/torch at {a} | "
+                f"ours/torch at {b} |", "| --- | ---: | ---: | ---: | ---: |"]
+        for r1, rn in zip(base["rows"], run["rows"]):
+            ours = (r1["fwd_ms"] + r1["bwd_ms"]) / (rn["fwd_ms"] + rn["bwd_ms"])
+            theirs = (r1["torch_fwd_ms"] + r1["torch_bwd_ms"]) / (rn["torch_fwd_ms"] + rn["torch_bwd_ms"])
+            out.append(f"| {r1['name']} | {ours:.2f}x | {theirs:.2f}x | {r1['ratio']:.2f} | {rn['ratio']:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", default="1", help="thread count, or a comma list (1,2): one process each")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--cases", help="comma-separated substrings: run only the cases whose name contains one")
-    p.add_argument("--out", help="write the table as markdown to this file")
+    p.add_argument("--out", help="write the tables as markdown to this file")
+    p.add_argument("--json", help=argparse.SUPPRESS)  # one count's measurements, for the parent process
     args = p.parse_args()
+    try:
+        counts = [int(t) for t in args.threads.split(",") if t.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        p.error(f"--threads {args.threads!r}: expected a thread count or a comma list of them (1,2)")
     cases = CASES
     if args.cases:
         wanted = [w.strip() for w in args.cases.split(",") if w.strip()]
         cases = [c for c in CASES if any(w in c[0] for w in wanted)]
         if not cases:
             p.error(f"--cases {args.cases!r} matches none of: {', '.join(c[0] for c in CASES)}")
-    configure(threads=args.threads)  # pydtnn's pool; BLAS runs one thread inside each of its chunks
-    peaks, rows = [sgemm_peak(args.threads)], []
-    for case in cases:
-        rows.append(bench(*case, args.threads, args.repeats))
-        peaks.append(sgemm_peak(args.threads))
-    head = (f"| layer (batch, float32, {args.threads} thread{'s' * (args.threads > 1)}) | ours fwd ms | ours bwd ms "
-            f"| torch fwd ms | torch bwd ms | ours/torch (fwd+bwd) | ours GFLOP/s (% of sgemm peak) "
-            f"| its GEMMs alone GFLOP/s (ours as %) |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r, peak in zip(rows, peaks_around(peaks)):
-        g = f"{r['gflops']:.1f} ({100 * r['gflops'] / peak:.0f}%)" if r["gflops"] else ""
-        ga = f"{r['gemm_gflops']:.1f} ({100 * r['gflops'] / r['gemm_gflops']:.0f}%)" if r["gemm_gflops"] else ""
-        lines.append(f"| {r['name']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['torch_fwd_ms']:.2f} | "
-                     f"{r['torch_bwd_ms']:.2f} | {r['ratio']:.2f} | {g} | {ga} |")
-    machine = (f"{describe_cpu()}, NumPy {np.__version__}, PyTorch {torch.__version__}, "
-               f"sgemm peak measured {min(peaks):.0f}-{max(peaks):.0f} GFLOP/s on {args.threads} thread(s), before "
-               f"the first layer and after each; a row's % is against the mean of the two around it")
-    text = f"{machine}\n\n" + "\n".join(lines) + "\n"
+    if len(counts) == 1:
+        runs = [measure(counts[0], cases, args.repeats)]
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(runs[0], f)
+            return
+    else:
+        runs = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for n in counts:  # a fresh process per count: the thread split is process-wide
+                path = os.path.join(tmp, f"{n}.json")
+                cmd = [sys.executable, __file__, "--threads", str(n), "--repeats", str(args.repeats), "--json", path]
+                subprocess.run(cmd + (["--cases", args.cases] if args.cases else []), check=True)
+                with open(path, encoding="utf-8") as f:
+                    runs.append(json.load(f))
+    text = "\n".join(table(r) for r in runs)
+    if len(runs) > 1:
+        text += "\nSpeed-up with more threads, forward + backward (each library against itself):\n\n" + speedups(runs)
     print(text)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

@@ -384,6 +384,7 @@ def report(run):
                      f"{r['peak_rss_mb'] / t['peak_rss_mb']:.2f} | {r['peak_rss_mb'] - r['import_rss_mb']:.0f} / "
                      f"{t['peak_rss_mb'] - t['import_rss_mb']:.0f} | {_cores(r['foreign_cores'])} / "
                      f"{_cores(t['foreign_cores'])} |" + (f" {_pairs(r, t)} |" if rounds else ""))
+    lines += speedup_table(run)
     for again in run.get("remeasured", []):
         b = again["args"]
         names = ", ".join(dict.fromkeys(c[0] for c in again["configs"]))
@@ -409,6 +410,28 @@ def report(run):
                    + _range(imports["torch"]) + " MB; 'above imports' is the peak minus that: model, optimizer "
                    "state, activations and workspace.")]
     return "\n".join(lines) + "\n"
+
+
+def speedup_table(run):
+    """Markdown lines: per model and batch, each library's speed-up from 1 thread to each larger count measured,
+    beside the ratio ours / torch at each count, so that a scaling loss shows at a glance ([] with one count)."""
+    by = {(m, b, t): (r, q) for m, b, t, r, q in rows(run)}
+    pairs = sorted({(m, b) for m, b, _ in by}, key=lambda mb: list(dict.fromkeys(k[0] for k in by)).index(mb[0]))
+    counts = sorted({t for _, _, t in by if t > 1})
+    out = []
+    for n in counts:
+        body = []
+        for m, b in pairs:
+            if (m, b, 1) in by and (m, b, n) in by:
+                (r1, q1), (rn, qn) = by[(m, b, 1)], by[(m, b, n)]
+                body.append(f"| {m} | {b} | {r1['step_ms'] / rn['step_ms']:.2f}x | "
+                            f"{q1['step_ms'] / qn['step_ms']:.2f}x | {r1['step_ms'] / q1['step_ms']:.2f} | "
+                            f"{rn['step_ms'] / qn['step_ms']:.2f} |")
+        if body:
+            out += ["", f"Speed-up from 1 to {n} threads (median step times above):", "",
+                    f"| model | batch | ours 1 -> {n} threads | torch 1 -> {n} threads | ours/torch at 1 | "
+                    f"ours/torch at {n} |", "| --- | ---: | ---: | ---: | ---: | ---: |", *body]
+    return out
 
 
 def _pairs(ours, torch):
