@@ -38,6 +38,8 @@ FORMAT = "pydtnn-checkpoint"
 FORMAT_VERSION = 1
 MODEL_FILE, OPTIMIZER_FILE, META_FILE = "model.safetensors", "optimizer.safetensors", "meta.json"
 TENSOR_FILES = (MODEL_FILE, OPTIMIZER_FILE)
+CONFIG_FILE = "config.json"  # the run's configuration, written beside a checkpoint by pydtnn.run (not part of one)
+ALL_FILES = (*TENSOR_FILES, META_FILE, CONFIG_FILE)  # what a checkpoint directory holds, each also as NAME.tmp
 TMP = files.TMP  # NAME.tmp: written but not yet renamed; a crash's leftovers are finished or discarded
 
 _EXPECTED = f"(expected {MODEL_FILE}, {OPTIMIZER_FILE}, {META_FILE})"

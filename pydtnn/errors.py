@@ -12,6 +12,10 @@ class ShapeError(PydtnnError, ValueError):
     """A layer cannot take the shape it was given (raised at build time)."""
 
 
+class TooLarge(ShapeError):
+    """A shape whose arrays would not fit in this machine's memory (raised before allocating them)."""
+
+
 class DataError(PydtnnError, ValueError):
     """A dataset file is missing, truncated, corrupt or inconsistent."""
 

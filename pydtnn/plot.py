@@ -1,28 +1,43 @@
 """`pydtnn-plot METRICS.jsonl [-o curves.png]`: loss and accuracy curves of a run, as a PNG.
 
 Reads the JSON Lines file written by --metrics_file; train and validation curves share an axis.
+The output is checked before anything is read or drawn (its folder exists, nothing but a regular
+file stands there, it is not the metrics file itself), and written atomically.
 """
 
-import argparse
+import io
 import json
 import os
 import sys
 
-from pydtnn.errors import ConfigError, DataError, PydtnnError
+from pydtnn.errors import DataError, PydtnnError
+
+METRICS_LIMIT = 256 << 20  # bytes: a metrics file holds one short line per epoch; anything this big is not one
 
 
 def read_metrics(path):
-    """(epoch records, final record or None) from a metrics file; DataError if it is not one."""
+    """(epoch records, final record or None) from a metrics file; DataError if it is not one.
+
+    The file must be a regular file (a FIFO or a device is refused, never read) of at most METRICS_LIMIT bytes.
+    """
+    from pydtnn.files import read_bytes
+
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [s for s in f.read().splitlines() if s.strip()]
-    except OSError as e:
-        raise DataError(f"cannot read metrics file {path}: {e.strerror}") from None
+        raw = read_bytes(path, "metrics file", METRICS_LIMIT, DataError)
+    except FileNotFoundError:
+        raise DataError(f"metrics file {path} does not exist; expected the JSON Lines file of --metrics_file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"metrics file {path} is not UTF-8 text (byte {e.start}); expected the JSON Lines of "
+                        f"--metrics_file") from None
     records = []
-    for i, line in enumerate(lines, 1):
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             records.append(json.loads(line))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise DataError(f"{path}:{i}: not a JSON object; expected the JSON Lines of --metrics_file") from None
     epochs = [r for r in records if isinstance(r, dict) and "epoch" in r and not r.get("final")]
     finals = [r for r in records if isinstance(r, dict) and r.get("final")]
@@ -31,18 +46,36 @@ def read_metrics(path):
     return epochs, (finals[-1] if finals else None)
 
 
+def default_output(path):
+    """The PNG a metrics file's curves go to without -o: its name with .png."""
+    return os.path.splitext(os.fspath(path))[0] + ".png"
+
+
+def check_output(path, out):
+    """ConfigError, before anything is read or drawn, unless the PNG `out` can be written and is not the
+    metrics file `path` (through a symbolic or hard link included)."""
+    from pydtnn.files import TMP, check_distinct, check_writable
+
+    check_writable(out, "plot")
+    check_distinct([("plot", out), ("plot's temporary file", out + TMP)], [("metrics file", path)])
+
+
 def plot(path, out=None, title=None):
-    """Draw loss and accuracy against epoch; returns the PNG path written."""
+    """Draw loss and accuracy against epoch into the PNG `out` (default: default_output(path)); returns out."""
     import matplotlib.pyplot as plt
 
+    from pydtnn.files import write_atomic
+
+    path = os.fspath(path)
+    out = os.fspath(out) if out else default_output(path)
+    check_output(path, out)
     fig = figure(path, title)
-    out = out or os.path.splitext(path)[0] + ".png"
     try:
-        fig.savefig(out, dpi=110)
-    except OSError as e:
-        raise ConfigError(f"cannot write {out}: {e.strerror}") from None
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
     finally:
         plt.close(fig)
+    write_atomic(out, png.getvalue())
     return out
 
 
@@ -74,17 +107,28 @@ def figure(path, title=None):
     return fig
 
 
+def build_parser():
+    from pydtnn.cli import Parser
+
+    p = Parser(prog="pydtnn-plot", allow_abbrev=False, description="Plot loss/accuracy curves from a --metrics_file.")
+    p.add_argument("metrics_file", help="JSON Lines file written by pydtnn-train --metrics_file")
+    p.add_argument("-o", "--output", help="PNG to write, replaced atomically; its folder must exist (default: the "
+                                          "metrics file's name with .png)")
+    p.add_argument("--title", help="title above the two plots (default: the metrics file's name)")
+    return p
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="pydtnn-plot", description="Plot loss/accuracy curves from a --metrics_file.")
-    p.add_argument("metrics_file")
-    p.add_argument("-o", "--output", help="PNG to write (default: the metrics file's name with .png)")
-    p.add_argument("--title")
-    args = p.parse_args(argv)
+    """`pydtnn-plot`: 0 on success; 2 and one line `pydtnn-plot: error: ...` on a user error, no file written."""
     try:
+        args = build_parser().parse_args(argv)
         print(plot(args.metrics_file, args.output, args.title))
     except PydtnnError as e:
-        print(f"pydtnn-plot: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"pydtnn-plot: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        print("pydtnn-plot: error: interrupted", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

@@ -183,6 +183,7 @@ def run(args):
     if args.sync_batchnorm:
         trainer.sync_batchnorm()
     effective = effective_values(args, choice, options, world, schedules, strategy, mp_size)
+    effective["data_shape"] = list(data_shape)  # the images before any padding: what an exported graph takes
     if corrected:
         effective["topk_momentum"] = corrected  # the optimizer's momentum is 0: the reducer applies this one
     trainer.callbacks = build_callbacks(args, trainer, config, effective)
@@ -422,8 +423,6 @@ def check_combinations(args):
 
 
 PROFILE = "pydtnn.prof"  # --profile's output, in the working directory
-# every file a checkpoint directory holds, each written under NAME.tmp first
-CHECKPOINT_FILES = (*checkpoint.TENSOR_FILES, checkpoint.META_FILE, "config.json")
 
 
 def check_outputs(args, comm):
@@ -451,7 +450,7 @@ def check_outputs(args, comm):
     own = []  # the checkpoint's own files: replaced by each save, read back by --resume of the same directory
     if args.checkpoint_dir and not args.evaluate_only:
         check_checkpoint_dir(args.checkpoint_dir, args.resume, args.overwrite)
-        own = [("checkpoint file", os.path.join(args.checkpoint_dir, n + tmp)) for n in CHECKPOINT_FILES
+        own = [("checkpoint file", os.path.join(args.checkpoint_dir, n + tmp)) for n in checkpoint.ALL_FILES
                for tmp in ("", checkpoint.TMP)]
     inputs, folders = run_inputs(args)
     resumed = [(w, p) for w, p in inputs if w == "checkpoint file being resumed"]
@@ -472,7 +471,7 @@ def run_inputs(args):
         elif path:
             files.append((what, path))
     if args.resume:
-        files += [("checkpoint file being resumed", os.path.join(args.resume, n + tmp)) for n in CHECKPOINT_FILES
+        files += [("checkpoint file being resumed", os.path.join(args.resume, n + tmp)) for n in checkpoint.ALL_FILES
                   for tmp in ("", checkpoint.TMP)]
     return [(w, p) for w, p in files if p], folders
 
@@ -491,7 +490,7 @@ def check_checkpoint_dir(directory, resume=None, overwrite=False):
 
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"cannot write checkpoint directory {directory}: it exists and is not a directory")
-    for name in CHECKPOINT_FILES:  # each file a save writes, and its temporary name
+    for name in checkpoint.ALL_FILES:  # each file a save writes, and its temporary name
         for tmp in ("", checkpoint.TMP):
             check_writable(os.path.join(directory, name + tmp), "checkpoint file", made=directory)
     held = [n for n in (checkpoint.META_FILE, checkpoint.META_FILE + checkpoint.TMP, *checkpoint.TENSOR_FILES)
@@ -669,7 +668,7 @@ def save_checkpoint(directory, trainer, epoch, config, effective=None):
         return
     # a readable copy of the configuration, written with the checkpoint (never before a run has one); it
     # is a valid --config file: load_config_file skips the "effective" values computed from the flags
-    checkpoint.write_json_atomic(os.path.join(directory, "config.json"), {**config, "effective": effective or {}})
+    checkpoint.write_json_atomic(os.path.join(directory, checkpoint.CONFIG_FILE), {**config, "effective": effective or {}})
 
 
 def reducer_state(trainer):
@@ -710,9 +709,14 @@ def check_reducer_state(trainer, extras, where, saved_ranks=None):
 
 def restore_reducer(trainer, extras):
     """Give each rank its saved reducer state: its own row at the saved process count; at another count rank 0
-    takes the sum of the rows (topk: every gradient not yet sent stays in the run) and the others zeros."""
+    takes the sum of the rows (topk: every gradient not yet sent stays in the run) and the others zeros. A run
+    without such a reducer (one process) has nowhere to put it: it says what is dropped."""
     reducer, prefix = trainer.reducer, f"{checkpoint.EXTRA}reducer."
     state = {k[len(prefix):]: v for k, v in extras.items() if k.startswith(prefix)}
+    if state and (reducer is None or not reducer.state_dict()) and any(np.any(v) for v in state.values()):
+        rows = next(iter(state.values())).shape[0]
+        trainer.log(f"pydtnn: note: the checkpoint's reducer state ({', '.join(sorted(state))}: gradients its {rows} "
+                    f"processes had not sent yet) is dropped: this run has no reducer to hold it")
     if reducer is None or not state or not reducer.state_dict():
         return
     rank, size = trainer.comm.rank, trainer.comm.size

@@ -281,3 +281,278 @@ def test_cli_user_errors_leave_no_file(tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("pydtnn: error: ") and word in lines[0], (args, lines)
     assert os.listdir(tmp_path) == []
+
+
+# -- the output: checked before any work ----------------------------------------------------------
+def one_error_line(capsys):
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pydtnn: error: "), out.err
+    return lines[0]
+
+
+def saved_checkpoint(directory, model, config, data_shape=None):
+    """A checkpoint as pydtnn-train leaves it: the three files, and config.json beside them."""
+    import json
+
+    checkpoint.save(directory, model, meta={"config": config})
+    effective = {"input_shape": list(model.input_shape)}
+    if data_shape is not None:
+        effective["data_shape"] = list(data_shape)
+    (directory / "config.json").write_text(json.dumps({**config, "effective": effective}))
+    return directory
+
+
+def contents(folder):
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "meta.json", "config.json",
+                                  "model.safetensors.tmp", "meta.json.tmp", "config.json.tmp", "link-to-meta"])
+def test_output_that_is_a_file_of_the_checkpoint_is_refused(tmp_path, capsys, name):
+    ckpt = saved_checkpoint(tmp_path / "ckpt", models.create("simplemlp"), {"model": "simplemlp"})
+    (tmp_path / "link-to-meta").symlink_to(ckpt / "meta.json")
+    before = contents(ckpt)
+    out = tmp_path / name if name == "link-to-meta" else ckpt / name
+    assert main([str(out), "--checkpoint", str(ckpt)]) == 2
+    assert "checkpoint file" in one_error_line(capsys)
+    assert contents(ckpt) == before
+
+
+@pytest.mark.parametrize("output,weights", [("w.safetensors", "w.safetensors"), ("hard.onnx", "w.safetensors"),
+                                            ("net.onnx", "net.onnx.tmp")])
+def test_output_that_is_the_weights_file_is_refused(tmp_path, capsys, output, weights):
+    """The weights themselves, a hard link to them, or weights named like the output's temporary file
+    (which writing the output would replace first)."""
+    from safetensors.numpy import save_file
+
+    model = models.create("simplemlp")
+    save_file({k: np.ascontiguousarray(v) for k, v in model.state_dict().items()}, str(tmp_path / weights))
+    if output == "hard.onnx":
+        os.link(tmp_path / weights, tmp_path / output)
+    before = contents(tmp_path)
+    assert main([str(tmp_path / output), "--model", "simplemlp", "--weights", str(tmp_path / weights)]) == 2
+    assert "weights file" in one_error_line(capsys)
+    assert contents(tmp_path) == before
+
+
+def test_missing_output_folder_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("a model was built before the output was checked")
+
+    monkeypatch.setattr(models, "create", never)
+    out = tmp_path / "no" / "such" / "net.onnx"
+    assert main([str(out), "--model", "simplemlp"]) == 2
+    assert str(tmp_path / "no" / "such") in one_error_line(capsys)
+    assert os.listdir(tmp_path) == []
+
+
+def test_output_that_is_a_fifo_is_refused(tmp_path, capsys):
+    os.mkfifo(tmp_path / "net.onnx")
+    assert main([str(tmp_path / "net.onnx"), "--model", "simplemlp"]) == 2
+    assert "FIFO" in one_error_line(capsys)
+    assert os.listdir(tmp_path) == ["net.onnx"]
+
+
+# -- an input shape too large for the machine -------------------------------------------------------
+def test_a_parameter_larger_than_memory_is_refused_before_it_is_allocated():
+    """Layer.init compares the parameter's bytes with the memory available; 10^12 inputs to 4096 units
+    (16 PB of float32) exceed any machine, so nothing is allocated before the error."""
+    from pydtnn.errors import ShapeError
+
+    with pytest.raises(ShapeError, match=r"Dense.*\(4096, 1000000000000\).*smaller input shape"):
+        Dense(4096).build((10**12,))
+
+
+def test_cli_input_shape_too_large_for_memory_is_one_line(tmp_path, capsys):
+    out = tmp_path / "net.onnx"
+    assert main([str(out), "--model", "simplemlp", "--input_shape", "1,100000,100000"]) == 2
+    line = one_error_line(capsys)
+    assert "Dense" in line and "(256, 10000000000)" in line and "smaller input shape" in line, line
+    assert os.listdir(tmp_path) == []
+
+
+def test_adaptive_pooling_matrix_over_the_protobuf_limit_is_refused_before_it_is_made():
+    """7x7 bins of a 9999x9999 input overlap: the exact matrix would be 18 GiB."""
+    model = Model([Conv2D(1, 1), AdaptiveAvgPool2D((7, 7))], (1, 9999, 9999))
+    with pytest.raises(ConfigError, match=r"adaptive-pooling matrices for input \(1, 9999, 9999\).*smaller input"):
+        to_proto(model)
+
+
+@pytest.mark.slow
+def test_cli_vgg16_for_huge_images_is_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "net.onnx"), "--model", "vgg16_imagenet", "--input_shape", "3,100000,100000"]) == 2
+    line = one_error_line(capsys)
+    assert "100000" in line and "smaller input shape" in line, line
+    assert os.listdir(tmp_path) == []
+
+
+# -- the input contract ------------------------------------------------------------------------
+def padded_digits_checkpoint(tmp_path):
+    """resnet20 trained (here: perturbed) on the embedded digits, as pydtnn-train builds it: 28x28 images
+    zero-padded to the 32x32 of its CIFAR-10 variant, one input channel."""
+    from pydtnn import data
+    from pydtnn.models.families import resolve
+
+    _, test = data.load("mnist5k")
+    choice, model = resolve("resnet20", test.input_shape, test.num_classes,
+                            build=lambda name, shape: models.create(name, input_shape=shape, num_classes=10,
+                                                                    backend=CPUBackend(seed=4)))
+    model = perturb(model)
+    ckpt = saved_checkpoint(tmp_path / "ckpt", model, {"model": "resnet20", "dataset": "mnist5k"})
+    return ckpt, model, choice, test
+
+
+def props(path):
+    return {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+
+
+def test_metadata_and_success_line_state_the_input_contract(tmp_path, capsys):
+    import json
+
+    from pydtnn.data.pad import PaddedDataset
+
+    ckpt, model, choice, test = padded_digits_checkpoint(tmp_path)
+    assert main([str(tmp_path / "net.onnx"), "--checkpoint", str(ckpt)]) == 0
+    said = capsys.readouterr().out
+    meta = props(tmp_path / "net.onnx")
+    pad = PaddedDataset(test, choice.input_shape)
+    (c, h, w), (_, h2, w2) = test.input_shape, choice.input_shape
+    assert meta["pydtnn.dataset"] == "mnist5k" and meta["pydtnn.preprocessing"] == "outside the graph"
+    assert json.loads(meta["pydtnn.normalization"]) == {"scale": test.scale, "mean": None, "std": None}
+    assert json.loads(meta["pydtnn.padding"]) == {
+        "data_shape": [c, h, w], "input_shape": list(choice.input_shape), "top": pad.top, "left": pad.left,
+        "bottom": h2 - h - pad.top, "right": w2 - w - pad.left}
+    assert meta["pydtnn.input"].startswith("float32 NCHW (N, 1, 32, 32): mnist5k images, pixels / 255")
+    assert "1x28x28 images zero-padded" in meta["pydtnn.input"]
+    assert meta["pydtnn.input"] in onnx.load(str(tmp_path / "net.onnx")).doc_string
+    assert meta["pydtnn.input"] in said
+
+
+def cifar_folder(folder, per_file=3, seed=0):
+    """CIFAR-10 binary files of random records, laid out as the loader reads them."""
+    from pydtnn.data.cifar import LAYOUTS, PIXELS
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir()
+    for name in LAYOUTS["cifar10"]["train"] + LAYOUTS["cifar10"]["test"]:
+        records = rng.integers(0, 256, (per_file, 1 + PIXELS), dtype=np.uint8)
+        records[:, 0] %= 10
+        (folder / name).write_bytes(records.tobytes())
+    return folder
+
+
+@pytest.mark.parametrize("dataset", ["mnist5k", "cifar10"])
+def test_with_preprocessing_takes_raw_images_as_the_trainer_does(tmp_path, capsys, dataset):
+    """uint8 images as stored, through the graph, give what the model gives on the batches the data
+    pipeline makes of them: scaling, the per-channel normalization (CIFAR) and the zero padding (digits)."""
+    from pydtnn import data
+    from pydtnn.data.cifar import LAYOUTS, read_records
+    from pydtnn.data.pad import PaddedDataset
+
+    if dataset == "mnist5k":
+        ckpt, model, choice, test = padded_digits_checkpoint(tmp_path)
+        raw = test.x[:6]
+        batch = PaddedDataset(test, choice.input_shape).get_batch(np.arange(6))[0]
+    else:
+        folder = cifar_folder(tmp_path / "cifar")
+        _, test = data.load("cifar10", str(folder))
+        model = perturb(models.create("resnet20_cifar10", backend=CPUBackend(seed=4)))
+        ckpt = saved_checkpoint(tmp_path / "ckpt", model, {"model": "resnet20", "dataset": "cifar10"})
+        raw = np.ascontiguousarray(read_records(folder / LAYOUTS["cifar10"]["test"][0])[0])
+        batch = test.get_batch(np.arange(len(raw)))[0]
+    out = tmp_path / "net.onnx"
+    assert main([str(out), "--checkpoint", str(ckpt), "--with_preprocessing"]) == 0
+    assert "uint8 NCHW (N, " + ", ".join(map(str, raw.shape[1:])) in capsys.readouterr().out
+    graph_input = onnx.load(str(out)).graph.input[0].type.tensor_type
+    assert graph_input.elem_type == onnx.TensorProto.UINT8
+    assert [d.dim_value for d in graph_input.shape.dim[1:]] == list(raw.shape[1:])
+    assert props(out)["pydtnn.preprocessing"] == "in the graph"
+    assert_close(run_onnx(out, raw), model.forward(batch, training=False))
+
+
+def test_with_preprocessing_for_a_zoo_model_needs_a_dataset_of_images(tmp_path, capsys, monkeypatch):
+    from pydtnn import data
+    from pydtnn.data.pad import PaddedDataset
+    from pydtnn.models.families import resolve
+
+    out = tmp_path / "net.onnx"
+    create = models.create
+    monkeypatch.setattr(models, "create", lambda *a, **k: pytest.fail("a model was built before the flags were "
+                                                                      "checked"))
+    for args, word in ((["--model", "resnet20", "--with_preprocessing"], "--dataset"),
+                       (["--model", "resnet20", "--dataset", "synthetic", "--with_preprocessing"], "synthetic"),
+                       (["--model", "resnet20", "--dataset", "mnist55", "--with_preprocessing"], "mnist5k")):
+        assert main([str(out), *args]) == 2, args
+        assert word in one_error_line(capsys), args
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(models, "create", create)
+
+    # with --dataset, the model is the one pydtnn-train builds for that data (28x28 padded to 32x32)
+    assert main([str(out), "--model", "resnet20", "--dataset", "mnist5k", "--with_preprocessing"]) == 0
+    _, test = data.load("mnist5k")
+    choice, model = resolve("resnet20", test.input_shape, 10,
+                            build=lambda name, shape: models.create(name, input_shape=shape, num_classes=10))
+    batch = PaddedDataset(test, choice.input_shape).get_batch(np.arange(4))[0]
+    assert_close(run_onnx(out, test.x[:4]), model.forward(batch, training=False))
+
+    # without --dataset the contract is unknown, and says so
+    assert main([str(tmp_path / "plain.onnx"), "--model", "lenet5"]) == 0
+    assert "not recorded" in props(tmp_path / "plain.onnx")["pydtnn.input"]
+    assert "pydtnn.dataset" not in props(tmp_path / "plain.onnx")
+
+
+def test_checkpoint_without_a_dataset_takes_dataset_flag(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    checkpoint.save(ckpt, models.create("lenet5"), meta={"config": {"model": "lenet5"}})
+    assert main([str(tmp_path / "a.onnx"), "--checkpoint", str(ckpt), "--with_preprocessing"]) == 2
+    assert "--dataset" in one_error_line(capsys)
+    assert main([str(tmp_path / "a.onnx"), "--checkpoint", str(ckpt), "--dataset", "fashion_mnist",
+                 "--with_preprocessing"]) == 0
+    assert props(tmp_path / "a.onnx")["pydtnn.dataset"] == "fashion_mnist"
+    trained = saved_checkpoint(tmp_path / "trained", models.create("lenet5"), {"model": "lenet5", "dataset": "mnist"})
+    assert main([str(tmp_path / "b.onnx"), "--checkpoint", str(trained), "--dataset", "cifar10"]) == 2
+    assert "trained on mnist" in one_error_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["a.onnx", "ckpt", "trained"]
+
+
+def test_recorded_data_shape_decides_the_padding(tmp_path):
+    """ImageNet shards of 28x28 images, padded by the trainer to resnet20's 32x32: config.json's
+    effective data_shape says so, where the dataset's usual size (224x224) cannot."""
+    import json
+
+    model = models.create("resnet20_cifar10")
+    config = {"model": "resnet20", "dataset": "imagenet"}
+    recorded = saved_checkpoint(tmp_path / "recorded", model, config, data_shape=(3, 28, 28))
+    unrecorded = saved_checkpoint(tmp_path / "unrecorded", model, config)
+    assert main([str(tmp_path / "a.onnx"), "--checkpoint", str(recorded)]) == 0
+    assert main([str(tmp_path / "b.onnx"), "--checkpoint", str(unrecorded)]) == 0
+    a, b = (json.loads(props(tmp_path / f)["pydtnn.padding"]) for f in ("a.onnx", "b.onnx"))
+    assert a["data_shape"] == [3, 28, 28] and (a["top"], a["left"], a["bottom"], a["right"]) == (2, 2, 2, 2)
+    assert b["data_shape"] == [3, 32, 32] and (b["top"], b["left"], b["bottom"], b["right"]) == (0, 0, 0, 0)
+    from pydtnn.data.imagenet import IMAGENET_MEAN, IMAGENET_STD
+
+    norm = json.loads(props(tmp_path / "a.onnx")["pydtnn.normalization"])
+    assert norm["mean"] == list(IMAGENET_MEAN) and norm["std"] == list(IMAGENET_STD)
+
+
+@pytest.mark.slow
+def test_cli_trained_checkpoint_with_preprocessing(tmp_path):
+    """pydtnn-train on the digits with a family that pads them, then the export takes raw digits."""
+    from pydtnn import data
+    from pydtnn.data.pad import PaddedDataset
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "net.onnx"
+    train = subprocess.run([sys.executable, "-m", "pydtnn", "--model", "resnet20", "--num_epochs", "1",
+                            "--steps_per_epoch", "2", "--batch_size", "8", "--checkpoint_dir", str(ckpt),
+                            "--progress", "false"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert train.returncode == 0, train.stderr[-3000:]
+    r = export_cli(out, "--checkpoint", ckpt, "--with_preprocessing")
+    assert r.returncode == 0, r.stderr
+    assert "uint8 NCHW (N, 1, 28, 28): mnist5k images" in r.stdout
+    from pydtnn.export import model_from_checkpoint
+
+    model = model_from_checkpoint(str(ckpt))
+    _, test = data.load("mnist5k")
+    batch = PaddedDataset(test, model.input_shape).get_batch(np.arange(5))[0]
+    assert_close(run_onnx(out, test.x[:5]), model.forward(batch, training=False))

@@ -279,3 +279,14 @@ def test_the_readme_command_from_examples(tmp_path):
     assert [s.split(":")[0] for s in r.stdout.splitlines()] == ["epoch 1", "final"], r.stdout
     assert r.stdout.splitlines()[-1].startswith("final: test_loss")
     assert "processes 2, replicas 2, model_parallel_size 1" in r.stdout
+
+
+def test_a_model_too_large_for_memory_is_not_called_a_shape_mismatch():
+    from pydtnn.errors import TooLarge
+    from pydtnn.models.families import resolve
+
+    def build(variant, shape):
+        raise TooLarge("fc1: its float32 parameter of shape (4096, 10**12) needs ...")
+
+    with pytest.raises(TooLarge, match="fc1: its float32 parameter"):
+        resolve("vgg16", (3, 32, 32), 10, build=build)

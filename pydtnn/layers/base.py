@@ -11,10 +11,14 @@ preallocated `grads` arrays (overwriting, not accumulating), so a gradient reduc
 memory. `buffers` hold non-trainable state (BatchNorm's running statistics).
 """
 
+import functools
+import math
+import os
+
 import numpy as np
 
 from pydtnn.backends import get_backend
-from pydtnn.errors import ShapeError
+from pydtnn.errors import ShapeError, TooLarge
 from pydtnn.initializers import initialize
 
 
@@ -68,8 +72,21 @@ class Layer:
 
     def init(self, initializer, shape, fan_in, fan_out):
         """Parameter array drawn from the backend's Generator, on the backend's device."""
+        self.check_fits(shape)
         a = initialize(initializer, shape, fan_in, fan_out, self.backend.rng, self.dtype)
         return self.backend.asarray(a)
+
+    def check_fits(self, shape):
+        """ShapeError, before anything is allocated, when a parameter of `shape` alone needs more bytes than
+        the machine has available: an input shape far too large fails with one line naming it, instead
+        of a MemoryError (or the kernel killing the process) after minutes of trying."""
+        need = math.prod(int(s) for s in shape) * self.dtype.itemsize
+        available, source = memory_available()
+        if available is not None and need > available:
+            raise TooLarge(f"{self.name}: its {self.dtype.name} parameter of shape {tuple(int(s) for s in shape)} "
+                             f"needs {_gib(need)}, more than the {_gib(available)} of memory available ({source}); "
+                             f"the layer's input shape {self.input_shape} is too large: build the model for a "
+                             f"smaller input shape")
 
     def add_param(self, name, value):
         """Register a trainable parameter and its zeroed gradient buffer."""
@@ -119,6 +136,28 @@ class Layer:
 
     def count_params(self):
         return sum(int(np.prod(p.shape)) for _, layer in self.named_layers() for p in layer.params.values())
+
+
+@functools.lru_cache(maxsize=None)
+def memory_available():
+    """(bytes, where the number comes from) of memory a new allocation can have on this machine:
+    MemAvailable from /proc/meminfo, else the physical memory; (None, None) when neither is known.
+    Read once per process: it bounds what a single parameter may take, not what is free right now."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"
+    except (OSError, ValueError, AttributeError):
+        return None, None
+
+
+def _gib(n):
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def _join(prefix, name):

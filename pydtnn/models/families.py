@@ -19,7 +19,7 @@ The rules, in docs/models.md ("Family names and other data"):
 
 from dataclasses import dataclass, field
 
-from pydtnn.errors import ConfigError, ShapeError
+from pydtnn.errors import ConfigError, ShapeError, TooLarge
 
 SMALL_SIDE = 64
 MAX_PAD_AREA = 1.5
@@ -100,6 +100,8 @@ def resolve(name, input_shape, num_classes, build=None):
             shape = (shape[0], h, w)
     try:
         return Choice(chosen, shape, num_classes, notes), build(chosen, shape)
+    except TooLarge:  # the images fit the model; the machine cannot hold it
+        raise
     except ShapeError as e:
         small = sorted(f for f, v in FAMILIES.items() if v["cifar10"])
         raise ConfigError(f"model {chosen} cannot take {'x'.join(map(str, shape))} images (its design input is "
