@@ -9,7 +9,7 @@ exit code 2 at the command line) naming the variable, its value and what was exp
 | PYDTNN_CONV_AUTOTUNE | run.py | default of --conv_autotune: 1/0 (true/false, yes/no, on/off); unset: true |
 | PYDTNN_CUDA_AWARE_MPI | distributed/gpu_comm.py | 1/0 (true/false, yes/no, on/off); unset: ask the MPI library |
 | PYDTNN_VECTOR_BITS | backends/cpu/isa.py | vector width of the compiled CPU kernels: 128, 256 or 512; unset: the CPU's |
-| OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/cpu/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first) |
+| OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/cpu/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first), at most 4 per core this process may use |
 
 The launchers' variables (PMI_SIZE, OMPI_COMM_WORLD_RANK, ...) are read by distributed/launch.py, and
 the data directory, PYDTNN_DATA (or the older PYDTNN_DATA_DIR), by data/download.py, which checks it
@@ -80,10 +80,11 @@ def _flag(name):
     raise _bad(name, "1 or 0 (true/false, yes/no, on/off)")
 
 
-def omp_threads():
+def omp_threads(most=None, why=""):
     """Threads asked for by OMP_NUM_THREADS, else OPENBLAS_NUM_THREADS; None when neither is set.
 
-    OpenMP allows a list for nested levels ("4,2"): its first entry counts.
+    OpenMP allows a list for nested levels ("4,2"): its first entry counts. most: the largest count
+    accepted (None: any), and why, which the error gives as its reason.
     """
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         value = _get(name)
@@ -92,5 +93,7 @@ def omp_threads():
         first = value.split(",")[0].strip()
         if not first.isdigit() or int(first) < 1:
             raise _bad(name, "a positive integer (the number of threads)")
+        if most is not None and int(first) > most:
+            raise _bad(name, f"at most {most} threads" + (f" ({why})" if why else ""))
         return int(first)
     return None

@@ -37,7 +37,8 @@ _applied = None  # what the last configure() set
 def configure(threads=None, blas_threads=1, keep_freed_memory=True, gomp_spincount=GOMP_SPINCOUNT, tf32=None):
     """Set the process-wide settings; returns {setting: value applied} (see the module docstring).
 
-    threads: CPU backend threads (None: OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, else the cores).
+    threads: CPU backend threads (None: OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, else the cores); at most
+    4 per core this process may use (ConfigError above: threads.max_threads()).
     blas_threads: BLAS threads per caller (None leaves BLAS alone).
     keep_freed_memory: tune glibc malloc (skipped when MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_
     is set, or the C library has no mallopt).
@@ -50,6 +51,7 @@ def configure(threads=None, blas_threads=1, keep_freed_memory=True, gomp_spincou
     n = cpu_threads.default_threads() if threads is None else int(threads)
     if n < 1:
         raise ValueError(f"runtime.configure: threads={threads!r}; expected a positive integer")
+    cpu_threads.check_threads(n, "runtime.configure: threads")
     applied = {"threads": n}
     if blas_threads is not None:
         from threadpoolctl import threadpool_limits

@@ -193,7 +193,7 @@ def test_parallelism_benchmark_tables_and_redraws_a_saved_run_without_mpi(tmp_pa
     assert redone[0]["predicted"]["group_comm_s"] == 0 and redone[2]["predicted"] is None
 
 
-def test_conv_algorithms_times_every_candidate_and_writes_the_table(tmp_path):
+def test_conv_algorithms_times_every_candidate_and_writes_the_table(tmp_path, capsys):
     """benchmarks/conv_algorithms.py: one row per shape with the direct, Winograd and GEMM times and the pick."""
     import conv_algorithms
 
@@ -202,5 +202,8 @@ def test_conv_algorithms_times_every_candidate_and_writes_the_table(tmp_path):
     rows = [r for r in out.read_text().splitlines() if r.startswith("| 8 ->") or r.startswith("| 4 ->")]
     assert len(rows) == 2 and all(r.count(" ms") == 3 for r in rows), rows
     assert rows[0].split("|")[-2].strip() in ("direct", "winograd", "gemm")
-    with pytest.raises(SystemExit):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
         conv_algorithms.main(["--shapes", "8by8"])
+    assert stop.value.code == 2
+    assert "error: --shapes '8by8': expected C x H pairs such as 64x32,128x16" in capsys.readouterr().err

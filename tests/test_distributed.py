@@ -476,27 +476,28 @@ def test_repeated_runs_give_identical_parameters(tmp_path):
 
 
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
-    t0 = time.time()
+    """Rank 1 of 3 raises at step 5: its traceback under its rank, exit code 1 (an internal error). The stall
+    timeout (300 s, the worker's default) is longer than the test's, so the job ends in time only if the abort
+    handler ends it."""
     r = launch(3, tmp_path, "--raise_at", "5", "--raise_rank", "1", "--strategies", "per_layer", timeout=60)
-    assert time.time() - t0 < 30
-    assert r.returncode != 0
-    assert "rank 1:" in r.stderr and "deliberate failure at step 5" in r.stderr
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "rank 1: Traceback (most recent call last):" in r.stderr, r.stderr[-2000:]
+    assert "RuntimeError: deliberate failure at step 5" in r.stderr, r.stderr[-2000:]
 
 
 def test_stalled_rank_is_reported_by_the_watchdog(tmp_path):
-    t0 = time.time()
+    """Rank 2 sleeps 120 s, longer than the test's timeout: the 2 s watchdog ends the job (exit code 1)."""
     r = launch(3, tmp_path, "--stall_at", "4", "--raise_rank", "2", "--stall_timeout", "2", "--strategies", "bucketed",
                timeout=90)
-    assert time.time() - t0 < 40
-    assert r.returncode != 0
+    assert r.returncode == 1, r.stderr[-2000:]
     assert "rank 0: stalled" in r.stderr and "ranks that have not arrived: 2;" in r.stderr, r.stderr[-2000:]
 
 
 def test_debug_collectives_names_the_first_mismatch(tmp_path):
     r = launch(2, tmp_path, "--mismatch_at", "3", "--raise_rank", "1", "--debug_collectives", "--strategies",
                "blocking", timeout=90)
-    assert r.returncode != 0
-    assert "differs between ranks" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2, r.stderr[-2000:]  # a CollectiveMismatch, a PydtnnError: one line, no traceback
+    assert "differs between ranks" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "rank 1: allreduce float64 x 3" in r.stderr and "rank 0: allreduce" in r.stderr
 
 
@@ -508,12 +509,10 @@ def test_debug_collectives_passes_a_correct_run(tmp_path):
 def test_a_user_error_on_one_rank_ends_every_rank(tmp_path):
     """Only rank 0 writes checkpoints, so only rank 0 finds that the directory is a file."""
     (tmp_path / "afile").write_text("not a directory")
-    t0 = time.time()
     r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--num_epochs", "1", "--progress", "false",
-                        "--checkpoint_dir", str(tmp_path / "afile"), "--stall_timeout", "60"],
+                        "--checkpoint_dir", str(tmp_path / "afile"), "--stall_timeout", "600"],
                        capture_output=True, text=True, timeout=90, env=ENV)
-    assert time.time() - t0 < 30
-    assert r.returncode != 0
+    assert r.returncode == 2, r.stderr[-2000:]
     assert "pydtnn: error: rank 0:" in r.stderr and "afile" in r.stderr, r.stderr[-2000:]
 
 
@@ -685,6 +684,45 @@ def test_fp16_wire_scale_is_one_where_the_bound_is_zero_or_not_finite():
     assert np.all(ga == 0) and np.isnan(gb.flat[0]) and np.all(gc == 3.0)
 
 
+@pytest.mark.parametrize("strategy", ["blocking", "bucketed", "per_layer"])
+@pytest.mark.parametrize("case", ["tiny", "zero", "infinite"])
+def test_fp16_wire_brings_tiny_zero_and_infinite_gradients_back_without_nan(strategy, case):
+    """Two alike ranks at weight 1/2, one gradient set by hand after backward (accumulation's replay), the
+    others 0.25. Largest entry 1e-36 (a bound of 2^-119): a scale of 2^134 would be infinite in float32 and
+    send its zeros as NaN; the shift is clamped, and the entries come back as zeros or close, zeros as zeros.
+    All zeros: back as zeros. One infinite entry among entries of 1000: a scale read off the infinite bound
+    would push the finite ones over fp16's largest (65504); they come back as sent, the infinity too."""
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+
+    model = models.create("simplecnn", backend=CPUBackend("float32", seed=1))
+    options = {"bucket_mb": 0.05, "first_bucket_mb": 0.01} if strategy == "bucketed" else {}
+    red = reducers.create(strategy, TwoAlike(), compression="fp16", **options).attach(model)
+    with red.no_sync():  # backward reports every gradient ready once; the reductions wait for replay()
+        model.forward(np.zeros((2, 1, 28, 28), np.float32), training=True)
+        model.backward(np.ones((2, 10), np.float32))
+    (name, _, g), rest = model.parameters()[0], model.parameters()[1:]
+    for _, _, other in rest:
+        other[...] = 0.25
+    g[...] = 0.0
+    if case == "tiny":
+        g.flat[::2] = 1e-36
+    elif case == "infinite":
+        g[...] = 1000.0
+        g.flat[0] = np.inf
+    sent = g.copy()
+    red.begin_step(0.5)
+    red.replay()
+    red.finish()
+    assert all(np.all(other == 0.25) for _, _, other in rest)
+    if case == "infinite":
+        assert g.flat[0] == np.inf and np.all(g.flat[1:] == 1000.0), (name, g.flat[:4])
+    else:
+        assert np.all(np.isfinite(g)), (name, g.flat[:4])
+        assert np.all(g[sent == 0] == 0) and np.all(np.abs(g - sent) <= 1e-36), (name, g.flat[:4])
+
+
 def test_shard_bounds():
     assert shard_bounds(10, 3) == [0, 4, 7, 10]
     assert shard_bounds(2, 3) == [0, 1, 2, 2]
@@ -692,16 +730,24 @@ def test_shard_bounds():
 
 
 def test_resume_at_another_world_size_and_trace_per_rank(tmp_path):
+    """One process trains an epoch and saves; two resume it for a second epoch of the same global batches: the
+    parameters one process reaches in two epochs without a break (float64, to 1e-12 of each tensor's scale)."""
     import json
 
-    base = [sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--steps_per_epoch", "6",
-            "--global_batch_size", "32", "--progress", "false", "--checkpoint_dir", str(tmp_path / "ck")]
-    r = subprocess.run(base + ["--num_epochs", "1"], capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([MPIEXEC, "-n", "2"] + base + ["--num_epochs", "2", "--resume", str(tmp_path / "ck"),
+    base = [sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--steps_per_epoch", "6", "--dtype", "float64",
+            "--global_batch_size", "32", "--progress", "false"]
+    for extra in (["--num_epochs", "2", "--checkpoint_dir", "whole"], ["--num_epochs", "1", "--checkpoint_dir", "ck"]):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([MPIEXEC, "-n", "2"] + base + ["--checkpoint_dir", "ck", "--num_epochs", "2", "--resume", "ck",
                        "--tracing", "--metrics_file", str(tmp_path / "m.jsonl")],
                        capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    (want, _), (got, _) = (read(tmp_path / d / "model.safetensors") for d in ("whole", "ck"))
+    assert got.keys() == want.keys()
+    for k in want:
+        err = np.abs(got[k] - want[k]).max() / np.abs(want[k]).max()
+        assert err <= 1e-12, f"{k}: relative difference {err:.3g}"
     assert "resumed" in r.stderr and "hidden behind computation" in r.stderr
     lines = [json.loads(s) for s in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [x.get("epoch") for x in lines[:-1]] == [1, 2] and lines[-1]["world_size"] == 2
@@ -716,12 +762,10 @@ def test_resume_at_another_world_size_and_trace_per_rank(tmp_path):
                                       (["--config", "/nonexistent/run.yaml"], "/nonexistent/run.yaml")])
 def test_a_user_error_before_mpi_is_up_ends_every_rank(tmp_path, bad, word):
     """Flags are parsed (and files named by them read) before the run starts; a rank that fails there
-    used to exit alone while the others spun in MPI_Init forever."""
+    used to exit alone while the others spun in MPI_Init forever (past the test's timeout)."""
     common = [sys.executable, "-m", "pydtnn", "--num_epochs", "2", "--progress", "false"]
-    t0 = time.time()
     r = subprocess.run([MPIEXEC, "-n", "1", *common, ":", "-n", "1", *common, *bad],
                        capture_output=True, text=True, timeout=60, env=ENV)
-    assert time.time() - t0 < 20
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [s for s in r.stderr.splitlines() if s.startswith("pydtnn: error: rank 1: ")]
     assert len(lines) == 1 and word in lines[0], r.stderr[-2000:]
@@ -730,12 +774,11 @@ def test_a_user_error_before_mpi_is_up_ends_every_rank(tmp_path, bad, word):
 @pytest.mark.parametrize("leaver,debug", [(1, False), (0, False), (1, True)])
 def test_a_rank_that_leaves_cleanly_is_named_and_ends_the_job(tmp_path, leaver, debug):
     """A process that ends with exit code 0 in the middle of training: the others learn it at once
-    (not after --stall_timeout) and the report names the rank that left, --debug_collectives or not."""
-    t0 = time.time()
+    (the stall timeout is longer than the test's) and the report names the rank that left, --debug_collectives
+    or not; exit code 1."""
     r = launch(3, tmp_path, "--exit_at", "4", "--raise_rank", str(leaver), "--strategies", "bucketed",
                "--stall_timeout", "200", *(["--debug_collectives"] if debug else []), timeout=90)
-    assert time.time() - t0 < 30
-    assert r.returncode != 0
+    assert r.returncode == 1, r.stderr[-2000:]
     assert f"rank {leaver} (after collective #" in r.stderr and "left the job" in r.stderr, r.stderr[-2000:]
 
 
@@ -783,10 +826,8 @@ def test_sigint_to_one_rank_ends_the_job_at_once(tmp_path):
         time.sleep(1.0)
         pid = _rank_pid(1, p.pid)
         assert pid is not None
-        t0 = time.time()
         os.kill(pid, signal.SIGINT)
-        err = p.communicate(timeout=60)[1]
-        assert time.time() - t0 < 10
+        err = p.communicate(timeout=60)[1]  # rank 0's stall timeout (300 s) is longer: only the abort ends it
     finally:
         p.kill()
     assert p.returncode == 130, err[-2000:]
@@ -821,11 +862,9 @@ def test_ranks_that_disagree_are_stopped_before_training(tmp_path, case):
                      ["--dataset", "mnist", "--dataset_train_path", str(_idx_dir(tmp_path / "b", 2))])}[case]
     a += want[1]
     b += want[2]
-    t0 = time.time()
     r = subprocess.run([MPIEXEC, "-n", "1", sys.executable, "-m", "pydtnn", *a, ":",
                         "-n", "1", sys.executable, "-m", "pydtnn", *b, "--metrics_file", str(tmp_path / "m.jsonl")],
-                       capture_output=True, text=True, timeout=90, env=ENV)
-    assert time.time() - t0 < 30
+                       capture_output=True, text=True, timeout=90, env=ENV)  # the stall timeout (300 s) is longer
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [s for s in r.stderr.splitlines() if s.startswith("pydtnn: error:")]
     assert len(lines) == 1, r.stderr[-2000:]

@@ -73,6 +73,53 @@ def test_omp_threads_refuses_other_values(monkeypatch, value):
         threads.default_threads()
 
 
+@pytest.mark.parametrize("name", ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"])
+def test_more_threads_than_the_process_can_use_are_refused(monkeypatch, name):
+    """4 threads per core this process may use are the most; one more is an error naming the variable, its value
+    and the largest accepted (100000 used to start a thread per count and end in a traceback)."""
+    from pydtnn import runtime
+    from pydtnn.backends.cpu import threads
+
+    most, cores = 4 * threads.usable_cores(), threads.usable_cores()
+    assert threads.max_threads()[0] == most
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.setenv(name, str(most))
+    assert threads.default_threads() == most
+    monkeypatch.setenv(name, str(most + 1))
+    with pytest.raises(ConfigError, match=rf"^environment variable {name}={most + 1}: expected at most {most} threads "
+                                          rf"\(4 per core, and this process may use {cores}\)$"):
+        threads.default_threads()
+    before = runtime.configured()
+    with pytest.raises(ConfigError, match=rf"^runtime.configure: threads {most + 1}: more threads than this process "
+                                          rf"can use; expected at most {most} \("):
+        runtime.configure(threads=most + 1)
+    assert runtime.configured() == before and threads.threads() == (before or {}).get("threads", 1)
+
+
+@pytest.mark.parametrize("given", [{"OMP_NUM_THREADS": "100000"}, {"flag": "100000"}])
+def test_an_absurd_thread_count_is_one_line_naming_it_at_the_command_line(tmp_path, given):
+    """OMP_NUM_THREADS=100000 and --threads_per_process 100000 (checked at any process count): exit code 2, one
+    line naming the value, where it came from and the largest accepted; nothing written."""
+    from pydtnn.backends.cpu import threads
+
+    most = threads.max_threads()[0]
+    flag = ["--threads_per_process", given["flag"]] if "flag" in given else []
+    environ = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": given.get("OMP_NUM_THREADS", "1")}
+    r = subprocess.run([sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--num_epochs", "1",
+                        "--steps_per_epoch", "1", "--progress", "false", "--metrics_file", "m.jsonl", *flag],
+                       capture_output=True, text=True, timeout=120, env=environ, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    line, = r.stderr.strip().splitlines()
+    if flag:
+        assert line.startswith(f"pydtnn: error: --threads_per_process 100000: more threads than this process can "
+                               f"use; expected at most {most} ("), line
+    else:
+        assert line.startswith(f"pydtnn: error: environment variable OMP_NUM_THREADS=100000: expected at most "
+                               f"{most} threads ("), line
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_table_of_variables_names_every_variable_pydtnn_reads():
     """Every PYDTNN_ variable read through os.environ in the package is in env.py's table (the data
     directory's excepted: data/download.py reads its own)."""

@@ -94,3 +94,27 @@ def test_an_error_one_rank_meets_is_printed_by_that_rank():
     lines = errors(r.stderr)
     assert len(lines) == 1 and lines[0].startswith("pydtnn: error: rank 1: "), r.stderr
     assert "Abort(" not in r.stderr, r.stderr
+
+
+LIBRARY_ERROR = """
+from pydtnn.distributed import launch
+from pydtnn.errors import ConfigError
+comm = launch.init(stall_timeout=600)  # far beyond the test's timeout: only the abort handler ends rank 0 in time
+launch.install_abort_handler(comm)
+comm.barrier()
+if comm.rank == 1:
+    raise ConfigError("deliberate: a library error no command line catches")
+comm.barrier()
+"""
+
+
+def test_an_uncaught_library_error_ends_the_job_with_exit_code_2_naming_the_rank(tmp_path):
+    """A custom loop that installs the abort handler (as the command line does): a PydtnnError that reaches it
+    on rank 1 is a user error, one line naming the rank, and MPI_Abort with code 2 ends rank 0, which waits in a
+    barrier whose stall timeout is longer than the test's."""
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", LIBRARY_ERROR], capture_output=True, text=True,
+                       timeout=60, env=CLEAN, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert errors(r.stderr) == ["pydtnn: error: rank 1: deliberate: a library error no command line catches"], \
+        r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -88,7 +88,13 @@ def init(threads=1, stall_timeout=300.0, debug_collectives=False):
     (pydtnn.runtime.configure: measured here, 2 ranks x 2 threads lose 10-30% against 2 x 1).
 
     stall_timeout (seconds; 0 or None: off) and debug_collectives: see distributed.comm.MPIComm.
+    `threads` is the command line's --threads_per_process: more than the process can use is a ConfigError
+    naming it, at any process count.
     """
+    if threads:
+        from pydtnn.backends.cpu.threads import check_threads
+
+        check_threads(threads, "--threads_per_process")
     if launched_size() <= 1:
         return SingleProcess()
     try:

@@ -214,7 +214,8 @@ class Sharding:
 def partition(model, comm):
     """Split `model` (built whole, on every rank alike) over the ranks of `comm`; returns its Sharding.
 
-    The slices are cut from the whole parameters, so the result starts exactly where one process does.
+    The slices are cut from the whole parameters, so the result starts exactly where one process does;
+    the backend's Generator (which checkpoints save) is left as it was, also when the split is refused.
     """
     if comm.size == 1:
         return None
@@ -223,8 +224,10 @@ def partition(model, comm):
     rewrite = _Rewrite(Group(comm), apply=True)
     rng = model.backend.rng
     state = rng.bit_generator.state  # rebuilding slices draws initial values: leave the Generator as it was
-    rewrite.run(model)
-    rng.bit_generator.state = state
+    try:
+        rewrite.run(model)
+    finally:
+        rng.bit_generator.state = state
     slices = {}
     for path, layer in model.root.named_layers():
         if id(layer) in rewrite.owners:

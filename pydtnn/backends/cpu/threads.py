@@ -25,6 +25,7 @@ import os
 import threading
 
 from pydtnn import env
+from pydtnn.errors import ConfigError
 
 _state = threading.local()  # marks pool threads, which must not split again
 _threads = 1
@@ -33,17 +34,39 @@ _lock = threading.Lock()  # guards _threads and _workers
 _busy = threading.Lock()  # held by the split that uses the pool; a concurrent split runs unsplit
 
 BLAS_THREADS = 1  # threads BLAS may use inside one chunk: the pool, not BLAS, spreads work over the cores
+# the most threads a count may ask for per core this process may use: more only contend for the same cores,
+# and a count in the thousands starts more threads than the system lets a process have
+THREADS_PER_CORE = 4
 
 
-def default_threads():
-    """OMP_NUM_THREADS / OPENBLAS_NUM_THREADS (checked by pydtnn.env), else the cores this process may use."""
-    asked = env.omp_threads()
-    if asked is not None:
-        return asked
+def usable_cores():
+    """The cores this process may use (its CPU affinity; all the machine's where that is unknown)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def max_threads():
+    """(the largest thread count accepted, why): THREADS_PER_CORE x the cores this process may use."""
+    cores = usable_cores()
+    return THREADS_PER_CORE * cores, f"{THREADS_PER_CORE} per core, and this process may use {cores}"
+
+
+def check_threads(n, source):
+    """n, or ConfigError naming `source` (the flag or argument it came from) when it is more threads than
+    max_threads() accepts."""
+    most, why = max_threads()
+    if n > most:
+        raise ConfigError(f"{source} {n}: more threads than this process can use; expected at most {most} ({why})")
+    return n
+
+
+def default_threads():
+    """OMP_NUM_THREADS / OPENBLAS_NUM_THREADS (checked by pydtnn.env, at most max_threads()), else the cores
+    this process may use."""
+    asked = env.omp_threads(*max_threads())
+    return usable_cores() if asked is None else asked
 
 
 def threads():
