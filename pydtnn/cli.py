@@ -64,6 +64,18 @@ positive_float = _number(float, 0.0, lo_open=True)
 fraction = _number(float, 0.0, hi=1.0)
 
 
+def share(text):
+    """argparse type: a share of the entries, a number in (0, 1] (--density)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:  # nan, inf and 0 fail here too
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (the share of gradient entries each process "
+                                         f"sends, e.g. 0.01), got {text!r}")
+    return value
+
+
 def scheduler_list(text):
     from pydtnn.suggest import did_you_mean
 
@@ -116,8 +128,10 @@ def program_name(argv0=None):
     """How the user started this program, for --help and usage lines: 'pydtnn-train', 'python -m pydtnn'
     or 'python train.py'."""
     base = os.path.basename(sys.argv[0] if argv0 is None else argv0)
-    if base in ("__main__.py", "-m", "-c", ""):
+    if base in ("__main__.py", "-m"):
         return "python -m pydtnn"
+    if base in ("-c", ""):  # python -c, an embedded interpreter: no command to name
+        return "pydtnn"
     return f"python {base}" if base.endswith(".py") else base
 
 
@@ -132,6 +146,9 @@ def build_parser(suppress_defaults=False):
 
     g = p.add_argument_group("model")
     f(g, "model", default="simplecnn", help="architecture (see --list_models); default simplecnn")
+    f(g, "model_file", default=None,
+      help="a Python file defining create_model(input_shape, num_classes) that returns the model's layers, in place "
+           "of --model (docs/layers.md); it runs as Python: give only files you trust")
     f(g, "list_models", type=parse_bool, default=False, help="print the model zoo and exit")
     f(g, "batch_size", type=positive_int, default=None,
       help="samples per step and process (default 64; 16 for VGG without BatchNorm, see docs/models.md)")
@@ -218,7 +235,7 @@ def build_parser(suppress_defaults=False):
       help="bucketed, hierarchical: bucket size in MB (default 25)")
     f(g, "ranks_per_node", type=positive_int, default=None,
       help="hierarchical: processes per node, consecutive ranks (default: those sharing memory)")
-    f(g, "density", type=positive_float, default=0.01,
+    f(g, "density", type=share, default=0.01,
       help="topk: the share of gradient entries each process sends per step, in (0, 1] (default 0.01)")
     f(g, "topk_selection", choices=("global", "per_layer"), default="global",
       help="topk: the largest entries of all gradients together (global, the default) or of each layer's gradient "
@@ -245,7 +262,8 @@ def build_parser(suppress_defaults=False):
     f(g, "debug_collectives", type=parse_bool, default=False,
       help="check before every collective that all ranks issue the same one (op, dtype, size, number)")
     f(g, "threads_per_process", type=non_negative_int, default=1,
-      help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice)")
+      help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice; at most "
+           "4 per core this process may use, at any process count)")
 
     g = p.add_argument_group("CPU")
     f(g, "conv_autotune", type=parse_bool, default=None,

@@ -364,16 +364,16 @@ def _pixels(dataset):
     """_Pixels of `dataset` (a pydtnn.data name), read from its loader's constants; None for synthetic
     data (no pixels). ConfigError for a name pydtnn.data does not know."""
     from pydtnn.data import cifar, imagenet
-    from pydtnn.data.datasets import NAMES
+    from pydtnn.data.datasets import NAMES, SHAPES
     from pydtnn.suggest import did_you_mean
 
     if dataset in cifar.LAYOUTS:
         spec = cifar.LAYOUTS[dataset]
-        return _Pixels(1 / 255, spec["mean"], spec["std"], (3, 32, 32), spec["num_classes"])
+        return _Pixels(1 / 255, spec["mean"], spec["std"], *SHAPES[dataset])
     if dataset == "imagenet":  # ImageFolder's evaluation view: shorter side resized to 256, centre 224x224 crop
-        return _Pixels(1 / 255, imagenet.IMAGENET_MEAN, imagenet.IMAGENET_STD, (3, 224, 224), None)
-    if dataset in ("mnist5k", "mnist", "fashion_mnist"):  # IDX files: 28x28 grey images, scaled only
-        return _Pixels(1 / 255, None, None, (1, 28, 28), 10)
+        return _Pixels(1 / 255, imagenet.IMAGENET_MEAN, imagenet.IMAGENET_STD, SHAPES[dataset][0], None)
+    if dataset in ("mnist5k", "mnist", "fashion_mnist"):  # IDX files: grey images, scaled only
+        return _Pixels(1 / 255, None, None, *SHAPES[dataset])
     if dataset == "synthetic":
         return None
     raise ConfigError(f"unknown dataset {dataset!r}{did_you_mean(str(dataset), NAMES) or ';'} expected one of "
@@ -537,12 +537,13 @@ def _image_datasets():
 
 
 # -- pydtnn-export ------------------------------------------------------------------------------
-def model_from_checkpoint(directory, manifest=None):
+def model_from_checkpoint(directory, manifest=None, model_file=None):
     """The Model saved in a checkpoint directory (its architecture, input shape, classes and dtype), weights loaded.
 
     The manifest (read from the directory unless given) names the architecture and its input shape;
     the number of classes is the one whose state-dict fingerprint matches the checkpoint's (the
-    dataset's default, or the size of the classifier's last tensor).
+    dataset's default, or the size of the classifier's last tensor). A model trained from a model file
+    (--model_file) is rebuilt by `model_file`, which the caller gives: a checkpoint never names code to run.
     """
     from pydtnn import checkpoint, models
     from pydtnn.backends import CPUBackend
@@ -550,6 +551,17 @@ def model_from_checkpoint(directory, manifest=None):
     if manifest is None:
         manifest = checkpoint.read_manifest(directory)
     where = os.path.join(directory, checkpoint.META_FILE)
+    saved_file = _saved_flags(manifest, where).get("model_file")
+    if isinstance(saved_file, str) and model_file is None:
+        raise ConfigError(f"checkpoint {directory} holds the model of --model_file {saved_file[:300]}; a checkpoint "
+                          f"never runs code by itself: give --model_file {saved_file[:300]} to export it")
+    if model_file is not None:
+        from pydtnn.models import model_file as from_file
+
+        def create(name, input_shape, num_classes, backend):
+            return from_file.load(model_file, input_shape, num_classes if num_classes is not None else 10, backend)
+    else:
+        create = None
     saved = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
     name = saved.get("name")
     if not isinstance(name, str) or name == "model":  # a Model built by hand: fall back on the run's flags
@@ -567,8 +579,14 @@ def model_from_checkpoint(directory, manifest=None):
         last = state[-1][1]
         if isinstance(last, list) and last and isinstance(last[0], int) and last[0] > 0:
             candidates.append(last[0])
-    for classes in candidates:
-        model = models.create(name, input_shape=shape, num_classes=classes, backend=CPUBackend(dtype=dtype))
+    if create is not None and len(candidates) < 2:
+        raise ConfigError(f"{where}: cannot tell the classes of the model of --model_file {model_file} (its state "
+                          f"ends in no classifier tensor)")
+    for classes in candidates[1:] if create is not None else candidates:  # a file has no default classes
+        if create is not None:
+            model = create(name, shape, classes, CPUBackend(dtype=dtype))
+        else:
+            model = models.create(name, input_shape=shape, num_classes=classes, backend=CPUBackend(dtype=dtype))
         if state is None or checkpoint.fingerprint(model) == state:
             break
     checkpoint.load(directory, model)  # validates everything; a different architecture is a ShapeError naming it
@@ -650,6 +668,8 @@ def build_parser():
     p.add_argument("--num_classes", "--num-classes", dest="num_classes", type=positive_int,
                    help="with --model: number of classes (default: the architecture's dataset)")
     p.add_argument("--weights", help="with --model: a .safetensors state dict (ours or PyTorch's, same names)")
+    p.add_argument("--model_file", "--model-file", dest="model_file",
+                   help="with --checkpoint: the Python file the model was trained from (pydtnn-train --model_file)")
     p.add_argument("--dataset", choices=NAMES, metavar="NAME",
                    help=f"the data the model was trained on ({', '.join(NAMES)}), recorded in the graph's metadata; "
                         f"a checkpoint records its own")
@@ -672,7 +692,8 @@ def inputs_of(args):
         return [(what, os.path.join(directory, name + tmp)) for name in ALL_FILES for tmp in ("", TMP)]
 
     if args.checkpoint is not None:
-        return checkpoint_files(args.checkpoint, "checkpoint file")
+        return checkpoint_files(args.checkpoint, "checkpoint file") + [("model file", args.model_file)] * bool(
+            args.model_file)
     if args.weights is not None and os.path.isdir(args.weights):
         return checkpoint_files(args.weights, "weights checkpoint file")
     return [("weights file", args.weights)] if args.weights is not None else []
@@ -684,6 +705,9 @@ def export_from_args(args):
     from pydtnn import checkpoint
     from pydtnn.files import TMP, check_distinct, check_writable
 
+    if args.model_file is not None and args.checkpoint is None:
+        raise ConfigError(f"--model_file {args.model_file} goes with --checkpoint (the model a checkpoint was trained "
+                          f"from); with --model, export a zoo architecture")
     check_writable(args.output, "ONNX file")  # before any work: a bad output path costs nothing
     check_distinct([("ONNX file", args.output), ("ONNX file's temporary name", args.output + TMP)], inputs_of(args))
     _import_onnx()  # before a model is built: say what is missing first
@@ -701,7 +725,7 @@ def export_from_args(args):
         dataset = dataset or args.dataset
         _check_preprocessing(args, dataset, f"the checkpoint {args.checkpoint} does not say what data it was "
                                             f"trained on")
-        model = model_from_checkpoint(args.checkpoint, manifest)
+        model = model_from_checkpoint(args.checkpoint, manifest, args.model_file)
         contract = None if dataset is None else input_contract(dataset, model.input_shape,
                                                                recorded_data_shape(args.checkpoint))
     else:

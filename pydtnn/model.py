@@ -8,6 +8,11 @@
 State-dict names are dotted paths of container children, then the parameter or buffer name, in
 depth-first order with each layer's parameters before its buffers (PyTorch's order), so they are
 identical on every rank and can be matched against a PyTorch model with the same structure.
+
+The architecture can be changed by those paths before training (before the optimizer is made):
+
+    model.replace("layer1.0.relu", PReLU())     # the new layer takes the old one's name
+    model.insert("fc", Dropout(0.2), name="drop")   # a new step before "fc"
 """
 
 import hashlib
@@ -15,7 +20,7 @@ import hashlib
 import numpy as np
 
 from pydtnn.backends import CPUBackend
-from pydtnn.errors import ShapeError
+from pydtnn.errors import ConfigError, ShapeError
 from pydtnn.layers.base import _join
 from pydtnn.layers.blocks import Container, Sequential
 
@@ -29,13 +34,17 @@ class Model:
         self.root = layers if isinstance(layers, Sequential) else Sequential(layers)
         self.root.need_dx = False  # nothing upstream of the input wants a gradient
         self.input_shape = tuple(int(s) for s in input_shape)
+        self.training = True
+        self._hooks = []
+        self.sharding = None  # set by distributed.model_parallel.partition: which state arrays are slices
+        self._build()
+
+    def _build(self):
+        """Build every layer for the input shape (fresh parameters) and index the tree."""
         for path, layer in self.root.named_layers():
             layer.path = path or None  # before build, so shape errors name the layer
         self.root.build(self.input_shape, self.backend.dtype, self.backend)
         self.output_shape = self.root.output_shape
-        self.training = True
-        self._hooks = []
-        self.sharding = None  # set by distributed.model_parallel.partition: which state arrays are slices
         self.reindex()
 
     def reindex(self):
@@ -74,6 +83,46 @@ class Model:
             self.grad_offsets[name] = (off, off + g.size)
             off += g.size
         self.grad_buffer = buf
+
+    # -- changing the architecture -----------------------------------------------------
+    def replace(self, path, layer):
+        """Put `layer` where the layer at dotted `path` is, under its name, and rebuild; returns the old layer.
+
+        Paths are the state dict's (Model.layers() lists them). After the rebuild, every parameter and
+        buffer outside `path` whose name and shape are unchanged keeps its value; the rest start afresh.
+        Change the model before an optimizer or trainer takes its parameters. A wrong path, or a layer that
+        does not fit there, raises with the model as it was.
+        """
+        return self._edit(lambda: self.root.replace(path, layer), path)
+
+    def insert(self, path, layer, name=None, after=False):
+        """Put `layer` just before (after=True: after) the layer at dotted `path`, in the Sequential that
+        holds it, as `name` (default: its class name in lower case), and rebuild as replace() does."""
+        self._edit(lambda: self.root.insert(path, layer, name, after))
+
+    def _edit(self, change, replaced=None):
+        if self.sharding is not None:
+            raise ConfigError(f"{self.name}: the model is split over processes; change it before "
+                              "model_parallel.partition")
+        trees = [(c, list(c.children)) for _, c in self.root.named_layers() if isinstance(c, Container)]
+        before = dict(self.named_state())
+        try:
+            result = change()  # validates the path and the layer before it changes the tree
+        except ConfigError as e:
+            raise ConfigError(f"{self.name}: {e}") from None
+        try:
+            self._build()
+        except BaseException:
+            for container, children in trees:
+                container.children = children
+            self._build()
+            self.load_state_dict(before)
+            raise
+        own = self.state_layout()
+        kept = {k: v for k, v in before.items() if k in own and own[k][0] == tuple(v.shape)
+                and not (replaced is not None and k.startswith(f"{replaced}."))}
+        self.load_state_dict(kept, strict=False)
+        return result
 
     # -- running -------------------------------------------------------------------------
     def forward(self, x, training=None):

@@ -27,7 +27,7 @@ from pydtnn.trainer import MetricsFile, Trainer, format_record
 _NOT_SAVED = ("config", "resume", "list_models", "profile", "explicit", "notes", "overwrite", "download")
 # flags naming files and folders: saved as absolute paths, so a resumed run finds them from any directory
 PATH_FLAGS = ("dataset_train_path", "dataset_test_path", "weights_and_bias_filename", "checkpoint_dir",
-              "metrics_file", "history_file", "tracer_output")
+              "metrics_file", "history_file", "tracer_output", "model_file")
 # outputs that a resumed run writes again: inside the checkpoint directory, they follow it when it moves
 _OUTPUTS = ("metrics_file", "history_file", "tracer_output")
 # what may differ between the ranks of one job: paths (each node has its own disks) and what rank 0 alone does
@@ -56,6 +56,11 @@ def resumed_config(directory, given=None, notes=None):
     """
     given = given or {}
     config = saved_config(directory)
+    saved_file = config.pop("model_file", None)
+    if isinstance(saved_file, str) and "model_file" not in given:  # code to run never comes from a checkpoint
+        raise ConfigError(f"checkpoint {directory} was trained on the model of --model_file {saved_file[:300]}; a "
+                          f"checkpoint never runs code by itself: give --model_file {saved_file[:300]} again to "
+                          f"resume it")
     old = config.get("checkpoint_dir")
     here = os.path.abspath(given.get("checkpoint_dir") or directory)
     if "checkpoint_dir" not in given:
@@ -122,7 +127,7 @@ def run(args):
         backend = get_backend("cpu", args.dtype, args.seed, autotune=args.conv_autotune)
     train, val, test = load_datasets(args, comm)
     check_monitored(args, val)
-    choice, model = resolve_model(args.model, train, backend)
+    choice, model = resolve_model(args.model, train, backend, args.model_file)
     data_shape = tuple(train.input_shape)
     if choice.input_shape != tuple(train.input_shape):  # before augmentation, so crops see the padded image
         from pydtnn.data.pad import PaddedDataset
@@ -201,7 +206,7 @@ def run(args):
     if args.tracing:
         from pydtnn.profiling import Tracer
 
-        trainer.tracer = Tracer(pid=comm.rank, name=f"pydtnn {args.model} rank {comm.rank}")
+        trainer.tracer = Tracer(pid=comm.rank, name=f"pydtnn {model.name} rank {comm.rank}")
         model.set_tracer(trainer.tracer)
         if model.sharding is not None:
             model.sharding.group.tracer = trainer.tracer
@@ -272,10 +277,16 @@ def models_table():
     return "\n".join(lines)
 
 
-def resolve_model(name, train, backend):
-    """(families.Choice, Model): the variant of `name` that fits the training data, built on backend."""
-    from pydtnn.models.families import resolve
+def resolve_model(name, train, backend, model_file=None):
+    """(families.Choice, Model): the variant of `name` that fits the training data, built on backend; or the
+    model of the Python file `model_file` (--model_file), built for the data as it is."""
+    from pydtnn.models.families import Choice, resolve
 
+    if model_file:
+        from pydtnn.models import model_file as from_file
+
+        model = from_file.load(model_file, tuple(train.input_shape), train.num_classes, backend)
+        return Choice(model.name, tuple(train.input_shape), train.num_classes, []), model
     return resolve(name, tuple(train.input_shape), train.num_classes,
                    build=lambda variant, shape: models.create(variant, input_shape=shape,
                                                               num_classes=train.num_classes, backend=backend))
@@ -346,6 +357,8 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
     padding), parallelism, optimizer."""
     train, val, test = datasets
     name = choice.name if choice.name == args.model else f"{choice.name} (from --model {args.model})"
+    if args.model_file:
+        name = f"{choice.name} from --model_file {args.model_file}"
     yield f"pydtnn: model {name}, {model.count_params():,} parameters"
     for note in choice.notes[1 if choice.name != args.model else 0:]:
         yield f"pydtnn:   adapted: {note}"
@@ -412,6 +425,8 @@ def _count(n, word):
 
 def check_combinations(args):
     """Flags that contradict each other: found before anything is loaded, on every rank alike."""
+    if args.model_file and "model" in getattr(args, "explicit", ()):
+        raise ConfigError(f"--model {args.model} and --model_file {args.model_file} both name the model; give one")
     if args.enable_nccl and not args.enable_gpu:
         raise ConfigError("--enable_nccl reduces GPU gradients; expected it together with --enable_gpu")
     if args.evaluate_only and "checkpoint_dir" in getattr(args, "explicit", ()):  # from a file or a checkpoint it is moot
@@ -461,7 +476,7 @@ def check_outputs(args, comm):
 
 def run_inputs(args):
     """([(what, path)] files the run reads, [(what, folder)] folders it reads files from)."""
-    files = [("config file", args.config), ("model file", getattr(args, "model_file", None))]
+    files = [("config file", args.config), ("model file", args.model_file)]
     folders = [("training data folder", f) for f in data.source_folders(args.dataset, args.dataset_train_path,
                                                                          args.dataset_test_path)]
     for what, path in (("dataset train path", args.dataset_train_path), ("dataset test path", args.dataset_test_path),
@@ -563,7 +578,10 @@ def load_datasets(args, comm=None):
     if args.use_synthetic_data or args.dataset == "synthetic":
         from pydtnn.models.families import variant
 
-        shape, classes = models.defaults(variant(args.model, (3, 32, 32)))  # a family: its small-image variant
+        if args.model_file:  # what the file builds is not known before it runs: CIFAR-10's images
+            shape, classes = (3, 32, 32), 10
+        else:
+            shape, classes = models.defaults(variant(args.model, (3, 32, 32)))  # a family: its small-image variant
         train, test = data.load("synthetic", input_shape=shape, num_classes=classes, seed=args.seed)
     else:
         first = comm is None or comm.size == 1 or comm.rank == 0

@@ -221,6 +221,29 @@ def test_bad_arguments_exit_2_with_one_line(argv, match, capsys, tmp_path, monke
     assert not (tmp_path / "m.yaml").exists()
 
 
+def test_outputs_are_checked_before_anything_is_measured(capsys, monkeypatch, tmp_path):
+    """The machine file to write may not be the --base it reads (by name, symbolic or hard link), a FIFO or a
+    device, nor sit in a folder that does not exist (none is made); each refusal is one line and exit 2."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(calibrate, "calibrate", lambda **kw: pytest.fail("measured despite a bad output"))
+    save(DEFAULT, "m.yaml")
+    before = (tmp_path / "m.yaml").read_bytes()
+    (tmp_path / "soft.yaml").symlink_to("m.yaml")
+    os.link(tmp_path / "m.yaml", tmp_path / "hard.yaml")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    for out, words in [("m.yaml", ["machine file m.yaml", "base machine file"]),
+                       ("soft.yaml", ["base machine file"]), ("hard.yaml", ["base machine file"]),
+                       ("fifo.yaml", ["fifo.yaml", "FIFO"]), (os.devnull, ["character device"]),
+                       ("absent/m.yaml", ["absent", "not a writable directory"])]:
+        assert main(["calibrate", "--no_mpi", "--base", "m.yaml", "--out", out]) == 2, out
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("pydtnn-perfmodel: error: "), err
+        assert all(w in err for w in words), (out, err)
+    assert (tmp_path / "m.yaml").read_bytes() == before and not (tmp_path / "absent").exists()
+
+
 def test_missing_mpi_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(calibrate, "mpi_missing", lambda: "mpi4py is not installed (pip install mpi4py mpich)")

@@ -108,7 +108,9 @@ def test_hierarchical_with_one_process_per_node_is_the_flat_algorithm(op, p):
     for inner in C.FORMULAS[op]:
         flat = C.seconds(op, inner, N, p, m, level="inter")
         assert C.seconds(op, "hierarchical", N, p, m, inner=inner) == pytest.approx(flat, rel=1e-12), inner
-        assert flat > 0
+        # no algorithm beats the bound: some process receives at least (p-1)/p of the n bytes, in at least
+        # one message, over the inter link
+        assert flat >= (3e-5 + (p - 1) / p * N / 2e8) * (1 - 1e-12), inner
 
 
 @pytest.mark.parametrize("op", C.OPS)
@@ -356,6 +358,30 @@ def test_bad_machine_files(tmp_path):
         assert all(w in str(e.value) for w in words), str(e.value)
     with pytest.raises(ConfigError, match="is a directory"):
         load(tmp_path)
+
+
+# A machine file nested 100,000 levels deep (recursive parsers fail on it), 40 levels deep (parses, yet no
+# machine nests past 5), and YAML aliases standing for a million values (10 lists of 10, six times over).
+LAUGHS = "".join(f"l{k}: &l{k} [{', '.join([f'*l{k - 1}' if k else '0'] * 10)}]\n" for k in range(6)) + "name: *l5\n"
+NESTED_FILES = [
+    ("deep.json", "[" * 100_000 + "]" * 100_000, "deeper than 32 levels"),
+    ("deep.yaml", "[" * 100_000 + "]" * 100_000, "deeper than 32 levels"),
+    ("dicts.json", '{"a": ' * 100_000 + "1" + "}" * 100_000, "deeper than 32 levels"),
+    ("forty.json", "[" * 40 + "]" * 40, "deeper than 32 levels"),
+    ("laughs.yaml", LAUGHS, "more than 100,000 values"),
+    ("cycle.yaml", "name: &a [*a]\n", "deeper than 32 levels"),
+]
+
+
+@pytest.mark.parametrize("name,text,words", NESTED_FILES, ids=[n for n, _, _ in NESTED_FILES])
+def test_a_deeply_nested_machine_file_is_one_line_and_exit_2(tmp_path, capsys, name, text, words):
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["collective", "--op", "allreduce", "--algorithm", "ring", "--bytes", "8", "--np", "2",
+                 "--machine", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"pydtnn-perfmodel: error: machine file {path}"), err[:300]
+    assert words in err, err[:300]
 
 
 # --- pydtnn-perfmodel collective -----------------------------------------------------------------------

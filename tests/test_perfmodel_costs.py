@@ -221,19 +221,29 @@ def test_resnet20_counts_every_layer_inside_its_blocks():
     assert t.forward.flops == 8 * model.flops() + sum(c.forward.flops for c in costs if c.kind == "AdditionBlock")
     assert t.params == model.count_params()
     assert sum(parameter_bytes(model).values()) == t.param_bytes == 4 * model.count_params()
+    layers = dict(model.layers())
     for c in costs:
-        if c.kind in ("MaxPool2D", "AvgPool2D", "BatchNorm", "ReLU", "AdditionBlock", "GlobalAvgPool2D"):
-            assert c.forward.bytes > 0 and c.backward.bytes > 0, c
+        x, y = (8 * int(np.prod(shape)) for shape in (layers[c.name].input_shape, layers[c.name].output_shape))
+        if c.kind == "AdditionBlock":  # one add per output element: reads the two paths' outputs, writes the sum
+            assert c.forward == PhaseCost(y, 3 * y * F32), c
+        elif c.kind in ("MaxPool2D", "AvgPool2D", "BatchNorm", "ReLU", "GlobalAvgPool2D"):
+            # a pass reads at least its whole input (dy) and writes its whole output (dx)
+            assert c.forward.bytes >= (x + y) * F32 and c.backward_data.bytes >= (x + y) * F32, c
 
 
 def test_first_layer_backward():
     model = models.create("simplecnn")
+    """simplecnn's first layer, Conv2D(16, 3, padding=1) on 1x28x28 at batch 4: 4 * 16 * 28 * 28 outputs of 9
+    multiply-adds each. dW repeats the forward's multiply-adds and db sums dy (one add per output, as the bias
+    add); dx, skipped for the first layer, is dy convolved with the flipped kernel over the 28x28 input."""
     first = layer_costs(model, 4)[0]
+    y = 4 * 16 * 28 * 28
     assert first.kind == "Conv2D" and not first.need_dx
-    assert first.backward_weights.flops > 0 and first.backward_weights.bytes > 0
+    assert first.forward.flops == first.backward_weights.flops == 2 * 9 * y + y
+    assert first.backward_weights.bytes >= (4 * 28 * 28 + y) * F32  # reads x and dy at least once
     assert first.backward_data == PhaseCost(0, 0)
     first = layer_costs(model, 4, need_dx_first=True)[0]
-    assert first.need_dx and first.backward_data.flops > 0
+    assert first.need_dx and first.backward_data.flops == 2 * 9 * y
 
 
 def test_layercost_is_frozen():
@@ -244,11 +254,14 @@ def test_layercost_is_frozen():
 
 
 def test_a_layer_without_a_formula_is_named():
+    """A user's own layer (--model_file, a changed zoo model) is a user error naming it, not a traceback."""
+    from pydtnn.errors import ConfigError
+
     class Mystery(Layer):
         def forward(self, x, training=True):
             return x
 
-    with pytest.raises(TypeError, match="Mystery"):
+    with pytest.raises(ConfigError, match="no cost formula for Mystery '0', a Mystery; it costs .*Conv2D"):
         layer_costs(Model([Mystery()], (3,)), 1)
 
 

@@ -14,10 +14,12 @@ from pydtnn.backends import CPUBackend
 from pydtnn.errors import ConfigError
 from pydtnn.layers import Dense, Flatten, ReLU
 from pydtnn.model import Model
+from pydtnn.perfmodel import collectives
 from pydtnn.perfmodel import machine as machines
 from pydtnn.perfmodel.costs import layer_costs
 from pydtnn.perfmodel.machine import Link
-from pydtnn.perfmodel.predict import predict, table
+from pydtnn.perfmodel.cli import main
+from pydtnn.perfmodel.predict import duration, predict, table
 
 ALPHA, BETA, GAMMA = 1e-5, 1e-9, 5e-10  # the link's latency and seconds per byte, the reduction's seconds per byte
 
@@ -200,6 +202,8 @@ def test_the_command_prints_a_table_and_json_with_the_documented_keys():
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["parallel"] == "hybrid" and d["model_parallel_size"] == 2 and d["group_comm_s"] > 0
+    assert d["comm_s"] == pytest.approx(d["group_comm_s"])  # one replica: no gradients to reduce between replicas
+    assert d["global_batch"] == 16 and d["samples_per_second"] == pytest.approx(16 / d["step_s"])
 
 
 def test_table_names_every_layer():
@@ -208,15 +212,19 @@ def test_table_names_every_layer():
     assert all(t.name in text for t in p.layers)
 
 
-@pytest.mark.slow
 def _predict_zoo(names):
     """Predict each zoo model (data parallel and hybrid); returns the checks that failed."""
     failed = []
     for name in names:
         model = models.create(name, backend=CPUBackend())
         p = predict(model, 2, 4, machines.DEFAULT, reduction="bucketed", algorithm="best")
-        if not (np.isfinite(p.step_s) and p.step_s > 0 and p.comm_s > 0):
-            failed.append(f"{name}: data-parallel step {p.step_s}, communication {p.comm_s}")
+        # the buckets together cost at least one allreduce of all the gradients (splitting a message only
+        # adds latency), and the step is the sum of its parts
+        whole = collectives.best("allreduce", sum(g.nbytes for _, _, g in model.parameters()), 4, machines.DEFAULT)[1]
+        parts = p.compute_s + p.memory_s + p.overhead_s + p.exposed_comm_s
+        if not (p.comm_s >= whole * (1 - 1e-9) and p.step_s == pytest.approx(parts, rel=1e-12)):
+            failed.append(f"{name}: data-parallel step {p.step_s} (parts {parts}), communication {p.comm_s} "
+                          f"against one allreduce of every gradient {whole}")
         if len(p.layers) < sum(1 for _, layer in model.layers() if layer.params):
             failed.append(f"{name}: {len(p.layers)} layers predicted")
         h = predict(model, 2, 4, machines.DEFAULT, parallel="hybrid", model_parallel_size=2, algorithm="best")
@@ -227,6 +235,7 @@ def _predict_zoo(names):
     return failed
 
 
+@pytest.mark.slow
 def test_every_zoo_model_is_predicted():
     """Every zoo model, in two worker processes (half the models each: building the ImageNet models
     is most of the time, and it uses one core)."""
@@ -247,6 +256,7 @@ def test_train_simulate_prints_the_prediction_and_trains_nothing(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "resnet20_cifar10: batch 32 per process, 4 process(es)" in r.stdout
     assert "simulated, nothing trained" in r.stdout and list(tmp_path.iterdir()) == []
+    assert "pydtnn: resnet20 -> resnet20_cifar10 (--dataset cifar10: 3x32x32 images, 10 classes)\n" in r.stderr
     r = subprocess.run([sys.executable, "-m", "pydtnn", "--simulate", "--model", "resnet20", "--dataset", "synthetic"],
                        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 2 and "needs the images' shape" in r.stderr and r.stderr.count("\n") == 1
@@ -324,11 +334,21 @@ def test_each_process_computes_its_share_and_replicas_reduce_only_their_slices()
 
 @pytest.mark.parametrize("name", ["vgg11bn_cifar10", "resnet20_cifar10", "googlenet_cifar10", "mobilenetv1_cifar10"])
 def test_model_and_hybrid_predictions_for_zoo_models(name):
+    """Splitting every layer over more processes leaves each less to compute and costs more in the groups'
+    collectives (each pays more latency and a larger (p-1)/p share); a hybrid replica of the same group size
+    computes what the model-parallel one does, and adds the replicas' gradient reduction."""
     model = models.create(name)
-    for parallel, np_, m in (("model", 2, None), ("model", 4, None), ("hybrid", 4, 2), ("hybrid", 8, 4)):
-        p = predict(model, 16, np_, machine(processes_per_node=4), parallel=parallel, model_parallel_size=m)
-        assert np.isfinite(p.step_s) and p.group_comm_s > 0 and p.step_s > p.group_comm_s
-        assert json.loads(json.dumps(p.to_dict()))["model_parallel_size"] == (m or np_)
+    m4 = machine(processes_per_node=4)
+    whole = predict(model, 16, 1, m4)
+    split = {np_: predict(model, 16, np_, m4, parallel="model") for np_ in (2, 4)}
+    assert whole.compute_s > split[2].compute_s > split[4].compute_s
+    assert 0 < split[2].group_comm_s < split[4].group_comm_s
+    for np_, group in ((4, 2), (8, 4)):
+        hybrid = predict(model, 16, np_, m4, parallel="hybrid", model_parallel_size=group)
+        same = split[group]
+        assert hybrid.compute_s == pytest.approx(same.compute_s, rel=1e-12)
+        assert hybrid.comm_s > hybrid.group_comm_s and hybrid.messages > same.messages
+        assert json.loads(json.dumps(hybrid.to_dict()))["model_parallel_size"] == group
 
 
 def test_the_hierarchical_reducer_is_the_bucketed_layout_in_two_levels():
@@ -350,3 +370,89 @@ def test_topk_is_two_allgathers_of_the_kept_entries_by_hand():
     k = 818
     by_hand = sum(ALPHA + 0.5 * n * BETA for n in (2 * k * 8, 2 * k * 4))
     assert p.messages == 2 and p.comm_s == pytest.approx(by_hand) and p.exposed_comm_s == pytest.approx(by_hand)
+
+
+# -- the command line: density, units, which model -----------------------------------------------------------------
+@pytest.mark.parametrize("command", ["predict", "sweep"])
+@pytest.mark.parametrize("value", ["nan", "0", "5", "-1", "inf", "1.5", "half"])
+def test_a_density_outside_0_1_is_refused_when_parsed(command, value, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("pydtnn.perfmodel.simulate.build_model", lambda *a, **k: pytest.fail("built a model"))
+    argv = [command, "--model", "simplecnn", "--batch_size", "2", "--density", value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pydtnn-perfmodel: error: argument --density")
+    assert f"got {value!r}" in err and "(0, 1]" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_density_1_sends_every_entry(capsys):
+    """density 1 is allowed: topk then gathers all 81,710 entries of mlp() (indices and values) from each replica."""
+    p = predict(mlp(), 8, 2, machine(), reduction="topk", density=1.0)
+    n = sum(g.size for _, _, g in mlp().parameters())
+    assert p.comm_s == pytest.approx(sum(ALPHA + 0.5 * b * BETA for b in (2 * n * 8, 2 * n * 4)))
+
+
+def test_duration_picks_the_unit_that_fits():
+    assert [duration(s) for s in (196.098753, 0.0123, 8.5e-4, 1234.4, 0.0, 2.5e-9)] == [
+        "196.1 s", "12.3 ms", "850 us", "1,234 s", "0 s", "2.5 ns"]
+
+
+def test_the_table_gives_the_step_in_seconds_and_the_throughput():
+    """A step of 196.098753 s over 4 processes of batch 8: 32 samples every 196.1 s, 0.1632 samples/s;
+    hybrid with groups of 2 has half the replicas, so half the global batch."""
+    p = dataclasses.replace(predict(mlp(), 8, 4, machine()), step_s=196.098753)
+    text = table(p)
+    assert "step 196.1 s = compute" in text and "196098" not in text
+    assert "0.1632 samples/s: a global batch of 32 samples every 196.1 s" in text
+    assert p.to_dict()["samples_per_second"] == pytest.approx(32 / 196.098753)
+    hybrid = predict(mlp(), 8, 4, machine(), parallel="hybrid", model_parallel_size=2)
+    assert hybrid.global_batch == 16 and hybrid.samples_per_second == pytest.approx(16 / hybrid.step_s)
+
+
+def predict_cli(capsys, *argv):
+    """(JSON of `pydtnn-perfmodel predict --json ...`, its stderr)."""
+    assert main(["predict", "--json", *argv]) == 0
+    out, err = capsys.readouterr()
+    return json.loads(out), err
+
+
+def test_a_family_name_says_which_variant_it_took(capsys):
+    d, err = predict_cli(capsys, "--model", "mobilenetv1", "--batch_size", "2")
+    assert d["model"] == "mobilenetv1_imagenet"
+    assert err == ("pydtnn-perfmodel: mobilenetv1 -> mobilenetv1_imagenet (3x224x224 images, its design input; "
+                   "--dataset or --input_shape picks another)\n")
+    d, err = predict_cli(capsys, "--model", "mobilenetv1_cifar10", "--batch_size", "2")
+    assert d["model"] == "mobilenetv1_cifar10" and err == ""  # a registered name: nothing was chosen
+
+
+@pytest.mark.parametrize("flags,shape,classes", [(["--dataset", "mnist5k"], (1, 28, 28), 10),
+                                                 (["--dataset", "cifar100"], (3, 32, 32), 100),
+                                                 (["--input_shape", "3,32,32"], (3, 32, 32), 10),
+                                                 (["--dataset", "cifar10", "--num_classes", "7"], (3, 32, 32), 7)])
+def test_dataset_and_input_shape_pick_the_model_pydtnn_train_builds(capsys, flags, shape, classes):
+    """The prediction is that of the model pydtnn-train's resolve_model builds for such data."""
+    import types
+
+    from pydtnn.run import resolve_model
+
+    d, err = predict_cli(capsys, "--model", "mobilenetv1", "--batch_size", "2", *flags)
+    train = types.SimpleNamespace(input_shape=shape, num_classes=classes)
+    choice, model = resolve_model("mobilenetv1", train, CPUBackend())
+    assert d["model"] == choice.name == "mobilenetv1_cifar10"
+    assert d["step_s"] == predict(model, 2, 1, machines.DEFAULT).step_s
+    assert err.startswith("pydtnn-perfmodel: mobilenetv1 -> mobilenetv1_cifar10 (") and err.count("\n") == 1
+    assert f"{'x'.join(map(str, shape))} images, {classes} classes" in err
+    assert all(note in err for note in choice.notes[1:]), (err, choice.notes)
+
+
+def test_the_dataset_table_holds_every_dataset_but_synthetic_and_the_embedded_digits_match_it(capsys):
+    from pydtnn import data
+    from pydtnn.perfmodel.simulate import DATASET_SHAPES
+
+    assert set(DATASET_SHAPES) == set(data.NAMES) - {"synthetic"}
+    train, _ = data.load("mnist5k")
+    assert (tuple(train.input_shape), train.num_classes) == DATASET_SHAPES["mnist5k"]
+    assert main(["predict", "--model", "vgg16", "--batch_size", "2", "--dataset", "synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'synthetic' has no image shape" in err and "--input_shape" in err

@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from pydtnn.perfmodel import machine as machines
-from pydtnn.perfmodel.cli import build_model, main
+from pydtnn.perfmodel.cli import main
 from pydtnn.perfmodel.predict import predict
+from pydtnn.perfmodel.simulate import build_model
 from pydtnn.perfmodel.sweep import AXES, Baseline, axis_values, crossovers
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -56,7 +57,7 @@ def test_throughput_rises_with_the_node_rate_and_the_link(swept):
 
 def test_the_baseline_of_every_axis_is_a_direct_prediction(swept):
     data, _ = swept
-    model = build_model(MODEL)
+    _, model = build_model(MODEL)
     direct = predict(model, BATCH, NODES * machines.DEFAULT.processes_per_node, machines.DEFAULT, reduction="bucketed")
     base = Baseline(NODES, BATCH)
     for axis, value in (("batch", BATCH), ("rate", 1.0), ("bandwidth", 1.0),
@@ -71,7 +72,7 @@ def test_every_scheme_trains_the_same_global_batch_on_the_same_processes(swept):
     """At the baseline, model parallelism is one replica with batch x processes samples and hybrid one per node
     with batch x processes_per_node: predict() with those arguments gives the points' step times."""
     data, _ = swept
-    model, m = build_model(MODEL), machines.DEFAULT
+    (_, model), m = build_model(MODEL), machines.DEFAULT
     np_ = NODES * m.processes_per_node
     model_step = predict(model, BATCH * np_, np_, m, parallel="model").step_s
     hybrid_step = predict(model, BATCH * 2, np_, m, parallel="hybrid", model_parallel_size=2).step_s
@@ -109,3 +110,77 @@ def test_a_bad_axis_is_one_line_and_exit_2(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "noodes" in r.stderr and "nodes" in r.stderr
     assert r.stderr.startswith("pydtnn-perfmodel: error:") and not list(tmp_path.iterdir())
+
+
+def no_work(monkeypatch):
+    """Make building a model or sweeping one fail the test: the checks must come first."""
+    from pydtnn.perfmodel import sweep
+
+    monkeypatch.setattr("pydtnn.perfmodel.simulate.build_model", lambda *a, **k: pytest.fail("built a model"))
+    monkeypatch.setattr(sweep, "sweep", lambda *a, **k: pytest.fail("swept"))
+
+
+def refused(capsys, argv, *words):
+    assert main(["sweep", "--model", MODEL, "--points", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pydtnn-perfmodel: error: "), err
+    assert all(w in err for w in words), err
+
+
+def test_outputs_that_are_inputs_or_each_other_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    no_work(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    machines.save(machines.DEFAULT, "m.yaml")
+    before = (tmp_path / "m.yaml").read_bytes()
+    refused(capsys, ["--machine", "m.yaml", "--json", "m.yaml"], "--json file m.yaml", "machine file")
+    (tmp_path / "link.yaml").symlink_to("m.yaml")
+    refused(capsys, ["--machine", "m.yaml", "--json", "link.yaml"], "machine file")
+    refused(capsys, ["--json", f"perfmodel_{MODEL}.png"], "each output needs a path of its own")
+    refused(capsys, ["--model", f"{MODEL},{MODEL}"], "each output needs a path of its own")
+    assert (tmp_path / "m.yaml").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.yaml", "m.yaml"]
+
+
+def test_a_device_a_fifo_or_a_missing_folder_as_output_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    import os
+
+    no_work(monkeypatch)
+    os.mkfifo(tmp_path / "fifo")
+    refused(capsys, ["--out_dir", str(tmp_path), "--json", str(tmp_path / "fifo")], "FIFO")
+    refused(capsys, ["--out_dir", str(tmp_path), "--json", os.devnull], "character device")
+    os.mkfifo(tmp_path / f"perfmodel_{MODEL}.png")
+    refused(capsys, ["--out_dir", str(tmp_path), "--overwrite"], "FIFO")
+    refused(capsys, ["--out_dir", str(tmp_path / "absent")], "not a writable directory")
+    assert not (tmp_path / "absent").exists()
+
+
+def test_existing_figures_and_json_are_kept_unless_overwrite(tmp_path, capsys, monkeypatch):
+    """The default folder is the current one; a PNG or JSON already there is replaced only with --overwrite."""
+    monkeypatch.chdir(tmp_path)
+    png, out = tmp_path / f"perfmodel_{MODEL}.png", tmp_path / "points.json"
+    for path in (png, out):
+        path.write_bytes(b"committed")
+        with monkeypatch.context() as m:
+            no_work(m)
+            refused(capsys, ["--json", "points.json"], str(path.name), "already exists", "--overwrite")
+        assert path.read_bytes() == b"committed"
+        path.unlink()
+    assert main(["sweep", "--model", MODEL, "--points", "2", "--axes", "batch", "--json", "points.json"]) == 0
+    assert png.read_bytes()[:8] == PNG and json.loads(out.read_text())["points"]
+    png.write_bytes(b"committed")
+    out.write_bytes(b"committed")
+    assert main(["sweep", "--model", MODEL, "--points", "2", "--axes", "batch", "--json", "points.json",
+                 "--overwrite"]) == 0
+    assert png.read_bytes()[:8] == PNG and json.loads(out.read_text())["points"]
+
+
+def test_a_family_name_is_swept_as_its_variant_and_says_so(tmp_path, capsys):
+    """mobilenetv1 for 3x32x32 images is mobilenetv1_cifar10: the figure and the points carry that name."""
+    assert main(["sweep", "--model", "mobilenetv1", "--input_shape", "3,32,32", "--points", "2", "--axes", "batch",
+                 "--nodes", "1", "--out_dir", str(tmp_path), "--json", str(tmp_path / "p.json")]) == 0
+    err = capsys.readouterr().err
+    said = "pydtnn-perfmodel: mobilenetv1 -> mobilenetv1_cifar10 (--input_shape 3,32,32: 3x32x32 images, 10 classes)"
+    assert said in err
+    assert (tmp_path / "perfmodel_mobilenetv1_cifar10.png").read_bytes()[:8] == PNG
+    points = json.loads((tmp_path / "p.json").read_text())["points"]
+    assert {p["model"] for p in points} == {"mobilenetv1_cifar10"}

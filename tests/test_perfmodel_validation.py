@@ -119,8 +119,11 @@ def test_from_json_predicts_again_and_keeps_the_measurements(tmp_path):
     assert a["measured"] == measured and b["predicted"]["step_s"] != 1.0
     assert a["error_pct"] == pytest.approx(100 * (a["predicted"]["step_s"] - 0.04) / 0.04)
     assert again["summary"]["configurations"] == 1 and again["machine"]["overheads"]["step_s"] == 1e-3
-    # the emulated link's 1 MiB allreduce is predicted again (from its latency and rate), not left at 0
-    assert again["links"]["1gbit"]["allreduce"][0]["predicted_s"] > 0.01
+    # the emulated link's 1 MiB allreduce is predicted again from its latency and rate, each of the 2 ranks
+    # getting half the rate: ring (= Rabenseifner at 2), 2 alpha + n beta + n gamma / 2, the cheapest
+    n, beta = 1 << 20, 2 / 1.25e8
+    by_hand = 2 * 1e-5 + n * beta + n / 2 / machine.DEFAULT.reduce_rate
+    assert again["links"]["1gbit"]["allreduce"][0]["predicted_s"] == pytest.approx(by_hand, rel=1e-12)
 
 
 @pytest.mark.slow
@@ -133,7 +136,10 @@ def test_quick_run_measures_three_configurations(tmp_path):
         run = json.load(f)
     assert len(run["points"]) == 3
     for p in run["points"]:
-        assert p["measured"]["step_s"] > 0 and p["predicted"]["step_s"] > 0
+        measured, predicted = p["measured"]["step_s"], p["predicted"]["step_s"]
+        # the saved error is the relative error of the saved times, each kept to 5 significant digits (up to
+        # 5e-5 of its value) in the file
+        assert measured > 0 and 1 + p["error_pct"] / 100 == pytest.approx(predicted / measured, rel=5e-4)
         assert p["measured"]["layers"]  # the trainer's per-layer spans were read
     assert os.path.getsize(out + ".png") > 10_000
     assert "| target | reached |" in proc.stdout

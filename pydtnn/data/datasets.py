@@ -100,6 +100,11 @@ LOADERS = {
     "synthetic": load_synthetic,
 }
 NAMES = tuple(LOADERS)
+# (C, H, W) and classes of each dataset's images as its loader gives them (ImageNet: the evaluation view's
+# centre crop), known without reading a file: what the performance model and the ONNX export build for.
+# "synthetic" has none of its own (pydtnn-train generates it at the model's design shape).
+SHAPES = {"mnist5k": ((1, 28, 28), 10), "mnist": ((1, 28, 28), 10), "fashion_mnist": ((1, 28, 28), 10),
+          "cifar10": ((3, 32, 32), 10), "cifar100": ((3, 32, 32), 100), "imagenet": ((3, 224, 224), 1000)}
 
 # Published files. SHA-256 and sizes as recorded by TensorFlow Datasets (tensorflow/datasets,
 # tensorflow_datasets/url_checksums/{mnist,fashion_mnist,cifar10,cifar100}.txt); the MNIST mirrors

@@ -14,12 +14,19 @@ directly in the block's namespace, which is how torchvision's names are reproduc
     # -> conv1.weight, bn1.weight, ..., downsample.0.weight, downsample.1.running_mean
 Every container calls `grad_hook(child)` right after a child with parameters has written its
 gradients, which is how a data-parallel reducer starts communication during backward.
+
+An unbuilt tree can be changed by the dotted paths its state dict uses (Model.replace/insert do the
+same on a built model and rebuild it):
+
+    tree = Sequential({"conv": Conv2D(8, 3), "relu": ReLU(), "flat": Flatten(), "fc": Dense(10)})
+    tree.replace("relu", LeakyReLU())                   # returns the ReLU; the new layer is "relu"
+    tree.insert("fc", Dropout(0.2), name="drop")        # before "fc", in the Sequential holding it
 """
 
 import numpy as np
 
-from pydtnn.errors import ShapeError
-from pydtnn.layers.base import Layer
+from pydtnn.errors import ConfigError, ShapeError
+from pydtnn.layers.base import Layer, _join
 
 
 class Container(Layer):
@@ -52,6 +59,75 @@ class Container(Layer):
         if child.params and self.grad_hook is not None:
             self.grad_hook(child)
         return dx
+
+    # -- changing the tree (before it is built; Model.replace and Model.insert rebuild) ---------
+    def replace(self, path, layer):
+        """Put `layer` in place of the layer at dotted `path` below this container, under the same name;
+        returns the layer taken out. Paths are the state dict's ("layer1.0.relu"; Model.layers() lists them)."""
+        self._check_new(layer)
+        parent, i = self._locate(path)
+        name, old = parent.children[i]
+        parent.children[i] = (name, layer)
+        return old
+
+    def insert(self, path, layer, name=None, after=False):
+        """Put `layer` just before (after=True: after) the layer at dotted `path`, in the Sequential that
+        holds it, as `name` (default: its class name in lower case). Other layers keep their names."""
+        self._check_new(layer)
+        parent, i = self._locate(path)
+        if not isinstance(parent, Sequential):
+            raise ConfigError(f"cannot insert next to {path!r}: it is a path of {parent.describe()}, not a step of a "
+                              f"Sequential; replace {path!r} with a Sequential of the layers it should hold")
+        name = type(layer).__name__.lower() if name is None else name
+        if not isinstance(name, str) or not name or "." in name:
+            raise ConfigError(f"cannot insert {layer.describe()} as {name!r}: expected a non-empty name without dots")
+        taken = _join(path.rpartition(".")[0], name)
+        if any(p == taken for p, _ in self.named_layers()):
+            raise ConfigError(f"cannot insert {layer.describe()} as {name!r}: {taken!r} is already a layer; "
+                              f"pass another name=")
+        parent.children.insert(i + 1 if after else i, (name, layer))
+
+    def _check_new(self, layer):
+        if not isinstance(layer, Layer):
+            raise TypeError(f"expected a Layer to put in the tree, got {layer!r:.80}")
+        for path, own in self.named_layers():
+            if own is layer:
+                raise ConfigError(f"{layer.describe()} is already in the tree at {path or '(the top)'!r}; a layer "
+                                  f"has one place: put a new instance")
+
+    def _locate(self, path):
+        """(container, index in its children) of the layer at dotted `path` below this container."""
+        if isinstance(path, str) and path:
+            for where, layer in self.named_layers():  # depth-first: of layers sharing a path, the outermost
+                if isinstance(layer, Container):
+                    for i, (name, _) in enumerate(layer.children):
+                        if name and _join(where, name) == path:
+                            return layer, i
+        raise ConfigError(self._no_layer(path))
+
+    def _no_layer(self, path):
+        """The error for a `path` that names no layer: the deepest part of it that exists, and what it holds."""
+        if not isinstance(path, str) or not path:
+            top = self._below("")
+            example = f"such as {top[0]!r}" if top else "it is empty"
+            return f"expected the dotted path of a layer in the tree ({example}), got {path!r}"
+        first = {}
+        for p, layer in self.named_layers():
+            first.setdefault(p, layer)
+        parts = path.split(".")
+        known = next((".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1) if ".".join(parts[:k]) in first), "")
+        holder = f"{known!r}" if known else "the top level"
+        below = self._below(known)
+        if not below:
+            return f"no layer {path!r}: {holder} is {first[known].describe()}, which holds no layers"
+        shown = ", ".join(below[:40]) + (f", ... ({len(below)} in all)" if len(below) > 40 else "")
+        return f"no layer {path!r}: {holder} holds {shown}"
+
+    def _below(self, prefix):
+        """Names of the layers one step below dotted path `prefix` ('' for the top), in order."""
+        start = f"{prefix}." if prefix else ""
+        return list(dict.fromkeys(p[len(start):].split(".")[0] for p, _ in self.named_layers()
+                                  if p and p.startswith(start) and p != prefix))
 
 
 def _named(layers):

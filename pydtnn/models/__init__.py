@@ -4,7 +4,14 @@
     model = pydtnn.models.create("resnet50_imagenet", backend=CPUBackend(seed=1))
 
 A builder takes (input_shape, num_classes, **options) and returns its layers (a list, a dict or a
-Sequential); `create` builds them into a Model. Defaults come from the dataset the architecture
+Sequential); `create` builds them into a Model, and `layers` returns them unbuilt, as a Sequential
+whose layers can be replaced or inserted by path before a Model builds it (docs/layers.md):
+
+    tree = pydtnn.models.layers("resnet20_cifar10")     # what create builds, unbuilt
+    tree.replace("relu", PReLU())                       # the stem's ReLU
+    model = Model(tree, (3, 32, 32), backend, name="resnet20_prelu")
+
+A model of the user's own, from a Python file, is built the same way by models/model_file.py. Defaults come from the dataset the architecture
 was designed for: *_imagenet models take 3x224x224 (Inception v3: 3x299x299) and 1000 classes,
 *_cifar10 models 3x32x32 and 10 classes. The ImageNet models reproduce torchvision's architectures
 and state-dict names, so torchvision weights load (see models/convert.py). docs/models.md lists
@@ -13,6 +20,7 @@ every model with its parameters and FLOPs.
 
 from pydtnn.backends import CPUBackend
 from pydtnn.errors import ConfigError
+from pydtnn.layers import Sequential
 from pydtnn.model import Model
 from pydtnn.models import alexnet, densenet, inception, lenet, mobilenet, resnet, simple, vgg
 
@@ -92,6 +100,19 @@ def create(name, input_shape=None, num_classes=None, backend=None, **options):
     options go to the builder (e.g. dropout=0.3, or alpha=0.5 for MobileNet); an option the
     builder does not take is a ConfigError.
     """
+    name, shape, tree = _unbuilt(name, input_shape, num_classes, options)
+    return Model(tree, shape, backend if backend is not None else CPUBackend(), name=name)
+
+
+def layers(name, input_shape=None, num_classes=None, **options):
+    """The layers of architecture `name` as `create` would build them, unbuilt: a Sequential to change
+    (Sequential.replace, .insert) and build with Model(tree, input_shape, backend, name=...).
+    Arguments as create's; input_shape must then be the one the Model is built for."""
+    return _unbuilt(name, input_shape, num_classes, options)[2]
+
+
+def _unbuilt(name, input_shape, num_classes, options):
+    """(registered name, input shape, Sequential of unbuilt layers) of architecture or family `name`."""
     if name not in _REGISTRY:  # a family name: the variant for this input shape
         from pydtnn.models.families import variant
 
@@ -99,12 +120,12 @@ def create(name, input_shape=None, num_classes=None, backend=None, **options):
     builder, default_shape, default_classes = _entry(name)
     shape = tuple(input_shape or default_shape)
     try:
-        layers = builder(shape, num_classes or default_classes, **options)
+        tree = builder(shape, num_classes or default_classes, **options)
     except TypeError as e:
         if "unexpected keyword argument" not in str(e):
             raise
         raise ConfigError(f"model {name!r} does not take option(s) {sorted(options)}: {e}") from None
-    return Model(layers, shape, backend if backend is not None else CPUBackend(), name=name)
+    return name, shape, tree if isinstance(tree, Sequential) else Sequential(tree)
 
 
 def _entry(name):
@@ -115,9 +136,8 @@ def _entry(name):
 
 def unknown_model(name):
     """ConfigError for a name that is neither registered nor a family, with the closest one."""
-    from pydtnn.suggest import did_you_mean
-
     from pydtnn.models.families import family_of
+    from pydtnn.suggest import did_you_mean
 
     known = names() + family_names()
     plain = [n for n in names() if family_of(n) is None]  # simplecnn, lenet5, ...: neither family nor variant

@@ -34,6 +34,57 @@ def byte_count(text):
     return value
 
 
+def image_shape(text):
+    """argparse type: C,H,W of one sample, three positive integers ("3,224,224")."""
+    try:
+        shape = tuple(int(v) for v in str(text).split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected C,H,W, three positive integers (3,224,224), got {text!r}")
+    return shape
+
+
+def add_data_flags(p):
+    """--dataset, --input_shape and --num_classes: the data a model is built for, as pydtnn-train builds it."""
+    from pydtnn.cli import positive_int
+    from pydtnn.data import NAMES
+
+    p.add_argument("--dataset", choices=NAMES,
+                   help="build the model for this dataset's images and classes as pydtnn-train would (a family "
+                        "name such as vgg16 takes the variant for them; nothing is read or downloaded)")
+    p.add_argument("--input_shape", type=image_shape,
+                   help="C,H,W of the samples (default: --dataset's, else the model's own; a family name: its "
+                        "ImageNet variant)")
+    p.add_argument("--num_classes", type=positive_int, help="classes of the last layer (default: --dataset's, else "
+                                                            "the model's own)")
+
+
+def data_from(args, name):
+    """simulate.Data that --dataset, --input_shape and --num_classes describe for model `name`, or None where
+    neither --dataset nor --input_shape is given (the model as designed)."""
+    from pydtnn import models
+    from pydtnn.perfmodel.simulate import Data, dataset_data, pick
+
+    if args.dataset is None and args.input_shape is None:
+        return None
+    named = dataset_data(args.dataset) if args.dataset is not None else None
+    shape = args.input_shape or named.shape
+    # classes: the flag's, else the dataset's, else those of the variant these images take
+    classes = args.num_classes or (named.classes if named else models.defaults(pick(name, shape))[1])
+    source = [named.source] if named else []
+    if args.input_shape is not None:
+        source.append(f"--input_shape {','.join(map(str, shape))}")
+    if args.num_classes is not None:
+        source.append(f"--num_classes {classes}")
+    return Data(shape, classes, " ".join(source))
+
+
+def say(line):
+    """A note about what the command modelled, on stderr (stdout stays the table or the JSON)."""
+    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+
+
 def machine_from(args):
     """The Machine named by --machine, or the built-in default."""
     from pydtnn.perfmodel import machine
@@ -80,7 +131,7 @@ def run_collective(args):
 
 
 def add_predict(subparsers):
-    from pydtnn.cli import positive_int
+    from pydtnn.cli import positive_int, share
     from pydtnn.perfmodel.collectives import algorithms
     from pydtnn.perfmodel.predict import PARALLEL, PROGRESS, REDUCTIONS, UPDATE_PASSES
 
@@ -95,7 +146,8 @@ def add_predict(subparsers):
                    help="data (default), model (every layer split over the --np processes) or hybrid (groups of "
                         "--model_parallel_size; docs/parallelism.md)")
     p.add_argument("--model_parallel_size", type=positive_int, help="--parallel hybrid: processes per model replica")
-    p.add_argument("--density", type=float, default=0.01, help="--reduction topk: the share of entries sent (0.01)")
+    p.add_argument("--density", type=share, default=0.01,
+                   help="--reduction topk: the share of gradient entries sent, in (0, 1] (default 0.01)")
     p.add_argument("--reduction", choices=REDUCTIONS, default="bucketed", help="gradient reduction (default bucketed)")
     p.add_argument("--algorithm", default="ring", choices=("best",) + algorithms("allreduce"),
                    help="allreduce algorithm (default ring; best: the cheapest)")
@@ -103,42 +155,22 @@ def add_predict(subparsers):
                    help="when MPI progresses a started collective (default test: only inside MPI calls)")
     p.add_argument("--optimizer", choices=tuple(UPDATE_PASSES), default="sgd_momentum",
                    help="the update's passes over the parameters (default sgd_momentum)")
-    p.add_argument("--input_shape", help="C,H,W of the model's input (default: the model's own)")
-    p.add_argument("--num_classes", type=positive_int, help="classes of the last layer (default: the model's own)")
+    add_data_flags(p)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--machine", help="machine description, YAML or JSON (default: built-in 2-core VM values)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run_predict)
 
 
-def build_model(name, input_shape=None, num_classes=None, dtype="float32"):
-    """A zoo model on a CPU backend: the model the prediction is about (its layers and their plans)."""
-    from pydtnn import models
-    from pydtnn.backends import CPUBackend
-
-    options = {}
-    if input_shape is not None:
-        try:
-            options["input_shape"] = tuple(int(v) for v in str(input_shape).split(","))
-        except ValueError:
-            options["input_shape"] = ()
-        if len(options["input_shape"]) != 3 or min(options["input_shape"]) < 1:
-            from pydtnn.errors import ConfigError
-
-            raise ConfigError(f"--input_shape {input_shape!r}; expected C,H,W, three positive integers")
-    if num_classes is not None:
-        options["num_classes"] = num_classes
-    return models.create(name, backend=CPUBackend(dtype), **options)
-
-
 def run_predict(args):
     from pydtnn.perfmodel.predict import predict, table
+    from pydtnn.perfmodel.simulate import build_model
 
     machine = machine_from(args)
-    model = build_model(args.model, args.input_shape, args.num_classes, args.dtype)
+    name, model = build_model(args.model, data_from(args, args.model), args.num_classes, args.dtype, say)
     p = predict(model, args.batch_size, args.np, machine, reduction=args.reduction, threads=args.threads,
                 algorithm=args.algorithm, progress=args.progress, optimizer=args.optimizer, parallel=args.parallel,
-                model_parallel_size=args.model_parallel_size, density=args.density, name=args.model)
+                model_parallel_size=args.model_parallel_size, density=args.density, name=name)
     print(json.dumps(p.to_dict()) if args.json else table(p))
     return 0
 
@@ -180,8 +212,11 @@ def add_calibrate(subparsers):
 
 def run_calibrate(args):
     from pydtnn.errors import ConfigError
+    from pydtnn.files import check_distinct, check_writable
     from pydtnn.perfmodel import calibrate, machine
 
+    check_writable(args.out, "machine file")  # before anything is measured: a bad path costs nothing
+    check_distinct([("machine file", args.out)], inputs=[("base machine file", args.base)])
     if args.np < 2 and not args.no_mpi:
         raise ConfigError(f"--np {args.np}: the ping-pong needs at least 2 processes")
     base = machine.DEFAULT if args.base is None else machine.load(args.base)
@@ -210,7 +245,7 @@ def name_list(text):
 
 
 def add_sweep(subparsers):
-    from pydtnn.cli import positive_int
+    from pydtnn.cli import positive_int, share
     from pydtnn.perfmodel.collectives import algorithms
     from pydtnn.perfmodel.predict import PROGRESS, REDUCTIONS
     from pydtnn.perfmodel.sweep import AXES
@@ -223,7 +258,9 @@ def add_sweep(subparsers):
     p.add_argument("--model", type=name_list, default=["vgg16_imagenet", "resnet50_imagenet"],
                    help="comma list of zoo models (default vgg16_imagenet,resnet50_imagenet)")
     p.add_argument("--machine", help="machine description, YAML or JSON (default: built-in 2-core VM values)")
-    p.add_argument("--out_dir", default="docs", help="folder of the PNGs, perfmodel_<model>.png (default docs)")
+    p.add_argument("--out_dir", default=".", help="existing folder of the PNGs, perfmodel_<model>.png (default: the "
+                                                  "current folder)")
+    p.add_argument("--overwrite", action="store_true", help="replace PNGs and the --json file that already exist")
     p.add_argument("--axes", type=name_list, default=list(AXES), help=f"comma list of axes (default {','.join(AXES)})")
     p.add_argument("--nodes", type=positive_int, default=64, help="baseline number of nodes (default 64)")
     p.add_argument("--batch_size", type=positive_int, default=32, help="baseline samples per process (default 32)")
@@ -233,39 +270,72 @@ def add_sweep(subparsers):
                    help="allreduce algorithm (default ring; best: the cheapest)")
     p.add_argument("--progress", choices=PROGRESS, default="test",
                    help="when MPI progresses a started collective (default test: only inside MPI calls)")
+    p.add_argument("--density", type=share, default=0.01,
+                   help="--reduction topk: the share of gradient entries sent, in (0, 1] (default 0.01)")
+    add_data_flags(p)
     p.add_argument("--json", help="file to write every point to, as JSON")
     p.set_defaults(run=run_sweep)
 
 
+def sweep_figures(args):
+    """The PNG each model of --model goes to, <out_dir>/perfmodel_<variant>.png: named by the model it shows
+    (two names of one model cannot overwrite each other). With the --json file, every output is checked
+    here before any work: each writable, none an input or another output, none already there unless
+    --overwrite."""
+    import os
+
+    from pydtnn.errors import ConfigError
+    from pydtnn.files import check_distinct, check_writable
+    from pydtnn.perfmodel.simulate import pick
+
+    figures = []
+    for name in args.model:
+        data = data_from(args, name)
+        figures.append(os.path.join(args.out_dir, f"perfmodel_{pick(name, data and data.shape)}.png"))
+    outputs = [(f"figure of {name}", path) for name, path in zip(args.model, figures)]
+    outputs += [("--json file", args.json)] if args.json is not None else []
+    for what, path in outputs:
+        check_writable(path, what)
+    check_distinct(outputs, inputs=[("machine file", args.machine)])
+    for what, path in outputs:
+        if not args.overwrite and os.path.lexists(path):
+            raise ConfigError(f"{what} {path} already exists; pass --overwrite to replace it, or give another "
+                              f"{'--json file' if path == args.json else '--out_dir'}")
+    return figures
+
+
 def run_sweep(args):
     import dataclasses
-    import os
 
     from tqdm import tqdm
 
     from pydtnn.files import write_atomic
     from pydtnn.perfmodel import sweep
     from pydtnn.perfmodel.machine import to_dict
+    from pydtnn.perfmodel.simulate import build_model
 
-    machine = machine_from(args)
     axes = sweep.check_axes(args.axes)
+    figures = sweep_figures(args)
+    machine = machine_from(args)
     baseline = sweep.Baseline(nodes=args.nodes, batch_size=args.batch_size)
     options = {"reduction": args.reduction, "algorithm": args.algorithm, "progress": args.progress}
     total = len(args.model) * sweep.count(machine, baseline, axes, args.points)
     points = []
     with tqdm(total=total, unit="point", file=sys.stderr, disable=not sys.stderr.isatty(), leave=False) as bar:
-        for name in args.model:
-            bar.set_description(name)
-            model = build_model(name)  # built once per model, then dropped: ImageNet models are large
-            mine = sweep.sweep(model, name, machine, baseline, axes, points=args.points, on_point=bar.update, **options)
+        for given, figure in zip(args.model, figures):
+            bar.set_description(given)
+            # built once per model, then dropped: ImageNet models are large
+            name, model = build_model(given, data_from(args, given), args.num_classes,
+                                      say=lambda line: bar.write(f"{PROG}: {line}", file=sys.stderr))
+            mine = sweep.sweep(model, name, machine, baseline, axes, points=args.points, on_point=bar.update,
+                               density=args.density, **options)
             del model
-            path = sweep.plot(mine, os.path.join(args.out_dir, f"perfmodel_{name}.png"), machine, baseline, **options)
-            bar.write(f"wrote {path}", file=sys.stdout)
+            bar.write(f"wrote {sweep.plot(mine, figure, machine, baseline, **options)}", file=sys.stdout)
             points += mine
     print("\n".join(sweep.summary(points)))
     if args.json:
         data = {"machine": to_dict(machine), "baseline": dataclasses.asdict(baseline), "schemes": list(sweep.SCHEMES),
-                **options, "points": [p.to_dict() for p in points]}
+                **options, "density": args.density, "points": [p.to_dict() for p in points]}
         write_atomic(args.json, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
         print(f"wrote {args.json}")
     return 0

@@ -42,6 +42,7 @@ from pydtnn.backends.cpu.conv_direct import dense_layout
 from pydtnn.backends.cpu.conv_gemm import SCATTER_AREA_RATIO
 from pydtnn.backends.geometry import positions, transposed, window_layout
 from pydtnn.distributed.model_parallel import Gather, SumGrad
+from pydtnn.errors import ConfigError
 from pydtnn.layers import (
     AdaptiveAvgPool2D,
     AdditionBlock,
@@ -208,10 +209,10 @@ def _cost(layer, n, need_dx):
             algorithm, kernel_class, fwd, bwd_data, bwd_weights = formula(layer, n, need_dx)
             break
     else:
-        raise TypeError(
-            f"layer_costs: no cost formula for {layer.name} ({type(layer).__name__}); "
-            "add one to pydtnn/perfmodel/costs.py"
-        )
+        known = sorted(c.__name__ for k, _ in _FORMULAS for c in (k if isinstance(k, tuple) else (k,)))
+        raise ConfigError(  # a user's own layer (--model_file, a changed zoo model): the model cannot cost it
+            f"the performance model has no cost formula for {layer.name}, a {type(layer).__name__}; it costs "
+            f"{', '.join(known)}: add one to pydtnn/perfmodel/costs.py")
     s = layer.dtype.itemsize
     return LayerCost(
         name=layer.path,

@@ -47,6 +47,10 @@ LINK_FIELDS = ("latency_s", "bandwidth_bytes_per_s")
 LINK_OPTIONAL_FIELDS = ("collectives",)
 OVERHEAD_FIELDS = ("layer_forward_s", "layer_backward_s", "parameter_s", "step_s", "oversubscribed_collective_s")
 CALL_FIELDS = ("forward_s", "backward_s")
+# what a machine file may hold: its layout nests 5 levels (links.intra.collectives.allgather.latency_s) and has
+# a few hundred values; anything far past that is not a machine description
+MAX_NESTING = 32
+MAX_VALUES = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,11 +324,15 @@ def load(path):
                           "writes one") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"machine file {path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+    too_deep = (f"machine file {path} nests mappings and lists deeper than {MAX_NESTING} levels; expected the "
+                "machine layout (pydtnn/perfmodel/machine.py), which nests 5")
     if path.lower().endswith(".json"):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"machine file {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        except RecursionError:
+            raise ConfigError(too_deep) from None
     else:
         import yaml
 
@@ -335,7 +343,27 @@ def load(path):
             where = f" at line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"machine file {path} is not valid YAML{where}: "
                               f"{getattr(e, 'problem', None) or e}") from None
+        except RecursionError:
+            raise ConfigError(too_deep) from None
+    _check_size(data, path, too_deep)
     return from_dict(data, source=f"machine file {path}")
+
+
+def _check_size(data, path, too_deep):
+    """ConfigError unless the parsed file nests at most MAX_NESTING levels and holds at most MAX_VALUES values
+    counted as written out: YAML aliases let a small file stand for a cycle or for billions of values, which
+    the checks (and their error messages) would otherwise walk. Iterative, so that no depth can overflow it."""
+    stack, count = [(data, 1)], 0
+    while stack:
+        value, level = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ConfigError(f"machine file {path} holds more than {MAX_VALUES:,} values (YAML aliases count each "
+                              "time they are used); expected the machine layout (pydtnn/perfmodel/machine.py)")
+        if isinstance(value, (dict, list)):
+            if level > MAX_NESTING:
+                raise ConfigError(too_deep)
+            stack.extend((v, level + 1) for v in (value.values() if isinstance(value, dict) else value))
 
 
 def save(machine, path):

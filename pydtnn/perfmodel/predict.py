@@ -102,9 +102,20 @@ class Prediction:
     group_comm_s: float = 0.0
     sync_s: float = 0.0  # waits at the collectives for ranks off oversubscribed cores (in exposed_comm_s)
 
+    @property
+    def global_batch(self):
+        """Samples per step over all processes: batch_size per model replica times the replicas."""
+        return self.batch_size * (self.np // self.model_parallel_size)
+
+    @property
+    def samples_per_second(self):
+        """Training throughput: the global batch over the step's seconds."""
+        return self.global_batch / self.step_s if self.step_s > 0 else math.inf
+
     def to_dict(self):
         d = asdict(self)
         d["layers"] = [{**asdict(t), "total_s": t.total_s} for t in self.layers]
+        d["global_batch"], d["samples_per_second"] = self.global_batch, self.samples_per_second
         return d
 
 
@@ -272,8 +283,27 @@ def _messages(params, times, forward_s, reduction, bucket_mb, first_bucket_mb):
     return sorted(messages)
 
 
+def duration(seconds):
+    """Seconds as a reader writes them, in the unit that fits: '196.1 s', '12.35 ms', '850 us', '1,234 s'."""
+    if not math.isfinite(seconds) or seconds == 0:
+        return f"{seconds:g} s"
+    if abs(seconds) >= 1000:
+        return f"{seconds:,.0f} s"
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.4g} {unit}"
+    return f"{seconds * 1e9:.4g} ns"
+
+
+def rate(per_second):
+    """A rate to 4 significant digits, thousands separated: '5.223', '1,234', '123,456'."""
+    if math.isfinite(per_second) and abs(per_second) >= 1000:
+        return f"{per_second:,.0f}"
+    return f"{per_second:.4g}"
+
+
 def table(p):
-    """The per-layer table and the step's split, as text."""
+    """The per-layer table (milliseconds, one column unit) and the step's split and throughput, as text."""
     ms = lambda s: f"{1e3 * s:9.3f}"
     how = (f"batch {p.batch_size} per process, {p.np} process(es)" if p.model_parallel_size == 1 else
            f"batch {p.batch_size} per replica, {p.np} process(es) ({p.model_parallel_size} per replica)")
@@ -283,14 +313,16 @@ def table(p):
     for t in p.layers:
         lines.append(f"{t.name[:32]:32s} {t.kind[:18]:18s} {str(t.algorithm or '')[:14]:14s} {ms(t.forward_s)} "
                      f"{ms(t.backward_data_s + t.backward_weights_s)} {t.bound:>7s}")
-    lines += ["", (f"step {ms(p.step_s).strip()} ms = compute {ms(p.compute_s).strip()} + memory-bound "
-                  f"{ms(p.memory_s).strip()} (update {ms(p.update_s).strip()}) + fixed costs "
-                  f"{ms(p.overhead_s).strip()} + exposed communication "
-                  f"{ms(p.exposed_comm_s).strip()} (of {ms(p.comm_s).strip()} in {p.messages} collective(s)"
-                  + (f"; {ms(p.group_comm_s).strip()} of them inside the model-parallel groups, blocking"
+    lines += ["", (f"step {duration(p.step_s)} = compute {duration(p.compute_s)} + memory-bound "
+                  f"{duration(p.memory_s)} (update {duration(p.update_s)}) + fixed costs "
+                  f"{duration(p.overhead_s)} + exposed communication "
+                  f"{duration(p.exposed_comm_s)} (of {duration(p.comm_s)} in {p.messages} collective(s)"
+                  + (f"; {duration(p.group_comm_s)} of them inside the model-parallel groups, blocking"
                      if p.model_parallel_size > 1 else "")
-                  + (f"; {ms(p.sync_s).strip()} waiting for ranks off oversubscribed cores" if p.sync_s else "")
-                  + ")")]
+                  + (f"; {duration(p.sync_s)} waiting for ranks off oversubscribed cores" if p.sync_s else "")
+                  + ")"),
+              f"{rate(p.samples_per_second)} samples/s: a global batch of {p.global_batch:,} samples every "
+              f"{duration(p.step_s)}"]
     if not math.isfinite(p.step_s):
         lines.append("the prediction is not finite: check the machine's rates")
     return "\n".join(lines)

@@ -161,9 +161,9 @@ def setting(axis, value, machine, baseline):
 
 
 def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algorithm="ring", progress="test",
-          points=None, on_point=None):
+          points=None, on_point=None, density=0.01):
     """[Point] of `model` (built once, on a CPU backend) for every scheme and every value of every axis.
-    reduction, algorithm, progress: as predict() takes them; on_point: called once per point computed."""
+    reduction, algorithm, progress, density: as predict() takes them; on_point: called once per point computed."""
     points_out = []
     for scheme in SCHEMES:
         for axis in check_axes(axes):
@@ -171,7 +171,7 @@ def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algor
                 m, nodes, batch = setting(axis, value, machine, baseline)
                 np_ = nodes * m.processes_per_node
                 p = scheme_step(model, name, scheme, batch, np_, m, reduction=reduction, algorithm=algorithm,
-                                progress=progress)
+                                progress=progress, density=density)
                 if on_point is not None:
                     on_point()
                 if p is None:
