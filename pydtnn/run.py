@@ -505,6 +505,7 @@ def check_checkpoint_dir(directory, resume=None, overwrite=False):
 
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"cannot write checkpoint directory {directory}: it exists and is not a directory")
+    check_writable(os.path.join(directory, checkpoint.META_FILE), "checkpoint directory", made=directory)
     for name in checkpoint.ALL_FILES:  # each file a save writes, and its temporary name
         for tmp in ("", checkpoint.TMP):
             check_writable(os.path.join(directory, name + tmp), "checkpoint file", made=directory)

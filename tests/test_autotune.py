@@ -70,11 +70,12 @@ def test_the_fastest_candidate_is_chosen_and_cached(tmp_path):
     got = tuner.choose(shapes, np.float32, "numba", TUNING, say=lines.append)
     assert got == {s: "gemm" for s in shapes}
     assert len(fake.calls) == 3 and {c[3] for c in fake.calls} == {32}
-    assert lines == [f"pydtnn: timing convolution algorithms for 3 layer shapes, first run only (cached in {path})"]
+    assert lines[0] == f"pydtnn: timing convolution algorithms for 3 layer shapes, first run only (cached in {path})"
+    assert len(lines) == 2 and lines[1].startswith("pydtnn: timed 3 layer shapes in ")  # and when it is done
 
     again = autotune.Tuner(path=str(path), measure=FakeMeasure())  # a later run: read from the file, nothing timed
     assert again.choose(shapes, np.float32, "numba", TUNING, say=lines.append) == got
-    assert again.measure.calls == [] and len(lines) == 1
+    assert again.measure.calls == [] and len(lines) == 2  # nothing timed: nothing said
     doc = json.loads(path.read_text())
     assert doc["format"] == autotune.FORMAT and sorted(doc["choices"].values()) == ["gemm"] * 3
 
@@ -241,3 +242,13 @@ def test_two_shapes_with_one_geometry_keep_their_own_choices(tmp_path):
     b.tune_convolutions()
     assert b.plan_in_use(p32).algorithm == "depthwise" and b.plan_in_use(p64).algorithm == "gemm"
     assert b.conv2d_plan(DEPTHWISE, (64, 1, 3, 3)) is p64  # a layer built later runs as the measured one too
+
+
+def test_timing_many_shapes_says_how_far_it_is():
+    """Timing goes on for minutes on a large model: a line at each interval (every shape here), then the end."""
+    fake = FakeMeasure("gemm")
+    lines = []
+    shapes = [(CONV3, 16), (DEPTHWISE, 32), (POINTWISE, 64)]
+    autotune.Tuner(path=None, measure=fake).choose(shapes, np.float32, "numba", TUNING, say=lines.append, every=0.0)
+    assert [s.split(" (")[0] for s in lines[1:3]] == [f"pydtnn: timed {i} of 3 layer shapes" for i in (1, 2)]
+    assert lines[3].startswith("pydtnn: timed 3 layer shapes in ") and len(lines) == 4

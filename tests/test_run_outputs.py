@@ -173,7 +173,7 @@ def test_a_file_name_too_long_for_its_temporary_name_is_refused_at_the_start(tmp
 @pytest.mark.parametrize("blocked", ["model.safetensors.tmp", "config.json", "meta.json.tmp"])
 def test_a_directory_where_a_checkpoint_file_goes_is_refused_at_the_start(tmp_path, blocked):
     (tmp_path / "ck" / blocked).mkdir(parents=True)
-    assert_user_error(cli(*FAST, "--checkpoint_dir", tmp_path / "ck"), "checkpoint file", blocked)
+    assert_user_error(cli(*FAST, "--checkpoint_dir", tmp_path / "ck"), "cannot write checkpoint", blocked)
     assert os.listdir(tmp_path / "ck") == [blocked]
 
 
