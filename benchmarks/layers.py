@@ -28,13 +28,18 @@ import tempfile
 import time
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from threadpoolctl import threadpool_limits
 
 from pydtnn.backends.cpu.autotune import describe_cpu
-from pydtnn.runtime import configure
 from pydtnn.layers import AvgPool2D, BatchNorm, Conv2D, Dense, MaxPool2D, ReLU
+from pydtnn.runtime import GOMP_SPINCOUNT, configure
+
+# torch loads its libgomp, which Numba's threads then use: the spin count pydtnn sets must be in the
+# environment before (pydtnn.runtime.configure; set later, two threads ran no faster than one)
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 # name, layer factory, input shape (N, C, H, W) or (N, F), torch function(x, params)
 CASES = [

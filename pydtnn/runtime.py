@@ -18,6 +18,7 @@ or by a user who drives layers and backends directly and wants the same speed:
 
 import ctypes
 import os
+import warnings
 
 # glibc malloc: blocks up to this size come from the heap (not a fresh mmap each time), and freed
 # heap memory is kept up to KEEP_FREED_BYTES instead of being handed back to the system.
@@ -62,6 +63,8 @@ def configure(threads=None, blas_threads=1, keep_freed_memory=True, gomp_spincou
     if keep_freed_memory:
         applied["keep_freed_memory"] = _keep_freed_memory()
     if gomp_spincount is not None and "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        if gomp_loaded():  # too late for this process; child processes (and a libgomp loaded later) still see it
+            _warn_gomp_loaded(gomp_spincount, n)
         os.environ["GOMP_SPINCOUNT"] = str(gomp_spincount)
     applied["gomp_spincount"] = os.environ.get("GOMP_SPINCOUNT")
     if tf32 is False:
@@ -72,6 +75,27 @@ def configure(threads=None, blas_threads=1, keep_freed_memory=True, gomp_spincou
         applied["tf32"] = tf32
     _applied = applied
     return dict(applied)
+
+
+def gomp_loaded():
+    """Whether a libgomp is mapped into this process already (it read its environment when it loaded)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return b"libgomp" in f.read()
+    except OSError:  # not Linux: nothing to tell
+        return False
+
+
+def _warn_gomp_loaded(spincount, threads):
+    """libgomp came in before configure (another library, such as torch, imported first): its threads keep
+    spinning about 8 ms after each compiled kernel, on the cores the pool's threads need next. Measured on a
+    1x1 convolution at two threads: no faster than one (2.9 ms forward either way), against 1.9 ms when
+    configure came first (docs/performance.md)."""
+    if threads > 1:
+        warnings.warn(f"pydtnn.runtime.configure: libgomp was loaded before GOMP_SPINCOUNT could be set (another "
+                      f"library, such as torch, was imported first), so {threads} threads may run no faster than "
+                      f"one; set GOMP_SPINCOUNT={spincount} in the environment, or call configure() before "
+                      f"importing that library", RuntimeWarning, stacklevel=3)
 
 
 def configured():

@@ -1204,3 +1204,23 @@ def test_winograd_is_a_candidate_only_for_one_group_3x3_stride_1():
               ConvGeometry(8, 8, 8, 5, 5, pt=2, pb=2, pl=2, pr=2),  # 5x5
               ConvGeometry(8, 8, 8, 3, 3, pt=3, pb=3, pl=3, pr=3)):  # padding past the kernel's reach
         assert not winograd_ok(g, 8), g
+
+
+@pytest.mark.parametrize("first,threads,warned", [("gomp", 2, True), ("none", 2, False), ("gomp", 1, False)])
+def test_configure_says_when_libgomp_came_first(first, threads, warned):
+    """A libgomp loaded before configure (torch imported first) read its environment without pydtnn's spin
+    count: its threads then spin on the cores the pool needs, and configure says so where threads > 1."""
+    code = ("import ctypes, ctypes.util, warnings\n"
+            + ("ctypes.CDLL(ctypes.util.find_library('gomp'))\n" if first == "gomp" else "")
+            + "from pydtnn import runtime\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            f"    runtime.configure(threads={threads})\n"
+            "print(runtime.gomp_loaded(), [str(x.message) for x in w])\n")
+    if first == "gomp" and not __import__("ctypes.util").util.find_library("gomp"):
+        pytest.skip("no libgomp on this system")
+    r = subprocess.run([sys.executable, "-c", code], env=_clean_environment(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(str(first == "gomp")), r.stdout
+    assert ("libgomp was loaded before GOMP_SPINCOUNT could be set" in r.stdout) == warned, r.stdout
