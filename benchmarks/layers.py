@@ -84,6 +84,9 @@ def sgemm_peak(threads, n=2048, repeats=5):
     with threadpool_limits(threads):
         a @ b
         t = median_time(lambda i: a @ b, repeats)
+    # OpenBLAS's own threads keep spinning after a threaded call (about 0.1 s), on the cores the next
+    # measurement needs: a Dense forward right after this ran no faster on two threads than on one
+    time.sleep(0.5)
     return 2 * n**3 / t / 1e9
 
 
@@ -122,7 +125,9 @@ def bench(name, make, shape, torch_fn, threads, repeats):
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal(shape, np.float32) for _ in range(3)]
     dys = [rng.standard_normal((shape[0],) + layer.output_shape, np.float32) for _ in range(3)]
-    with threadpool_limits(1):
+    # BLAS at one thread inside each of pydtnn's chunks; OpenMP left alone: Numba's threads share torch's
+    # libgomp here, and limiting it to one thread would run every compiled kernel on one core
+    with threadpool_limits(1, user_api="blas"):
         layer.forward(xs[0]), layer.backward(dys[0])  # warm-up
         fwd = median_time(lambda i: layer.forward(xs[i % 3]), repeats)
 
