@@ -114,6 +114,14 @@ def save(directory, model, optimizer=None, meta=None, write=True, extra=None):
         _finish_interrupted_save(directory)
     except OSError as e:
         raise ConfigError(f"cannot write checkpoint directory {directory}: {e.strerror or e}") from None
+    for name in (MODEL_FILE, OPTIMIZER_FILE, META_FILE):  # a device or folder there is never replaced by a file
+        try:
+            kind = files.kind_of(os.stat(os.path.join(directory, name)).st_mode)
+        except OSError:
+            kind = None
+        if kind is not None:
+            raise ConfigError(f"cannot write checkpoint file {os.path.join(directory, name)}: it is {kind}; expected "
+                              f"a regular file or none")
     try:
         for name in (MODEL_FILE, OPTIMIZER_FILE, META_FILE):  # meta.json.tmp last: it completes the set
             files.write_synced(os.path.join(directory, name + TMP), blobs[name])
@@ -692,8 +700,8 @@ def check_training_meta(meta, where, generator=None, states=None):
                 raise bad(f"history[{i}].{k}", v, "a number, a string or null")
     for key, own in (states or {}).items():
         for i, (saved, like) in enumerate(zip(meta[key], own)):
-            if like is not None:
-                _check_state_like(saved, like, where, f"{key}[{i}]")
+            if like is not None:  # their counters (epochs waited, reductions made) count at most the epochs run
+                _check_state_like(saved, like, where, f"{key}[{i}]", most=meta["epoch"])
     rng = meta["rng"]
     if not (isinstance(rng, dict) and isinstance(rng.get("bit_generator"), str) and isinstance(rng.get("state"), dict)):
         raise bad("rng", rng, 'a NumPy bit generator state {"bit_generator": ..., "state": {...}}')
@@ -704,11 +712,12 @@ def check_training_meta(meta, where, generator=None, states=None):
             raise DataError(f"{where}: meta.rng: {e}") from None
 
 
-def _check_state_like(saved, like, where, key):
-    """DataError unless `saved` has the keys of `like`, each with a value of the same kind.
+def _check_state_like(saved, like, where, key, most=MAX_COUNT):
+    """DataError unless `saved` has the keys of `like`, each with a value of the same kind: a count in
+    [0, most] where `like` holds an integer, a finite number or null where it holds a float or null.
 
     Objects restore a state by assigning its values (a schedule sets any attribute named), so what
-    is not theirs, or not a number where a number was, must not reach them.
+    is not theirs, not a number where a number was, or out of its range must not reach them.
     """
     if set(saved) != set(like):
         raise DataError(f"{where}: meta.{key} has keys {sorted(saved)[:8]}; this run's object has {sorted(like)} "
@@ -716,9 +725,9 @@ def _check_state_like(saved, like, where, key):
     for k, v in saved.items():
         now = like[k]
         if isinstance(now, int) and not isinstance(now, bool):  # counters: epochs waited, reductions made
-            ok, expected = _is_count(v), "an integer >= 0"
+            ok, expected = _is_count(v) and v <= most, f"an integer in [0, {most}] (the epochs run)"
         elif now is None or isinstance(now, float):
-            ok, expected = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)), "a number or null"
+            ok, expected = v is None or _finite(v) is not None, "a finite number or null"
         else:
             ok, expected = type(v) is type(now), type(now).__name__
         if not ok:

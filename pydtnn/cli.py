@@ -263,7 +263,7 @@ def build_parser(suppress_defaults=False):
       help="check before every collective that all ranks issue the same one (op, dtype, size, number)")
     f(g, "threads_per_process", type=non_negative_int, default=1,
       help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice; at most "
-           "4 per core this process may use, at any process count)")
+           "4 per core this process may use and at least 64, at any process count)")
 
     g = p.add_argument_group("CPU")
     f(g, "conv_autotune", type=parse_bool, default=None,
@@ -349,7 +349,11 @@ def load_config_file(path, parser):
         raise ConfigError(f"config file {path} must map flag names to values, got a {type(values).__name__}")
     if isinstance(values.get("effective"), dict):  # a run's config.json: values computed from the flags
         values = {k: v for k, v in values.items() if k != "effective"}
-    return check_values(values, parser, f"config file {path}")
+    values = check_values(values, parser, f"config file {path}")
+    if values.get("model_file") is not None:  # a file of values (one a checkpoint holds too) never names code to run
+        raise ConfigError(f"config file {path}: model_file {str(values['model_file'])[:200]!r} runs Python; give "
+                          f"--model_file on the command line, not in a file of values")
+    return values
 
 
 def check_values(values, parser, origin):
@@ -444,18 +448,17 @@ def _profiled(fn, args):
     import marshal
     import pstats
 
+    from pydtnn.distributed.launch import launched_rank, launched_size
     from pydtnn.files import write_atomic
-    from pydtnn.run import PROFILE
+    from pydtnn.run import profile_path
 
     prof = cProfile.Profile()
-    try:
-        prof.runcall(fn, args)
-    finally:
-        out = os.path.abspath(PROFILE)
-        prof.create_stats()  # what Profile.dump_stats writes, written atomically instead
-        write_atomic(out, marshal.dumps(prof.stats))
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
-        print(f"pydtnn: profile written to {out} (open with python -m pstats or snakeviz)", file=sys.stderr)
+    prof.runcall(fn, args)  # a run that fails writes no profile: it checked its outputs, and wrote none
+    out = profile_path(launched_rank(), launched_size())
+    prof.create_stats()  # what Profile.dump_stats writes, written atomically instead
+    write_atomic(out, marshal.dumps(prof.stats))
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
+    print(f"pydtnn: profile written to {out} (open with python -m pstats or snakeviz)", file=sys.stderr)
     return 0
 
 

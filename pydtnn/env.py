@@ -9,7 +9,7 @@ exit code 2 at the command line) naming the variable, its value and what was exp
 | PYDTNN_CONV_AUTOTUNE | run.py | default of --conv_autotune: 1/0 (true/false, yes/no, on/off); unset: true |
 | PYDTNN_CUDA_AWARE_MPI | distributed/gpu_comm.py | 1/0 (true/false, yes/no, on/off); unset: ask the MPI library |
 | PYDTNN_VECTOR_BITS | backends/cpu/isa.py | vector width of the compiled CPU kernels: 128, 256 or 512; unset: the CPU's |
-| OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/cpu/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first), at most 4 per core this process may use |
+| OMP_NUM_THREADS, OPENBLAS_NUM_THREADS | backends/cpu/threads.py | threads of the CPU backend, a positive integer (OpenMP's list "4,2": the first), at most 4 per core this process may use (at least 64) |
 
 The launchers' variables (PMI_SIZE, OMPI_COMM_WORLD_RANK, ...) are read by distributed/launch.py, and
 the data directory, PYDTNN_DATA (or the older PYDTNN_DATA_DIR), by data/download.py, which checks it

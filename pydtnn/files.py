@@ -137,7 +137,8 @@ def same_file(a, b):
         return False
 
 
-def _inside(path, folder):
+def inside(path, folder):
+    """Whether `path` lies in `folder` once every link on the way is resolved (a link that leads out is out)."""
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     try:
         return os.path.commonpath([path, folder]) == folder
@@ -166,7 +167,7 @@ def check_distinct(outputs, inputs=(), folders=()):
         for other, folder in folders:
             if folder is None or not os.path.isdir(folder):
                 continue
-            if os.path.lexists(path) and (_inside(path, folder) or _is_entry_of(path, folder)):
+            if os.path.lexists(path) and (inside(path, folder) or _is_entry_of(path, folder)):
                 raise ConfigError(f"{what} {path} is a file of the {other} {folder}, which this command reads; "
                                   f"give the {what} a path outside it")
 

@@ -12,6 +12,7 @@ import sys
 
 from pydtnn.errors import DataError, PydtnnError
 
+PLOTTED = ("loss", "accuracy", "val_loss", "val_accuracy")  # the values drawn from each epoch record
 METRICS_LIMIT = 256 << 20  # bytes: a metrics file holds one short line per epoch; anything this big is not one
 
 
@@ -43,6 +44,13 @@ def read_metrics(path):
     finals = [r for r in records if isinstance(r, dict) and r.get("final")]
     if not epochs:
         raise DataError(f"{path}: no per-epoch records (objects with an 'epoch' key)")
+    plotted = [(r, k) for r in epochs for k in ("epoch", *PLOTTED)] + [(f, f"test_{k}") for f in finals[-1:]
+                                                                       for k in ("loss", "accuracy")]
+    for record, key in plotted:
+        value = record.get(key)
+        if not (value is None and key != "epoch") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise DataError(f"{path}: {key} {str(value)[:60]!r} in the record of epoch {str(record.get('epoch'))[:20]}; "
+                            f"expected a number{'' if key == 'epoch' else ' or null'}")
     return epochs, (finals[-1] if finals else None)
 
 

@@ -19,7 +19,7 @@ from pydtnn.callbacks import EarlyStopping, ModelCheckpoint, StopAtThreshold
 from pydtnn.distributed import launch, model_parallel, reducers
 from pydtnn.distributed.consistency import broadcast_state
 from pydtnn.errors import ConfigError, DataError
-from pydtnn.files import same_file, write_atomic
+from pydtnn.files import inside, same_file, write_atomic
 from pydtnn.optim import schedules as sch
 from pydtnn.trainer import MetricsFile, Trainer, format_record
 
@@ -49,8 +49,8 @@ def resumed_config(directory, given=None, notes=None):
     The run goes on writing checkpoints into `directory` (wherever the checkpoint was first written,
     and wherever it has been moved since), or into the checkpoint_dir given now (a fork). A path from
     a checkpoint is never trusted as a place to write: an output file that was inside the old
-    checkpoint directory moves with it, any other goes back to its default (no file), and `notes`
-    (a list, when given) receives a line saying so. `given` ({flag: value} set now) are left out, as
+    checkpoint directory moves with it (unless a link in the checkpoint leads it out), any other goes
+    back to its default, and `notes` (a list, when given) receives a line saying so. `given` ({flag: value} set now) are left out, as
     the caller sets them. An evaluation (evaluate_only given) inherits no output file: it would
     replace the run's own metrics with its one record.
     """
@@ -72,10 +72,17 @@ def resumed_config(directory, given=None, notes=None):
         if given.get("evaluate_only") and key != "tracer_output":
             config[key] = None
             continue
-        old_abs = os.path.abspath(old) if isinstance(old, str) else None
+        old_abs, moved = os.path.abspath(old) if isinstance(old, str) else None, None
         if old_abs is not None and os.path.commonpath([os.path.abspath(path), old_abs]) == old_abs:
-            config[key] = os.path.join(here, os.path.relpath(os.path.abspath(path), old_abs))
-        elif notes is not None and (key != "tracer_output" or config.get("tracing")):
+            moved = os.path.join(here, os.path.relpath(os.path.abspath(path), old_abs))
+            if not inside(moved, here):  # a symbolic link in the checkpoint directory leads out of it
+                moved = None
+        if moved is not None:
+            config[key] = moved
+        elif notes is not None and key == "tracer_output" and config.get("tracing"):
+            notes.append(f"pydtnn: the checkpoint's --tracer_output {path[:200]} lies outside it: the trace goes to "
+                         f"the default (give --tracer_output to choose)")
+        elif notes is not None and key != "tracer_output":
             notes.append(f"pydtnn: the checkpoint's --{key} {path[:200]} lies outside it and is not written "
                          f"again; give --{key} to write one")
     return config
@@ -101,7 +108,7 @@ def run(args):
     launch.install_abort_handler(comm)
     say = log if comm.rank == 0 else (lambda msg: None)
     agree_on_flags(comm, args)  # before any collective that the flags shape (a split, a reducer's groups)
-    for note in getattr(args, "notes", ()):
+    for note in args.notes:
         say(note)
     if comm.size > 1 and args.parallel == "sequential":
         raise ConfigError(f"--parallel sequential, but {comm.size} processes were launched; use --parallel data, "
@@ -134,7 +141,8 @@ def run(args):
 
         train, val, test = (None if d is None else PaddedDataset(d, choice.input_shape) for d in (train, val, test))
     train = augmented(train, args)
-    fill_defaults(args, choice.name)
+    family = None if args.model_file else choice.name  # a model file's name is its own, not a zoo family's
+    fill_defaults(args, family)
     if args.weights_and_bias_filename and not args.resume:  # a resumed run takes every weight from its checkpoint
         checkpoint.load_weights(args.weights_and_bias_filename, model)
     if group is not None:
@@ -150,7 +158,7 @@ def run(args):
             except ConfigError as e:
                 raise ConfigError(f"--enable_nccl: {e}, or run without --enable_nccl (MPI through host memory)") from None
         say(f"pydtnn: {backend}, {grad_comm.name} gradient reduction" if world > 1 else f"pydtnn: {backend}")
-    options = optimizer_options(args, choice.name)
+    options = optimizer_options(args, family)
     lr_note = ""
     if world > 1 and args.learning_rate_scaling and args.global_batch_size is None:
         base = options["lr"]
@@ -399,7 +407,7 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
     yield from scale_warnings(args, train, eff)
     from pydtnn.models.families import expectation
 
-    expect = expectation(choice.name)
+    expect = None if args.model_file else expectation(choice.name)
     if expect and not args.evaluate_only:
         yield f"pydtnn: what to expect: {expect}"
 
@@ -425,11 +433,11 @@ def _count(n, word):
 
 def check_combinations(args):
     """Flags that contradict each other: found before anything is loaded, on every rank alike."""
-    if args.model_file and "model" in getattr(args, "explicit", ()):
+    if args.model_file and "model" in args.explicit:
         raise ConfigError(f"--model {args.model} and --model_file {args.model_file} both name the model; give one")
     if args.enable_nccl and not args.enable_gpu:
         raise ConfigError("--enable_nccl reduces GPU gradients; expected it together with --enable_gpu")
-    if args.evaluate_only and "checkpoint_dir" in getattr(args, "explicit", ()):  # from a file or a checkpoint it is moot
+    if args.evaluate_only and "checkpoint_dir" in args.explicit:  # from a file or a checkpoint it is moot
         raise ConfigError(f"--evaluate_only trains nothing and writes no checkpoint, but --checkpoint_dir "
                           f"{args.checkpoint_dir} was given; drop it (to evaluate a checkpoint: --resume DIR "
                           f"--evaluate_only, or --weights_and_bias_filename DIR)")
@@ -437,7 +445,9 @@ def check_combinations(args):
         raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
 
 
-PROFILE = "pydtnn.prof"  # --profile's output, in the working directory
+def profile_path(rank=0, size=1):
+    """--profile's output, in the working directory: pydtnn.prof, or pydtnn.rankR.prof per process of a job."""
+    return os.path.abspath("pydtnn.prof" if size == 1 else f"pydtnn.rank{rank}.prof")
 
 
 def check_outputs(args, comm):
@@ -454,7 +464,7 @@ def check_outputs(args, comm):
     outputs = [(what, getattr(args, key)) for key, what in (("metrics_file", "metrics file"),
                                                             ("history_file", "history file"))]
     if args.profile:
-        outputs.append(("profile", os.path.abspath(PROFILE)))
+        outputs += [("profile", profile_path(r, comm.size)) for r in range(comm.size)]
     for what, path in outputs:
         if path:
             check_writable(path, what, made)
@@ -462,6 +472,8 @@ def check_outputs(args, comm):
         from pydtnn.profiling import trace_paths
 
         outputs += [("trace file", p) for p in trace_paths(args.tracer_output, comm.size)]
+    # written through write_atomic: their temporary names are written (and first removed) too
+    outputs += [(f"{what}'s temporary name", p + checkpoint.TMP) for what, p in outputs if p and what != "metrics file"]
     own = []  # the checkpoint's own files: replaced by each save, read back by --resume of the same directory
     if args.checkpoint_dir and not args.evaluate_only:
         check_checkpoint_dir(args.checkpoint_dir, args.resume, args.overwrite)
@@ -477,14 +489,18 @@ def check_outputs(args, comm):
 def run_inputs(args):
     """([(what, path)] files the run reads, [(what, folder)] folders it reads files from)."""
     files = [("config file", args.config), ("model file", args.model_file)]
-    folders = [("training data folder", f) for f in data.source_folders(args.dataset, args.dataset_train_path,
-                                                                         args.dataset_test_path)]
-    for what, path in (("dataset train path", args.dataset_train_path), ("dataset test path", args.dataset_test_path),
-                       ("weights file", args.weights_and_bias_filename)):
-        if path and os.path.isdir(path):
-            folders.append((f"{what.replace(' file', '')} folder", path))
-        elif path:
+    read, trees = data.source_files(args.dataset, args.dataset_train_path, args.dataset_test_path)
+    files += [("data file", f) for f in read]
+    folders = [("image folder", f) for f in trees]
+    for what, path in (("dataset train path", args.dataset_train_path), ("dataset test path", args.dataset_test_path)):
+        if path and not os.path.isdir(path):  # a file where a folder belongs: load says so, but it is read
             files.append((what, path))
+    weights = args.weights_and_bias_filename
+    if weights and os.path.isdir(weights):  # a checkpoint directory: its files
+        files += [("weights checkpoint file", os.path.join(weights, n + tmp)) for n in checkpoint.ALL_FILES
+                  for tmp in ("", checkpoint.TMP)]
+    elif weights:
+        files.append(("weights file", weights))
     if args.resume:
         files += [("checkpoint file being resumed", os.path.join(args.resume, n + tmp)) for n in checkpoint.ALL_FILES
                   for tmp in ("", checkpoint.TMP)]
@@ -505,6 +521,10 @@ def check_checkpoint_dir(directory, resume=None, overwrite=False):
 
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ConfigError(f"cannot write checkpoint directory {directory}: it exists and is not a directory")
+    long = [c for c in os.path.abspath(directory).split(os.sep) if len(os.fsencode(c)) > 255]
+    if long:  # made with the first checkpoint: found here, not after an epoch
+        raise ConfigError(f"cannot write checkpoint directory {directory[:120]}...: its folder name {long[0][:40]}... "
+                          f"is {len(os.fsencode(long[0]))} bytes; expected at most 255")
     check_writable(os.path.join(directory, checkpoint.META_FILE), "checkpoint directory", made=directory)
     for name in checkpoint.ALL_FILES:  # each file a save writes, and its temporary name
         for tmp in ("", checkpoint.TMP):
@@ -720,10 +740,11 @@ def check_reducer_state(trainer, extras, where, saved_ranks=None):
     for name, every in saved.items():
         shape = tuple(own[name].shape) if name in own else None
         rows = "any" if saved_ranks is None else saved_ranks
-        if (every.dtype.kind != "f" or every.ndim < 1 or (saved_ranks is not None and every.shape[0] != saved_ranks)
+        if (every.dtype not in (np.float32, np.float64) or every.ndim < 1
+                or (saved_ranks is not None and every.shape[0] != saved_ranks)
                 or (shape is not None and tuple(every.shape[1:]) != shape)):
             raise DataError(f"{where}: reducer state {name} is {every.dtype} of shape {tuple(every.shape)}; expected "
-                            f"floating point, {rows} rows (one per saved process) of shape {shape or '(its own)'}")
+                            f"float32 or float64, {rows} rows (one per saved process) of shape {shape or '(its own)'}")
 
 
 def restore_reducer(trainer, extras):

@@ -39,7 +39,7 @@ def configure(threads=None, blas_threads=1, keep_freed_memory=True, gomp_spincou
     """Set the process-wide settings; returns {setting: value applied} (see the module docstring).
 
     threads: CPU backend threads (None: OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, else the cores); at most
-    4 per core this process may use (ConfigError above: threads.max_threads()).
+    4 per core this process may use, at least 64 (ConfigError above: threads.max_threads()).
     blas_threads: BLAS threads per caller (None leaves BLAS alone).
     keep_freed_memory: tune glibc malloc (skipped when MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_
     is set, or the C library has no mallopt).

@@ -9,6 +9,10 @@ import pytest
 # user's cache; tests/test_autotune.py sets its own environment. Set here, before the test modules copy
 # os.environ for the processes they start.
 os.environ.setdefault("PYDTNN_CONV_AUTOTUNE", "0")
+# The tests import torch (the oracle), whose libgomp Numba's threads then share: its spin count must be
+# in the environment before that (pydtnn.runtime.configure, docs/performance.md), as for any user.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")  # pydtnn.runtime.GOMP_SPINCOUNT, without importing pydtnn
 
 
 @pytest.fixture(params=["numba", "numpy"])

@@ -75,12 +75,12 @@ def test_omp_threads_refuses_other_values(monkeypatch, value):
 
 @pytest.mark.parametrize("name", ["OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"])
 def test_more_threads_than_the_process_can_use_are_refused(monkeypatch, name):
-    """4 threads per core this process may use are the most; one more is an error naming the variable, its value
-    and the largest accepted (100000 used to start a thread per count and end in a traceback)."""
+    """4 threads per core this process may use are the most (64 at least); one more is an error naming the variable,
+    its value and the largest accepted (100000 used to start a thread per count and end in a traceback)."""
     from pydtnn import runtime
     from pydtnn.backends.cpu import threads
 
-    most, cores = 4 * threads.usable_cores(), threads.usable_cores()
+    most, cores = max(4 * threads.usable_cores(), 64), threads.usable_cores()
     assert threads.max_threads()[0] == most
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
@@ -88,7 +88,7 @@ def test_more_threads_than_the_process_can_use_are_refused(monkeypatch, name):
     assert threads.default_threads() == most
     monkeypatch.setenv(name, str(most + 1))
     with pytest.raises(ConfigError, match=rf"^environment variable {name}={most + 1}: expected at most {most} threads "
-                                          rf"\(4 per core, and this process may use {cores}\)$"):
+                                          rf"\(4 per core, and this process may use {cores}; never fewer than 64\)$"):
         threads.default_threads()
     before = runtime.configured()
     with pytest.raises(ConfigError, match=rf"^runtime.configure: threads {most + 1}: more threads than this process "

@@ -337,3 +337,23 @@ def test_model_file_trains_resumes_and_exports_only_when_named_again(tmp_path):
     _one_error(r, "of type Swish to ONNX")  # rebuilt from the file; its own layer has no ONNX operator
     _one_error(_cli("--model", "vgg16", "--model_file", example, cwd=tmp_path), "both name the model")
     _one_error(_cli("--simulate", "--model_file", example, cwd=tmp_path), "no cost formula", "Swish")
+
+
+def test_a_file_of_values_never_names_code_to_run(tmp_path):
+    """A checkpoint's config.json is a valid --config file: a model_file in it would run its Python."""
+    (tmp_path / "evil.py").write_text("raise SystemExit('ran')\n")
+    (tmp_path / "config.json").write_text('{"model_file": "evil.py", "effective": {}}')
+    _one_error(_cli("--config", "config.json", "--num_epochs", "1", cwd=tmp_path), "model_file", "runs Python",
+               "on the command line")
+
+
+def test_a_model_file_named_after_a_family_takes_no_recipe(tmp_path):
+    """vgg16.py is the user's model, not VGG-16: the plain defaults, and no word on how VGG starts."""
+    import shutil
+
+    shutil.copy(os.path.join(ROOT, "examples", "my_model.py"), tmp_path / "vgg16.py")
+    r = _cli("--model_file", "vgg16.py", "--num_epochs", "1", "--steps_per_epoch", "1", "--progress", "false",
+             cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "one process, batch 64" in r.stderr and "learning rate 0.05;" in r.stderr, r.stderr
+    assert "what to expect" not in r.stderr and "schedules: none" in r.stderr

@@ -137,3 +137,16 @@ def test_usage_errors_are_one_line(tmp_path, capsys):
     refused(capsys, [metrics(tmp_path / "m.jsonl"), "--colour", "red"], "--colour")
     (tmp_path / "bad.jsonl").write_bytes(b"\xff\xfe not text\n")
     refused(capsys, [tmp_path / "bad.jsonl"], "bad.jsonl", "UTF-8")
+
+
+@pytest.mark.parametrize("record,words", [
+    ({"epoch": 1, "loss": "0.5"}, ["loss '0.5'", "epoch 1", "a number or null"]),
+    ({"epoch": "one", "loss": 0.5}, ["epoch 'one'", "expected a number"]),
+    ({"epoch": 1, "val_accuracy": [0.9]}, ["val_accuracy '[0.9]'"]),
+    ({"final": True, "test_loss": "nan?"}, ["test_loss 'nan?'"]),
+])
+def test_a_value_that_is_no_number_is_one_line(tmp_path, capsys, record, words):
+    m = metrics(tmp_path / "m.jsonl", epochs=1)
+    m.write_text(m.read_text() + json.dumps(record) + "\n")
+    refused(capsys, [m], "m.jsonl", *words)
+    assert sorted(os.listdir(tmp_path)) == ["m.jsonl"]

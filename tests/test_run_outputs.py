@@ -52,8 +52,22 @@ def test_a_metrics_file_naming_the_training_images_is_refused(digits):
     images = next(p for p in sorted(os.listdir(digits)) if p.startswith("train-images"))
     before = snapshot(digits)
     r = cli(*FAST, "--dataset_train_path", digits, "--metrics_file", digits / images)
-    assert_user_error(r, "metrics file", images, "training data folder")
+    assert_user_error(r, "metrics file", images, "data file")
     assert snapshot(digits) == before
+
+
+def test_other_files_beside_the_data_stay_the_users_to_write(digits):
+    """Only the files the loader reads are inputs: a run writing its metrics into the data folder runs again."""
+    for _ in range(2):
+        r = cli(*FAST, "--dataset_train_path", digits, "--metrics_file", digits / "m.jsonl")
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_temporary_name_that_is_an_input_is_refused(tmp_path):
+    """--history_file h with --config h.tmp: writing h first removes h.tmp."""
+    (tmp_path / "h.tmp").write_text("batch_size: 16\n")
+    assert_user_error(cli(*FAST, "--config", tmp_path / "h.tmp", "--history_file", tmp_path / "h"),
+                      "history file's temporary name", "config file")
 
 
 def test_an_output_through_a_link_to_the_data_is_refused(digits, tmp_path):
@@ -63,7 +77,7 @@ def test_an_output_through_a_link_to_the_data_is_refused(digits, tmp_path):
     before = snapshot(digits)
     for link in ("soft.csv", "hard.csv"):
         r = cli(*FAST, "--dataset_train_path", digits, "--history_file", tmp_path / link)
-        assert_user_error(r, "history file", "training data folder")
+        assert_user_error(r, "history file", "data file")
     assert snapshot(digits) == before
 
 
@@ -163,6 +177,25 @@ def test_an_edited_checkpoint_cannot_redirect_the_resumed_runs_outputs(tmp_path)
     assert [json.loads(s).get("epoch") for s in (ck / "m.jsonl").read_text().splitlines()] == [1, 2, None]
 
 
+def test_a_link_in_the_checkpoint_cannot_lead_a_resumed_runs_outputs_out_of_it(tmp_path):
+    """ck/m.jsonl and ck/sub are links to files and folders outside: the saved paths are inside the checkpoint
+    by their names, not once the links are resolved."""
+    ck, outside = tmp_path / "ck", tmp_path / "outside"
+    outside.mkdir()
+    r = cli(*FAST, "--checkpoint_dir", ck, "--metrics_file", ck / "m.jsonl", "--history_file", ck / "sub" / "h.csv")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (outside / "keys").write_text("precious")
+    (outside / "h.csv").write_text("precious too")
+    (ck / "m.jsonl").unlink()
+    os.symlink(outside / "keys", ck / "m.jsonl")
+    shutil.rmtree(ck / "sub")
+    os.symlink(outside, ck / "sub")
+    r = cli("--resume", ck, "--num_epochs", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (outside / "keys").read_text() == "precious" and (outside / "h.csv").read_text() == "precious too"
+    assert "the checkpoint's --metrics_file" in r.stderr and "the checkpoint's --history_file" in r.stderr
+
+
 # -- 9. what would fail at the end of epoch 1 fails at the start ------------------------------------------------
 def test_a_file_name_too_long_for_its_temporary_name_is_refused_at_the_start(tmp_path):
     name = "h" * 250 + ".csv"  # 254 bytes: the file fits, its temporary name (+ .tmp) does not
@@ -197,3 +230,20 @@ def test_a_metrics_file_that_cannot_grow_is_one_line(tmp_path):
         f"pydtnn: error: cannot write metrics file {tmp_path / 'm.jsonl'}: File too large"), r.stderr[-2000:]
     whole = (tmp_path / "m.jsonl").read_text().splitlines()
     assert [json.loads(s)["epoch"] for s in whole[:-1]] == list(range(1, len(whole)))
+
+
+def test_a_checkpoint_directory_name_too_long_is_refused_at_the_start(tmp_path):
+    assert_user_error(cli(*FAST, "--checkpoint_dir", tmp_path / ("c" * 300)), "folder name", "300 bytes")
+    assert os.listdir(tmp_path) == []
+
+
+def test_checkpoint_save_never_replaces_a_fifo_with_a_file(tmp_path):
+    """The library's own save (no command line checked it first) refuses a non-regular file too."""
+    from pydtnn import checkpoint, models
+
+    (tmp_path / "ck").mkdir()
+    os.mkfifo(tmp_path / "ck" / "meta.json")
+    with pytest.raises(ConfigError, match="meta.json: it is a FIFO"):
+        checkpoint.save(tmp_path / "ck", models.create("simplemlp", input_shape=(1, 4, 4), num_classes=3))
+    assert stat.S_ISFIFO(os.stat(tmp_path / "ck" / "meta.json").st_mode)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["meta.json"]

@@ -5,7 +5,7 @@ from pydtnn.data.augment import (Augmentation, AugmentedDataset, center_crop, no
 from pydtnn.data.cifar import load_cifar, read_records
 from pydtnn.data.dataset import ArrayDataset, batch_slices, epoch_order
 from pydtnn.data.datasets import (NAMES, REMOTE, DatasetNotFound, download_size, fetch, load, locate,
-                                  source_folders)
+                                  source_files, source_folders)
 from pydtnn.data.download import cache_dir, download, extract_tar, sha256_file
 from pydtnn.data.idx import read_idx, write_idx
 from pydtnn.data.imagenet import ImageFolder, load_imagenet, load_shards
@@ -15,7 +15,7 @@ from pydtnn.data.synthetic import SyntheticDataset, load_synthetic
 
 __all__ = [
     "ArrayDataset", "batch_slices", "epoch_order", "load", "fetch", "locate", "download_size", "DatasetNotFound",
-    "NAMES", "REMOTE", "source_folders", "read_idx", "write_idx",
+    "NAMES", "REMOTE", "source_files", "source_folders", "read_idx", "write_idx",
     "Augmentation", "AugmentedDataset", "with_augmentation", "random_crop", "random_flip", "center_crop", "normalize",
     "split_validation", "resolve_validation", "download", "cache_dir", "extract_tar", "sha256_file",
     "StreamedDataset", "ShardedArrayDataset", "ImageFolder", "SyntheticDataset",

@@ -345,6 +345,30 @@ def source_folders(name, train_path=None, test_path=None):
     return [os.fspath(f) for f in found if f is not None and os.path.isdir(f)]
 
 
+def source_files(name, train_path=None, test_path=None):
+    """([files], [folders]) dataset `name` reads, named without reading any (what a command must not
+    write over): its IDX, CIFAR or ImageNet shard files where they would be looked for, and ImageNet's
+    image folders (train/, val/), whose files it reads as it goes. Paths that do not exist are kept:
+    comparing them costs nothing."""
+    dirs = source_folders(name, train_path, test_path)
+    test_dirs = [os.fspath(test_path)] if test_path else dirs
+    files, folders = [], []
+    if name in ("mnist5k", "mnist", "fashion_mnist"):
+        for split, where in (("train", dirs[:1]), ("test", test_dirs[:1])):
+            files += [os.path.join(d, stem + gz) for d in where for stem in IDX_FILES[split] for gz in ("", ".gz")]
+    elif name in cifar.LAYOUTS:
+        spec = cifar.LAYOUTS[name]
+        for split, where in (("train", dirs[:1]), ("test", test_dirs[:1])):
+            for d in where:  # the files, directly or in the archive's folder
+                files += [os.path.join(base, f) for base in (d, os.path.join(d, spec["folder"])) for f in spec[split]]
+    elif name == "imagenet":
+        for d in {*dirs, *test_dirs}:
+            files += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".npy")]
+            folders += [os.path.join(d, sub) for sub in ("train", "val") if os.path.isdir(os.path.join(d, sub))]
+        folders += [os.fspath(test_path)] if test_path and os.path.isdir(test_path) else []
+    return files, folders
+
+
 def download_size(name):
     """Bytes to download for dataset `name` (None if a size is not known); ConfigError if it has none."""
     _check_downloadable(name)

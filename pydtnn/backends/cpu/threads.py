@@ -37,6 +37,9 @@ BLAS_THREADS = 1  # threads BLAS may use inside one chunk: the pool, not BLAS, s
 # the most threads a count may ask for per core this process may use: more only contend for the same cores,
 # and a count in the thousands starts more threads than the system lets a process have
 THREADS_PER_CORE = 4
+# ... but never fewer than this: oversubscribed settings that ran before (an OMP_NUM_THREADS=16 inherited by a
+# process bound to 2 cores) still run; only counts that cannot (thousands of threads) are refused
+MIN_THREADS_CAP = 64
 
 
 def usable_cores():
@@ -48,9 +51,11 @@ def usable_cores():
 
 
 def max_threads():
-    """(the largest thread count accepted, why): THREADS_PER_CORE x the cores this process may use."""
+    """(the largest thread count accepted, why): THREADS_PER_CORE x the cores this process may use, at least
+    MIN_THREADS_CAP."""
     cores = usable_cores()
-    return THREADS_PER_CORE * cores, f"{THREADS_PER_CORE} per core, and this process may use {cores}"
+    return (max(THREADS_PER_CORE * cores, MIN_THREADS_CAP),
+            f"{THREADS_PER_CORE} per core, and this process may use {cores}; never fewer than {MIN_THREADS_CAP}")
 
 
 def check_threads(n, source):
