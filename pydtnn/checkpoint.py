@@ -144,7 +144,8 @@ def fingerprint(model):
 
 def write_json_atomic(path, obj):
     """Write `obj` as JSON to `path` via a synced temporary file and a rename (creates the folder)."""
-    files.write_atomic(path, (json.dumps(obj, indent=1, default=_json_default) + "\n").encode("utf-8"), make_folder=True)
+    text = json.dumps(obj, indent=1, default=_json_default) + "\n"
+    files.write_atomic(path, text.encode("utf-8"), make_folder=True)
 
 
 def _serialize(arrays, to_numpy):

@@ -49,7 +49,8 @@ def read_metrics(path):
     for record, key in plotted:
         value = record.get(key)
         if not (value is None and key != "epoch") and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise DataError(f"{path}: {key} {str(value)[:60]!r} in the record of epoch {str(record.get('epoch'))[:20]}; "
+            epoch = str(record.get("epoch"))[:20]
+            raise DataError(f"{path}: {key} {str(value)[:60]!r} in the record of epoch {epoch}; "
                             f"expected a number{'' if key == 'epoch' else ' or null'}")
     return epochs, (finals[-1] if finals else None)
 

@@ -50,9 +50,10 @@ def resumed_config(directory, given=None, notes=None):
     and wherever it has been moved since), or into the checkpoint_dir given now (a fork). A path from
     a checkpoint is never trusted as a place to write: an output file that was inside the old
     checkpoint directory moves with it (unless a link in the checkpoint leads it out), any other goes
-    back to its default, and `notes` (a list, when given) receives a line saying so. `given` ({flag: value} set now) are left out, as
-    the caller sets them. An evaluation (evaluate_only given) inherits no output file: it would
-    replace the run's own metrics with its one record.
+    back to its default, and `notes` (a list, when given) receives a line saying so. `given` ({flag:
+    value} set now) are left out, as the caller sets them. An evaluation (evaluate_only given) inherits
+    no output file: it would replace the run's own metrics with its one record. A model file is never
+    taken from a checkpoint: without --model_file given, its checkpoint is refused (ConfigError).
     """
     given = given or {}
     config = saved_config(directory)
@@ -707,7 +708,8 @@ def save_checkpoint(directory, trainer, epoch, config, effective=None):
         return
     # a readable copy of the configuration, written with the checkpoint (never before a run has one); it
     # is a valid --config file: load_config_file skips the "effective" values computed from the flags
-    checkpoint.write_json_atomic(os.path.join(directory, checkpoint.CONFIG_FILE), {**config, "effective": effective or {}})
+    checkpoint.write_json_atomic(os.path.join(directory, checkpoint.CONFIG_FILE),
+                                 {**config, "effective": effective or {}})
 
 
 def reducer_state(trainer):
