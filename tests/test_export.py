@@ -222,12 +222,17 @@ def assert_user_error(r, *words):
         assert w in lines[0], (w, lines[0])
 
 
-def test_cli_from_a_checkpoint(tmp_path):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "net.onnx"
-    train = subprocess.run([sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--num_epochs", "1",
-                            "--steps_per_epoch", "2", "--batch_size", "16", "--checkpoint_dir", str(ckpt),
+def train_checkpoint(ckpt, model, batch):
+    """Two steps of pydtnn-train on the embedded digits, checkpointed into ckpt."""
+    train = subprocess.run([sys.executable, "-m", "pydtnn", "--model", model, "--num_epochs", "1",
+                            "--steps_per_epoch", "2", "--batch_size", str(batch), "--checkpoint_dir", str(ckpt),
                             "--progress", "false"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert train.returncode == 0, train.stderr[-3000:]
+
+
+def test_cli_from_a_checkpoint(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "net.onnx"
+    train_checkpoint(ckpt, "simplecnn", 16)
     r = export_cli(out, "--checkpoint", ckpt)
     assert r.returncode == 0, r.stderr
     assert "simplecnn" in r.stdout
@@ -543,10 +548,7 @@ def test_cli_trained_checkpoint_with_preprocessing(tmp_path):
     from pydtnn.data.pad import PaddedDataset
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "net.onnx"
-    train = subprocess.run([sys.executable, "-m", "pydtnn", "--model", "resnet20", "--num_epochs", "1",
-                            "--steps_per_epoch", "2", "--batch_size", "8", "--checkpoint_dir", str(ckpt),
-                            "--progress", "false"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert train.returncode == 0, train.stderr[-3000:]
+    train_checkpoint(ckpt, "resnet20", 8)
     r = export_cli(out, "--checkpoint", ckpt, "--with_preprocessing")
     assert r.returncode == 0, r.stderr
     assert "uint8 NCHW (N, 1, 28, 28): mnist5k images" in r.stdout
