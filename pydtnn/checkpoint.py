@@ -38,7 +38,7 @@ FORMAT = "pydtnn-checkpoint"
 FORMAT_VERSION = 1
 MODEL_FILE, OPTIMIZER_FILE, META_FILE = "model.safetensors", "optimizer.safetensors", "meta.json"
 TENSOR_FILES = (MODEL_FILE, OPTIMIZER_FILE)
-CONFIG_FILE = "config.json"  # the run's configuration, written beside a checkpoint by pydtnn.run (not part of one)
+CONFIG_FILE = "config.json"  # the run's configuration, written beside a checkpoint by pydtnn.resume (not part of one)
 ALL_FILES = (*TENSOR_FILES, META_FILE, CONFIG_FILE)  # what a checkpoint directory holds, each also as NAME.tmp
 TMP = files.TMP  # NAME.tmp: written but not yet renamed; a crash's leftovers are finished or discarded
 
@@ -664,7 +664,7 @@ MAX_COUNT = 2**53  # epochs and steps: exact in a float64, as JSON readers elsew
 
 
 def check_training_meta(meta, where, generator=None, states=None):
-    """DataError naming `where` and the key unless `meta` is what pydtnn.run.save_checkpoint writes.
+    """DataError naming `where` and the key unless `meta` is what pydtnn.resume.save_checkpoint writes.
 
     Required: epoch, rng, base_lr, schedules, callbacks, history; checked when present: config,
     step, world_size (older checkpoints may lack them). generator: the RNG that meta["rng"] will be

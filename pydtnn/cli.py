@@ -137,11 +137,17 @@ def program_name(argv0=None):
 
 def build_parser(suppress_defaults=False):
     """The parser; with suppress_defaults, parse_args returns only the flags actually given."""
-    from pydtnn import data, losses, metrics, optim
-    from pydtnn.models.families import DEFAULT_LR
-
     p = Parser(prog=program_name(), description="Train and evaluate a model with pydtnn.", allow_abbrev=False,
                argument_default=argparse.SUPPRESS if suppress_defaults else None)
+    for add in (_model_and_data_flags, _optimizer_flags, _parallel_flags, _device_and_output_flags):
+        add(p)
+    return p
+
+
+def _model_and_data_flags(p):
+    """The model, its batch and epochs, and the data (PyDTNN's names)."""
+    from pydtnn import data
+
     f = p.flag
 
     g = p.add_argument_group("model")
@@ -177,6 +183,15 @@ def build_parser(suppress_defaults=False):
     f(g, "validation_split", type=fraction, default=0.0, help="fraction of the training set held out for validation")
     f(g, "test_as_validation", type=parse_bool, default=False, help="validate on the test set after every epoch")
     _add_dataset_flags(p, g)
+
+
+
+def _optimizer_flags(p):
+    """The optimizer, its loss and metrics, and the learning-rate schedules and callbacks."""
+    from pydtnn import losses, metrics, optim
+    from pydtnn.models.families import DEFAULT_LR
+
+    f = p.flag
 
     g = p.add_argument_group("optimizer")
     f(g, "optimizer", default="sgd", choices=optim.NAMES, help="default sgd")
@@ -214,6 +229,12 @@ def build_parser(suppress_defaults=False):
     f(g, "stop_at_loss_metric", default="val_accuracy", help="default val_accuracy")
     f(g, "stop_at_loss_threshold", type=float, default=0.0, help="default 0")
     f(g, "model_checkpoint_save_freq", type=positive_int, default=1, help="epochs between checkpoints (default 1)")
+
+
+
+def _parallel_flags(p):
+    """Data, model and hybrid parallelism, and how gradients are reduced."""
+    f = p.flag
 
     g = p.add_argument_group("parallel")
     f(g, "parallel", choices=("sequential", "data", "model", "hybrid"), default=None,
@@ -265,6 +286,12 @@ def build_parser(suppress_defaults=False):
       help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice; at most "
            "4 per core this process may use and at least 64, at any process count)")
 
+
+
+def _device_and_output_flags(p):
+    """The CPU and GPU backends, the performance model, tracing, and what a run writes."""
+    f = p.flag
+
     g = p.add_argument_group("CPU")
     f(g, "conv_autotune", type=parse_bool, default=None,
       help="time each convolution shape's eligible algorithms on this machine and use the fastest, cached "
@@ -304,7 +331,6 @@ def build_parser(suppress_defaults=False):
       help="let a new run replace the checkpoint already in --checkpoint_dir (refused otherwise)")
     f(g, "config", default=None, help="YAML or JSON file of flag values; command-line flags override it")
     f(g, "progress", type=parse_bool, default=True, help="show progress bars (default true)")
-    return p
 
 
 def _add_dataset_flags(p, g):
@@ -394,7 +420,7 @@ def parse_args(argv=None):
     if args.config:
         layered.update(load_config_file(args.config, parser))
     if args.resume:
-        from pydtnn.run import resumed_config
+        from pydtnn.resume import resumed_config
 
         layered.update(check_values(resumed_config(args.resume, given, notes), parser, f"checkpoint {args.resume}"))
     for k, v in layered.items():
@@ -450,7 +476,7 @@ def _profiled(fn, args):
 
     from pydtnn.distributed.launch import launched_rank, launched_size
     from pydtnn.files import write_atomic
-    from pydtnn.run import profile_path
+    from pydtnn.preflight import profile_path
 
     prof = cProfile.Profile()
     prof.runcall(fn, args)  # a run that fails writes no profile: it checked its outputs, and wrote none

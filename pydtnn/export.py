@@ -621,7 +621,7 @@ def recorded_data_shape(directory):
 
     from pydtnn.checkpoint import CONFIG_FILE
 
-    path = os.path.join(directory, CONFIG_FILE)  # written beside the checkpoint by pydtnn.run.save_checkpoint
+    path = os.path.join(directory, CONFIG_FILE)  # written beside the checkpoint by pydtnn.resume.save_checkpoint
     try:
         raw = read_bytes(path, "checkpoint configuration", CONFIG_LIMIT, DataError)
     except FileNotFoundError:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from pydtnn import checkpoint, optim, run
+from pydtnn import checkpoint, optim
+from pydtnn import resume as run
 from pydtnn.backends import CPUBackend
 from pydtnn.callbacks import EarlyStopping
 from pydtnn.errors import ConfigError, DataError, PydtnnError, ShapeError
@@ -337,7 +338,7 @@ def trainer_of(model, opt, seed=0):
 
 
 def saved_run(directory):
-    """A trainer after two epochs, saved as the command line saves it (run.save_checkpoint)."""
+    """A trainer after two epochs, saved as the command line saves it (resume.save_checkpoint)."""
     m = tiny()
     t = trainer_of(m, optim.create("sgd", m.parameters(), lr=0.05, momentum=0.9))
     train(m, t.optimizer)

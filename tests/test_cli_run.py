@@ -127,7 +127,7 @@ def test_weights_file_reproduces_evaluation(tmp_path):
 def test_history_plot_trace_and_profile(tmp_path):
     r = cli("--num_epochs", "2", *FAST, "--validation_split", "0.1", "--history_file", tmp_path / "h.csv",
             "--metrics_file", tmp_path / "m.jsonl", "--tracing", "--tracer_output", tmp_path / "t.json", "--evaluate")
-    assert "before training" in r.stderr and "% of steps" in r.stderr
+    assert r.stdout.startswith("before training: ") and "% of steps" in r.stderr  # results on stdout
     rows = list(csv.DictReader(open(tmp_path / "h.csv")))
     assert [row["epoch"] for row in rows] == ["1", "2"] and float(rows[0]["val_loss"]) > 0
     events = json.load(open(tmp_path / "t.json"))["traceEvents"]

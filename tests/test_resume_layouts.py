@@ -2,7 +2,7 @@
 
 Each rank's residual (and, with momentum correction, its velocity) is saved as one row per rank; at the
 saved count each rank takes its own row back, at another count rank 0 takes the sum of the rows and the
-other ranks zeros (pydtnn/run.py, restore_reducer). Multi-process runs use the mpiexec next to the Python
+other ranks zeros (pydtnn/resume.py, restore_reducer). Multi-process runs use the mpiexec next to the Python
 in use, as subprocesses with a timeout.
 """
 
@@ -36,7 +36,7 @@ def _topk(momentum):
 def test_restore_gives_rank_0_the_sum_of_the_rows_at_another_process_count(momentum):
     """Rows saved by 2 ranks: at 2 ranks each takes its own; at 3 rank 0 takes their sum and the others zeros,
     so that the sum over the ranks, what the reduction will yet send, is the same."""
-    from pydtnn import run
+    from pydtnn import resume as run
 
     names = ("residual", "velocity") if momentum else ("residual",)
     n = _topk(momentum).residual.size
@@ -55,7 +55,7 @@ def test_restore_gives_rank_0_the_sum_of_the_rows_at_another_process_count(momen
 
 def test_a_run_without_a_reducer_says_it_drops_the_saved_residuals():
     """One process reduces nothing: the residuals two ranks had not sent cannot go on, and the run says so."""
-    from pydtnn import run
+    from pydtnn import resume as run
 
     said = []
     trainer = types.SimpleNamespace(reducer=None, log=said.append, comm=types.SimpleNamespace(rank=0, size=1))
