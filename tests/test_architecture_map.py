@@ -50,3 +50,16 @@ def test_the_architecture_map_matches_the_package_tree():
     mapped, tree = mapped_paths(), tree_paths()
     assert sorted(tree - mapped) == [], "files missing from docs/architecture.md's map"
     assert sorted(mapped - tree) == [], "files in docs/architecture.md's map that do not exist"
+
+
+def test_no_function_of_the_package_is_over_80_lines():
+    """A function a reader takes in at once: over 80 lines, split it into named steps (run(), build_parser())."""
+    import ast
+
+    long = []
+    for path in sorted((ROOT / "pydtnn").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 80:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({size} lines)")
+    assert long == [], long

@@ -577,31 +577,8 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
     previous = runtime.configured()
     repeats = STREAM_REPEATS // 2 if quick else STREAM_REPEATS
 
-    links, probe = dict(base.links), None  # the probe first: a broken MPI fails before minutes of timing
-    processes_per_node = base.processes_per_node
-    if mpi:
-        progress(f"MPI probe: mpiexec -n {np_} ({level} link)")
-        probe = run_mpi_probe(np_, quick=quick, timeout=mpi_timeout)
-        sizes, seconds = zip(*probe["pingpong"])
-        try:
-            alpha, beta = fit_alpha_beta(sizes, seconds)
-        except ValueError as e:
-            raise PydtnnError(f"the MPI probe's ping-pong times give no {level} link: {e}") from None
-        links[level] = Link(latency_s=alpha, bandwidth_bytes_per_s=1.0 / beta)
-        progress(f"{level} link: latency {alpha * 1e6:.2f} us, bandwidth {1 / beta / 1e9:.3f} GB/s")
-        if level == "intra":
-            processes_per_node = np_
-    crowded = None
-    if mpi and level == "intra":
-        work = burst_work()
-        ranks = 2 * cores()
-        progress(f"MPI probe, oversubscribed: mpiexec -n {ranks} on {cores()} cores, bursts of "
-                 f"{BURST_S * 1e3:g} ms ({work} units)")
-        crowded = run_mpi_probe(ranks, quick=quick, timeout=mpi_timeout,
-                                extra=("--oversubscribed", "--burst_work", str(work)))
-        crowded["burst_s"] = BURST_S
-        progress(f"oversubscribed: {crowded['collective_s'] * 1e3:.2f} ms per collective "
-                 f"({crowded['with_s'] * 1e3:.2f} ms a burst with one, {crowded['without_s'] * 1e3:.2f} without)")
+    # the probe first: a broken MPI fails before minutes of timing
+    links, processes_per_node, probe, crowded = _measure_network(np_, level, base, quick, mpi, mpi_timeout, progress)
 
     runtime.configure(threads=1)
     progress("fixed costs: trainer steps of a tiny model at batch 1, 1 thread")
@@ -626,16 +603,7 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
         if previous is not None:
             runtime.configure(threads=previous["threads"])
 
-    scaling = dict(base.thread_scaling)
-    by_class = {k: dict(v) for k, v in base.thread_scaling_by_class.items()}
-    serial = dict(base.thread_serial_s)
-    for t in threads[1:]:
-        classes, serial[t] = thread_fit(timings[1], timings[t], small_timings[1], small_timings[t], t)
-        scaling[t] = statistics.median(classes[k] for k in KERNEL_CLASSES)
-        for k in KERNEL_CLASSES:
-            by_class.setdefault(k, {1: 1.0})[t] = classes[k]
-        progress(f"{t} threads: {serial[t] * 1e6:.0f} us of each kernel call serial; speed-up beyond it "
-                 + ", ".join(f"{k} {classes[k]:.2f}" for k in KERNEL_CLASSES))
+    scaling, by_class, serial = _thread_scaling(base, threads, timings, small_timings, progress)
 
     if probe is not None:
         try:
@@ -658,6 +626,51 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
                       thread_scaling=scaling, memory_bandwidth=bandwidth, reduce_rate=gamma_rate, links=links,
                       thread_scaling_by_class=by_class, thread_serial_s=serial, overheads=fixed)
     return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate, fixed_detail, crowded, small_timings)
+
+
+def _measure_network(np_, level, base, quick, mpi, mpi_timeout, progress):
+    """(links, processes per node, the probe's report or None, the oversubscribed probe's or None): the MPI
+    ping-pong's alpha-beta link at `level`, and with level intra the cost of a collective among more ranks
+    than cores. mpi=False keeps the base's links."""
+    links, processes_per_node, probe, crowded = dict(base.links), base.processes_per_node, None, None
+    if not mpi:
+        return links, processes_per_node, probe, crowded
+    progress(f"MPI probe: mpiexec -n {np_} ({level} link)")
+    probe = run_mpi_probe(np_, quick=quick, timeout=mpi_timeout)
+    sizes, seconds = zip(*probe["pingpong"])
+    try:
+        alpha, beta = fit_alpha_beta(sizes, seconds)
+    except ValueError as e:
+        raise PydtnnError(f"the MPI probe's ping-pong times give no {level} link: {e}") from None
+    links[level] = Link(latency_s=alpha, bandwidth_bytes_per_s=1.0 / beta)
+    progress(f"{level} link: latency {alpha * 1e6:.2f} us, bandwidth {1 / beta / 1e9:.3f} GB/s")
+    if level != "intra":
+        return links, processes_per_node, probe, crowded
+    work, ranks = burst_work(), 2 * cores()
+    progress(f"MPI probe, oversubscribed: mpiexec -n {ranks} on {cores()} cores, bursts of "
+             f"{BURST_S * 1e3:g} ms ({work} units)")
+    crowded = run_mpi_probe(ranks, quick=quick, timeout=mpi_timeout,
+                            extra=("--oversubscribed", "--burst_work", str(work)))
+    crowded["burst_s"] = BURST_S
+    progress(f"oversubscribed: {crowded['collective_s'] * 1e3:.2f} ms per collective "
+             f"({crowded['with_s'] * 1e3:.2f} ms a burst with one, {crowded['without_s'] * 1e3:.2f} without)")
+    return links, np_, probe, crowded
+
+
+def _thread_scaling(base, threads, timings, small_timings, progress):
+    """(median speed-up per thread count, per kernel class, serial seconds per call): each count beyond one
+    fitted against one thread's timings; the base's values kept for counts not measured."""
+    scaling = dict(base.thread_scaling)
+    by_class = {k: dict(v) for k, v in base.thread_scaling_by_class.items()}
+    serial = dict(base.thread_serial_s)
+    for t in threads[1:]:
+        classes, serial[t] = thread_fit(timings[1], timings[t], small_timings[1], small_timings[t], t)
+        scaling[t] = statistics.median(classes[k] for k in KERNEL_CLASSES)
+        for k in KERNEL_CLASSES:
+            by_class.setdefault(k, {1: 1.0})[t] = classes[k]
+        progress(f"{t} threads: {serial[t] * 1e6:.0f} us of each kernel call serial; speed-up beyond it "
+                 + ", ".join(f"{k} {classes[k]:.2f}" for k in KERNEL_CLASSES))
+    return scaling, by_class, serial
 
 
 def summary(machine, report, base_name):

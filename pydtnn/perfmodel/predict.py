@@ -147,13 +147,9 @@ def allreduce_seconds(nbytes, p, machine, algorithm, level=None):
     return collectives.seconds("allreduce", algorithm, nbytes, p, machine, level=level)
 
 
-def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
-            optimizer="sgd_momentum", bucket_mb=25.0, first_bucket_mb=1.0, parallel="data", name=None,
-            model_parallel_size=None, density=0.01):
-    """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
-    model replica (per process with data parallelism) over np processes, each with `threads` threads, on
-    `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
-    model_parallel_size (perfmodel/split.py)."""
+def _check_arguments(parallel, reduction, progress, optimizer, algorithm, **counts):
+    """ConfigError naming the first of predict's arguments that is not one of its choices, or, among counts,
+    not a positive integer."""
     if parallel not in PARALLEL:
         raise ConfigError(f"parallel={parallel!r}; expected one of {', '.join(PARALLEL)}")
     for what, value, allowed in (("reduction", reduction, REDUCTIONS), ("progress", progress, PROGRESS),
@@ -163,10 +159,19 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     if algorithm != "best" and algorithm not in collectives.algorithms("allreduce"):
         raise ConfigError(f"algorithm={algorithm!r}; expected best or one of "
                           f"{', '.join(collectives.algorithms('allreduce'))}")
-    for what, value in (("batch_size", batch_size), ("np", np), ("threads", threads)):
+    for what, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{what}={value!r}; expected a positive integer")
 
+
+def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
+            optimizer="sgd_momentum", bucket_mb=25.0, first_bucket_mb=1.0, parallel="data", name=None,
+            model_parallel_size=None, density=0.01):
+    """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
+    model replica (per process with data parallelism) over np processes, each with `threads` threads, on
+    `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
+    model_parallel_size (perfmodel/split.py)."""
+    _check_arguments(parallel, reduction, progress, optimizer, algorithm, batch_size=batch_size, np=np, threads=threads)
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
     replicas = np // m
     steps = plan(model, m) if m > 1 else []
