@@ -14,11 +14,13 @@ create_model has a zoo builder's contract (models/__init__.py): it returns the l
 list, a dict or a Sequential (models.layers(name, input_shape, num_classes) gives a zoo model's, to
 change), and `load` builds them as models.create does, so checkpoints, state dicts and export treat
 the model as any other. The file runs as a module of its own (its `if __name__ == "__main__":` part
-does not run), from the bytes read once; it is the user's code, run as Python runs a script. Every
-mistake in it is a ConfigError of one line naming the file, and the line where the file's own code
+does not run): the bytes read once, imported through importlib as any module is; it is the user's code,
+run only when the user names it (never from a checkpoint or a file of values). Every mistake in it is a ConfigError of one line naming the file, and the line where the file's own code
 failed: pydtnn-train exits with code 2.
 """
 
+import importlib.abc
+import importlib.util
 import inspect
 import os
 import sys
@@ -74,23 +76,43 @@ def _read(path):
         raise ConfigError(f"model file {path} does not exist; expected {CONTRACT}") from None
 
 
+class _ReadSource(importlib.abc.InspectLoader):
+    """importlib's loader for a file's source already read (safely, once, by files.read_bytes): it is
+    compiled once, imported as any module is, and no bytecode is written beside it."""
+
+    def __init__(self, filename, source):
+        self.filename, self.source, self.code = filename, source, None
+
+    def is_package(self, fullname):
+        return False
+
+    def get_source(self, fullname):
+        return importlib.util.decode_source(self.source)
+
+    def get_code(self, fullname):
+        if self.code is None:
+            self.code = self.source_to_code(self.source, self.filename)
+        return self.code
+
+
 def _run(path, filename, source):
-    """The file's module, its top level run."""
+    """The file's module, imported (its top level run) under a name no real module has."""
+    name = MODULE_PREFIX + _stem(path)
+    loader = _ReadSource(filename, source)
     try:
-        code = compile(source, filename, "exec", dont_inherit=True)
+        loader.get_code(name)
     except SyntaxError as e:
         line = f":{e.lineno}" if e.lineno else ""
         raise ConfigError(f"model file {path}{line}: {type(e).__name__}: {_one_line(e.msg)}; expected Python "
                           f"source") from None
     except ValueError as e:  # null bytes (Python 3.11)
         raise ConfigError(f"model file {path} is not Python source: {_one_line(e)}") from None
-    module = types.ModuleType(MODULE_PREFIX + _stem(path))
-    module.__file__ = filename
-    sys.modules[module.__name__] = module  # where classes defined in it are looked up (dataclasses, inspect)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, filename, loader=loader))
+    sys.modules[name] = module  # where classes defined in it are looked up (dataclasses, inspect)
     try:
-        exec(code, module.__dict__)  # noqa: S102 (the user's own file, run as Python runs a script)
+        loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 (the file's code may raise anything: the user's mistake)
-        sys.modules.pop(module.__name__, None)
+        sys.modules.pop(name, None)
         raise _user_error(path, filename, e, "running it raised", always=True) from None
     return module
 
