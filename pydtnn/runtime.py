@@ -89,8 +89,8 @@ def gomp_loaded():
 def _warn_gomp_loaded(spincount, threads):
     """libgomp came in before configure (another library, such as torch, imported first): its threads keep
     spinning about 8 ms after each compiled kernel, on the cores the pool's threads need next. Measured on a
-    1x1 convolution at two threads: no faster than one (2.9 ms forward either way), against 1.9 ms when
-    configure came first (docs/performance.md)."""
+    1x1 convolution at two threads on a 2-core Intel Xeon VM with AVX-512: no faster than one (2.9 ms
+    forward either way), against 1.9 ms when configure came first (docs/performance.md)."""
     if threads > 1:
         warnings.warn(f"pydtnn.runtime.configure: libgomp was loaded before GOMP_SPINCOUNT could be set (another "
                       f"library, such as torch, was imported first), so {threads} threads may run no faster than "

@@ -11,8 +11,8 @@ whose layers can be replaced or inserted by path before a Model builds it (docs/
     tree.replace("relu", PReLU())                       # the stem's ReLU
     model = Model(tree, (3, 32, 32), backend, name="resnet20_prelu")
 
-A model of the user's own, from a Python file, is built the same way by models/model_file.py. Defaults come from the dataset the architecture
-was designed for: *_imagenet models take 3x224x224 (Inception v3: 3x299x299) and 1000 classes,
+A model of the user's own, from a Python file, is built the same way by models/model_file.py.
+Defaults come from the dataset the architecture was designed for: *_imagenet models take 3x224x224 (Inception v3: 3x299x299) and 1000 classes,
 *_cifar10 models 3x32x32 and 10 classes. The ImageNet models reproduce torchvision's architectures
 and state-dict names, so torchvision weights load (see models/convert.py). docs/models.md lists
 every model with its parameters and FLOPs.
