@@ -53,7 +53,7 @@ sys.path.insert(0, HERE)
 import numpy as np
 import perfmodel_validation as validation
 
-from pydtnn.perfmodel.calibrate import mpiexec_path
+from pydtnn.perfmodel.mpi_links import mpiexec_path
 
 MODELS = ("vgg11bn_cifar10", "resnet20_cifar10", "simplecnn")
 NETWORKS = ("unlimited", "1gbit", "200mbit")

@@ -65,7 +65,8 @@ sys.path.insert(0, HERE)
 from netem import parse_rate
 from train_step import busy_seconds, own_seconds, wait_idle
 
-from pydtnn.perfmodel.calibrate import cores, cpu_model, mpiexec_path
+from pydtnn.perfmodel.calibrate import cores, cpu_model
+from pydtnn.perfmodel.mpi_links import mpiexec_path
 
 NETEM = os.path.join(HERE, "netem.py")
 MODELS = ("simplecnn", "resnet20_cifar10", "vgg11bn_cifar10", "mobilenetv1_cifar10")

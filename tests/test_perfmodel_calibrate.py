@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pydtnn.errors import PydtnnError
-from pydtnn.perfmodel import calibrate
+from pydtnn.perfmodel import calibrate, kernel_timing, mpi_links, overheads
 from pydtnn.perfmodel.cli import main
 from pydtnn.perfmodel.machine import DEFAULT, KERNEL_CLASSES, Link, load, save
 
@@ -20,14 +20,14 @@ SIZES = [8 * 4**k for k in range(12)] + [16 << 20]
 def test_fit_alpha_beta_recovers_exact_line():
     alpha, beta = 4e-6, 1 / 3e9  # 4 us, 3 GB/s
     times = [alpha + n * beta for n in SIZES]
-    got = calibrate.fit_alpha_beta(SIZES, times)
+    got = mpi_links.fit_alpha_beta(SIZES, times)
     assert got == pytest.approx((alpha, beta), rel=1e-9)
 
 
 def test_fit_alpha_beta_with_noise_keeps_the_small_messages_latency():
     alpha, beta = 2e-5, 1 / 1.25e8  # 20 us, 1 Gbit/s
     noise = np.random.default_rng(0).uniform(0.97, 1.03, len(SIZES))
-    got_alpha, got_beta = calibrate.fit_alpha_beta(SIZES, [(alpha + n * beta) * e for n, e in zip(SIZES, noise)])
+    got_alpha, got_beta = mpi_links.fit_alpha_beta(SIZES, [(alpha + n * beta) * e for n, e in zip(SIZES, noise)])
     assert got_alpha == pytest.approx(alpha, rel=0.05)
     assert got_beta == pytest.approx(beta, rel=0.05)
 
@@ -35,7 +35,7 @@ def test_fit_alpha_beta_with_noise_keeps_the_small_messages_latency():
 def test_fit_alpha_beta_clamps_a_negative_latency_to_zero():
     beta = 1e-9
     times = [n * beta * (0.8 if n == 8 else 1.0) for n in SIZES]  # the smallest message faster than the line
-    alpha, got_beta = calibrate.fit_alpha_beta(SIZES, times)
+    alpha, got_beta = mpi_links.fit_alpha_beta(SIZES, times)
     assert alpha == 0.0
     assert got_beta == pytest.approx(beta, rel=0.05)
 
@@ -48,7 +48,7 @@ def test_fit_alpha_beta_clamps_a_negative_latency_to_zero():
 ])
 def test_fit_alpha_beta_rejects_bad_data(sizes, times, match):
     with pytest.raises(ValueError, match=match):
-        calibrate.fit_alpha_beta(sizes, times)
+        mpi_links.fit_alpha_beta(sizes, times)
 
 
 @pytest.mark.parametrize("op", ["allgather", "reduce_scatter", "allreduce"])
@@ -58,7 +58,7 @@ def test_fit_collective_recovers_the_link_the_ring_formula_was_given(op, p):
 
     alpha, beta, gamma = 3e-5, 1 / 2.5e9, 1 / 1e10
     times = [FORMULAS[op]["ring"](n, p, alpha, beta, gamma) for n in SIZES]
-    link = calibrate.fit_collective(op, p, SIZES, times, gamma)
+    link = mpi_links.fit_collective(op, p, SIZES, times, gamma)
     assert link.latency_s == pytest.approx(alpha, rel=1e-6) and link.beta == pytest.approx(beta, rel=1e-6)
 
 
@@ -67,13 +67,13 @@ def test_fit_collective_by_hand():
     beta = (4.3e-4 - 2e-5) / (2**20 - 4) s/byte (2.557 GB/s) and alpha = 2e-5 - 4 beta. A reduce-scatter over
     2 adds (n / 2) gamma: the same times with gamma = 1e-10 leave beta - 1e-10."""
     beta = (4.3e-4 - 2e-5) / (2**20 - 4)
-    link = calibrate.fit_collective("allgather", 2, [8, 2 << 20], [2e-5, 4.3e-4], gamma=1e-10)
+    link = mpi_links.fit_collective("allgather", 2, [8, 2 << 20], [2e-5, 4.3e-4], gamma=1e-10)
     assert link.beta == pytest.approx(beta, rel=1e-9) and link.latency_s == pytest.approx(2e-5 - 4 * beta, rel=1e-9)
-    scatter = calibrate.fit_collective("reduce_scatter", 2, [8, 2 << 20], [2e-5, 4.3e-4], gamma=1e-10)
+    scatter = mpi_links.fit_collective("reduce_scatter", 2, [8, 2 << 20], [2e-5, 4.3e-4], gamma=1e-10)
     assert scatter.beta == pytest.approx(beta - 1e-10, rel=1e-9)
     with pytest.raises(ValueError, match="no more than its reductions"):
-        calibrate.fit_collective("reduce_scatter", 2, [8, 2 << 20], [2e-5, 4.3e-4], gamma=1e-8)
-    assert calibrate.collective_links({"np": 2, "pingpong": [], "allreduce": []}, 1e-10) == {}  # an older probe
+        mpi_links.fit_collective("reduce_scatter", 2, [8, 2 << 20], [2e-5, 4.3e-4], gamma=1e-8)
+    assert mpi_links.collective_links({"np": 2, "pingpong": [], "allreduce": []}, 1e-10) == {}  # an older probe
 
 
 def _span(name, cat, ts, dur, tid):
@@ -91,32 +91,32 @@ def test_fixed_costs_from_a_trace_by_hand():
                    _span("b", "forward", start + 50, bf, 0), _span("b", "backward", start + 100, bb, 0),
                    _span("a", "backward", start + 200, ab, 0), _span("optimizer", "optimizer", start + 300, opt, 1),
                    _span("data", "data", start, 5, 1)]  # the trainer's phases other than the optimizer: the rest
-    fixed, detail = calibrate.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=1)
+    fixed, detail = overheads.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=1)
     assert fixed.layer_forward_s == pytest.approx(16e-6) and fixed.layer_backward_s == pytest.approx(36e-6)
     assert fixed.parameter_s == pytest.approx(11e-6) and fixed.step_s == pytest.approx(952e-6)
     assert detail["steps"] == 2 and detail["step_s"] == pytest.approx(1100e-6)
     # by kind, a and b being of different kinds: a's forward median(10, 14) = 12, backward 32; b's 20 / 40
-    fixed, _ = calibrate.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=1, kinds={"a": "ReLU", "b": "Dense"})
+    fixed, _ = overheads.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=1, kinds={"a": "ReLU", "b": "Dense"})
     assert set(fixed.layer_calls) == {"ReLU", "Dense"}
     assert fixed.call_s("ReLU") == pytest.approx((12e-6, 32e-6)) and fixed.call_s("Dense") == pytest.approx((20e-6, 40e-6))
     assert fixed.layer_forward_s == pytest.approx(16e-6) and fixed.call_s("Conv2D") == pytest.approx((16e-6, 36e-6))
     with pytest.raises(RuntimeError, match="0 steps after 3 warm-up"):
-        calibrate.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=3)
+        overheads.fixed_costs_from_trace(events, ["a", "b"], 4, warm_up=3)
 
 
 def test_a_rate_leaves_out_the_fixed_cost_of_the_calls():
     """1e6 FLOPs in 1.1 ms, of which 0.1 ms are the two calls: 1e6 / 1e-3 = 1 GFLOP/s."""
-    t = calibrate.Timing("x", "gemm", None, flops=10**6, bytes=2 * 10**6, seconds=1.1e-3, call_s=1e-4)
+    t = kernel_timing.Timing("x", "gemm", None, flops=10**6, bytes=2 * 10**6, seconds=1.1e-3, call_s=1e-4)
     assert t.rate == pytest.approx(1e9) and t.bandwidth == pytest.approx(2e9)
     with pytest.raises(RuntimeError, match="no more than the fixed cost"):
-        calibrate.Timing("y", "gemm", None, 1, 1, seconds=1e-5, call_s=2e-5)
+        kernel_timing.Timing("y", "gemm", None, 1, 1, seconds=1e-5, call_s=2e-5)
 
 
 def test_thread_fit_recovers_the_serial_part_and_the_speed_ups_it_was_given():
     """Timings made by the model itself (a call of s seconds takes a + (s - a) / S at 2 threads, a per kernel
     call) give back a and each class's S; without a serial part, S is the plain ratio of the times."""
     def timing(label, cls, seconds, phases=3):
-        return calibrate.Timing(label, cls, None, 1, 1, seconds, 0.0, phases)
+        return kernel_timing.Timing(label, cls, None, 1, 1, seconds, 0.0, phases)
 
     speed, serial = {"gemm": 1.6, "direct3x3": 1.9}, 1.2e-4
     large = [("g1", "gemm", 20e-3, 3), ("g2", "gemm", 9e-3, 2), ("d1", "direct3x3", 7e-3, 3)]
@@ -125,24 +125,24 @@ def test_thread_fit_recovers_the_serial_part_and_the_speed_ups_it_was_given():
     def at(rows, threads, a):
         return [timing(n, c, s if threads == 1 else a * p + (s - a * p) / speed[c], p) for n, c, s, p in rows]
 
-    scaling, got = calibrate.thread_fit(at(large, 1, serial), at(large, 2, serial), at(small, 1, serial),
-                                        at(small, 2, serial), 2)
+    scaling, got = kernel_timing.thread_fit(at(large, 1, serial), at(large, 2, serial), at(small, 1, serial),
+                                            at(small, 2, serial), 2)
     assert got == pytest.approx(serial, rel=1e-6) and scaling == pytest.approx(speed, rel=1e-6)
-    scaling, got = calibrate.thread_fit(at(large, 1, 0), at(large, 2, 0), at(small, 1, 0), at(small, 2, 0), 2)
+    scaling, got = kernel_timing.thread_fit(at(large, 1, 0), at(large, 2, 0), at(small, 1, 0), at(small, 2, 0), 2)
     assert got == pytest.approx(0, abs=1e-12) and scaling == pytest.approx(speed, rel=1e-9)
 
 
 def test_small_shapes_are_the_large_ones_at_a_smaller_batch():
-    small = calibrate.small_shapes()
-    large = {s.label: s for s in calibrate.shapes()}
-    assert small and all(s.batch == max(1, large[s.label.rsplit(" ", 1)[0]].batch // calibrate.SMALL_DIVISOR)
+    small = kernel_timing.small_shapes()
+    large = {s.label: s for s in kernel_timing.shapes()}
+    assert small and all(s.batch == max(1, large[s.label.rsplit(" ", 1)[0]].batch // kernel_timing.SMALL_DIVISOR)
                          for s in small)
-    assert {calibrate.Probe(s).cost.kernel_class for s in small} == {"gemm", "direct3x3", "depthwise"}
+    assert {kernel_timing.Probe(s).cost.kernel_class for s in small} == {"gemm", "direct3x3", "depthwise"}
 
 
 def test_every_kernel_class_has_a_shape_in_quick_and_full():
     for quick in (True, False):
-        classes = {calibrate.Probe(s).cost.kernel_class for s in calibrate.shapes(quick)}
+        classes = {kernel_timing.Probe(s).cost.kernel_class for s in kernel_timing.shapes(quick)}
         assert classes == set(KERNEL_CLASSES)
 
 
@@ -201,7 +201,7 @@ def test_a_hanging_probe_fails_with_a_clear_error():
     if calibrate.mpi_missing():
         pytest.skip(calibrate.mpi_missing())
     with pytest.raises(PydtnnError, match=r"did not finish in 0.2 s"):
-        calibrate.run_mpi_probe(2, quick=True, timeout=0.2)
+        mpi_links.run_mpi_probe(2, quick=True, timeout=0.2)
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -1,13 +1,19 @@
 """The performance model: predicted training time from a model, a machine and a parallel scheme.
 
-costs.py        FLOPs and bytes moved per layer and phase of a training step on the CPU backend
-machine.py      Machine, Link: a machine description (rates, bandwidths, links), read and written as YAML/JSON
-collectives.py  alpha-beta-gamma costs of allreduce, allgather, reduce-scatter and broadcast, by algorithm
-predict.py      one training step predicted: the layers' costs on a machine plus the reducer's messages
-simulate.py     pydtnn-train --simulate
-sweep.py        the five axes of Castello et al. (PDP 2021), as PNGs
-calibrate.py    the machine description measured on this machine (mpi_probe.py: the MPI part, under mpiexec)
-cli.py          the pydtnn-perfmodel command (collective, predict, sweep, calibrate)
+costs.py          FLOPs and bytes moved per layer and phase of a training step on the CPU backend
+conv_costs.py     the same for a Conv2D, one formula per convolution algorithm of the backend
+phase_cost.py     PhaseCost (FLOPs and bytes of one phase) and the window counts the formulas share
+machine.py        Machine, Link: a machine description (rates, bandwidths, links), read and written as YAML/JSON
+collectives.py    alpha-beta-gamma costs of allreduce, allgather, reduce-scatter and broadcast, by algorithm
+predict.py        one training step predicted: the layers' costs on a machine plus the reducer's messages
+simulate.py       pydtnn-train --simulate
+sweep.py          the five axes of Castello et al. (PDP 2021), as PNGs
+calibrate.py      the machine description measured on this machine, put together from the three below
+kernel_timing.py  real layers timed forward plus backward: kernel-class rates, thread scaling, bandwidths
+overheads.py      the fixed costs of layer calls, optimizer and step, from the Trainer's trace of a tiny model
+mpi_links.py      mpi_probe.py run under mpiexec, and the links fitted on its times
+mpi_probe.py      the MPI timings themselves, under mpiexec
+cli.py            the pydtnn-perfmodel command (collective, predict, sweep, calibrate)
 
 Importing this package imports nothing else; each module is imported where it is used.
 """
