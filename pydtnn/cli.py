@@ -64,6 +64,17 @@ positive_float = _number(float, 0.0, lo_open=True)
 fraction = _number(float, 0.0, hi=1.0)
 
 
+def sample_shape(text):
+    """argparse type: one sample's shape without the batch, C,H,W (or CxHxW), positive integers ("3,32,32")."""
+    try:
+        shape = tuple(int(s) for s in str(text).replace("x", ",").split(",") if s.strip())
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected C,H,W (positive integers, e.g. 3,32,32), got {text!r}")
+    return shape
+
+
 def share(text):
     """argparse type: a share of the entries, a number in (0, 1] (--density)."""
     try:

@@ -34,26 +34,15 @@ def byte_count(text):
     return value
 
 
-def image_shape(text):
-    """argparse type: C,H,W of one sample, three positive integers ("3,224,224")."""
-    try:
-        shape = tuple(int(v) for v in str(text).split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected C,H,W, three positive integers (3,224,224), got {text!r}")
-    return shape
-
-
 def add_data_flags(p):
     """--dataset, --input_shape and --num_classes: the data a model is built for, as pydtnn-train builds it."""
-    from pydtnn.cli import positive_int
+    from pydtnn.cli import positive_int, sample_shape
     from pydtnn.data import NAMES
 
     p.add_argument("--dataset", choices=NAMES,
                    help="build the model for this dataset's images and classes as pydtnn-train would (a family "
                         "name such as vgg16 takes the variant for them; nothing is read or downloaded)")
-    p.add_argument("--input_shape", type=image_shape,
+    p.add_argument("--input_shape", type=sample_shape,
                    help="C,H,W of the samples (default: --dataset's, else the model's own; a family name: its "
                         "ImageNet variant)")
     p.add_argument("--num_classes", type=positive_int, help="classes of the last layer (default: --dataset's, else "
