@@ -21,18 +21,25 @@ NAME and NAME.tmp files that its manifest names by SHA-256. So a reader takes th
 meta.json.tmp whose files are all found, under NAME or NAME.tmp, with the recorded SHA-256; anything
 else is ignored, and the next `save` finishes or discards what a crash left. One process writes a
 directory at a time (rank 0 in a parallel run).
+
+The safetensors encoding and decoding is pydtnn.safetensors_io; the RNG snapshots and the checks of
+the trainer's meta are pydtnn.checkpoint_meta, whose rng_state and set_rng_state this module re-exports.
 """
 
 import hashlib
 import json
-import math
 import os
 import time
 
 import numpy as np
 
-from pydtnn import __version__, files
+from pydtnn import __version__, files, safetensors_io
+from pydtnn.checkpoint_meta import finite, is_count, json_default, rng_state, set_rng_state
 from pydtnn.errors import ConfigError, DataError, ShapeError
+
+__all__ = ["ALL_FILES", "CONFIG_FILE", "EXTRA", "FORMAT", "FORMAT_VERSION", "META_FILE", "MODEL_FILE", "OPTIMIZER_FILE",
+           "TENSOR_FILES", "TMP", "fingerprint", "load", "load_weights", "read_manifest", "read_meta", "rng_state",
+           "save", "set_rng_state", "write_json_atomic"]  # rng_state, set_rng_state: from pydtnn.checkpoint_meta
 
 FORMAT = "pydtnn-checkpoint"
 FORMAT_VERSION = 1
@@ -43,11 +50,6 @@ ALL_FILES = (*TENSOR_FILES, META_FILE, CONFIG_FILE)  # what a checkpoint directo
 TMP = files.TMP  # NAME.tmp: written but not yet renamed; a crash's leftovers are finished or discarded
 
 _EXPECTED = f"(expected {MODEL_FILE}, {OPTIMIZER_FILE}, {META_FILE})"
-_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-# safetensors dtype -> numpy dtype (little-endian); BF16 is widened to float32 by _decode
-_NUMPY_DTYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "i1", "I16": "<i2", "I32": "<i4", "I64": "<i8",
-                 "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?"}
-_MAX_HEADER = 100_000_000  # the safetensors limit on the JSON header
 _MAX_META = 64 << 20  # meta.json holds numbers and names, never tensors: a bigger one is not ours
 _MAX_DEPTH = 100  # JSON nesting in meta.json; ours is under 10, and deeper ones exhaust the recursion limit
 _GENERIC_NAME = "model"  # Model's default name: says nothing about the architecture, so it matches any
@@ -82,8 +84,8 @@ def save(directory, model, optimizer=None, meta=None, write=True, extra=None):
     if not write:
         return None
     blobs = {
-        MODEL_FILE: _serialize(state, to_numpy),
-        OPTIMIZER_FILE: _serialize(arrays, to_numpy),
+        MODEL_FILE: safetensors_io.serialize(state, to_numpy),
+        OPTIMIZER_FILE: safetensors_io.serialize(arrays, to_numpy),
     }
     manifest = {
         "format": FORMAT,
@@ -104,7 +106,7 @@ def save(directory, model, optimizer=None, meta=None, write=True, extra=None):
         "meta": {} if meta is None else meta,
     }
     try:  # before anything touches the disk: a bad meta leaves the directory as it was
-        text = json.dumps(manifest, indent=1, default=_json_default)
+        text = json.dumps(manifest, indent=1, default=json_default)
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint meta is not JSON-serialisable: {e}") from None
     blobs[META_FILE] = text.encode("utf-8")
@@ -144,27 +146,8 @@ def fingerprint(model):
 
 def write_json_atomic(path, obj):
     """Write `obj` as JSON to `path` via a synced temporary file and a rename (creates the folder)."""
-    text = json.dumps(obj, indent=1, default=_json_default) + "\n"
+    text = json.dumps(obj, indent=1, default=json_default) + "\n"
     files.write_atomic(path, text.encode("utf-8"), make_folder=True)
-
-
-def _serialize(arrays, to_numpy):
-    """safetensors bytes of {name: array} (copied to host, C-contiguous, little-endian)."""
-    import safetensors.numpy
-
-    host = {}
-    for name, a in arrays.items():
-        a = np.ascontiguousarray(to_numpy(a))
-        host[name] = a.astype(a.dtype.newbyteorder("<"), copy=False)
-    return safetensors.numpy.save(host)
-
-
-def _json_default(o):
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"{type(o).__name__} {o!r:.60} is not JSON-serialisable")
 
 
 def _commit(directory, names):
@@ -217,7 +200,7 @@ def load(directory, model, optimizer=None, check_meta=None, extras=None):
     meta_name, manifest, found = _find_complete(directory)
     meta_path = os.path.join(directory, meta_name)
     where = os.path.join(directory, MODEL_FILE)
-    state = _tensors(found[MODEL_FILE][1], where)
+    state = safetensors_io.tensors(found[MODEL_FILE][1], where)
     _check_fingerprint(manifest["model"], state, meta_path, where)
     _check_model(manifest["model"], state, model, meta_path, where)
     own = model.state_layout()
@@ -232,7 +215,7 @@ def load(directory, model, optimizer=None, check_meta=None, extras=None):
                               f"this run uses {optimizer.kind}; resume with the same optimizer")
         scalars = _check_scalars(saved.get("scalars"), meta_path)
         opt_where = os.path.join(directory, OPTIMIZER_FILE)
-        arrays = _tensors(found[OPTIMIZER_FILE][1], opt_where)
+        arrays = safetensors_io.tensors(found[OPTIMIZER_FILE][1], opt_where)
         extra = {k: arrays.pop(k) for k in [k for k in arrays if k.startswith(EXTRA)]}
         for name, t in extra.items():
             _check_values(name, t, t.dtype, opt_where)
@@ -385,7 +368,7 @@ def _check_fingerprint(entry, state, path, where):
     if fp is None:
         return
     if not (isinstance(fp, list) and all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
-                                         and isinstance(e[1], list) and all(_is_count(s) for s in e[1])
+                                         and isinstance(e[1], list) and all(is_count(s) for s in e[1])
                                          and isinstance(e[2], str) for e in fp)):
         raise DataError(f"{path} is corrupt: model.state is {fp!r:.80}; expected a list of [name, shape, dtype]")
     listed = {name: (tuple(shape), dtype) for name, shape, dtype in fp}
@@ -468,28 +451,13 @@ def _check_scalars(scalars, path):
     if not isinstance(scalars, dict):
         raise DataError(f"{path} is corrupt: optimizer.scalars is {scalars!r:.60}; expected an object")
     for key, value in scalars.items():
-        if not isinstance(value, bool) and _finite(value) is None:
+        if not isinstance(value, bool) and finite(value) is None:
             raise DataError(f"{path} is corrupt: optimizer.scalars.{key} is {value!r:.60}; "
                             f"expected a finite number or true/false")
     step = scalars.get("step")
-    if step is not None and not _is_count(step):
+    if step is not None and not is_count(step):
         raise DataError(f"{path} is corrupt: optimizer.scalars.step is {step!r:.60}; expected an integer >= 0")
     return scalars
-
-
-def _is_count(value):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _finite(value):
-    """float(value) for a finite JSON number (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        v = float(value)
-    except OverflowError:  # an integer beyond float's range
-        return None
-    return v if math.isfinite(v) else None
 
 
 # -- weights only ------------------------------------------------------------------------------
@@ -509,10 +477,10 @@ def load_weights(path, model, strict=True):
     path = os.fspath(path)
     if os.path.isdir(path):
         where = os.path.join(path, MODEL_FILE)
-        tensors = _tensors(_find_complete(path)[2][MODEL_FILE][1], where)
+        tensors = safetensors_io.tensors(_find_complete(path)[2][MODEL_FILE][1], where)
     else:
         where = path
-        tensors = _tensors(_read_weights_file(path), where)
+        tensors = safetensors_io.tensors(safetensors_io.read_weights_file(path), where)
     own = model.state_dict()
     buffers = set(own) - {name for name, _, _ in model.parameters()}
     tensors = {k: v for k, v in tensors.items() if not (k.split(".")[-1] == "num_batches_tracked" and k not in own)}
@@ -534,202 +502,3 @@ def load_weights(path, model, strict=True):
                          f"{model.name!r} does not have ({len(extra)} unexpected in all; is it the same architecture?)")
     model.load_state_dict(tensors, strict=False)  # missing names are only buffers allowed by strict=False
     return [name for name in own if name in tensors]
-
-
-def _read_weights_file(path):
-    """The bytes of a safetensors file; ConfigError for a missing file, a FIFO or device, or any other format."""
-    try:
-        data = files.read_bytes(path, "weights file", None, ConfigError)
-    except FileNotFoundError:
-        raise ConfigError(f"weights file {path} does not exist; "
-                          "expected a .safetensors file or a checkpoint directory") from None
-    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
-    if not (2 <= n <= _MAX_HEADER and data[8:9] == b"{"):
-        raise ConfigError(f"weights file {path} is {_looks_like(data)}; only safetensors is supported "
-                          f"(from PyTorch: safetensors.torch.save_file(module.state_dict(), 'weights.safetensors'))")
-    return data
-
-
-def _looks_like(head):
-    if head[:4] == b"PK\x03\x04":
-        return "a zip archive (NumPy .npz or torch.save)"
-    if head[:6] == b"\x93NUMPY":
-        return "a NumPy .npy file"
-    if head[:1] == b"\x80":
-        return "a Python pickle (torch.save or pickle.dump)"
-    if head[:8] == b"\x89HDF\r\n\x1a\n":
-        return "an HDF5 file"
-    return "not a safetensors file"
-
-
-# -- safetensors decoding ------------------------------------------------------------------------
-def _tensors(data, where):
-    """{name: numpy array} from the bytes of a safetensors file; DataError if truncated or malformed."""
-    header, base = _header(data, where)
-    if not any(info["dtype"] == "BF16" for info in header.values()):
-        import safetensors.numpy
-
-        try:
-            return safetensors.numpy.load(data)
-        except Exception as e:  # SafetensorError (and dtype errors) from the Rust parser
-            raise DataError(f"{where} is corrupt: {e}") from None
-    return _decode(data, header, base, where)  # NumPy has no bfloat16: widen it ourselves
-
-
-def _header(data, where):
-    """({name: {"dtype", "shape", "data_offsets"}}, offset of the data) after checking every entry."""
-    if len(data) < 8:
-        raise DataError(f"{where} is truncated: {len(data)} bytes, less than the 8-byte safetensors header length")
-    n = int.from_bytes(data[:8], "little")
-    if n > min(len(data) - 8, _MAX_HEADER):
-        raise DataError(f"{where} is truncated or not safetensors: header of {n} bytes, file of {len(data)}")
-    try:
-        header = json.loads(data[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise DataError(f"{where} is corrupt: its safetensors header is not JSON") from None
-    if not isinstance(header, dict):
-        raise DataError(f"{where} is corrupt: its safetensors header is not an object")
-    header.pop("__metadata__", None)
-    size = len(data) - 8 - n
-    for name, info in header.items():
-        try:
-            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
-            itemsize = 2 if dtype == "BF16" else np.dtype(_NUMPY_DTYPES[dtype]).itemsize
-            if not (isinstance(shape, list) and all(_is_count(s) for s in shape)):
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise DataError(f"{where} is corrupt: bad header entry for {name!r}: {info!r:.200}") from None
-        if not (_is_count(start) and _is_count(end) and start <= end <= size
-                and end - start == math.prod(shape) * itemsize):
-            raise DataError(f"{where} is corrupt or truncated: {name!r} {dtype}{tuple(shape)} at bytes "
-                            f"{start}..{end} of a {size}-byte data section")
-    return header, 8 + n
-
-
-def _decode(data, header, base, where):
-    out = {}
-    for name, info in header.items():
-        shape, (start, end) = tuple(info["shape"]), info["data_offsets"]
-        if info["dtype"] == "BF16":  # the top 16 bits of a float32
-            raw = np.frombuffer(data, "<u2", (end - start) // 2, base + start)
-            out[name] = (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
-        else:
-            dt = np.dtype(_NUMPY_DTYPES[info["dtype"]])
-            out[name] = np.frombuffer(data, dt, (end - start) // dt.itemsize, base + start).reshape(shape).copy()
-    return out
-
-
-# -- random generators ---------------------------------------------------------------------------
-def rng_state(generator):
-    """JSON-serialisable snapshot of a numpy Generator (its bit generator's state)."""
-    return json.loads(json.dumps(generator.bit_generator.state, default=_json_default))
-
-
-def set_rng_state(generator, state):
-    """Restore a snapshot from rng_state() into `generator` (same bit generator kind), in place.
-
-    ConfigError for a state of another kind or a malformed one; the generator is then unchanged.
-    """
-    bit_generator = type(generator.bit_generator)
-    kind = bit_generator.__name__
-    if not isinstance(state, dict) or state.get("bit_generator") != kind:
-        got = state.get("bit_generator") if isinstance(state, dict) else type(state).__name__
-        raise ConfigError(f"RNG state is for {got!r:.60}; this generator is {kind}")
-    # NumPy's setters take positions without a range check (an out-of-range one reads outside the
-    # state: a crash at the next draw), and MT19937's fills its key in place before it fails
-    for keys, top in _RNG_POSITIONS.get(kind, ()):
-        pos = state
-        for k in keys:
-            pos = pos.get(k) if isinstance(pos, dict) else None
-        if not _is_count(pos) or pos > top:
-            raise ConfigError(f"invalid {kind} RNG state: {'.'.join(keys)} is {pos!r:.60}; expected 0 to {top}")
-    probe = bit_generator()  # a scratch copy takes the state first: all or nothing
-    try:
-        inner = state.get("state")
-        if kind == "MT19937" and isinstance(inner, dict) and isinstance(inner.get("key"), list):
-            state = {**state, "state": {**inner, "key": np.asarray(inner["key"], np.uint32)}}
-        probe.state = state
-    except (TypeError, ValueError, KeyError, IndexError, OverflowError, AttributeError) as e:
-        raise ConfigError(f"invalid {kind} RNG state: {' '.join(str(e).split()) or type(e).__name__}"[:300]) from None
-    generator.bit_generator.state = probe.state
-
-
-_RNG_POSITIONS = {"MT19937": ((("state", "pos"), 624),), "Philox": ((("buffer_pos",), 4),)}
-
-
-# -- the trainer's meta ----------------------------------------------------------------------------
-_JSON_SCALAR = (type(None), bool, int, float, str)
-MAX_PROCESSES = 1 << 24  # a saved run's replicas: more than any machine has run (the learning rate scales by it)
-MAX_COUNT = 2**53  # epochs and steps: exact in a float64, as JSON readers elsewhere hold numbers
-
-
-def check_training_meta(meta, where, generator=None, states=None):
-    """DataError naming `where` and the key unless `meta` is what pydtnn.resume.save_checkpoint writes.
-
-    Required: epoch, rng, base_lr, schedules, callbacks, history; checked when present: config,
-    step, world_size (older checkpoints may lack them). generator: the RNG that meta["rng"] will be
-    restored into (tried on a scratch copy). states: {"schedules": [...], "callbacks": [...]}, the
-    current state_dict() of each object that will load a saved state, None for one that will not;
-    a saved state must have the same keys, with numbers where it holds numbers.
-    """
-    def bad(key, value, expected):
-        return DataError(f"{where}: meta.{key} is {value!r:.60}; expected {expected}")
-
-    for key in ("epoch", "rng", "base_lr", "schedules", "callbacks", "history"):
-        if key not in meta:
-            raise DataError(f"{where} has no meta.{key}; a checkpoint written by pydtnn's training has it")
-    for key in ("epoch", "step"):
-        if key in meta and not (_is_count(meta[key]) and meta[key] <= MAX_COUNT):
-            raise bad(key, meta[key], f"an integer in [0, {MAX_COUNT}]")
-    if "world_size" in meta and not (_is_count(meta["world_size"]) and 1 <= meta["world_size"] <= MAX_PROCESSES):
-        raise bad("world_size", meta["world_size"],
-                  f"an integer in [1, {MAX_PROCESSES}] (the saved run's model replicas)")
-    lr = _finite(meta["base_lr"])
-    if lr is None or lr < 0:
-        raise bad("base_lr", meta["base_lr"], "a finite number >= 0")
-    if "config" in meta and not isinstance(meta["config"], dict):
-        raise bad("config", meta["config"], "an object of flag values")
-    for key in ("history", "schedules", "callbacks"):
-        if not isinstance(meta[key], list):
-            raise bad(key, meta[key], "a list of objects")
-        for i, item in enumerate(meta[key]):
-            if not isinstance(item, dict):
-                raise bad(f"{key}[{i}]", item, "an object")
-    for i, record in enumerate(meta["history"]):
-        for k, v in record.items():
-            if not isinstance(v, _JSON_SCALAR):
-                raise bad(f"history[{i}].{k}", v, "a number, a string or null")
-    for key, own in (states or {}).items():
-        for i, (saved, like) in enumerate(zip(meta[key], own)):
-            if like is not None:  # their counters (epochs waited, reductions made) count at most the epochs run
-                _check_state_like(saved, like, where, f"{key}[{i}]", most=meta["epoch"])
-    rng = meta["rng"]
-    if not (isinstance(rng, dict) and isinstance(rng.get("bit_generator"), str) and isinstance(rng.get("state"), dict)):
-        raise bad("rng", rng, 'a NumPy bit generator state {"bit_generator": ..., "state": {...}}')
-    if generator is not None:
-        try:
-            set_rng_state(np.random.Generator(type(generator.bit_generator)()), rng)
-        except ConfigError as e:
-            raise DataError(f"{where}: meta.rng: {e}") from None
-
-
-def _check_state_like(saved, like, where, key, most=MAX_COUNT):
-    """DataError unless `saved` has the keys of `like`, each with a value of the same kind: a count in
-    [0, most] where `like` holds an integer, a finite number or null where it holds a float or null.
-
-    Objects restore a state by assigning its values (a schedule sets any attribute named), so what
-    is not theirs, not a number where a number was, or out of its range must not reach them.
-    """
-    if set(saved) != set(like):
-        raise DataError(f"{where}: meta.{key} has keys {sorted(saved)[:8]}; this run's object has {sorted(like)} "
-                        f"(resume with the same schedules and callbacks)")
-    for k, v in saved.items():
-        now = like[k]
-        if isinstance(now, int) and not isinstance(now, bool):  # counters: epochs waited, reductions made
-            ok, expected = _is_count(v) and v <= most, f"an integer in [0, {most}] (the epochs run)"
-        elif now is None or isinstance(now, float):
-            ok, expected = v is None or _finite(v) is not None, "a finite number or null"
-        else:
-            ok, expected = type(v) is type(now), type(now).__name__
-        if not ok:
-            raise DataError(f"{where}: meta.{key}.{k} is {v!r:.60}; expected {expected}")

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from pydtnn import checkpoint
+from pydtnn import checkpoint, checkpoint_meta
 from pydtnn.errors import ConfigError, DataError
 from pydtnn.files import inside
 
@@ -196,7 +196,7 @@ def resume(directory, trainer, lr=None, scaled=False):
                                 for c in trainer.callbacks]}
 
     def check(meta, where):  # before anything is restored: a refused checkpoint leaves the trainer as it was
-        checkpoint.check_training_meta(meta, where, trainer.model.backend.rng, restorable)
+        checkpoint_meta.check_training_meta(meta, where, trainer.model.backend.rng, restorable)
         check_reducer_state(trainer, extras, where, meta.get("world_size"))
 
     extras = {}

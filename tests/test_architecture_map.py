@@ -63,3 +63,10 @@ def test_no_function_of_the_package_is_over_80_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 80:
                 long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({size} lines)")
     assert long == [], long
+
+
+def test_no_file_of_the_package_is_over_600_lines():
+    """A file says one thing: over 600 lines, split it by concern (export.py, checkpoint.py, perfmodel/costs.py)."""
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in sorted((ROOT / "pydtnn").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 600]
+    assert long == [], long
