@@ -12,9 +12,20 @@ import os
 import re
 import sys
 
+from pydtnn.argtypes import (  # noqa: F401 (the argument types, importable from here too)
+    Parser,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    number,
+    parse_bool,
+    positive_float,
+    positive_int,
+    sample_shape,
+    share,
+)
 from pydtnn.errors import ConfigError, PydtnnError
 
-TRUE, FALSE = ("true", "1", "yes", "y", "on"), ("false", "0", "no", "n", "off")
 SCHEDULERS = ("warm_up", "reduce_lr_on_plateau", "reduce_lr_every_nepochs", "cosine", "early_stopping",
               "stop_at_loss", "model_checkpoint")
 # Library errors name the Python parameter (data.load's train_path=DIR); the command line names the flag
@@ -31,62 +42,6 @@ def in_flag_terms(message):
     return message
 
 
-def parse_bool(text):
-    """PyDTNN passes booleans as values: '--evaluate', '--evaluate true', '--evaluate False' all work."""
-    t = str(text).strip().lower()
-    if t in TRUE:
-        return True
-    if t in FALSE:
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false/1/0/yes/no), got {text!r}")
-
-
-def _number(kind, lo=None, lo_open=False, hi=None):
-    """argparse type: a number of `kind` within bounds, with an error naming the bound."""
-
-    def convert(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-        if v != v or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v >= hi):
-            rng = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in [{lo}, {hi})"
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} {rng}, got {text!r}")
-        return v
-
-    return convert
-
-
-positive_int = _number(int, 0, lo_open=True)
-non_negative_int = _number(int, 0)
-non_negative_float = _number(float, 0.0)
-positive_float = _number(float, 0.0, lo_open=True)
-fraction = _number(float, 0.0, hi=1.0)
-
-
-def sample_shape(text):
-    """argparse type: one sample's shape without the batch, C,H,W (or CxHxW), positive integers ("3,32,32")."""
-    try:
-        shape = tuple(int(s) for s in str(text).replace("x", ",").split(",") if s.strip())
-    except ValueError:
-        shape = ()
-    if not shape or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected C,H,W (positive integers, e.g. 3,32,32), got {text!r}")
-    return shape
-
-
-def share(text):
-    """argparse type: a share of the entries, a number in (0, 1] (--density)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:  # nan, inf and 0 fail here too
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (the share of gradient entries each process "
-                                         f"sends, e.g. 0.01), got {text!r}")
-    return value
-
-
 def scheduler_list(text):
     from pydtnn.suggest import did_you_mean
 
@@ -97,42 +52,6 @@ def scheduler_list(text):
         raise argparse.ArgumentTypeError(f"unknown scheduler {bad[0]!r}{hint or ';'} expected a comma list of "
                                          f"{', '.join(SCHEDULERS)}")
     return ",".join(names)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (exit code 2 through PydtnnError)."""
-
-    def error(self, message):
-        raise ConfigError(message + self._hint(message))
-
-    def _hint(self, message):
-        """'; did you mean --batch_size?' for a misspelled flag, or a close choice for a bad value."""
-        from pydtnn.suggest import did_you_mean
-
-        if message.startswith("unrecognized arguments: "):
-            flags = [w for w in message.split(": ", 1)[1].split() if w.startswith("--")]
-            known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-            for word in flags:
-                hint = did_you_mean(word.split("=")[0], known)
-                if hint:
-                    return hint
-        m = re.match(r"argument (\S+?)(?:/\S+)?: invalid choice: '([^']*)'", message)
-        if m:
-            action = next((a for a in self._actions if m.group(1) in a.option_strings), None)
-            if action is not None and action.choices:
-                return did_you_mean(m.group(2), action.choices)
-        return ""
-
-    def flag(self, group, name, **kw):
-        """Add --name (PyDTNN's underscore spelling) and its dashed twin."""
-        names = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-        if self.argument_default is argparse.SUPPRESS:
-            kw["default"] = argparse.SUPPRESS
-        if kw.get("type") is parse_bool:
-            kw.setdefault("nargs", "?")
-            kw.setdefault("const", True)
-            kw.setdefault("metavar", "BOOL")
-        group.add_argument(*names, dest=name, **kw)
 
 
 def program_name(argv0=None):
@@ -224,15 +143,15 @@ def _optimizer_flags(p):
     f(g, "lr_schedulers", type=scheduler_list, default=None,
       help=f"comma list of {', '.join(SCHEDULERS)} (default none; cosine for VGG without BatchNorm, see docs/models.md)")
     f(g, "warm_up_epochs", type=non_negative_int, default=5, help="warm_up: epochs of linear ramp (default 5)")
-    f(g, "warm_up_start_factor", type=_number(float, 0.0, lo_open=True, hi=1.0000001), default=None,
+    f(g, "warm_up_start_factor", type=number(float, 0.0, lo_open=True, hi=1.0000001), default=None,
       help="warm_up: starting fraction of the learning rate (default 1/processes, or 0.1 with one process)")
-    f(g, "cosine_min_factor", type=_number(float, 0.0, hi=1.0000001), default=0.0,
+    f(g, "cosine_min_factor", type=number(float, 0.0, hi=1.0000001), default=0.0,
       help="cosine: final fraction of the learning rate (default 0)")
     f(g, "reduce_lr_on_plateau_metric", default="val_loss", help="default val_loss")
-    f(g, "reduce_lr_on_plateau_factor", type=_number(float, 0.0, lo_open=True, hi=1.0), default=0.1, help="default 0.1")
+    f(g, "reduce_lr_on_plateau_factor", type=number(float, 0.0, lo_open=True, hi=1.0), default=0.1, help="default 0.1")
     f(g, "reduce_lr_on_plateau_patience", type=non_negative_int, default=5, help="default 5")
     f(g, "reduce_lr_on_plateau_min_lr", type=non_negative_float, default=0.0, help="default 0")
-    f(g, "reduce_lr_every_nepochs_factor", type=_number(float, 0.0, lo_open=True, hi=1.0000001), default=0.1, help="default 0.1")
+    f(g, "reduce_lr_every_nepochs_factor", type=number(float, 0.0, lo_open=True, hi=1.0000001), default=0.1, help="default 0.1")
     f(g, "reduce_lr_every_nepochs_nepochs", type=positive_int, default=5, help="default 5")
     f(g, "reduce_lr_every_nepochs_min_lr", type=non_negative_float, default=0.0, help="default 0")
     f(g, "early_stopping_metric", default="val_loss", help="default val_loss")

@@ -247,7 +247,7 @@ def recorded_data_shape(directory):
 
 
 def build_parser():
-    from pydtnn.cli import Parser, parse_bool, positive_int, sample_shape
+    from pydtnn.argtypes import Parser, parse_bool, positive_int, sample_shape
     from pydtnn.data.datasets import NAMES
 
     p = Parser(prog="pydtnn-export", allow_abbrev=False,

@@ -117,7 +117,7 @@ def figure(path, title=None):
 
 
 def build_parser():
-    from pydtnn.cli import Parser
+    from pydtnn.argtypes import Parser
 
     p = Parser(prog="pydtnn-plot", allow_abbrev=False, description="Plot loss/accuracy curves from a --metrics_file.")
     p.add_argument("metrics_file", help="JSON Lines file written by pydtnn-train --metrics_file")

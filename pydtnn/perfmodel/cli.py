@@ -36,7 +36,7 @@ def byte_count(text):
 
 def add_data_flags(p):
     """--dataset, --input_shape and --num_classes: the data a model is built for, as pydtnn-train builds it."""
-    from pydtnn.cli import positive_int, sample_shape
+    from pydtnn.argtypes import positive_int, sample_shape
     from pydtnn.data import NAMES
 
     p.add_argument("--dataset", choices=NAMES,
@@ -82,7 +82,7 @@ def machine_from(args):
 
 
 def add_collective(subparsers):
-    from pydtnn.cli import positive_int
+    from pydtnn.argtypes import positive_int
     from pydtnn.perfmodel.collectives import ALGORITHMS, OPS
     from pydtnn.perfmodel.machine import LEVELS
 
@@ -120,7 +120,7 @@ def run_collective(args):
 
 
 def add_predict(subparsers):
-    from pydtnn.cli import positive_int, share
+    from pydtnn.argtypes import positive_int, share
     from pydtnn.perfmodel.collectives import algorithms
     from pydtnn.perfmodel.predict import PARALLEL, PROGRESS, REDUCTIONS, UPDATE_PASSES
 
@@ -178,7 +178,7 @@ def thread_list(text):
 
 
 def add_calibrate(subparsers):
-    from pydtnn.cli import positive_float, positive_int
+    from pydtnn.argtypes import positive_float, positive_int
     from pydtnn.perfmodel.machine import LEVELS
 
     p = subparsers.add_parser("calibrate", allow_abbrev=False, help="measure this machine into a machine file",
@@ -234,7 +234,7 @@ def name_list(text):
 
 
 def add_sweep(subparsers):
-    from pydtnn.cli import positive_int, share
+    from pydtnn.argtypes import positive_int, share
     from pydtnn.perfmodel.collectives import algorithms
     from pydtnn.perfmodel.predict import PROGRESS, REDUCTIONS
     from pydtnn.perfmodel.sweep import AXES
@@ -331,7 +331,7 @@ def run_sweep(args):
 
 
 def build_parser():
-    from pydtnn.cli import Parser
+    from pydtnn.argtypes import Parser
 
     parser = Parser(prog=PROG, allow_abbrev=False,
                     description="The pydtnn performance model: predicted costs of collectives and training steps.")
