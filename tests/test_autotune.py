@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from pydtnn.backends.cpu import CPUBackend, autotune, conv_plan, threads
+from pydtnn.backends.cpu import CPUBackend, autotune, conv_direct, conv_plan, threads
 from pydtnn.backends.cpu.tuning import Tuning
 from pydtnn.backends.geometry import ConvGeometry
 from pydtnn.cli import main, parse_args
@@ -39,7 +39,7 @@ def test_candidates_are_the_eligible_algorithms_threshold_choice_first(g, co, nu
 
 def test_a_5x5_layer_has_gemm_and_the_direct_kernels_where_they_take_it():
     found = autotune.candidates(CONV5, 8, "numba", TUNING)
-    assert set(found) == {"gemm"} | ({"direct"} if conv_plan.direct_ok(CONV5, 8) else set())
+    assert set(found) == {"gemm"} | ({"direct"} if conv_direct.direct_ok(CONV5, 8) else set())
     assert autotune.candidates(CONV5, 8, "numpy", TUNING) == ("gemm",)
 
 
@@ -181,6 +181,7 @@ def conv_algorithms(model):
     return [model.backend.plan_in_use(layer.plan).algorithm for _, layer in model.layers() if isinstance(layer, Conv2D)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("measure", [FakeMeasure("gemm"), FakeMeasure("winograd"), autotune.measure],
                          ids=["all-gemm", "winograd", "measured"])
 def test_a_tuned_model_trains_like_the_threshold_choice(tmp_path, measure):
@@ -211,6 +212,7 @@ def test_the_flag_parses_and_defaults_to_the_environment():
     assert parse_args(["--conv-autotune"]).conv_autotune is True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,environment,timed", [("true", None, True), ("false", None, False),
                                                     (None, "0", False), (None, None, True)])
 def test_the_flag_reaches_the_backend(tmp_path, monkeypatch, capsys, flag, environment, timed):

@@ -23,7 +23,8 @@ from pydtnn import runtime
 from pydtnn.backends.cpu import CPUBackend, Tuning, conv_direct, conv_gemm, pooling
 from pydtnn.backends.cpu import threads as th
 from pydtnn.backends.cpu import tuning as tuning_module
-from pydtnn.backends.cpu.conv_plan import ConvPlan, pointwise_ok
+from pydtnn.backends.cpu.conv_plan import ConvPlan
+from pydtnn.backends.cpu.conv_pointwise import pointwise_ok
 from pydtnn.backends.geometry import ConvGeometry, window_layout
 from pydtnn.layers import AvgPool2D, Conv2D, MaxPool2D
 from pydtnn.testing import check_against_torch, check_gradients

@@ -95,3 +95,15 @@ def transposed(g, co):
     return ConvGeometry(
         co, g.ho, g.wo, g.kh, g.kw, 1, 1, g.dh, g.dw, et - g.pt, et - g.pb, ew - g.pl, ew - g.pr, groups=g.groups
     )
+
+
+def macs(g, co, n=1):
+    """Multiply-adds of convolution geometry g with co output channels over n samples."""
+    return n * co * g.ho * g.wo * (g.c // g.groups) * g.kh * g.kw
+
+
+def touched(g):
+    """Outputs each kernel position of g covers, per sample and channel (its output view and its strided
+    input view have that many elements each; positions that read only padding are left out)."""
+    return [len(range(r.start, r.stop, r.step or 1)) * len(range(c.start, c.stop, c.step or 1))
+            for _, _, _, r, c, _, _ in positions(g)]

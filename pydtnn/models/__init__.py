@@ -23,6 +23,7 @@ from pydtnn.errors import ConfigError
 from pydtnn.layers import Sequential
 from pydtnn.model import Model
 from pydtnn.models import alexnet, densenet, inception, lenet, mobilenet, resnet, simple, vgg
+from pydtnn.models.family_table import FAMILIES, family_of, pick
 
 # (default input shape, default number of classes) of each dataset
 IMAGENET, IMAGENET_299 = ((3, 224, 224), 1000), ((3, 299, 299), 1000)
@@ -83,8 +84,6 @@ def names():
 
 def family_names():
     """Family names (vgg16, resnet50, ...) that resolve to a registered variant (models/families.py)."""
-    from pydtnn.models.families import FAMILIES
-
     return sorted(FAMILIES)
 
 
@@ -114,9 +113,9 @@ def layers(name, input_shape=None, num_classes=None, **options):
 def _unbuilt(name, input_shape, num_classes, options):
     """(registered name, input shape, Sequential of unbuilt layers) of architecture or family `name`."""
     if name not in _REGISTRY:  # a family name: the variant for this input shape
-        from pydtnn.models.families import variant
-
-        name = variant(name, tuple(input_shape or (3, 224, 224)))
+        if name not in FAMILIES:
+            raise unknown_model(name)
+        name = pick(name, tuple(input_shape or (3, 224, 224)))
     builder, default_shape, default_classes = _entry(name)
     shape = tuple(input_shape or default_shape)
     try:
@@ -136,7 +135,6 @@ def _entry(name):
 
 def unknown_model(name):
     """ConfigError for a name that is neither registered nor a family, with the closest one."""
-    from pydtnn.models.families import family_of
     from pydtnn.suggest import did_you_mean
 
     known = names() + family_names()

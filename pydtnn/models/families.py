@@ -19,28 +19,11 @@ The rules, in docs/models.md ("Family names and other data"):
 
 from dataclasses import dataclass, field
 
+from pydtnn import models
 from pydtnn.errors import ConfigError, ShapeError, TooLarge
+from pydtnn.models.family_table import FAMILIES, SMALL_SIDE, family_of, pick  # noqa: F401 (importable from here)
 
-SMALL_SIDE = 64
 MAX_PAD_AREA = 1.5
-
-
-def _variants(stem, cifar=True, imagenet=True):
-    return {"cifar10": f"{stem}_cifar10" if cifar else None, "imagenet": f"{stem}_imagenet" if imagenet else None}
-
-
-# family name -> {"cifar10": variant or None, "imagenet": variant or None}
-FAMILIES = {
-    **{f"vgg{d}{bn}": _variants(f"vgg{d}{bn}") for d in (11, 13, 16, 19) for bn in ("", "bn")},
-    **{f"resnet{d}": _variants(f"resnet{d}", imagenet=False) for d in (20, 32, 44, 56, 110)},
-    **{f"resnet{d}": _variants(f"resnet{d}", cifar=False) for d in (18, 34, 50, 101, 152)},
-    **{f"densenet{d}": _variants(f"densenet{d}", cifar=False) for d in (121, 169, 201)},
-    "densenet100": {"cifar10": "densenet_cifar10", "imagenet": None},
-    "alexnet": _variants("alexnet"),
-    "googlenet": _variants("googlenet"),
-    "inceptionv3": _variants("inceptionv3", cifar=False),
-    "mobilenetv1": _variants("mobilenetv1"),
-}
 
 
 @dataclass
@@ -53,25 +36,13 @@ class Choice:
     notes: list = field(default_factory=list)
 
 
-def family_of(name):
-    """The family a registered variant belongs to (vgg16_cifar10 -> vgg16), or None."""
-    for family, variants in FAMILIES.items():
-        if name in variants.values():
-            return family
-    return None
-
-
 def variant(name, input_shape):
     """The registered name `name` stands for, for samples of input_shape (C, H, W); name itself if registered."""
-    from pydtnn import models
-
     if name in models.names():
         return name
     if name not in FAMILIES:
         raise models.unknown_model(name)
-    variants = FAMILIES[name]
-    small = len(input_shape) == 3 and max(input_shape[1:]) <= SMALL_SIDE
-    return variants["cifar10" if small else "imagenet"] or variants["imagenet"] or variants["cifar10"]
+    return pick(name, input_shape)
 
 
 def resolve(name, input_shape, num_classes, build=None):
@@ -80,8 +51,6 @@ def resolve(name, input_shape, num_classes, build=None):
     build(variant, input_shape) -> anything (default: models.create); a ShapeError from it becomes a
     ConfigError naming what fits. Returns (Choice, what build returned).
     """
-    from pydtnn import models
-
     build = build or (lambda n, shape: models.create(n, input_shape=shape, num_classes=num_classes))
     chosen = variant(name, input_shape)
     design_shape, design_classes = models.defaults(chosen)

@@ -1,8 +1,8 @@
 """The performance model: predicted training time from a model, a machine and a parallel scheme.
 
 costs.py          FLOPs and bytes moved per layer and phase of a training step on the CPU backend
-conv_costs.py     the same for a Conv2D, one formula per convolution algorithm of the backend
-phase_cost.py     PhaseCost (FLOPs and bytes of one phase) and the window counts the formulas share
+conv_costs.py     the same for a Conv2D: its algorithm's cost (the entry's, in backends/cpu/conv_*.py) plus bias and dW
+phase_cost.py     PhaseCost (FLOPs and bytes of one phase)
 machine.py        Machine, Link: a machine description (rates, bandwidths, links), read and written as YAML/JSON
 collectives.py    alpha-beta-gamma costs of allreduce, allgather, reduce-scatter and broadcast, by algorithm
 predict.py        one training step predicted: the layers' costs on a machine plus the reducer's messages

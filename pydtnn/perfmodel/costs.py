@@ -9,8 +9,9 @@ Each cost is read from the built layer and from what the backend chose for it wh
 one measured when the backend autotunes; the compiled 2x2 path for pooling, compiled or NumPy
 BatchNorm and ReLU), and follows the code of that algorithm in `pydtnn/backends/cpu/`. A training step
 has three phases per layer: forward, backward_data (dL/dx) and backward_weights (dL/dW and dL/db).
-Every layer's formulas are below except Conv2D's, one per algorithm, which are in conv_costs.py; each
-phase's cost is a PhaseCost (phase_cost.py).
+Every layer's formulas are below except Conv2D's: each convolution algorithm's are next to its code
+(its entry in backends/cpu/conv_algorithms.py names them), and conv_costs.py adds what every algorithm
+shares; each phase's cost is a PhaseCost (phase_cost.py).
 
 Units: FLOPs count a multiply-add as 2; bytes are memory traffic. Notation in the formulas below:
 N batch, s bytes per element of the model's dtype, X and Y the elements of a layer's input and output
@@ -39,7 +40,7 @@ import numpy as np
 
 from pydtnn.backends.cpu import CPUBackend
 from pydtnn.backends.cpu import pooling as cpu_pooling
-from pydtnn.backends.geometry import positions, window_layout
+from pydtnn.backends.geometry import positions, touched, window_layout
 from pydtnn.distributed.model_parallel import Gather, SumGrad
 from pydtnn.errors import ConfigError
 from pydtnn.layers import (
@@ -64,9 +65,7 @@ from pydtnn.layers import (
     Tanh,
 )
 from pydtnn.perfmodel.conv_costs import conv2d
-from pydtnn.perfmodel.phase_cost import ZERO, PhaseCost, touched
-
-KERNEL_CLASSES = ("gemm", "direct3x3", "depthwise", "elementwise")
+from pydtnn.perfmodel.phase_cost import ZERO, PhaseCost
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,9 @@ class LayerCost:
 
     name: dotted path as in Model.layers(); kind: class name; algorithm: the backend's choice
     (Conv2D: plan.algorithm; pooling: "compiled_2x2", "compiled" (max pooling's other windows) or "numpy";
-    else None); kernel_class: whose FLOP rate applies, one of KERNEL_CLASSES; params, param_bytes: trainable
-    parameters; activation_bytes: the output for the whole batch; need_dx: whether dL/dinput is wanted.
+    else None); kernel_class: whose FLOP rate applies, one of machine.KERNEL_CLASSES; params,
+    param_bytes: trainable parameters; activation_bytes: the output for the whole batch; need_dx:
+    whether dL/dinput is wanted.
     """
 
     name: str
@@ -439,7 +439,7 @@ def _sum_dx(p, x, s):
 
 
 _FORMULAS = (  # (layer class, formula(layer, n, need_dx) -> (algorithm, kernel_class, fwd, bwd_data, bwd_weights))
-    (Conv2D, conv2d),  # conv_costs.py: one formula per algorithm
+    (Conv2D, conv2d),  # conv_costs.py: the cost of the layer's algorithm (conv_algorithms.py)
     (Dense, _dense),
     (MaxPool2D, _maxpool),
     (AvgPool2D, _avgpool),

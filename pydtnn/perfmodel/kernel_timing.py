@@ -219,7 +219,7 @@ def class_rates(timings):
     missing = [k for k, rates in by_class.items() if not rates]
     if missing:
         raise RuntimeError(f"calibrate: no shape fell in kernel class {', '.join(missing)}; the CPU backend's "
-                           "algorithm choices changed (conv_plan.py): update kernel_timing.shapes()")
+                           "algorithm choices changed (backends/cpu/conv_algorithms.py): update kernel_timing.shapes()")
     return {k: statistics.median(rates) for k, rates in by_class.items()}
 
 

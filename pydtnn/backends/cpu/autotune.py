@@ -1,8 +1,8 @@
 """A convolution's algorithm measured on the machine it runs on, not chosen by thresholds tuned elsewhere.
 
-For each layer shape (geometry, output channels) the eligible algorithms (candidates(): the
-predicates of conv_plan.py) are timed on random data at batch 32 (Tuner.batch): forward + backward,
-in interleaved rounds, the median of each. Not smaller: at batch 8, fixed costs per call (handing
+For each layer shape (geometry, output channels) the eligible algorithms (candidates(): the entries
+of conv_algorithms.REGISTRY that take it) are timed on random data at batch 32 (Tuner.batch): forward +
+backward, in interleaved rounds, the median of each. Not smaller: at batch 8, fixed costs per call (handing
 chunks to the threads) decided the choice, and on two threads it went the other way from batch 64.
 The threshold choice (conv_plan.choose) stays unless another candidate is faster by `margin` (5%):
 timing noise never flips a choice that measures the same.
@@ -13,16 +13,16 @@ run starts without timing. A file that does not parse is ignored and rewritten; 
 that is no longer eligible for its shape is ignored.
 """
 
-import functools
 import json
 import os
 import statistics
 import time
-from dataclasses import replace
 
 import numpy as np
 
-from pydtnn.backends.cpu import conv_plan, conv_winograd, threads
+from pydtnn.backends.cpu import conv_plan, isa, threads
+from pydtnn.backends.cpu.conv_algorithms import BY_NAME, REGISTRY
+from pydtnn.backends.cpu.workspace import Workspace
 from pydtnn.errors import ConfigError
 from pydtnn.files import read_bytes, write_atomic
 
@@ -32,34 +32,17 @@ FORMAT = "pydtnn conv autotune 3"
 CACHE_LIMIT = 16 << 20  # bytes: a cache file is a few kilobytes per machine
 
 
-@functools.cache
 def cpu_info():
-    """(model name, vector ISA) of this CPU: ('AMD EPYC 7B13', 'avx2'); ISA 'avx512f', 'avx2' or 'other'.
-    From /proc/cpuinfo; ('unknown', 'other') where it cannot be read."""
-    model, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                name = name.strip()
-                if name == "model name" and model == "unknown":
-                    model = " ".join(value.split())
-                elif name == "flags" and not flags:
-                    flags = set(value.split())
-                if model != "unknown" and flags:
-                    break
-    except OSError:
-        pass
-    isa = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
-    return model, isa
+    """(model name, vector ISA) of this CPU: ('AMD EPYC 7B13', 'avx2'); ISA 'avx512f', 'avx2' or 'other'
+    (isa.cpu_features, isa.isa_name); ('unknown', 'other') where /proc/cpuinfo cannot be read."""
+    model, flags = isa.cpu_features()
+    return model, isa.isa_name(flags)
 
 
 def describe_cpu():
     """'AMD EPYC 7B13 (avx2; kernels: 256-bit vectors (the CPU's))': the line benchmark tables print."""
-    from pydtnn.backends.cpu import isa as vectors
-
-    model, isa = cpu_info()
-    return f"{model} ({isa}; kernels: {vectors.describe()})"
+    model, name = cpu_info()
+    return f"{model} ({name}; kernels: {isa.describe()})"
 
 
 def default_path():
@@ -70,35 +53,20 @@ def default_path():
 
 
 def candidates(g, co, kernels, tuning):
-    """The algorithms that compute geometry g with co output channels, the threshold choice first."""
-    compiled = kernels == "numba"
-    found = []
-    stride2_depthwise = (g.sh, g.sw) == (2, 2) and g.groups == g.c == co
-    if compiled and stride2_depthwise and conv_plan.direct_ok(replace(g, sh=1, sw=1), co):
-        found.append("direct_stride2")
-    if compiled and conv_plan.direct_ok(g, co):
-        found.append("direct")
-    if compiled and conv_winograd.winograd_ok(g, co):
-        found.append("winograd")
-    if g.c == g.groups and g.sh == g.sw:
-        found.append("depthwise")
-    if conv_plan.pointwise_ok(g, co, tuning):
-        found.append("pointwise")
-    found.append("gemm")
+    """The algorithms that compute geometry g with co output channels (the eligible entries of
+    conv_algorithms.REGISTRY, in its order), the threshold choice first."""
     first = conv_plan.choose(g, co, kernels, tuning).algorithm
-    return (first, *[a for a in found if a != first])
+    return (first, *[a.name for a in REGISTRY if a.name != first and a.eligible(g, co, kernels, tuning)])
 
 
 def key(g, co, dtype, n_threads, kernels, batch, cpu=None, bits=None):
     """The cache key of one layer shape timed at `batch` samples on this machine, with the kernels'
     vector width (isa.VECTOR_BITS unless `bits`): a readable string."""
-    from pydtnn.backends.cpu.isa import VECTOR_BITS
-
-    model, isa = cpu or cpu_info()
-    isa = f"{isa} {bits or VECTOR_BITS}-bit"
+    model, name = cpu or cpu_info()
+    vectors = f"{name} {bits or isa.VECTOR_BITS}-bit"
     shape = (f"c{g.c} {g.h}x{g.w} k{g.kh}x{g.kw} s{g.sh}x{g.sw} d{g.dh}x{g.dw} "
              f"p{g.pt},{g.pb},{g.pl},{g.pr} g{g.groups} co{co}")
-    return f"{model} | {isa} | {n_threads} threads | {np.dtype(dtype).name} | {kernels} | batch {batch} | {shape}"
+    return f"{model} | {vectors} | {n_threads} threads | {np.dtype(dtype).name} | {kernels} | batch {batch} | {shape}"
 
 
 def pick(times, first, margin):
@@ -111,13 +79,12 @@ def pick(times, first, margin):
 def measure(g, co, algorithms, dtype, kernels, tuning, batch=32, rounds=5, slow=1.0):
     """{algorithm: median seconds of forward + backward (dx and dw)} at `batch` samples, on random data.
 
-    Runs on a backend of its own (its own scratch pool, its own random numbers: the model's stream is
-    untouched); one untimed call of each first (it compiles the kernels it needs), then `rounds`
-    rounds, each timing every algorithm once, so a slow spell of the machine falls on all alike;
-    3 rounds when the untimed calls took more than `slow` seconds (large images)."""
-    from pydtnn.backends.cpu.backend import CPUBackend
-
-    b = CPUBackend(dtype, kernels=kernels, tuning=tuning)
+    Runs each algorithm's entry (conv_algorithms.py) on a Workspace of its own (its own scratch pool;
+    random numbers of its own: the model's stream is untouched); one untimed call of each first (it
+    compiles the kernels it needs), then `rounds` rounds, each timing every algorithm once, so a slow
+    spell of the machine falls on all alike; 3 rounds when the untimed calls took more than `slow`
+    seconds (large images)."""
+    b = Workspace(kernels, tuning)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, g.c, g.h, g.w)).astype(dtype)
     w = rng.standard_normal((co, g.c // g.groups, g.kh, g.kw)).astype(dtype)
@@ -125,9 +92,10 @@ def measure(g, co, algorithms, dtype, kernels, tuning, batch=32, rounds=5, slow=
     plans = {a: conv_plan.plan_for(g, a) for a in algorithms}
 
     def once(plan):
+        entry = BY_NAME[plan.algorithm]
         t0 = time.perf_counter()
-        _, ctx = b.conv2d_forward(x, w, plan, keep=True)
-        b.conv2d_backward(dy, w, ctx, plan, need_dx=True)
+        _, ctx = entry.forward(b, x, w, plan.run, True)
+        entry.backward(b, dy, w, ctx, plan.run, True)
         ctx.release()
         return time.perf_counter() - t0
 

@@ -1,10 +1,10 @@
 """CPUBackend: the Backend contract (backends/base.py) on NumPy, with compiled Numba kernels where they win.
 
-Every method here picks an implementation and hands it this backend, which carries what they share:
-`kernels` ('numba' or 'numpy'), `tuning` (tuning.py), the scratch `pool` (scratch.py) and the thread
-split (`split`, `split_compiled`; threads.py). The algorithms live one family per file:
-conv_plan.py chooses, conv_gemm / conv_pointwise / conv_depthwise / conv_direct compute; pooling.py,
-normalization.py, elementwise.py, updates.py; kernels/ holds the compiled kernels.
+Every method here picks an implementation and hands it this backend, a Workspace (workspace.py) carrying
+what they share: `kernels` ('numba' or 'numpy'), `tuning` (tuning.py), the scratch `pool` (scratch.py)
+and the thread split (`split`, `split_compiled`; threads.py). The algorithms live one family per file:
+a convolution is computed by its plan's entry of conv_algorithms.py (conv_plan.py chooses it);
+pooling.py, normalization.py, elementwise.py, updates.py; kernels/ holds the compiled kernels.
 """
 
 import importlib.util
@@ -15,32 +15,13 @@ import numpy as np
 from pydtnn import env
 from pydtnn.backends.base import Backend
 from pydtnn.backends.cpu import autotune as autotune_module
-from pydtnn.backends.cpu import (
-    conv_depthwise,
-    conv_direct,
-    conv_gemm,
-    conv_plan,
-    conv_pointwise,
-    conv_winograd,
-    elementwise,
-    normalization,
-    pooling,
-    threads,
-    updates,
-)
+from pydtnn.backends.cpu import conv_plan, elementwise, normalization, pooling, threads, updates
 from pydtnn.backends.cpu import tuning as tuning_module
-from pydtnn.backends.cpu.scratch import ScratchPool
+from pydtnn.backends.cpu.conv_algorithms import BY_NAME
+from pydtnn.backends.cpu.workspace import Workspace
 from pydtnn.backends.geometry import ConvGeometry
 
 KERNELS = ("auto", "numba", "numpy")
-
-_CONV = {  # algorithm -> (forward(b, x, w, g, keep), backward(b, dy, w, ctx, g, need_dx))
-    "direct": (conv_direct.forward, conv_direct.backward),
-    "depthwise": (conv_depthwise.forward, conv_depthwise.backward),
-    "pointwise": (conv_pointwise.forward, conv_pointwise.backward),
-    "gemm": (conv_gemm.forward, conv_gemm.backward),
-    "winograd": (conv_winograd.forward, conv_winograd.backward),
-}
 
 
 def numba_installed():
@@ -61,7 +42,7 @@ def resolve_kernels(kernels=None):
     return choice
 
 
-class CPUBackend(Backend):
+class CPUBackend(Backend, Workspace):
     """NumPy backend. One per model, passed down explicitly to every layer.
 
     dtype: default floating dtype of parameters and activations (float32 or float64).
@@ -84,9 +65,7 @@ class CPUBackend(Backend):
         super().__init__(np, dtype, seed)
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
-        self.kernels = resolve_kernels(kernels)
-        self.tuning = tuning if tuning is not None else tuning_module.DEFAULT
-        self.pool = ScratchPool()
+        Workspace.__init__(self, resolve_kernels(kernels), tuning if tuning is not None else tuning_module.DEFAULT)
         self.tuner = autotune_module.Tuner() if autotune is True else autotune or None
         self._plans = {}  # (geometry, co) -> the ConvPlan handed to its layers (autotune)
         self._measured = {}  # id of a plan handed out -> the measured one, where they differ (two shapes
@@ -96,19 +75,6 @@ class CPUBackend(Backend):
     def __repr__(self):
         tuned = ", autotune" if self.tuner is not None else ""
         return f"CPUBackend(dtype={self.dtype.name}, seed={self.seed}, kernels={self.kernels}{tuned})"
-
-    # -- what the algorithms share ---------------------------------------------------------------
-    def split(self, n, fn, nbytes=None):
-        """fn(lo, hi) over [0, n) split over the threads (threads.split)."""
-        threads.split(n, fn, nbytes, self.tuning.split_min_bytes)
-
-    def split_compiled(self, kernel, chunks, n, args, nbytes=None):
-        """A compiled kernel over [0, n) split over Numba's threads (threads.split_compiled)."""
-        threads.split_compiled(kernel, chunks, n, args, nbytes, self.tuning.split_min_bytes)
-
-    def gemm_bytes(self, flops, *arrays):
-        """A GEMM's work in bytes for the split rule: its FLOPs over tuning.gemm_flops_per_byte plus its operands."""
-        return flops // self.tuning.gemm_flops_per_byte + sum(a.nbytes for a in arrays)
 
     # -- dense -----------------------------------------------------------------------------------
     def matmul(self, a, b, out=None):
@@ -189,9 +155,7 @@ class CPUBackend(Backend):
         conv2d_plan (a ConvGeometry is planned on the spot)."""
         plan = self._plan(plan, w)
         x = np.asarray(x, dtype=w.dtype)  # the layer's dtype: no silent upcast, and the kernels assume one dtype
-        if plan.algorithm == "direct_stride2":
-            return conv_direct.forward_stride2(self, x, w, plan.geometry, plan.run, keep)
-        return _CONV[plan.algorithm][0](self, x, w, plan.geometry, keep)
+        return BY_NAME[plan.algorithm].forward(self, x, w, plan.run, keep)
 
     def conv2d_backward(self, dy, w, ctx, plan, need_dx=True):
         """(dx or None, dw) for upstream dy (N, Co, Ho, Wo)."""
@@ -201,9 +165,7 @@ class CPUBackend(Backend):
             )
         plan = self._plan(plan, w)
         dy = np.asarray(dy, dtype=w.dtype)
-        if plan.algorithm == "direct_stride2":
-            return conv_direct.backward_stride2(self, dy, w, ctx, plan.geometry, plan.run, need_dx)
-        return _CONV[plan.algorithm][1](self, dy, w, ctx, plan.geometry, need_dx)
+        return BY_NAME[plan.algorithm].backward(self, dy, w, ctx, plan.run, need_dx)
 
     def bias_forward(self, y, b):
         elementwise.bias_forward(self, y, b)

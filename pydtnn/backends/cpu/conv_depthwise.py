@@ -2,12 +2,19 @@
 
 No im2col and no GEMM: a GEMM with one output row per group does almost no arithmetic per byte it
 moves. y is the sum over kernel positions of shifted x times per-channel weights, computed on a
-"wide" grid and in batch chunks so the running sums stay in cache.
+"wide" grid and in batch chunks so the running sums stay in cache. cost() counts its work.
 """
 
 from functools import cache
 
 import numpy as np
+
+from pydtnn.backends.geometry import macs
+
+
+def eligible(g, co, kernels, tuning):
+    """One input channel per group (any channel multiplier), equal strides; either kernels."""
+    return g.c == g.groups and g.sh == g.sw
 
 
 @cache
@@ -116,3 +123,26 @@ def backward(b, dy, w, ctx, g, need_dx):
     b.pool.give(dkey, dyw)
     b.pool.give(xkey, dxf)
     return dx, dwk.reshape(w.shape)
+
+
+def cost(g, co, n, s, tuning, kernels, need_dx):
+    """(kernel class, forward, backward_data, backward_weights), each phase (FLOPs, bytes) for n samples
+    of s-byte elements (perfmodel/costs.py's units and rules), on the wide grid: L = Ho*Wp per channel,
+    xf = N*C*flat (the padded input, flat per channel), yw = N*Co*L, wk = kk*Co*L (each kernel
+    position's weights along the grid):
+    forward         2*macs flops; bytes: x read and written into xf, wk written and read, xf read, yw
+                    written, then cropped into y (Y read, Y written)
+    backward_weights 2*macs flops; bytes: dy read and written onto the grid (dyw), then one whole-batch
+                    pass per kernel position reading dyw and xf's strided run (kk*(yw + N*C*L)*s)
+    backward_data   2*macs flops; bytes: dxf zeroed (xf), wk written and read, dyw read, dxf read and
+                    written, cropped into dx (X read, X written)
+    """
+    x, y = n * g.c * g.h * g.w, n * co * g.ho * g.wo
+    w = co * (g.c // g.groups) * g.kh * g.kw * s
+    m = macs(g, co, n)
+    _, _, length, _, offsets, flat = wide_layout(g)
+    xf, yw, wk = n * g.c * flat, n * co * length, len(offsets) * co * length
+    fwd = (2 * m, (x + x + 2 * wk + xf + yw + 2 * y) * s + w)
+    bwd_w = (2 * m, (2 * y + len(offsets) * (yw + n * g.c * length)) * s)
+    bwd_d = (2 * m, (xf + 2 * wk + yw + 2 * xf + 2 * x) * s + w)
+    return "depthwise", fwd, bwd_d, bwd_w

@@ -1,13 +1,59 @@
 """The compiled direct stride-1 convolution (kernels/conv3x3.py, kernels/depthwise3x3.py; one-group
-5x5 and 7x7 layers kernels/convkxk.py), split
-over samples (forward, dx) and output channels (dw): no thread adds into another's result, so the
-thread count changes nothing. A stride-2 depthwise layer runs at stride 1 and keeps every other row
-and column (forward_stride2)."""
+5x5 and 7x7 layers kernels/convkxk.py), split over samples (forward, dx) and output channels (dw): no
+thread adds into another's result, so the thread count changes nothing. A stride-2 depthwise layer runs
+at stride 1 and keeps every other row and column (forward_stride2). Which layers it takes (eligible,
+preferred, stride2_eligible) and what it costs (cost, stride2_cost) are here too: conv_algorithms.py
+lists them."""
+
+from dataclasses import replace
 
 import numpy as np
 
 from pydtnn.backends.cpu.isa import VECTOR_BYTES
 from pydtnn.backends.cpu.scratch import Kept
+from pydtnn.backends.geometry import macs
+
+
+def direct_ok(g, co):
+    """Whether the compiled direct kernels compute geometry g with co output channels: stride 1, 3x3
+    with one group or depthwise (one input and one output channel per group), or 5x5 or 7x7 with one
+    group; and padding at most the kernel's reach on every side (so that dx, a convolution of dy, is
+    padded too)."""
+    eh, ew = (g.kh - 1) * g.dh, (g.kw - 1) * g.dw
+    return (
+        g.kh == g.kw
+        and (g.sh, g.sw) == (1, 1)
+        and ((g.kh == 3 and (g.groups == 1 or g.groups == g.c == co)) or (g.kh in (5, 7) and g.groups == 1))
+        and 0 <= min(g.pt, g.pb) <= max(g.pt, g.pb) <= eh
+        and 0 <= min(g.pl, g.pr) <= max(g.pl, g.pr) <= ew
+    )
+
+
+def eligible(g, co, kernels, tuning):
+    """direct_ok, with the compiled kernels."""
+    return kernels == "numba" and direct_ok(g, co)
+
+
+def preferred(g, co, tuning):
+    """The threshold choice of an eligible layer: depthwise ones always; one-group ones at least
+    tuning.direct_min_width outputs wide (twice that from tuning.direct_narrow_max_channels input
+    channels on), where they beat im2col + GEMM."""
+    wide = g.wo >= tuning.direct_min_width and (
+        g.wo >= 2 * tuning.direct_min_width or g.c < tuning.direct_narrow_max_channels
+    )
+    return g.groups > 1 or wide
+
+
+def stride1_twin(g):
+    """g at stride 1: the geometry a stride-2 depthwise layer runs (direct_stride2)."""
+    return replace(g, sh=1, sw=1)
+
+
+def stride2_eligible(g, co, kernels, tuning):
+    """A stride-2 depthwise layer whose stride-1 twin the compiled kernels compute: 4x the multiply-adds
+    of the strided layer, but compiled and on all threads."""
+    return (kernels == "numba" and (g.sh, g.sw) == (2, 2) and g.groups == g.c == co
+            and direct_ok(stride1_twin(g), co))
 
 
 def dense_layout(ho, wo, dh, dw, itemsize, k=3):
@@ -131,17 +177,65 @@ def weight_grad(b, dy, w, ctx, g):
     return dw
 
 
-def forward_stride2(b, x, w, g, g1, keep):
-    """A stride-2 depthwise layer g through its stride-1 twin g1: the layer's output is g1's at even
-    rows and columns."""
+def forward_stride2(b, x, w, g1, keep):
+    """A stride-2 depthwise layer through its stride-1 twin g1: the layer's output is g1's at even rows
+    and columns (ceil(Ho1 / 2) of them: the strided layer's Ho)."""
     y1, ctx = forward(b, x, w, g1, keep)
-    return np.ascontiguousarray(y1[:, :, : 2 * g.ho : 2, : 2 * g.wo : 2]), ctx
+    return np.ascontiguousarray(y1[:, :, ::2, ::2]), ctx
 
 
-def backward_stride2(b, dy, w, ctx, g, g1, need_dx):
+def backward_stride2(b, dy, w, ctx, g1, need_dx):
     """dx of forward_stride2: g1's dx from dy spread onto the even rows and columns, zeros between."""
-    key, up = b.pool.take("dyup", (dy.shape[0], dy.shape[1], g1.ho, g1.wo), dy.dtype, g)  # zero between
-    up[:, :, : 2 * g.ho : 2, : 2 * g.wo : 2] = dy
+    key, up = b.pool.take("dyup", (dy.shape[0], dy.shape[1], g1.ho, g1.wo), dy.dtype, g1)  # zero between
+    up[:, :, ::2, ::2] = dy
     grads = backward(b, up, w, ctx, g1, need_dx)
     b.pool.give(key, up)
     return grads
+
+
+def cost(g, co, n, s, tuning, kernels, need_dx):
+    """(kernel class, forward, backward_data, backward_weights), each phase (FLOPs, bytes) for n samples
+    of s-byte elements (perfmodel/costs.py's units and rules). T = k*k taps, 9 for 3x3. One group:
+    lx = a sample's columns in the padded input xs (dense_layout), B = Co rounded up to blocks of
+    BLOCK_CHANNELS, Bt = C rounded likewise:
+    forward         2*macs flops; bytes: x read, xs written (x's elements) and read (C*N*lx), W blocked
+                    (W read, 4*B*C*T*s: zeroed, filled, transposed), y written
+    backward_weights 2*macs flops; bytes: dy read and laid on xs's grid (dyw: Y written, B*N*lx read),
+                    xs read, dW written
+    backward_data   2*N*H*W*C*Co*T flops; bytes: W flipped and blocked (W read, 4*Bt*Co*T*s), dy read,
+                    dx written (each sample padded into scratch that stays in cache)
+    Depthwise: forward 2*macs, x and W read, y written; backward_weights 2*macs, x and dy read, dW
+    written; backward_data 2*N*H*W*C*T flops, W flipped (2*|W|*s), dy read, dx written."""
+    return ("direct3x3" if g.groups == 1 else "depthwise", *_cost(g, co, n, s, n * co * g.ho * g.wo))
+
+
+def stride2_cost(g, co, n, s, tuning, kernels, need_dx):
+    """cost() of a stride-2 depthwise 3x3 layer g through its stride-1 twin g1, Y1 = g1's output: the
+    depthwise direct costs of g1 (forward y1 written, backward reading Y1 elements of the spread dy),
+    plus forward: y1's even rows and columns read and written into y (2*Y*s); backward_weights: dy read
+    and spread onto the even rows and columns of a zeroed Y1 (2*Y*s)."""
+    g1 = stride1_twin(g)
+    y = n * co * g.ho * g.wo
+    fwd, bwd_d, bwd_w = _cost(g1, co, n, s, n * co * g1.ho * g1.wo)
+    return "depthwise", (fwd[0], fwd[1] + 2 * y * s), bwd_d, (bwd_w[0], bwd_w[1] + 2 * y * s)
+
+
+def _cost(g, co, n, s, y):
+    """(forward, backward_data, backward_weights) of cost() with y output elements written."""
+    x = n * g.c * g.h * g.w
+    w = co * (g.c // g.groups) * g.kh * g.kw * s
+    m = macs(g, co, n)
+    taps = g.kh * g.kw
+    dx_flops = 2 * n * g.h * g.w * g.c * (co // g.groups) * taps
+    if g.groups > 1:
+        return (2 * m, (x + y) * s + w), (dx_flops, (y + x) * s + 3 * w), (2 * m, (x + y) * s + w)
+    from pydtnn.backends.cpu.kernels.conv3x3 import BLOCK_CHANNELS  # Numba: the direct plan needs it anyway
+
+    _, _, lx, tail = dense_layout(g.ho, g.wo, g.dh, g.dw, s, g.kh)
+    xs = g.c * (n * lx + tail)
+    blocks = -(-co // BLOCK_CHANNELS) * BLOCK_CHANNELS
+    blocks_t = -(-g.c // BLOCK_CHANNELS) * BLOCK_CHANNELS
+    fwd = (2 * m, (x + x + xs + y) * s + w + 4 * blocks * g.c * taps * s)
+    bwd_w = (2 * m, (y + y + blocks * n * lx + xs) * s + w)
+    bwd_d = (dx_flops, (y + x) * s + w + 4 * blocks_t * co * taps * s)
+    return fwd, bwd_d, bwd_w

@@ -4,12 +4,13 @@ Forward: each sample's input windows are written into a pooled column buffer (C,
 multiplied by the weights, split over samples so each thread fills and multiplies its own. Backward: dw
 is one GEMM over the whole batch (dy regrouped), split over dw's columns; dx is, at stride 1, the
 stride-1 convolution of dy with the flipped, transposed weights (one more im2col + GEMM), and at larger
-strides W^T dy scattered back into dx (col2im). docs/performance.md explains the layout and its costs.
+strides W^T dy scattered back into dx (col2im). docs/performance.md explains the layout and its costs;
+cost() counts them for the performance model.
 """
 
 import numpy as np
 
-from pydtnn.backends.geometry import positions, transposed
+from pydtnn.backends.geometry import macs, positions, touched, transposed
 
 
 def fill_cols(buf, x, g, lo, hi):
@@ -207,3 +208,59 @@ def strided_data_grad(b, dyk, w, g):
     b.split(-(-n // per_block), data_grad_strided, b.gemm_bytes(2 * dyk.size * wmt.shape[1], dx, dcols))
     b.pool.give(key, dcols)
     return dx
+
+
+def cost(g, co, n, s, tuning, kernels, need_dx):
+    """(kernel class, forward, backward_data, backward_weights), each phase (FLOPs, bytes) for n samples
+    of s-byte elements (perfmodel/costs.py's units and rules). K = C/G*kk, P = Ho*Wo, cols = C*kk*N*P
+    elements (the column matrix), cols_w = the entries fill_cols writes (cols less those that read padding):
+    forward         2*macs flops; bytes: x read, cols_w written, cols read by the GEMM, W read, y written,
+                    and y written and read once more where P < gemm_min_columns (a block of samples
+                    per GEMM, reordered into NCHW)
+    backward_weights 2*macs flops; bytes: dy read and written regrouped (dyk), dyk and cols read, dW written
+    backward_data   stride 1: the convolution of dy with the flipped, transposed W over x's H x W
+                    (transposed geometry gt): 2*N*H*W*C*(Co/G)*kk flops; bytes: the flipped copy of W
+                    (2*|W|*s, none for 1x1), dy's column matrix written and read like forward's (none
+                    for an unpadded 1x1: dyk is its columns), W read, dx written (and reordered where
+                    H*W < gemm_min_columns);
+                    larger strides, and stride-1 layers whose input has SCATTER_AREA_RATIO times their
+                    output's pixels: dcols = W^T dy (2*macs flops; dyk and W read, dcols written, and
+                    written and read once more where 2*P < gemm_min_columns: blocks of samples), then
+                    col2im adds each kernel position's share into dx (cols_w flops); compiled: dcols
+                    read, dx written; NumPy: dx zeroed, then per position dx read and written, dcols read
+    """
+    x, y = n * g.c * g.h * g.w, n * co * g.ho * g.wo
+    w = co * (g.c // g.groups) * g.kh * g.kw * s
+    m = macs(g, co, n)
+    p = g.ho * g.wo
+    cols = g.c * g.kh * g.kw * n * p
+    cols_w = g.c * n * sum(touched(g))
+    reorder = 2 * y if p < tuning.gemm_min_columns else 0
+    fwd = (2 * m, (x + cols_w + cols + y + reorder) * s + w)
+    bwd_w = (2 * m, (2 * y + y + cols) * s + w)
+    if not need_dx:
+        return "gemm", fwd, (0, 0), bwd_w
+    if (g.sh, g.sw) == (1, 1) and g.h * g.w < SCATTER_AREA_RATIO * p:
+        return "gemm", fwd, _stride1_data_cost(g, co, n, s, tuning), bwd_w
+    dcols = n * g.c * g.kh * g.kw * p
+    scatter = dcols + x if kernels == "numba" else x + 3 * cols_w
+    blocks = 2 * dcols if 2 * p < tuning.gemm_min_columns else 0
+    return "gemm", fwd, (2 * m + cols_w, (y + dcols + blocks + scatter) * s + w), bwd_w
+
+
+def _stride1_data_cost(g, co, n, s, tuning):
+    """cost()'s backward_data of a stride-1 layer: dx as the convolution of dy (FLOPs, bytes)."""
+    x, y = n * g.c * g.h * g.w, n * co * g.ho * g.wo
+    w = co * (g.c // g.groups) * g.kh * g.kw * s
+    gt = transposed(g, co)
+    pt = gt.ho * gt.wo
+    flops = 2 * n * pt * g.c * (co // g.groups) * g.kh * g.kw
+    reorder = 2 * x if pt < tuning.gemm_min_columns else 0
+    if g.kh == g.kw == 1 and not gt.padded:
+        if 2 * g.ho * g.wo >= tuning.gemm_min_columns:
+            reorder = 0  # one GEMM per sample, straight into NCHW
+        return flops, (y + x + reorder) * s + w
+    dcols = co * g.kh * g.kw * n * pt
+    dcols_w = co * n * sum(touched(gt))
+    flip = 0 if g.kh * g.kw == 1 else 2 * w  # a 1x1 kernel's flipped weights are a view
+    return flops, (y + dcols_w + dcols + x + reorder) * s + w + flip

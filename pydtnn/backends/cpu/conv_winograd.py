@@ -5,12 +5,13 @@ Forward: the input transform split over samples, the 16 GEMMs (K x C) @ (C x T) 
 positions (BLAS, one thread each), the output transform split over samples. dx is the same
 convolution of dy with the flipped, transposed weights (padding 2 - p on each side). dw is Winograd
 F(3x3, 2x2) from x, which forward keeps (not copied): x's and dy's transforms split over samples, the
-16 GEMMs (K x T) @ (T x C) over the positions, and G^T P G as one GEMM.
+16 GEMMs (K x T) @ (T x C) over the positions, and G^T P G as one GEMM. cost() counts its work.
 """
 
 import numpy as np
 
 from pydtnn.backends.cpu.scratch import Kept
+from pydtnn.backends.geometry import macs
 
 # G of F(2x2, 3x3): U = G g G^T
 G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
@@ -21,6 +22,11 @@ def winograd_ok(g, co):
     """One group, 3x3, stride 1, no dilation, padding at most 2 on every side (so dx's is at least 0)."""
     return ((g.kh, g.kw, g.sh, g.sw, g.dh, g.dw, g.groups) == (3, 3, 1, 1, 1, 1, 1)
             and 0 <= min(g.pt, g.pb, g.pl, g.pr) and max(g.pt, g.pb, g.pl, g.pr) <= 2)
+
+
+def eligible(g, co, kernels, tuning):
+    """winograd_ok, with the compiled kernels (its transforms)."""
+    return kernels == "numba" and winograd_ok(g, co)
 
 
 def transformed_weights(w):
@@ -95,3 +101,24 @@ def backward(b, dy, w, ctx, g, need_dx):
         return None, dw
     wt = np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
     return convolve(b, dy, transformed_weights(wt), 2 - g.pt, 2 - g.pl, g.h, g.w, g, "wg"), dw
+
+
+def cost(g, co, n, s, tuning, kernels, need_dx):
+    """(kernel class, forward, backward_data, backward_weights), each phase (FLOPs, bytes) for n samples
+    of s-byte elements (perfmodel/costs.py's units and rules); T = N*ceil(Ho/2)*ceil(Wo/2) tiles,
+    V = 16*C*T and M = 16*Co*T (the transformed input and products); its time is mostly its 16 GEMMs:
+    forward         2*macs/2.25 flops (the 16 GEMMs); bytes: x read, V written and read, U (16*Co*C) read,
+                    M written and read, y written
+    backward_data   the same on dy and the flipped weights, over dx's tiles
+    backward_weights F(3x3, 2x2): 2*macs/2.25 flops (the 16 GEMMs (Co x T) @ (T x C)); bytes: x read, V
+                    written and read, dy read, Z = 16*Co*T written and read, P (16*Co*C) written and read
+    """
+    x, y = n * g.c * g.h * g.w, n * co * g.ho * g.wo
+    flops = int(2 * macs(g, co, n) / 2.25)
+    t_fwd = n * -(-g.ho // 2) * -(-g.wo // 2)
+    t_bwd = n * -(-g.h // 2) * -(-g.w // 2)
+    u = 16 * co * g.c
+    fwd = (flops, (x + 2 * 16 * g.c * t_fwd + u + 2 * 16 * co * t_fwd + y) * s)
+    bwd_d = (flops, (y + 2 * 16 * co * t_bwd + u + 2 * 16 * g.c * t_bwd + x) * s)
+    bwd_w = (flops, (x + 2 * 16 * g.c * t_fwd + y + 2 * 16 * co * t_fwd + 2 * u) * s)
+    return "gemm", fwd, bwd_d, bwd_w

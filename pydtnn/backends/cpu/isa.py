@@ -1,4 +1,6 @@
-"""The vector width of the compiled kernels: the CPU's own, or the one $PYDTNN_VECTOR_BITS forces.
+"""The CPU's features and the vector width of the compiled kernels: the CPU's own, or the one
+$PYDTNN_VECTOR_BITS forces. cpu_features() is the one reading of /proc/cpuinfo (the width below, and the
+model and ISA that autotune.py's cache keys name).
 
 The register-blocked kernels (kernels/conv3x3.py, convkxk.py, col2im.py, vectors.py) are written as
 LLVM IR vectors of VECTOR_BITS bits, and the direct convolution's layout (conv_direct.dense_layout)
@@ -24,27 +26,42 @@ WIDTHS = env.VECTOR_BITS
 
 
 @functools.cache
-def cpu_flags():
-    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+def cpu_features(path="/proc/cpuinfo"):
+    """(model name, feature flags) of this CPU, from the first processor listed in `path`:
+    ('AMD EPYC 7B13', frozenset({'avx2', 'fma', ...})); ('unknown', frozenset()) where it cannot be read.
+    The one reading of the CPU: the kernels' width (native_bits) and the autotune cache key (isa_name)."""
+    model, flags = "unknown", frozenset()
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 name, _, value = line.partition(":")
-                if name.strip() == "flags":
-                    return frozenset(value.split())
+                name = name.strip()
+                if name == "model name" and model == "unknown":
+                    model = " ".join(value.split())
+                elif name == "flags" and not flags:
+                    flags = frozenset(value.split())
+                if model != "unknown" and flags:
+                    break
     except OSError:
         pass
-    return frozenset()
+    return model, flags
 
 
 def native_bits(flags=None):
-    """512 with AVX-512F, 256 with AVX2 and FMA, else 128."""
-    flags = cpu_flags() if flags is None else flags
+    """512 with AVX-512F, 256 with AVX2 and FMA, else 128; flags: cpu_features()'s unless given."""
+    flags = cpu_features()[1] if flags is None else flags
     if "avx512f" in flags:
         return 512
     if "avx2" in flags and "fma" in flags:
         return 256
     return 128
+
+
+def isa_name(flags=None):
+    """'avx512f', 'avx2' or 'other': the vector ISA named in the autotune cache's keys (AVX2 without FMA is
+    'avx2' there, as keys already written say); flags: cpu_features()'s unless given."""
+    flags = cpu_features()[1] if flags is None else flags
+    return "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
 
 
 def chosen_bits():

@@ -34,10 +34,8 @@ def cache_dir():
     vector width forced by $PYDTNN_VECTOR_BITS other than the CPU's, a folder of that width's."""
     from numba.core.caching import CacheImpl
 
-    from pydtnn.backends.cpu.kernels import vectors
-
-    for locator in CacheImpl._locator_classes:
-        found = locator.from_function(vectors.rounded.py_func, vectors.__file__)
+    for locator in CacheImpl._locator_classes:  # any function of this folder locates its kernels' cache
+        found = locator.from_function(cache_dir, __file__)
         if found is not None:
             path = found.get_cache_path()
             held = os.path.isdir(path) and any(
