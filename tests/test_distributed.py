@@ -71,6 +71,25 @@ def test_hierarchical_reduction_over_two_emulated_nodes_equals_one_process(singl
     assert_same_parameters(single, tmp_path, ("hierarchical",), what="np=4 as 2 nodes")
 
 
+@pytest.mark.slow
+def test_hierarchical_reduction_with_fp16_compression_stays_close_to_one_process(single, tmp_path):
+    """fp16 composes with the two-level reduction: 4 processes as 2 nodes of 2 send half-precision buckets (the
+    node sums, the leaders' allreduce and the broadcast all in fp16, scaled under 2^15 by a bound over every
+    rank); close to one process as fp16 keeps it (over the whole parameter vector), and as many bytes in the
+    float64 run as in the float32 one: 2 per entry."""
+    r = launch(4, tmp_path, "--strategies", "hierarchical", "--ranks_per_node", "2", "--fp16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    sent = {}
+    for dtype in ("float64", "float32"):
+        want, _ = read(single / f"single-{dtype}.safetensors")
+        got, meta = read(tmp_path / f"hierarchical-{dtype}.safetensors")
+        ref = np.concatenate([v.ravel() for v in want.values()]).astype(np.float64)
+        vec = np.concatenate([got[k].ravel() for k in want]).astype(np.float64)
+        assert np.linalg.norm(vec - ref) / np.linalg.norm(ref) < 5e-2, dtype
+        sent[dtype] = int(meta["bytes"])
+    assert sent["float64"] == sent["float32"] > 0
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_reductions_progressed_by_a_helper_thread_equal_one_process(single, tmp_path, n):
     """--reduction_progress thread: a helper thread tests the outstanding allreduces while backward runs
@@ -165,6 +184,7 @@ def test_progress_thread_is_refused_where_the_reducer_cannot_use_it(tmp_path):
     assert r.returncode == 0 and "final:" in r.stdout, r.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("corrected", [False, True])
 def test_a_topk_run_resumes_bit_identically_with_every_ranks_residual(tmp_path, corrected):
     """The residuals (what each rank has not sent) are saved with the checkpoint, one row per rank, and each
@@ -659,7 +679,7 @@ def test_fp16_wire_scales_gradients_out_of_its_range_into_it(strategy, size, oth
     model.forward(x, training=True)
     model.backward(dy)
     red.finish()
-    assert len(red.wire_scales) == len(model.parameters())
+    assert len(red.compression.scales) == len(model.parameters())
     for (name, _, g), (_, _, ref) in zip(model.parameters(), want.parameters()):
         top = float(np.abs(ref).max())
         assert 2.0**-9 < top / size < 2.0**12, (name, top)  # the gradients really are that far out of range
@@ -680,7 +700,7 @@ def test_fp16_wire_scale_is_one_where_the_bound_is_zero_or_not_finite():
     ga[...], gb.flat[0], gc[...] = 0.0, np.nan, 3.0
     red.begin_step(0.5)
     red.finish()
-    assert red.wire_scales[a] == 1.0 and red.wire_scales[b] == 1.0 and red.wire_scales[c] == 2.0**13
+    assert red.compression.scales[a] == 1.0 and red.compression.scales[b] == 1.0 and red.compression.scales[c] == 2.0**13
     assert np.all(ga == 0) and np.isnan(gb.flat[0]) and np.all(gc == 3.0)
 
 
@@ -757,6 +777,7 @@ def test_resume_at_another_world_size_and_trace_per_rank(tmp_path):
         assert {"allreduce", "wait", "forward", "backward"} <= cats, cats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad,word", [(["--batch_size", "0"], "--batch_size"),
                                       (["--resume", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
                                       (["--config", "/nonexistent/run.yaml"], "/nonexistent/run.yaml")])

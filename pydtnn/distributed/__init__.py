@@ -1,4 +1,5 @@
-"""Data-parallel training: communicators, gradient reducers, sharded sampling, launch helpers.
+"""Data-parallel training: communicators (one contract, communicator.py), gradient reducers (registered in
+reducers/), wire compression, sharded sampling, launch helpers.
 
     comm = launch.init()                       # MPI when started by mpirun/mpiexec/srun, else one process
     reducer = reducers.create("bucketed", comm)

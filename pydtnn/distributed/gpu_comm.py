@@ -1,7 +1,6 @@
 """Collectives on GPU arrays: NCCL on its own CUDA stream, or MPI (CUDA-aware, or through pinned host memory).
 
-Two communicators with the interface of distributed.comm (allreduce, iallreduce -> request with
-test()/wait(), bcast, bcast_obj, allreduce_sum, barrier, abort), for the GPU backend:
+Two Communicators (communicator.py), for the GPU backend; each defines every collective of the contract:
 
 - DeviceComm wraps the MPI communicator (MPIComm or SingleProcess). Host arrays go straight through.
   Device arrays go straight through too when the MPI library is CUDA-aware: PYDTNN_CUDA_AWARE_MPI=1
@@ -16,7 +15,7 @@ test()/wait(), bcast, bcast_obj, allreduce_sum, barrier, abort), for the GPU bac
   id travels from rank 0 over MPI as JSON (a list of byte values, and whether CuPy gave bytes, as
   CuPy 14 does, or signed chars, as CuPy 13 does). Every reduction checks NCCL's asynchronous errors;
   settle() waits from the host for what is queued, watched by stall_timeout like MPI's collectives.
-  Collectives of other kinds go to the wrapped DeviceComm.
+  Collectives of other kinds go to the wrapped DeviceComm, each by its own method.
 
 Neither module imports CuPy until it is constructed: the CPU path never touches it.
 """
@@ -29,6 +28,8 @@ import numpy as np
 
 from pydtnn import env
 from pydtnn.backends import is_device_array
+from pydtnn.distributed.communicator import Communicator
+from pydtnn.errors import ConfigError
 
 
 def mpi_cuda_aware():
@@ -74,8 +75,15 @@ def loaded_mpi_libraries(maps="/proc/self/maps"):
     return found
 
 
-class DeviceComm:
-    """MPI collectives that also take CuPy arrays (see the module docstring)."""
+class DeviceComm(Communicator):
+    """MPI collectives that also take CuPy arrays, over the host communicator `comm` (see the module docstring).
+
+    Every collective is defined here: those on arrays go to MPI directly (host arrays; device arrays when
+    MPI is CUDA-aware) or staged through page-locked host buffers; the others go to `comm` by name; the
+    hierarchical reducer's (ireduce, ibcast, split, split_shared) are refused.
+    """
+
+    device = "gpu"
 
     def __init__(self, comm, cuda_aware=None):
         import cupy
@@ -86,11 +94,21 @@ class DeviceComm:
         self.name = f"{comm.name}+{'cuda-aware' if self.cuda_aware else 'host-staged'}"
         self._pool = {}  # (nbytes, dtype) -> free page-locked host buffers
 
-    def __getattr__(self, name):  # seq, stall_timeout, debug...: those of the wrapped communicator
-        return getattr(self.comm, name)
+    @property
+    def stall_timeout(self):
+        return self.comm.stall_timeout
 
-    def _take(self, buf):
-        """A page-locked host buffer shaped like device buffer `buf`, holding a copy of it."""
+    @property
+    def debug(self):
+        return self.comm.debug
+
+    @property
+    def seq(self):
+        return self.comm.seq
+
+    # -- staging -------------------------------------------------------------------------
+    def _take(self, buf, copy=True):
+        """A page-locked host buffer shaped like device buffer `buf`, holding a copy of it when `copy`."""
         free = self._pool.setdefault((buf.nbytes, buf.dtype.str), [])
         if free:
             host = free.pop()
@@ -99,11 +117,18 @@ class DeviceComm:
 
             host = cupyx.empty_pinned(buf.size, buf.dtype)
         host = host.reshape(buf.shape)
-        buf.get(out=host)  # synchronous: the collective starts on complete data
+        if copy:
+            buf.get(out=host)  # synchronous: the collective starts on complete data
         return host
 
     def _give(self, host):
         self._pool[(host.nbytes, host.dtype.str)].append(host.reshape(-1))
+
+    def _bring_back(self, buf, host):
+        """Copy the collective's result in `host` into device array `buf`; `host` then returns to the pool."""
+        buf.set(host)
+        self.cupy.cuda.get_current_stream().synchronize()  # the copy has left `host` before it is reused
+        self._give(host)
 
     def _direct(self, buf):
         """Whether `buf` can go to MPI as it is; a device array is then complete (stream synchronized)."""
@@ -114,14 +139,13 @@ class DeviceComm:
             return True
         return False
 
+    # -- collectives on arrays -----------------------------------------------------------
     def allreduce(self, buf, label=""):
         if self.size == 1 or self._direct(buf):
             return self.comm.allreduce(buf, label)
         host = self._take(buf)
         self.comm.allreduce(host, label)
-        buf.set(host)
-        self.cupy.cuda.get_current_stream().synchronize()  # the copy has left `host` before it is reused
-        self._give(host)
+        self._bring_back(buf, host)
         return buf
 
     def iallreduce(self, buf, label=""):
@@ -130,21 +154,69 @@ class DeviceComm:
         host = self._take(buf)
         return _StagedRequest(self, self.comm.iallreduce(host, label), buf, host)
 
+    def allgatherv(self, send, recv, counts, label=""):
+        """As Communicator.allgatherv; device arrays that MPI cannot take travel through host buffers."""
+        if self.size == 1 or (self._direct(send) and self._direct(recv)):
+            return self.comm.allgatherv(send, recv, counts, label)
+        host_send = self._take(send) if is_device_array(send) else send
+        host_recv = self._take(recv, copy=False) if is_device_array(recv) else recv
+        self.comm.allgatherv(host_send, host_recv, counts, label)
+        self._finish_staged(send, host_send, recv, host_recv)
+        return recv
+
+    def reduce_scatterv(self, send, recv, counts, label=""):
+        """As Communicator.reduce_scatterv; device arrays that MPI cannot take travel through host buffers."""
+        if self.size == 1 or (self._direct(send) and self._direct(recv)):
+            return self.comm.reduce_scatterv(send, recv, counts, label)
+        host_send = self._take(send) if is_device_array(send) else send
+        host_recv = self._take(recv, copy=False) if is_device_array(recv) else recv
+        self.comm.reduce_scatterv(host_send, host_recv, counts, label)
+        self._finish_staged(send, host_send, recv, host_recv)
+        return recv
+
+    def _finish_staged(self, send, host_send, recv, host_recv):
+        if host_recv is not recv:
+            self._bring_back(recv, host_recv)
+        if host_send is not send:
+            self._give(host_send)
+
+    def ireduce(self, buf, root=0, label=""):
+        raise self.refuse("ireduce", "mpi or single (the hierarchical reducer reduces host arrays; on a GPU use "
+                                     "blocking, per_layer, bucketed or topk)")
+
+    def ibcast(self, buf, root=0, label=""):
+        raise self.refuse("ibcast", "mpi or single (the hierarchical reducer reduces host arrays; on a GPU use "
+                                    "blocking, per_layer, bucketed or topk)")
+
     def bcast(self, buf, root=0):
         if self.size == 1 or self._direct(buf):
             return self.comm.bcast(buf, root)
         host = self._take(buf)
         self.comm.bcast(host, root)
-        buf.set(host)
-        self.cupy.cuda.get_current_stream().synchronize()
-        self._give(host)
+        self._bring_back(buf, host)
         return buf
 
+    # -- small objects, groups, control --------------------------------------------------
     def bcast_obj(self, obj, root=0):
         return self.comm.bcast_obj(obj, root)
 
+    def allgather_obj(self, obj):
+        return self.comm.allgather_obj(obj)
+
     def allreduce_sum(self, values, label="metrics"):
         return self.comm.allreduce_sum([float(v) for v in values], label)
+
+    def split(self, color, key):
+        raise self.refuse("split", "mpi or single (groups of GPU processes are split from the host communicator "
+                                   "before it is wrapped)")
+
+    def split_shared(self):
+        raise self.refuse("split_shared", "mpi or single (the hierarchical reducer reduces host arrays; on a GPU "
+                                          "use blocking, per_layer, bucketed or topk)")
+
+    def progress_thread(self, interval=None):
+        """The host communicator's progress thread: it tests the MPI requests behind staged ones too."""
+        return self.comm.progress_thread(interval)
 
     def barrier(self):
         self.comm.barrier()
@@ -163,16 +235,16 @@ class _StagedRequest:
     def wait(self):
         if not self.done:
             self.req.wait()
-            self.buf.set(self.host)  # queued on the current stream, before any later use of buf
-            self.owner.cupy.cuda.get_current_stream().synchronize()  # ...and done before host is reused
-            self.owner._give(self.host)
+            self.owner._bring_back(self.buf, self.host)  # queued on the current stream, before any later use of buf
             self.done = True
 
 
-class NcclComm:
-    """Gradient allreduce over NCCL on a side stream; everything else through `comm` (a DeviceComm)."""
+class NcclComm(Communicator):
+    """Gradient allreduce over NCCL on a side stream; every other collective through `comm` (a DeviceComm),
+    by name, or refused (those of the hierarchical reducer and the progress thread)."""
 
     name = "nccl"
+    device = "nccl"
 
     def __init__(self, comm):
         import cupy
@@ -180,13 +252,9 @@ class NcclComm:
         try:
             from cupy.cuda import nccl
         except ImportError as e:
-            from pydtnn.errors import ConfigError
-
             raise ConfigError(f"NcclComm: CuPy was built without NCCL ({e}); pip install nvidia-nccl-cu13 "
                               "(or -cu12)") from None
         if not nccl.available:
-            from pydtnn.errors import ConfigError
-
             raise ConfigError("NcclComm: CuPy cannot load the NCCL library; pip install nvidia-nccl-cu13 (or -cu12)")
         self.cupy, self.nccl, self.comm = cupy, nccl, comm
         self.rank, self.size = comm.rank, comm.size
@@ -197,8 +265,17 @@ class NcclComm:
         self._types = {np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32,
                        np.dtype(np.float64): nccl.NCCL_FLOAT64}
 
-    def __getattr__(self, name):
-        return getattr(self.comm, name)
+    @property
+    def stall_timeout(self):
+        return self.comm.stall_timeout
+
+    @property
+    def debug(self):
+        return self.comm.debug
+
+    @property
+    def seq(self):
+        return self.comm.seq
 
     def iallreduce(self, buf, label=""):
         if not is_device_array(buf):
@@ -220,16 +297,14 @@ class NcclComm:
 
     def check_errors(self):
         """Raise NCCL's asynchronous error of this communicator, if any (a failed peer, a network error)."""
-        check = getattr(self.nccl_comm, "check_async_error", None)
-        if check is not None:
-            check()
+        self.nccl_comm.check_async_error()
 
     def settle(self):
         """Wait, from the host, until every reduction queued so far has completed, checking NCCL's errors.
         With stall_timeout set, a reduction still running that long after it was queued is reported
         (one line, like MPIComm's stalls) and the job aborted, instead of the host blocking forever in the
         next read of a device value. The trainer calls it before it reads the loss."""
-        stall = getattr(self.comm, "stall_timeout", None)
+        stall = self.comm.stall_timeout
         pause = 0.0
         while self._pending:
             done, label, queued = self._pending[0]
@@ -254,14 +329,42 @@ class NcclComm:
         self.iallreduce(buf, label).wait()
         return buf
 
+    def allgatherv(self, send, recv, counts, label=""):
+        return self.comm.allgatherv(send, recv, counts, label)
+
+    def reduce_scatterv(self, send, recv, counts, label=""):
+        return self.comm.reduce_scatterv(send, recv, counts, label)
+
+    def ireduce(self, buf, root=0, label=""):
+        raise self.refuse("ireduce", "mpi or single (the hierarchical reducer reduces host arrays; with NCCL use "
+                                     "blocking, per_layer, bucketed or topk)")
+
+    def ibcast(self, buf, root=0, label=""):
+        raise self.refuse("ibcast", "mpi or single (the hierarchical reducer reduces host arrays; with NCCL use "
+                                    "blocking, per_layer, bucketed or topk)")
+
     def bcast(self, buf, root=0):
         return self.comm.bcast(buf, root)
 
     def bcast_obj(self, obj, root=0):
         return self.comm.bcast_obj(obj, root)
 
+    def allgather_obj(self, obj):
+        return self.comm.allgather_obj(obj)
+
     def allreduce_sum(self, values, label="metrics"):
         return self.comm.allreduce_sum(values, label)
+
+    def split(self, color, key):
+        raise self.refuse("split", "mpi or single (an NCCL communicator is made for one group of processes)")
+
+    def split_shared(self):
+        raise self.refuse("split_shared", "mpi or single (the hierarchical reducer reduces host arrays; with NCCL "
+                                          "use blocking, per_layer, bucketed or topk)")
+
+    def progress_thread(self, interval=None):
+        raise self.refuse("progress thread", "mpi (the thread tests MPI's requests; NCCL's reductions progress on "
+                                             "their own stream: use progress test)")
 
     def barrier(self):
         self.comm.barrier()

@@ -141,7 +141,8 @@ def add_predict(subparsers):
     p.add_argument("--algorithm", default="ring", choices=("best",) + algorithms("allreduce"),
                    help="allreduce algorithm (default ring; best: the cheapest)")
     p.add_argument("--progress", choices=PROGRESS, default="test",
-                   help="when MPI progresses a started collective (default test: only inside MPI calls)")
+                   help="when a started collective progresses: test (the default: only inside MPI calls) or thread "
+                        "(all the time: the reducers' progress thread, or a library that progresses on its own)")
     p.add_argument("--optimizer", choices=tuple(UPDATE_PASSES), default="sgd_momentum",
                    help="the update's passes over the parameters (default sgd_momentum)")
     add_data_flags(p)
@@ -258,7 +259,8 @@ def add_sweep(subparsers):
     p.add_argument("--algorithm", default="ring", choices=("best",) + algorithms("allreduce"),
                    help="allreduce algorithm (default ring; best: the cheapest)")
     p.add_argument("--progress", choices=PROGRESS, default="test",
-                   help="when MPI progresses a started collective (default test: only inside MPI calls)")
+                   help="when a started collective progresses: test (the default: only inside MPI calls) or thread "
+                        "(all the time: the reducers' progress thread, or a library that progresses on its own)")
     p.add_argument("--density", type=share, default=0.01,
                    help="--reduction topk: the share of gradient entries sent, in (0, 1] (default 0.01)")
     add_data_flags(p)

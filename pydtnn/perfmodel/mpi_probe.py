@@ -36,7 +36,7 @@ import numpy as np
 
 TARGET_BATCH_S = 0.005
 MAX_REPEATS = 1000  # per batch
-TRAINER_STALL_TIMEOUT_S = 300.0  # pydtnn-train's default --stall_timeout: waits poll (comm.MPIComm._wait)
+TRAINER_STALL_TIMEOUT_S = 300.0  # pydtnn-train's default --stall_timeout: waits poll (stall_watch.StallWatch.wait)
 COLLECTIVES = ("allgather", "reduce_scatter", "allreduce")
 BURST_ELEMENTS = 4096  # float32 elements added per unit of burst work: 16 KiB, in cache
 

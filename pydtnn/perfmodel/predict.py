@@ -28,31 +28,36 @@ cores). It is a wait, so it counts as exposed communication (sync_s), whatever t
 
 Communication (data parallelism). Every gradient is summed over the np processes by allreduce, with
 the named algorithm (or the cheapest, "best") on the link the processes share: intra-node while they
-fit on one node, inter-node otherwise, or both with "hierarchical". The reducers:
-- blocking: after the whole backward, the gradient buffer in pieces of PIECE_BYTES, one after another;
+fit on one node, inter-node otherwise, or both with "hierarchical". The messages are the reducer's own,
+from the same pure function the reducer lays them out with (pydtnn.distributed.reducers.messages), each
+cut into pieces of at most reducers/base.py's PIECE_BYTES as the reducer cuts it:
+- blocking: after the whole backward, the gradient buffer;
 - per_layer: one allreduce per gradient, started when its layer's backward ends;
 - bucketed: gradients packed in reverse parameter order into buckets (the first one small), each
-  started when its last gradient is ready.
+  started when its last gradient is ready; hierarchical: the same buckets, each reduced in two levels;
+- topk: after backward, two allgathers of each replica's k indices (int64) and k values.
 An MPI library progresses a non-blocking collective only inside MPI calls, and the reducers call
 test() between layers only: with progress="test" (the default, what MPICH does here) a collective's
 transfer does not advance during a layer's computation, so the reduction is as exposed as a blocking
-one and the strategies differ by their messages' count and sizes. progress="background" models a
-library (or network) that progresses on its own: collectives run one after another from the moment
-each is started, overlapping the rest of backward; exposed communication is what remains after it.
+one and the strategies differ by their messages' count and sizes. progress="thread" models the
+reducers' progress thread (--reduction_progress thread), or a library or network that progresses on
+its own: collectives run one after another from the moment each is started, overlapping the rest of
+backward; exposed communication is what remains after it. The progress modes are the reducers'
+(reducers.PROGRESS), and so are the reductions (reducers.NAMES).
 """
 
 import math
 from dataclasses import asdict, dataclass, field
 
-from pydtnn.distributed.reducers.base import PIECE_BYTES
-from pydtnn.errors import ConfigError
+from pydtnn.distributed import reducers
 from pydtnn.distributed.model_parallel import plan
+from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 
 PARALLEL = ("data", "model", "hybrid")
-REDUCTIONS = ("blocking", "per_layer", "bucketed", "hierarchical", "topk")
-PROGRESS = ("test", "background")
+REDUCTIONS = reducers.NAMES
+PROGRESS = reducers.PROGRESS
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
 MEASURED_CROWDING = 2.0  # ranks per core at which calibrate measures overheads.oversubscribed_collective_s
 
@@ -166,11 +171,14 @@ def _check_arguments(parallel, reduction, progress, optimizer, algorithm, **coun
 
 def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
             optimizer="sgd_momentum", bucket_mb=25.0, first_bucket_mb=1.0, parallel="data", name=None,
-            model_parallel_size=None, density=0.01):
+            model_parallel_size=None, density=0.01, compression="none", update_passes=None):
     """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
     model replica (per process with data parallelism) over np processes, each with `threads` threads, on
     `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
-    model_parallel_size (perfmodel/split.py)."""
+    model_parallel_size (perfmodel/split.py). compression: the gradients' wire format ("none", "fp16":
+    half the bytes, and a small allreduce of scales before each message; reducers.messages).
+    update_passes: the update's passes over the parameters' bytes (update_passes()), else UPDATE_PASSES's
+    of `optimizer`."""
     _check_arguments(parallel, reduction, progress, optimizer, algorithm, batch_size=batch_size, np=np, threads=threads)
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
     replicas = np // m
@@ -198,7 +206,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     forward_s = sum(t.forward_s for t in times)
     backward_s = sum(t.backward_data_s + t.backward_weights_s for t in times)
     param_bytes = sum(grads.values())
-    update_s = UPDATE_PASSES[optimizer] * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
+    update_s = (update_passes or UPDATE_PASSES[optimizer]) * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
                                                          / crowding)
     group = split.group_messages(steps, batch_size, model.backend.dtype.itemsize, m, machine, algorithm)
     group_s = sum(seconds for *_, seconds in group)  # blocking, on the critical path
@@ -206,14 +214,12 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                   + fixed.step_s * crowding)
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
-    messages = _messages(params, times, forward_s, reduction, bucket_mb, first_bucket_mb)
     level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
-    durations = [allreduce_seconds(n, replicas, machine, algorithm, level) for _, n in messages]
-    if reduction == "topk":  # after backward: each replica's k largest entries, indices and values allgathered
-        messages, durations = _topk(params, density, replicas, machine, algorithm, level, forward_s + backward_s,
-                                    model.backend.dtype.itemsize)
+    messages = _messages(params, times, forward_s, reduction, model.backend.dtype.itemsize, compression,
+                         bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, density=density)
+    durations = [_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
     comm_s = sum(durations)
     collectives_per_step = (len(messages) if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
@@ -222,17 +228,32 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         exposed = comm_s
     else:
         done = 0.0
-        for (ready, _), d in zip(messages, durations):
+        for (ready, _, _), d in zip(messages, durations):
             done = max(done, ready) + d
         exposed = max(0.0, done - end_of_backward)
     return Prediction(
-        model=name or getattr(model, "name", "model"), batch_size=batch_size, np=np, threads=threads, parallel=parallel,
+        model=name or model.name, batch_size=batch_size, np=np, threads=threads, parallel=parallel,
         reduction=reduction, algorithm=algorithm, progress=progress, machine=machine.name,
         step_s=compute_s + memory_s + update_s + overhead_s + exposed + group_s + sync_s, compute_s=compute_s,
         memory_s=memory_s + update_s, update_s=update_s, comm_s=comm_s + group_s + sync_s,
         exposed_comm_s=exposed + group_s + sync_s, messages=collectives_per_step, overhead_s=overhead_s,
         layers=times, model_parallel_size=m, group_comm_s=group_s, sync_s=sync_s,
     )
+
+
+def update_passes(optimizer, hyper):
+    """Passes over the parameters' bytes of one update by `optimizer` (optim.NAMES) with hyperparameters
+    `hyper` (optim.hyperparameters: every one it runs with), as the backend's updates make them: SGD reads p
+    and g and writes p (3); momentum reads and writes its buffer (+2); weight decay forms g + decay x p in a
+    temporary (+3: p read, the temporary written and read); Nesterov forms d + momentum x buffer in one (+2).
+    Adam and Nadam read p, g and both moments and write p and both moments (7), their L2 decay as SGD's (+3);
+    AdamW decays p in place (+2). RMSProp reads p, g and its square average and writes p and it (5)."""
+    momentum, decay = hyper.get("momentum") or 0.0, hyper.get("weight_decay") or 0.0
+    if optimizer == "sgd":
+        return 3 + 2 * bool(momentum) + 3 * bool(decay) + 2 * bool(momentum and hyper.get("nesterov"))
+    if optimizer == "rmsprop":
+        return 5 + 2 * bool(momentum) + 3 * bool(decay)
+    return 7 + (2 if optimizer == "adamw" else 3) * bool(decay)
 
 
 def oversubscribed_wait(machine, crowding):
@@ -244,48 +265,33 @@ def oversubscribed_wait(machine, crowding):
     return machine.overheads.oversubscribed_collective_s * (crowding - 1.0) / (MEASURED_CROWDING - 1.0)
 
 
-def _topk(params, density, p, machine, algorithm, level, end, itemsize):
-    """([(when, bytes)], [seconds]) of the topk reducer: k = ceil(density x entries) int64 indices and k values
-    from each of the p replicas, two allgathers after backward (k x 8 and k x itemsize bytes per replica)."""
+def _seconds(collective, nbytes, p, machine, algorithm, level):
+    """Seconds of one reducer message of nbytes per replica over p replicas: an allreduce, or an allgather (topk)
+    of every replica's nbytes."""
+    if collective == "allreduce":
+        return allreduce_seconds(nbytes, p, machine, algorithm, level)
     if p <= 1:
-        return [], []
-    k = max(1, math.ceil(density * (sum(n for _, n in params) // itemsize)))
-    out = []
-    for nbytes in (p * k * 8, p * k * itemsize):
-        if algorithm in ("best", collectives.HIERARCHICAL):
-            out.append(collectives.best("allgather", nbytes, p, machine, level=level)[1])
-        else:
-            out.append(collectives.seconds("allgather", algorithm if algorithm in collectives.algorithms("allgather")
-                                           else "ring", nbytes, p, machine, level=level))
-    return [(end, p * k * 8), (end, p * k * itemsize)], out
+        return 0.0
+    if algorithm in ("best", collectives.HIERARCHICAL):
+        return collectives.best("allgather", p * nbytes, p, machine, level=level)[1]
+    return collectives.seconds("allgather", algorithm if algorithm in collectives.algorithms("allgather") else "ring",
+                               p * nbytes, p, machine, level=level)
 
 
-def _messages(params, times, forward_s, reduction, bucket_mb, first_bucket_mb):
-    """[(seconds into the step when the message can start, bytes)] in the order the reducer starts them;
-    params: [(parameter name, gradient bytes)] in state-dict order."""
+def _messages(params, times, forward_s, reduction, itemsize, compression="none", **options):
+    """[(seconds into the step when the message can start, collective, bytes per replica)] in the order the
+    reducer starts them (reducers.messages); params: [(parameter name, gradient bytes)] in state-dict order;
+    options: the reducer's own that shape its messages (those it does not take are left out)."""
     ready, t = {}, forward_s
     for lt in reversed(times):  # backward runs the layers in reverse order
         t += lt.backward_data_s + lt.backward_weights_s
         ready[lt.name] = t
-    layer_of = {name: name.rsplit(".", 1)[0] for name, _ in params}
-    if reduction == "blocking":
-        total = sum(n for _, n in params)
-        end = t
-        pieces = [PIECE_BYTES] * (total // PIECE_BYTES) + ([total % PIECE_BYTES] if total % PIECE_BYTES else [])
-        return [(end, n) for n in pieces]
-    order = sorted(params, key=lambda p: ready.get(layer_of[p[0]], t))  # as backward makes them ready
-    if reduction == "per_layer":
-        return [(ready.get(layer_of[n], t), b) for n, b in order]
-    messages, cap, current, size = [], first_bucket_mb * 2**20, [], 0  # bucketed: reversed parameter order
-    for n, b in reversed(params):
-        if current and size + b > cap:
-            messages.append((max(ready.get(layer_of[m], t) for m in current), size))
-            cap, current, size = bucket_mb * 2**20, [], 0
-        current.append(n)
-        size += b
-    if current:
-        messages.append((max(ready.get(layer_of[m], t) for m in current), size))
-    return sorted(messages)
+    when = [ready.get(name.rsplit(".", 1)[0], t) for name, _ in params]
+    own = reducers.defaults(reduction)
+    sent = reducers.messages(reduction, [n // itemsize for _, n in params], itemsize, compression,
+                             **{k: v for k, v in options.items() if k in own})
+    starts = [t if m.params is None else max(when[i] for i in m.params) for m in sent]
+    return sorted(((s, m.collective, m.nbytes) for s, m in zip(starts, sent)), key=lambda x: x[0])
 
 
 def duration(seconds):
@@ -326,8 +332,8 @@ def table(p):
                      if p.model_parallel_size > 1 else "")
                   + (f"; {duration(p.sync_s)} waiting for ranks off oversubscribed cores" if p.sync_s else "")
                   + ")"),
-              f"{rate(p.samples_per_second)} samples/s: a global batch of {p.global_batch:,} samples every "
-              f"{duration(p.step_s)}"]
+              (f"{rate(p.samples_per_second)} samples/s: a global batch of {p.global_batch:,} samples every "
+               f"{duration(p.step_s)}")]
     if not math.isfinite(p.step_s):
         lines.append("the prediction is not finite: check the machine's rates")
     return "\n".join(lines)

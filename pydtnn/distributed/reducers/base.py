@@ -28,16 +28,10 @@ ProgressThread (pydtnn.distributed.comm), which enters MPI every 0.2 ms from a h
 backward computes; the default, "test", enters MPI with test() between layers instead, so that a
 reduction moves only when a layer ends.
 
-compression="fp16" sends half-precision copies of the (already scaled) gradients: half the bytes on
-the wire, at the price of fp16 rounding of every gradient and a reduction operator written in Python
-(MPI has no half-precision sum). It pays only where the network, not memory, is the bottleneck.
-Each gradient travels times a power of two of its own, the same on every rank, chosen so that its sum
-over the ranks stays under 2^15 (fp16's largest value is 65504) with its largest entries just below:
-fp16 keeps 11 significant bits from 2^15 down to its smallest normal value 2^-14, and unscaled
-gradients lie mostly under that (19-90% of a ResNet-20's entries per rank, where fp16 keeps fewer
-bits, or none under 6e-8). The powers come from one small reduction per message before it (the sum
-over the ranks of each gradient's largest magnitude, a bound on every partial sum; not counted in
-bytes_reduced); multiplying and dividing by them is exact.
+compression (pydtnn.distributed.compression) is what each message carries: "none", the gradients as they
+are, or "fp16", half-precision copies scaled into fp16's range; the reducer calls its compress() before a
+message and decompress() after it. Which reducer takes which compression, progress and device is the
+registry's to say (reducers/__init__.py: validate()).
 """
 
 import itertools
@@ -45,13 +39,12 @@ import time
 import weakref
 from contextlib import contextmanager
 
-import numpy as np
-
-from pydtnn.backends import array_module, is_device_array
+from pydtnn.backends import array_module
+from pydtnn.distributed.compression import compression_of
+from pydtnn.distributed.reducers.layout import piece_bounds
 
 PIECE_BYTES = 16 * 2**20  # largest single message; see the module docstring
-WIRE_TOP = 15  # fp16 wire: every gradient's sum over the ranks is scaled under 2^WIRE_TOP (fp16's largest: 65504)
-WIRE_SHIFT_LIMIT = 64  # and by at most 2^+-64, which float32 gradients take without leaving their normal range
+PROGRESS = ("test", "thread")  # how outstanding reductions are progressed: test() between layers, or a thread
 
 
 class Reducer:
@@ -62,27 +55,17 @@ class Reducer:
     """
 
     name = None
-    PROGRESS = ("test",)  # the ways outstanding reductions are progressed that this reducer offers
 
     def __init__(self, comm, compression="none", progress="test"):
-        from pydtnn.errors import ConfigError
-
-        if compression not in ("none", "fp16"):
-            raise ConfigError(f"unknown gradient compression {compression!r}; expected none or fp16")
-        if progress not in self.PROGRESS:
-            raise ConfigError(f"{self.name} reducer: progress {progress!r}; expected {' or '.join(self.PROGRESS)}")
+        """comm: a Communicator; compression: "none", "fp16" or a compression object; progress: "test" or
+        "thread" (reducers.create() checks first that this reducer takes them)."""
         self.comm = comm
+        self.compression = compression_of(compression)
         self.progress = progress
         self._thread = None
         if progress == "thread" and comm.size > 1:
-            if not hasattr(comm, "progress_thread"):
-                raise ConfigError(f"progress thread: this run's communicator is "
-                                  f"{getattr(comm, 'name', type(comm).__name__)}; expected mpi (CPU training)")
             self._thread = comm.progress_thread()
-        if self._thread is not None:
             weakref.finalize(self, self._thread.close)  # the thread ends with the reducer
-        self.wire_dtype = np.float16 if compression == "fp16" else None
-        self.wire_scales = {}  # name: the power of two its gradient was last sent times (fp16 wire)
         self.weight = 1.0
         self.tracer = None
         self.bytes_reduced = 0
@@ -91,11 +74,10 @@ class Reducer:
     def attach(self, model):
         self.params = model.parameters()
         self.grads = {n: g for n, _, g in self.params}
-        flat = getattr(model, "grad_buffer", None)
         # in place only when the wire format is the gradients' own and the buffer really backs them
         self.flat, self.offsets = None, {}
-        if self.wire_dtype is None and flat is not None:
-            self.flat, self.offsets = flat, model.grad_offsets
+        if self.compression.in_place and model.grad_buffer is not None:
+            self.flat, self.offsets = model.grad_buffer, model.grad_offsets
         self.order, self.order_done = [], False
         model.add_grad_ready_hook(self._hook)
         self.setup()
@@ -149,28 +131,8 @@ class Reducer:
         """Restore what state_dict() gave."""
 
     def _pack(self, views, names):
-        """Copy each gradient, times this rank's weight, into its wire buffer view (casting if compressed:
-        times the gradient's wire scale too, a collective)."""
-        scales = self._wire_scales(names) if self.wire_dtype is not None else [1.0] * len(names)
-        for view, n, s in zip(views, names, scales):
-            array_module(view).multiply(self.grads[n], self.weight * s, out=view, casting="same_kind")
-
-    def _wire_scales(self, names):
-        """A power of two per gradient, the same on every rank, that puts the gradient's sum over the ranks
-        (and every partial sum on the way) under 2^15 and its largest entries above 2^14: the sum over the
-        ranks of each gradient's largest magnitude, times this rank's weight, bounds them. 1 where that
-        bound is 0 or not finite. Remembered for _unpack."""
-        grads = [self.grads[n] for n in names]
-        xp = array_module(grads[0])
-        local = xp.stack([xp.abs(g).max() if g.size else xp.zeros((), g.dtype) for g in grads])
-        local = np.asarray(local.get() if is_device_array(local) else local, np.float64) * abs(self.weight)
-        bound = np.asarray(self.comm.allreduce_sum(local, "fp16 scales"), np.float64)
-        ok = np.isfinite(bound) & (bound > 0)
-        _, exponent = np.frexp(np.where(ok, bound, 1.0))  # bound < 2^exponent
-        powers = np.where(ok, np.clip(WIRE_TOP - exponent, -WIRE_SHIFT_LIMIT, WIRE_SHIFT_LIMIT), 0)
-        scales = [float(np.ldexp(1.0, int(e))) for e in powers]
-        self.wire_scales.update(zip(names, scales))
-        return scales
+        """Write each gradient, times this rank's weight, into its wire buffer view (compressed)."""
+        self.compression.compress(self.grads, names, views, self.weight, self.comm)
 
     def _scale(self, buf):
         """Multiply buf, a run of the model's own gradients, by this rank's weight in place."""
@@ -178,13 +140,8 @@ class Reducer:
             array_module(buf).multiply(buf, self.weight, out=buf)
 
     def _unpack(self, views, names):
-        for view, n in zip(views, names):
-            if view is not self.grads[n]:
-                g = self.grads[n]
-                g[...] = view
-                s = self.wire_scales.get(n, 1.0)
-                if s != 1.0:
-                    array_module(g).multiply(g, 1.0 / s, out=g, casting="same_kind")  # exact: a power of two
+        """Write the reduced wire buffer views back into the gradients (decompressed)."""
+        self.compression.decompress(views, self.grads, names)
 
     def _span(self, names):
         """(start, stop) of these gradients in the flat buffer when they fill one contiguous run, else None."""
@@ -211,8 +168,7 @@ class Reducer:
     def _pieces(buf):
         """Contiguous flat views of buf of at most PIECE_BYTES each (at least one, even when empty)."""
         flat = buf.reshape(-1)  # a view: wire buffers and gradients are contiguous
-        step = max(1, PIECE_BYTES // buf.itemsize)
-        return [flat[i : i + step] for i in range(0, max(flat.size, 1), step)]
+        return [flat[a:b] for a, b in piece_bounds(flat.size, buf.itemsize, PIECE_BYTES)]
 
     def _start(self, buf, label):
         """Start non-blocking allreduces of buf, in pieces of at most PIECE_BYTES; returns what _wait needs."""

@@ -13,7 +13,7 @@ class BlockingReducer(Reducer):
         if self.flat is not None and self._span(self.names) == (0, self.flat.size):
             self.buf, self.views = self.flat, None  # the model's own gradient buffer, reduced in place
         else:
-            self.buf, self.views = flat_buffer([g for _, _, g in self.params], self.wire_dtype)
+            self.buf, self.views = flat_buffer([g for _, _, g in self.params], self.compression.wire_dtype)
 
     def finish(self):
         self.order_done = True

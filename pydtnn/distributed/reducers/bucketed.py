@@ -1,35 +1,29 @@
 """Gradients packed into fixed-size buckets in reverse layer order, each reduced once full.
 
 Buckets are laid out once, identically on every rank, from the model's parameter order reversed
-(backward produces gradients roughly in that order). The first bucket is small so communication
-starts early; the others hold about `bucket_mb` MB. A bucket's non-blocking allreduce starts as soon
-as all its gradients are ready, and outstanding ones are progressed with test() each time a layer
-finishes, since MPI makes no progress in the background here. Where the model's gradients live in
-one buffer in that same order, a bucket is a slice of it, scaled and reduced in place.
+(backward produces gradients roughly in that order), by layout.bucket_layout, which the performance
+model calls too. The first bucket is small so communication starts early; the others hold about
+`bucket_mb` MB. A bucket's non-blocking allreduce starts as soon as all its gradients are ready, and
+outstanding ones are progressed with test() each time a layer finishes, since MPI makes no progress in
+the background here. Where the model's gradients live in one buffer in that same order, a bucket is a
+slice of it, scaled and reduced in place.
 """
 
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
+from pydtnn.distributed.reducers.layout import bucket_layout
 
 
 class BucketedReducer(Reducer):
     name = "bucketed"
-    PROGRESS = ("test", "thread")
 
     def __init__(self, comm, bucket_mb=25.0, first_bucket_mb=1.0, compression="none", progress="test"):
         super().__init__(comm, compression, progress)
         self.bucket_bytes, self.first_bytes = bucket_mb * 2**20, first_bucket_mb * 2**20
 
     def setup(self):
-        self.buckets = []  # [names]
-        cap, current, size = self.first_bytes, [], 0
-        for name, _, g in reversed(self.params):
-            if current and size + g.nbytes > cap:
-                self.buckets.append(current)
-                cap, current, size = self.bucket_bytes, [], 0
-            current.append(name)
-            size += g.nbytes
-        if current:
-            self.buckets.append(current)
+        order = [n for n, _, _ in reversed(self.params)]
+        spans = bucket_layout([self.grads[n].nbytes for n in order], self.bucket_bytes, self.first_bytes)
+        self.buckets = [order[a:b] for a, b in spans]  # [names]
         self.bucket_of = {n: i for i, names in enumerate(self.buckets) for n in names}
         self.buffers = []  # (wire buffer, views of it per gradient, or None when the buffer is the gradients)
         for names in self.buckets:
@@ -37,7 +31,7 @@ class BucketedReducer(Reducer):
             if span is not None:
                 self.buffers.append((self.flat[span[0] : span[1]], None))
             else:
-                self.buffers.append(flat_buffer([self.grads[n] for n in names], self.wire_dtype))
+                self.buffers.append(flat_buffer([self.grads[n] for n in names], self.compression.wire_dtype))
         self.missing = [len(names) for names in self.buckets]
         self.pending = []
 

@@ -20,8 +20,6 @@ from pydtnn.errors import ConfigError
 
 def node_comms(comm, ranks_per_node=None):
     """(this rank's node communicator, the communicator of the nodes' leaders, or None off a leader)."""
-    if not hasattr(comm, "split_shared"):
-        raise ConfigError(f"the hierarchical reducer needs MPI communicators; got {comm.name}")
     if ranks_per_node:
         if comm.size % ranks_per_node:
             raise ConfigError(f"--ranks_per_node {ranks_per_node} does not divide the {comm.size} processes")
@@ -69,7 +67,6 @@ class _Chain:
 
 class HierarchicalReducer(BucketedReducer):
     name = "hierarchical"
-    PROGRESS = ("test",)  # its chains start their next stage from test(), on the calling thread
 
     def __init__(self, comm, bucket_mb=25.0, first_bucket_mb=1.0, compression="none", ranks_per_node=None,
                  progress="test"):

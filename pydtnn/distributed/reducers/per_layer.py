@@ -9,10 +9,10 @@ class PerLayerReducer(Reducer):
     test() between layers (or by a progress thread)."""
 
     name = "per_layer"
-    PROGRESS = ("test", "thread")
 
     def setup(self):
-        self.wire = {n: g if self.wire_dtype is None else array_module(g).empty(g.shape, self.wire_dtype)
+        wire = self.compression.wire_dtype
+        self.wire = {n: g if self.compression.in_place else array_module(g).empty(g.shape, wire)
                      for n, g in self.grads.items()}
         self.pending = []
 

@@ -35,8 +35,8 @@ import numpy as np
 
 from pydtnn.backends import array_module
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
+from pydtnn.distributed.reducers.layout import topk_counts
 from pydtnn.errors import ConfigError
-
 
 SAMPLE = 1 << 16  # magnitudes read to place the threshold; vectors under 8 x SAMPLE are partitioned whole
 
@@ -65,8 +65,6 @@ class TopKReducer(Reducer):
 
     def __init__(self, comm, density=0.01, compression="none", progress="test", momentum=0.0, warmup_epochs=0,
                  selection="global"):
-        if compression != "none":
-            raise ConfigError(f"the topk reducer sends values in the gradients' dtype; got compression {compression!r}")
         if not 0 < density <= 1:
             raise ConfigError(f"topk density must be in (0, 1], got {density!r}")
         if not 0 <= momentum < 1:
@@ -79,6 +77,7 @@ class TopKReducer(Reducer):
         self.density, self.momentum, self.warmup_epochs = float(density), float(momentum), int(warmup_epochs)
         self.selection = selection
         self.epoch_density = self.density
+        self.buf = None  # the gradients' buffer, once attached
 
     def setup(self):
         self.names = [n for n, _, _ in self.params]
@@ -106,12 +105,12 @@ class TopKReducer(Reducer):
         return array_module(self.buf).asarray(picked)
 
     def _k(self, density):
-        """Entries sent per step: ceil(density x size), of the whole buffer or of each gradient (per_layer,
-        self.ks), at least one each."""
+        """Entries sent per step (layout.topk_counts, which the performance model calls too): ceil(density x
+        size), of the whole buffer or of each gradient (per_layer, self.ks), at least one each."""
+        ks = topk_counts([b - a for a, b in self.spans], density, self.selection)
         if self.selection == "per_layer":
-            self.ks = [min(b - a, max(1, int(np.ceil(density * (b - a))))) for a, b in self.spans]
-            return sum(self.ks)
-        return min(self.buf.size, max(1, int(np.ceil(density * self.buf.size))))
+            self.ks = ks
+        return sum(ks)
 
     def density_at(self, epoch):
         """The density of an epoch (0-based): with warm-up over W epochs, epoch e < W sends
@@ -123,7 +122,7 @@ class TopKReducer(Reducer):
 
     def begin_epoch(self, epoch):
         self.epoch_density = self.density_at(epoch)
-        if getattr(self, "buf", None) is not None:
+        if self.buf is not None:
             self.k = self._k(self.epoch_density)
 
     def finish(self):
