@@ -118,10 +118,10 @@ def pydtnn_worker(args):
             opt = optim.create("sgd", model.parameters(), lr=LR, momentum=0.9)
             kind, options = parse_strategy(strategy, args.ranks_per_node)
             reducer = reducers.create(kind, comm, **options) if kind in reducers.NAMES else None
-            trainer = Trainer(model, losses.SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer)
-            broadcast_state(comm, model, opt)
             tracer = Tracer(pid=rank)
-            trainer.tracer = tracer
+            trainer = Trainer(model, losses.SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer,
+                              tracer=tracer)
+            broadcast_state(comm, model, opt)
             if reducer is not None:
                 reducer.tracer = tracer
             steps, phase = [], {c: [] for c in cats}

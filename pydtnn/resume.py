@@ -104,7 +104,14 @@ def _same_dir(a, b):
 
 
 def save_checkpoint(directory, trainer, epoch, config, effective=None):
-    """Everything a resumed run needs to continue bit-identically after `epoch` (0-based) ended."""
+    """Everything a resumed run needs to continue bit-identically after `epoch` (0-based) ended.
+
+    Every rank's checkpoint callback calls it. Rank 0 writes; the parameters are identical on every rank, or
+    (model parallelism) gathered from every rank of its group, which all take part, as every rank does where
+    the reducer keeps state of its own (topk's residuals); any other rank has nothing to add and returns.
+    """
+    if not (trainer.is_root or trainer.model.sharding is not None or reducer_keeps_state(trainer.reducer)):
+        return
     meta = {
         "epoch": epoch + 1,
         "config": config,
@@ -124,6 +131,11 @@ def save_checkpoint(directory, trainer, epoch, config, effective=None):
     # is a valid --config file: load_config_file skips the "effective" values computed from the flags
     checkpoint.write_json_atomic(os.path.join(directory, checkpoint.CONFIG_FILE),
                                  {**config, "effective": effective or {}})
+
+
+def reducer_keeps_state(reducer):
+    """Whether a reducer (None: none) keeps state of its own that a checkpoint holds (topk's residuals)."""
+    return reducer is not None and bool(reducer.state_dict())
 
 
 def reducer_state(trainer):
@@ -204,12 +216,11 @@ def resume(directory, trainer, lr=None, scaled=False):
     restore_reducer(trainer, extras)
     checkpoint.set_rng_state(trainer.model.backend.rng, meta["rng"])
     base = meta["base_lr"] * (trainer.world_size / meta.get("world_size", 1) if scaled else 1)
-    trainer.base_lr = trainer.optimizer.lr = lr if lr is not None else base
     for s, state in zip(trainer.schedules, meta["schedules"]):
         s.load_state_dict(state)
     for c, state in zip(trainer.callbacks, meta["callbacks"]):
         if hasattr(c, "load_state_dict"):
             c.load_state_dict(state)
-    trainer.history = list(meta["history"])
+    trainer.restore(history=meta["history"], base_lr=lr if lr is not None else base)
     trainer.log(f"pydtnn: resumed {directory} after epoch {meta['epoch']}")
     return meta["epoch"]

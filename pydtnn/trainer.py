@@ -1,78 +1,43 @@
-"""The training loop: batches -> forward -> loss -> backward -> optimizer step -> callbacks.
+"""The training loop: epochs of batches, each one Step (forward, loss, backward, reduce, update), then callbacks.
 
     trainer = Trainer(model, SoftmaxCrossEntropy(), SGD(model.parameters(), lr=0.05, momentum=0.9))
     history = trainer.fit(train, epochs=5, batch_size=64, val=val, test=test)
     trainer.evaluate(test)            # {"loss": ..., "accuracy": ...}
     trainer.predict(test)             # (N, num_classes) outputs
 
-Per-epoch numbers go to `history`, to the progress bar, and (with metrics_file) to a JSON Lines file
-whose format is a public contract (docs/architecture.md).
+The loop is here (fit, epochs, schedules, callbacks, evaluate, predict); one step on one batch is
+pydtnn.step, reading the loss and metrics back from the device is pydtnn.readings, and what a run reports
+(progress, epoch lines, the metrics file whose format is a public contract) is pydtnn.progress.
 """
 
-import json
-import math
-import os
-import sys
 import time
 from contextlib import nullcontext
 
 import numpy as np
-from tqdm import tqdm
 
 from pydtnn import metrics as metric_fns
 from pydtnn import runtime
 from pydtnn.data.dataset import batch_slices, epoch_order
 from pydtnn.errors import ConfigError, DataError, TrainingDiverged
-from pydtnn.files import is_terminal
 from pydtnn.losses import check_host_targets, defers, targets_checked_on_host
 from pydtnn.optim.schedules import learning_rate
+from pydtnn.progress import MetricsFile, Reporting, format_record
 from pydtnn.randomness import SampleStreams
-
-
-class MetricsFile:
-    """JSON Lines writer: one object per line, flushed at once so a crash never leaves half a record.
-
-    The path is checked at once, but the file (and any folder missing on its way) is created with
-    the first record: a run that fails before finishing an epoch leaves no file behind.
-    """
-
-    def __init__(self, path):
-        from pydtnn.files import check_writable
-
-        # folders missing on the way are made with the file (the CLI checks paths more strictly)
-        self.path, self.f = check_writable(path, "metrics file", made=os.path.dirname(os.path.abspath(path))), None
-
-    def write(self, record):
-        if self.f is None:
-            try:
-                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-                self.f = open(self.path, "w", encoding="utf-8")
-            except OSError as e:
-                raise ConfigError(f"cannot write metrics file {self.path}: {e.strerror}") from None
-        try:
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
-        except OSError as e:  # a full disk, a file size limit: what was flushed before stays whole
-            raise ConfigError(f"cannot write metrics file {self.path}: {e.strerror or e}") from None
-
-    def close(self):
-        if self.f is not None:
-            f, self.f = self.f, None
-            try:
-                f.close()
-            except OSError:  # the write that failed raised already; a second error would hide it
-                pass
+from pydtnn.readings import Readings, diverged, settle
+from pydtnn.step import BatchNormSync, Step, span
 
 
 class Trainer:
     """Trainer for a Model, a loss and an optimizer, on one process or data-parallel over many.
 
-    metrics: names from pydtnn.metrics reported besides the loss. seed: drives the per-epoch sample
-    order (a pure function of (seed, epoch), so runs are reproducible and resumable). schedules:
-    pydtnn.optim.schedules objects; the learning rate of each step is optimizer.lr at construction
-    times their factors. callbacks: objects with any of on_train_begin(trainer),
-    on_epoch_begin(trainer, epoch), on_batch_end(trainer, step, logs), on_epoch_end(trainer, epoch,
-    logs) (see pydtnn.callbacks); setting trainer.stop_training = True ends fit after the epoch.
+    Every option is a keyword, given at construction, and is not replaced afterwards (restore() continues
+    an earlier run; a callback may set stop_training). metrics: names from pydtnn.metrics reported besides
+    the loss. seed: drives the per-epoch sample order (a pure function of (seed, epoch), so runs are
+    reproducible and resumable). schedules: pydtnn.optim.schedules objects; the learning rate of each step
+    is optimizer.lr at construction times their factors.
+    callbacks: objects with any of on_train_begin(trainer), on_epoch_begin(trainer, epoch),
+    on_batch_end(trainer, step, logs), on_epoch_end(trainer, epoch, logs) (see pydtnn.callbacks); setting
+    trainer.stop_training = True ends fit after the epoch.
 
     Data parallelism: pass a communicator (pydtnn.distributed.launch.init()) and a reducer
     (pydtnn.distributed.reducers.create(...)). batch_size is then per process: each step takes a
@@ -80,25 +45,39 @@ class Trainer:
     reduced once per epoch; only rank 0 shows progress and writes files. With model parallelism
     (pydtnn.distributed.model_parallel) comm is the data-parallel communicator, whose ranks are the
     model replicas, and is_root says which process of all shows progress and writes files.
+    sync_batchnorm: BatchNorm statistics over the global batch (all ranks) instead of each rank's share:
+    two small allreduces per BatchNorm layer and step (forward and backward), and N processes compute
+    what one process computes on the same global batch, BatchNorm included.
+
+    accumulation_steps: each step's batch in that many micro-batches, one reduction and one update
+    (pydtnn.step.Step). tracer: a profiling.Tracer for the spans of data, forward, loss, backward,
+    reduce, optimizer and each step (model.set_tracer adds the layers' own).
 
     prefetch: assemble the next training batch (read, decode, augment) in a background thread while
     the current step computes. Batches depend only on (seed, epoch, step, rank), so the result is
     the same either way; the "data" span of a trace then shows only the wait that was not hidden.
+    sync_every: steps between reads of the loss and metrics (pydtnn.readings; see steps_between_reads).
+
+    progress, epoch_lines, progress_every, metrics_file, log: what the root process reports, and where
+    (pydtnn.progress.Reporting).
 
     The process-wide settings (CPU threads, BLAS threads, malloc; pydtnn.runtime) are configured with
     their defaults unless pydtnn.runtime.configure has run already.
     """
 
-    def __init__(self, model, loss, optimizer, metrics=("accuracy",), seed=0, progress=True, metrics_file=None,
-                 callbacks=(), schedules=(), log=None, comm=None, reducer=None, prefetch=True, epoch_lines=None,
-                 is_root=None, sync_every=None, progress_every=10.0):
+    SYNC_EVERY_DEVICE = 32  # steps between reads of the loss and metrics when they live on a GPU
+
+    def __init__(self, model, loss, optimizer, *, metrics=("accuracy",), seed=0, schedules=(), callbacks=(),
+                 comm=None, reducer=None, sync_batchnorm=False, accumulation_steps=1, tracer=None, prefetch=True,
+                 sync_every=None, progress=True, epoch_lines=None, progress_every=10.0, metrics_file=None, log=None,
+                 is_root=None):
         runtime.ensure_configured()
+        if sync_every is not None and (int(sync_every) != sync_every or sync_every < 1):
+            raise ConfigError(f"sync_every must be a positive integer, got {sync_every!r}")
         self.model, self.loss, self.optimizer = model, loss, optimizer
         self.metric_names = tuple(dict.fromkeys(metric_fns.canonical(m) for m in metrics))
         self.metric_fns = {m: metric_fns.get(m) for m in self.metric_names}
-        self.seed = seed
-        self.callbacks = list(callbacks)
-        self.schedules = list(schedules)
+        self.seed, self.schedules, self.callbacks = seed, list(schedules), list(callbacks)
         self.base_lr = optimizer.lr
         if comm is None:
             from pydtnn.distributed.comm import SingleProcess
@@ -106,26 +85,32 @@ class Trainer:
             comm = SingleProcess()
         self.comm, self.world_size = comm, comm.size
         self.is_root = comm.rank == 0 if is_root is None else bool(is_root)
+        self.report = Reporting(progress, epoch_lines, metrics_file, log, progress_every, self.is_root)
+        self.log = self.report.log
         self.reducer = reducer.attach(model) if reducer is not None else None
-        # bars only on a terminal (redirected to a file they would fill it with carriage returns); elsewhere
-        # (a log file, mpirun's pipes) a progress line every `progress_every` seconds; the one summary line
-        # per epoch (on stdout) is on wherever progress is, or as epoch_lines says
-        self.progress = progress and self.is_root and is_terminal(sys.stderr)
-        self.progress_every = progress_every if progress and self.is_root and not self.progress else None
-        self.epoch_lines = (progress if epoch_lines is None else epoch_lines) and self.is_root
-        self.metrics_file = metrics_file if self.is_root else None
-        say = log or (lambda msg: print(msg, file=sys.stderr))
-        self.log = say if self.is_root else (lambda msg: None)
+        self.step = Step(model, loss, optimizer, self.reducer, accumulation_steps,
+                         BatchNormSync(comm) if sync_batchnorm else None, tracer)
+        self._tracer = tracer
+        self.prefetch = prefetch
+        self.sync_every = sync_every  # None: 1 where arrays are on the host, SYNC_EVERY_DEVICE on a GPU
         self.history = []
         self.stop_training = False
-        self.tracer = None  # a profiling.Tracer: spans for data, forward, loss, backward, optimizer
-        self.accumulation_steps, self._acc = 1, None  # micro-batches per step (set before fit)
-        self._params = model.parameters()
-        self._bn_sync = None
-        self.prefetch = prefetch
-        if sync_every is not None and (int(sync_every) != sync_every or sync_every < 1):
-            raise ConfigError(f"sync_every must be a positive integer, got {sync_every!r}")
-        self.sync_every = sync_every  # None: 1 where arrays are on the host, SYNC_EVERY_DEVICE on a GPU
+
+    @property
+    def tracer(self):
+        """The profiling.Tracer given at construction, or None."""
+        return self._tracer
+
+    @property
+    def accumulation_steps(self):
+        """Micro-batches per step, as given at construction."""
+        return self.step.accumulation_steps
+
+    def restore(self, history, base_lr):
+        """Continue an earlier run (pydtnn.resume): the records of its completed epochs, and its base learning
+        rate, which the optimizer takes now (schedules scale it from there)."""
+        self.history = list(history)
+        self.base_lr = self.optimizer.lr = base_lr
 
     def layout(self):
         """{"world_size": processes of the job, "replicas": model replicas (data parallelism), "model_parallel_size":
@@ -133,106 +118,15 @@ class Trainer:
         group = self.model.sharding.group.size if self.model.sharding is not None else 1
         return {"world_size": self.world_size * group, "replicas": self.world_size, "model_parallel_size": group}
 
-    def sync_batchnorm(self):
-        """BatchNorm statistics over the global batch (all ranks) instead of each rank's share.
-
-        Costs two small allreduces per BatchNorm layer and step (forward and backward); makes N
-        processes compute what one process computes on the same global batch, BatchNorm included.
-        """
-        from pydtnn.layers.norm import BatchNorm
-
-        self._bn_sync = _BatchNormSync(self.comm)
-        for _, layer in self.model.layers():
-            if isinstance(layer, BatchNorm):
-                layer.synchronize(self._bn_sync)
-
-    # -- one step ------------------------------------------------------------------------
     def train_step(self, x, y, weight=1.0, read=True):
-        """Forward, loss, backward, gradient reduction and update on one batch. Returns (loss, outputs).
+        """Forward, loss, backward, gradient reduction and update on one batch (pydtnn.step). Returns (loss, outputs).
 
         weight: this rank's share of the global batch (its gradients count that much in the average).
         read: the loss as a Python float, checked to be finite before the update (TrainingDiverged); with
-        read=False it is a 0-d array left on the device, unchecked (fit reads it later).
+        read=False it is a 0-d array left on the device, unchecked (fit reads it later). Dropout draws from
+        the backend's Generator here; fit gives it each sample's stream.
         """
-        if self.accumulation_steps > 1:
-            return self._accumulated_step(x, y, weight, read)
-        if self._bn_sync is not None:
-            self._bn_sync.weight = weight
-        if self.reducer is not None:
-            self.reducer.begin_step(weight)
-        with self._span("forward"):
-            out = self.model.forward(x, training=True)
-        with self._span("loss"):
-            loss = self._loss(out, y, read)
-            dy = self.loss.backward()
-        with self._span("backward"):
-            self.model.backward(dy)
-        if self.reducer is not None:
-            with self._span("reduce"):
-                self.reducer.finish()
-        with self._span("optimizer"):
-            self.optimizer.step()
-        return loss, out
-
-    def _loss(self, out, y, read):
-        """The batch's mean loss: a float checked to be finite, or (read=False) a 0-d device array."""
-        if read or not defers(self.loss):
-            loss = self.loss.forward(out, y)
-            if not math.isfinite(loss):
-                raise TrainingDiverged(f"loss is {loss}")
-            return loss
-        return self.loss.value(out, y)
-
-    def _accumulated_step(self, x, y, weight, read=True):
-        """The batch in `accumulation_steps` micro-batches, gradients summed, one reduction, one update.
-
-        Memory for activations is that of a micro-batch; the update is that of the whole batch.
-        """
-        n = x.shape[0]
-        bounds = [n * i // self.accumulation_steps for i in range(self.accumulation_steps + 1)]
-        params = self._params
-        if self._acc is None:
-            self._acc = [self.model.backend.xp.zeros_like(g) for _, _, g in params]
-        total, outs = 0.0, []
-        with nullcontext() if self.reducer is None else self.reducer.no_sync():  # one reduction, after the loop
-            backend, streams = self.model.backend, self.model.backend.sample_streams
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                if a == b:
-                    continue
-                if self._bn_sync is not None:
-                    self._bn_sync.weight = weight * (b - a) / n
-                if streams is not None and len(streams) == n:  # the micro-batch's samples, their own streams
-                    backend.sample_streams = streams.rows(None, a, b)
-                with self._span("forward"):
-                    out = self.model.forward(x[a:b], training=True)
-                with self._span("loss"):
-                    loss = self._loss(out, y[a:b], read)
-                    dy = self.loss.backward()
-                with self._span("backward"):
-                    self.model.backward(dy)
-                share = (b - a) / n
-                for acc, (_, _, g) in zip(self._acc, params):
-                    if a == 0:
-                        self.model.backend.xp.multiply(g, share, out=acc)
-                    else:
-                        acc += self.model.backend.xp.multiply(g, share, out=g)  # g is rewritten next backward
-                if not read:  # in float64, as a Python float adds up when the loss is read
-                    loss = self.model.backend.xp.asarray(loss, dtype=self.model.backend.xp.float64)
-                total += loss * share
-                outs.append(out)
-        for acc, (_, _, g) in zip(self._acc, params):
-            g[...] = acc
-        if self.reducer is not None:
-            self.reducer.begin_step(weight)
-            with self._span("reduce"):
-                self.reducer.replay()
-                self.reducer.finish()
-        with self._span("optimizer"):
-            self.optimizer.step()
-        return total, self.model.backend.xp.concatenate(outs)
-
-    def _span(self, cat, name=None):
-        return nullcontext() if self.tracer is None else self.tracer.span(name or cat, cat, tid=1)
+        return self.step.run(x, y, weight, None, read)
 
     # -- loops ---------------------------------------------------------------------------
     def fit(self, train, epochs=1, batch_size=64, val=None, test=None, steps_per_epoch=None, start_epoch=0,
@@ -248,7 +142,7 @@ class Trainer:
         self._check_data(train, val, test, batch_size, drop_last)
         self.epochs, self.stop_training = epochs, False
         self._callback("on_train_begin")
-        writer = MetricsFile(self.metrics_file) if self.metrics_file else None
+        writer = MetricsFile(self.report.metrics_file) if self.report.metrics_file else None
         for record in self.history[:start_epoch] if writer else ():  # a resumed run keeps its earlier epochs
             writer.write(record)
         t_start, train_time, train_samples = time.perf_counter(), 0.0, 0
@@ -267,7 +161,7 @@ class Trainer:
                 self.history.append(record)
                 if writer:
                     writer.write(record)
-                if self.epoch_lines:
+                if self.report.epoch_lines:
                     print(format_record(record), flush=True)
                 for sched in self.schedules:
                     sched.on_epoch_end(epoch, record)
@@ -313,7 +207,6 @@ class Trainer:
         backend, rank, size = self.model.backend, self.comm.rank, self.world_size
         order = epoch_order(len(train), self.seed, epoch)
         slices = batch_slices(len(train), batch_size * size, drop_last)[:steps_per_epoch]
-        sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
         shares = []  # (indices of this rank's samples, n) per step
         for a, b in slices:
             bounds = shard_bounds(b - a, size)
@@ -323,43 +216,26 @@ class Trainer:
         def load(step):
             return train.get_batch(shares[step][0], backend.dtype, rng=SampleStreams(self.seed, epoch, shares[step][0]))
 
-        bar = tqdm(slices, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", file=sys.stderr,
-                   disable=not self.progress, dynamic_ncols=True, mininterval=0.5, leave=False)
-        lines = None if self.progress_every is None else ProgressLines(self.log, epoch, epochs, slices,
-                                                                        self.progress_every)
+        bar, lines = self.report.bar(slices, epoch, epochs), self.report.lines(slices, epoch, epochs)
         self.model.train()
         if self.reducer is not None:
             self.reducer.begin_epoch(epoch)
         every = self.steps_between_reads()
-        pending = []  # (step, n, [loss, metrics...] as 0-d device arrays), read every `every` steps
+        readings = Readings(self.metric_fns, backend, every, self.reducer, epoch, *self._last_and_rank())
         with _Prefetcher(load, len(slices), self.prefetch) as batches:
             for step, (a, b) in enumerate(bar):
-                loss, out, y, n = self._train_batch(batches, step, epoch, a, b, *shares[step], read=every == 1)
-                if every > 1:
-                    with targets_checked_on_host():  # _train_batch checked them: no value is read here
-                        values = [loss] + [fn(out, y, read=False) if n else 0.0 for fn in self.metric_fns.values()]
-                    pending.append((step, n, values))
-                    if len(pending) >= every or step == len(slices) - 1:
-                        seen = self._read_pending(pending, sums, seen, epoch, every)
-                        if seen:
-                            bar.set_postfix({k: f"{v / seen:.4f}" for k, v in sums.items()}, refresh=False)
-                elif n:
-                    sums["loss"] += loss * n
-                    for m, fn in self.metric_fns.items():
-                        sums[m] += fn(out, y) * n
-                    seen += n
-                    bar.set_postfix({k: f"{v / seen:.4f}" for k, v in sums.items()}, refresh=False)
+                indices, n = shares[step]
+                loss, out, y = self._train_batch(batches, step, epoch, indices, n / (b - a), read=every == 1)
+                if readings.add(loss, out, y, n, step, last=step == len(slices) - 1) and readings.seen:
+                    bar.set_postfix({k: f"{v / readings.seen:.4f}" for k, v in readings.sums.items()}, refresh=False)
                 if lines is not None:
-                    lines.step_done(step, sums["loss"] / seen if seen else None)
+                    lines.step_done(step, readings.mean())
                 self._callback("on_batch_end", step, None)
         bar.close()
-        totals = self.comm.allreduce_sum(list(sums.values()) + [seen])  # one reduction per epoch
-        seen = int(totals[-1])
-        record = {"epoch": epoch + 1, **{k: float(v) / max(seen, 1) for k, v in zip(sums, totals)}}
+        means, seen = readings.totals(self.comm)  # one reduction per epoch
+        record = {"epoch": epoch + 1, **means}
         record.setdefault("accuracy", None)
         return record, seen
-
-    SYNC_EVERY_DEVICE = 32  # steps between reads of the loss and metrics when they live on a GPU
 
     def steps_between_reads(self):
         """How often fit reads the loss and metrics back and checks the loss is finite: sync_every, or by
@@ -369,67 +245,38 @@ class Trainer:
             return self.sync_every
         return 1 if self.model.backend.xp is np else self.SYNC_EVERY_DEVICE
 
-    def _read_pending(self, pending, sums, seen, epoch, every):
-        """Read the pending steps' losses and metrics in one transfer, check each loss is finite, add them to
-        the epoch's sums (in step order, as a read every step would); returns the samples seen."""
-        settle = getattr(getattr(self.reducer, "comm", None), "settle", None)
-        if settle is not None:  # NCCL: wait for queued reductions from the host, watched for stalls
-            settle()
-        xp = self.model.backend.xp
-        rows = self.model.backend.to_numpy(xp.stack([xp.stack([xp.asarray(v, dtype=xp.float64) for v in values])
-                                                     for _, _, values in pending]))
-        for i, ((step, n, _), row) in enumerate(zip(pending, rows)):
-            loss = float(row[0])
-            if not math.isfinite(loss):
-                later = len(pending) - 1 - i
-                raise self._diverged(f"loss is {loss}", epoch, step, (
-                    f"the loss is read every {every} steps here, so the parameters have taken {later + 1} "
-                    f"update{'s' if later else ''} since (sync_every 1 stops before the update)"))
-            if n:
-                sums["loss"] += loss * n
-                for m, v in zip(self.metric_fns, row[1:]):
-                    sums[m] += float(v) * n
-                seen += n
-        pending.clear()
-        return seen
+    def _last_and_rank(self):
+        """What a divergence names besides its step: the last completed epoch's record (None before one) and
+        this rank (None on one process)."""
+        return (self.history[-1] if self.history else None), (self.comm.rank if self.world_size > 1 else None)
 
-    def _diverged(self, what, epoch, step, parameters):
-        last = self.history[-1] if self.history else None
-        where = f" on rank {self.comm.rank}" if self.world_size > 1 else ""
-        return TrainingDiverged(
-            f"{what} at epoch {epoch + 1} step {step + 1}{where}; {parameters}; last completed epoch: "
-            f"{json.dumps(last) if last else 'none'}; try a smaller learning rate")
-
-    def _train_batch(self, batches, step, epoch, a, b, indices, n, read=True):
-        """One step of _train_epoch on global batch [a, b), of which this rank has n samples (dataset rows
-        `indices`). read=False leaves the loss on the device (a 0-d array, checked by _read_pending); the
-        labels are then checked on the host here, before they are copied."""
-        backend, rank = self.model.backend, self.comm.rank
+    def _train_batch(self, batches, step, epoch, indices, weight, read=True):
+        """One step of _train_epoch: batch `step`, this rank's dataset rows `indices`, `weight` of the global
+        batch. Returns (loss, outputs, targets). read=False leaves the loss on the device (a 0-d array, for
+        Readings); the labels are then checked on the host here, before they are copied."""
+        backend = self.model.backend
         if self.schedules:
             self.optimizer.lr = learning_rate(self.base_lr, self.schedules, epoch, step, len(batches))
         t_step = time.perf_counter_ns()
-        with self._span("data"):
+        with span(self._tracer, "data"):
             x, y = batches.get(step)
             if not read:  # the values are checked here, on the host, and not read again on the device
                 check_host_targets(self.loss, y, self.model.output_shape)
             x, y = backend.batch_to_device(x, y)  # a GPU copies them while it computes the step before
         # dropout masks from each sample's stream (pydtnn.randomness): the same at any process count, nothing
         # to checkpoint; the Generator, reseeded per step and rank, serves only layers outside a Model
-        backend.reseed([self.seed, epoch, step, rank, 1])
-        backend.sample_streams = SampleStreams(self.seed, epoch, indices)
-        settle = getattr(getattr(self.reducer, "comm", None), "settle", None)
-        if read and settle is not None:  # NCCL: the last step's reductions, watched for stalls
-            settle()
+        backend.reseed([self.seed, epoch, step, self.comm.rank, 1])
+        if read:
+            settle(self.reducer)  # the last step's reductions, before this step reads its loss
         try:
             with nullcontext() if read else targets_checked_on_host():
-                loss, out = self.train_step(x, y, weight=n / (b - a), read=read)
+                loss, out = self.step.run(x, y, weight, SampleStreams(self.seed, epoch, indices), read)
         except TrainingDiverged as e:
-            backend.sample_streams = None
-            raise self._diverged(str(e), epoch, step, "parameters keep the values of the step before") from None
-        backend.sample_streams = None
-        if self.tracer is not None:
-            self.tracer.add(f"step {step + 1}", "step", t_step, time.perf_counter_ns(), tid=0, epoch=epoch + 1)
-        return loss, out, y, n
+            raise diverged(str(e), epoch, step, "parameters keep the values of the step before",
+                           *self._last_and_rank()) from None
+        if self._tracer is not None:
+            self._tracer.add(f"step {step + 1}", "step", t_step, time.perf_counter_ns(), tid=0, epoch=epoch + 1)
+        return loss, out, y
 
     def _average_buffers(self):
         """Make BatchNorm running statistics (per rank while training) the same on every rank."""
@@ -463,9 +310,9 @@ class Trainer:
         bounds = shard_bounds(len(data), self.world_size)
         first, last = bounds[self.comm.rank], bounds[self.comm.rank + 1]
         self.model.eval()
-        sums, seen = dict.fromkeys(("loss",) + self.metric_names, 0.0), 0
         # read every batch, or (on a GPU; sync_every > 1) the sums stay on the device in float64, read once
         read = self.steps_between_reads() == 1 or not defers(self.loss)
+        readings = Readings(self.metric_fns, backend, every=1 if read else None)
         try:
             for a, b in batch_slices(last - first, max(batch_size, 1)):
                 x, y = data.get_batch(np.arange(first + a, first + b), backend.dtype)
@@ -474,24 +321,11 @@ class Trainer:
                 x, y = backend.batch_to_device(x, y)
                 out = self.model.forward(x, training=False)
                 with nullcontext() if read else targets_checked_on_host():
-                    if read:
-                        sums["loss"] += self.loss.forward(out, y) * (b - a)
-                    else:
-                        sums["loss"] += backend.xp.asarray(self.loss.value(out, y), dtype=np.float64) * (b - a)
-                    for m, fn in self.metric_fns.items():
-                        if read:
-                            sums[m] += fn(out, y) * (b - a)
-                        else:
-                            sums[m] += backend.xp.asarray(fn(out, y, read=False), dtype=np.float64) * (b - a)
-                seen += b - a
+                    loss = self.loss.forward(out, y) if read else self.loss.value(out, y)
+                readings.add(loss, out, y, b - a)
         finally:
             self.model.training = was_training
-        if not read and seen:  # one transfer for every sum
-            xp = backend.xp
-            values = backend.to_numpy(xp.stack([xp.asarray(v, dtype=np.float64) for v in sums.values()]))
-            sums = dict(zip(sums, (float(v) for v in values)))
-        totals = self.comm.allreduce_sum(list(sums.values()) + [seen])
-        return {k: float(v) / max(totals[-1], 1) for k, v in zip(sums, totals)}
+        return readings.totals(self.comm)[0]
 
     def predict(self, data, batch_size=256):
         """Model outputs for every sample of a dataset (or an array of inputs), as a NumPy array."""
@@ -537,59 +371,3 @@ class _Prefetcher:
         if self.pool is not None:
             # after an error, do not wait for a batch nobody will use: the job may be aborting
             self.pool.shutdown(wait=exc_type is None, cancel_futures=True)
-
-
-class _BatchNormSync:
-    """What a synchronized BatchNorm needs: a sum over ranks, and this rank's share of the batch."""
-
-    def __init__(self, comm):
-        self.comm, self.weight = comm, 1.0
-
-    def allreduce(self, buf):
-        return self.comm.allreduce(buf, "batchnorm")
-
-
-class ProgressLines:
-    """Training progress as a line every `every` seconds, where no terminal shows a bar (a log file,
-    mpirun's pipes): epoch, step of steps, samples per second over all processes, the epoch's loss so
-    far (this process's share of the batches), and the time the epoch has left at that pace."""
-
-    def __init__(self, say, epoch, epochs, slices, every=10.0):
-        self.say, self.epoch, self.epochs, self.every = say, epoch, epochs, every
-        self.ends = np.cumsum([b - a for a, b in slices])  # global samples done after each step
-        self.start = self.last = time.monotonic()
-
-    def step_done(self, step, loss=None):
-        now = time.monotonic()
-        if now - self.last < self.every or step + 1 >= len(self.ends):
-            return
-        self.last, elapsed = now, now - self.start
-        done = int(self.ends[step])
-        rate = done / elapsed if elapsed > 0 else float("inf")
-        left = (int(self.ends[-1]) - done) / rate if rate > 0 else float("inf")
-        self.say(f"epoch {self.epoch + 1}/{self.epochs}: step {step + 1}/{len(self.ends)}, {rate:,.1f} samples/s"
-                 f"{'' if loss is None else f', loss {loss:.4f}'}, {_duration(left)} left in the epoch")
-
-
-def _duration(seconds):
-    """'42 s', '3 min 20 s', '2 h 05 min'."""
-    if not math.isfinite(seconds):
-        return "unknown time"
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
-
-
-def format_record(r):
-    """'epoch 3: loss 0.1234, accuracy 0.9612, val_loss ...' for the log; a final record names the layout
-    'processes 4, replicas 2, model_parallel_size 2'."""
-    skip = {"epoch", "final", "params_sha256"}
-    names = {"world_size": "processes"}
-    parts = [f"{names.get(k, k)} {v:.4g}" if isinstance(v, float) else f"{names.get(k, k)} {v}"
-             for k, v in r.items() if k not in skip and v is not None]
-    head = "final" if r.get("final") else f"epoch {r['epoch']}"
-    return f"{head}: " + ", ".join(parts)
-

@@ -100,10 +100,7 @@ def main():
                          (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at),
                           ("exit", args.exit_at)) if step]
             t = Trainer(model, SoftmaxCrossEntropy(), opt, progress=False, comm=comm, reducer=reducer,
-                        callbacks=callbacks, seed=3)
-            t.accumulation_steps = args.accumulate
-            if args.sync_bn:
-                t.sync_batchnorm()
+                        callbacks=callbacks, seed=3, accumulation_steps=args.accumulate, sync_batchnorm=args.sync_bn)
             broadcast_state(comm, model, opt)
             t.fit(train, epochs=EPOCHS, batch_size=GLOBAL_BATCH // comm.size)
             if comm.rank == 0:

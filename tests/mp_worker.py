@@ -99,10 +99,8 @@ def main():
     reducer = reducers.create("bucketed", replicas) if replicas.size > 1 else None
     comm = replicas if replicas.size > 1 else SingleProcess()
     optimizer = SGD(model.parameters(), lr=0.05, momentum=0.9, backend=model.backend)
-    trainer = Trainer(model, SoftmaxCrossEntropy(), optimizer, progress=False, comm=comm, reducer=reducer, is_root=world.rank == 0)
-    trainer.accumulation_steps = args.accumulate
-    if comm.size > 1:
-        trainer.sync_batchnorm()
+    trainer = Trainer(model, SoftmaxCrossEntropy(), optimizer, progress=False, comm=comm, reducer=reducer,
+                      is_root=world.rank == 0, accumulation_steps=args.accumulate, sync_batchnorm=comm.size > 1)
     trainer.fit(train, epochs=1, batch_size=args.batch // comm.size)
     state = model.whole_state_dict()
     if world.rank == 0:

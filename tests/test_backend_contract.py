@@ -77,8 +77,9 @@ def test_layers_optimizers_and_models_ask_no_backend_what_it_has_nor_import_one(
         assert specific == [], f"{path.name} imports a specific backend: {specific}"
 
 
-def test_the_trainer_asks_no_backend_what_it_has():
-    assert _calls_on_backend(ast.parse((PACKAGE / "trainer.py").read_text())) == []
+@pytest.mark.parametrize("part", ["trainer.py", "step.py", "readings.py"])
+def test_the_trainer_asks_no_backend_what_it_has(part):
+    assert _calls_on_backend(ast.parse((PACKAGE / part).read_text())) == []
 
 
 def test_a_convolution_is_planned_once_when_built(monkeypatch):

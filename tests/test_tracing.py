@@ -16,10 +16,9 @@ from pydtnn.trainer import Trainer
 def test_trace_has_every_layer_and_phase(tmp_path):
     train, _ = data.load("mnist5k")
     m = models.create("simplecnn")
-    t = Trainer(m, SoftmaxCrossEntropy(), SGD(m.parameters(), lr=0.01), progress=False)
     tracer = Tracer()
+    t = Trainer(m, SoftmaxCrossEntropy(), SGD(m.parameters(), lr=0.01), progress=False, tracer=tracer)
     m.set_tracer(tracer)
-    t.tracer = tracer
     t.fit(train, epochs=1, batch_size=16, steps_per_epoch=3)
     tracer.write(tmp_path / "trace.json")
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

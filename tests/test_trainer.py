@@ -175,8 +175,8 @@ def test_reading_every_few_steps_changes_nothing(mnist5k, accumulation):
     train, test = mnist5k[0].subset(np.arange(0, 1664)), mnist5k[1].subset(np.arange(0, 300))
     runs = []
     for every in (1, 5):
-        t = make_trainer(model="simplemlp", metrics=("accuracy", "top3_accuracy", "mse"), sync_every=every)
-        t.accumulation_steps = accumulation
+        t = make_trainer(model="simplemlp", metrics=("accuracy", "top3_accuracy", "mse"), sync_every=every,
+                         accumulation_steps=accumulation)
         assert t.steps_between_reads() == every
         history = t.fit(train, epochs=2, batch_size=64, val=test, test=test)
         runs.append((history, t.model.params_sha256(), {k: v for k, v in t.final.items() if k.startswith("test_")}))

@@ -6,7 +6,7 @@ against `xp` (NumPy or CuPy), so a new backend overrides only what it accelerate
 without a generic form (convolution, pooling) raise NotImplementedError here. Layers call these
 methods and nothing else of a backend: no layer asks whether a method exists or which backend it has.
 
-    backend.xp, backend.dtype, backend.rng, backend.reseed(key)
+    backend.xp, backend.dtype, backend.rng, backend.reseed(key), backend.sample_streams_for(streams)
     asarray / to_numpy / batch_to_device / upload / synchronize    moving data
     matmul                                                         Dense
     conv2d_plan / conv2d_forward / conv2d_backward                 Conv2D (a plan chosen once per layer)
@@ -28,6 +28,20 @@ kernels do the same operations in the same order and are tested against these.
 import numpy as np
 
 
+class _SampleStreamsScope:
+    """The context manager Backend.sample_streams_for returns: one per backend, reused batch after batch."""
+
+    def __init__(self, backend):
+        self.backend, self.streams = backend, None
+
+    def __enter__(self):
+        self.backend.sample_streams = self.streams
+        return self.streams
+
+    def __exit__(self, *exc):
+        self.backend.sample_streams = self.streams = None
+
+
 class Backend:
     """Generic backend over an array module. Subclasses: CPUBackend (backends/cpu), GPUBackend (backends/gpu/)."""
 
@@ -38,7 +52,8 @@ class Backend:
         self.dtype = np.dtype(dtype)
         self.seed = seed
         self.rng = np.random.default_rng(seed)  # host Generator: the same draws on every device
-        self.sample_streams = None  # the training batch's randomness.SampleStreams, set by the trainer
+        self.sample_streams = None  # the batch in flight's randomness.SampleStreams: see sample_streams_for
+        self._streams_scope = _SampleStreamsScope(self)
 
     def __repr__(self):
         return f"{type(self).__name__}(dtype={self.dtype.name}, seed={self.seed})"
@@ -46,6 +61,18 @@ class Backend:
     def reseed(self, key):
         """Restart the Generator from a key (a list of ints): the trainer keys dropout per step."""
         self.rng = np.random.default_rng(key)
+
+    def sample_streams_for(self, streams):
+        """A context for one batch in flight: inside it, `sample_streams` is `streams` (its randomness.SampleStreams,
+        one per row, or None), so dropout_mask draws row i of a mask with len(streams) rows from sample i's
+        stream; on leaving, an exception included, it is None again (the Generator serves what runs outside).
+        One batch at a time (not nested); the same context object serves every batch, so nothing is allocated.
+
+            with backend.sample_streams_for(SampleStreams(seed, epoch, indices)):
+                out = model.forward(x, training=True)
+        """
+        self._streams_scope.streams = streams
+        return self._streams_scope
 
     # -- moving data -------------------------------------------------------------------------
     def asarray(self, a, dtype=None):

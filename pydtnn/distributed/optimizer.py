@@ -10,6 +10,7 @@
 
 from pydtnn.distributed import reducers
 from pydtnn.distributed.consistency import broadcast_state
+from pydtnn.step import reduce_and_update
 
 
 class DistributedOptimizer:
@@ -42,8 +43,8 @@ class DistributedOptimizer:
             self.reducer.begin_step(weight)
 
     def step(self):
-        self.synchronize()
-        self.optimizer.step()
+        """Wait for the reduction (unless synchronize() did), then the wrapped optimizer's step."""
+        reduce_and_update(self.optimizer, None if self._synchronized else self.reducer)
         self._synchronized = False
         self.set_weight(1 / self.comm.size)
 

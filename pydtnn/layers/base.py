@@ -109,6 +109,13 @@ class Layer:
     def __call__(self, x, training=True):
         return self.forward(x, training)
 
+    def synchronize(self, sync):
+        """Statistics over the samples of every data-parallel rank from now on (None: this rank's own).
+
+        sync: an object with allreduce(array) (the sum over ranks, in place) and weight (this rank's share of
+        the global batch). Nothing here: a layer whose statistics span the batch (BatchNorm) overrides it.
+        """
+
     def take_saved(self, name):
         """The state forward kept in self.<name> for this backward, let go here: nothing holds it for this
         layer during the rest of backward or until the next forward (a second backward needs a new one)."""

@@ -39,10 +39,9 @@ def fixed_costs(quick=False):
     warm_up, steps = (10, 60) if quick else (FIXED_WARM_UP, FIXED_STEPS)
     model = tiny_model()
     optimizer = optim.create("sgd", model.parameters(), backend=model.backend, lr=1e-3, momentum=0.9)
-    trainer = Trainer(model, losses.create("categorical_cross_entropy"), optimizer, progress=False,
-                      epoch_lines=False)
     tracer = Tracer()
-    trainer.tracer = tracer
+    trainer = Trainer(model, losses.create("categorical_cross_entropy"), optimizer, progress=False,
+                      epoch_lines=False, tracer=tracer)
     model.set_tracer(tracer)
     data = SyntheticDataset(warm_up + steps, model.input_shape, 2, seed=0)
     trainer.fit(data, epochs=1, batch_size=1, steps_per_epoch=warm_up + steps)

@@ -1,7 +1,7 @@
 """Chrome-trace timeline of a run: forward/backward per layer, data loading, loss, optimizer step.
 
     tracer = Tracer()
-    model.set_tracer(tracer); trainer.tracer = tracer
+    trainer = Trainer(model, loss, optimizer, tracer=tracer); model.set_tracer(tracer)
     ...
     tracer.write("trace.json")        # open in https://ui.perfetto.dev or chrome://tracing
     print(tracer.summary_table())     # share of the step time per phase, warm-up excluded
