@@ -164,22 +164,25 @@ def _optimizer_flags(p):
 
 def _parallel_flags(p):
     """Data, model and hybrid parallelism, and how gradients are reduced."""
+    from pydtnn.distributed import reducers
+    from pydtnn.plan import PARALLEL
+
     f = p.flag
 
     g = p.add_argument_group("parallel")
-    f(g, "parallel", choices=("sequential", "data", "model", "hybrid"), default=None,
+    f(g, "parallel", choices=PARALLEL, default=None,
       help="over MPI when launched with several processes: data (each process a model replica, the default), "
            "model (every Conv2D and Dense split by output channels over all processes) or hybrid (groups of "
            "--model_parallel_size processes split the model, data parallel across groups); docs/parallelism.md")
     f(g, "model_parallel_size", type=positive_int, default=None,
       help="--parallel hybrid: processes per model replica (a divisor of the process count)")
     f(g, "non_blocking_mpi", type=parse_bool, default=False, help="overlap gradient allreduces with backward")
-    f(g, "reduction", choices=("blocking", "per_layer", "bucketed", "hierarchical", "topk"), default=None,
+    f(g, "reduction", choices=reducers.NAMES, default=None,
       help="gradient reduction: one allreduce after backward, one per gradient as layers finish "
            "(= --non_blocking_mpi), buckets started as they fill (default), buckets reduced within each "
            "node then between nodes (hierarchical), or each rank's largest entries with error feedback "
            "(topk, --density); docs/distributed.md")
-    f(g, "gradient_compression", choices=("none", "fp16"), default="none",
+    f(g, "gradient_compression", choices=reducers.COMPRESSIONS, default="none",
       help="wire format of gradient reductions: fp16 halves the bytes, rounds every gradient to fp16 "
            "(each scaled by a power of two into its range)")
     f(g, "bucket_size_mb", type=positive_float, default=25.0,
@@ -198,7 +201,7 @@ def _parallel_flags(p):
       help="topk with SGD: each process applies SGD's momentum to its own gradients before selecting, and clears "
            "what it sends (Deep Gradient Compression's momentum correction and factor masking); the optimizer "
            "then runs without momentum (default false)")
-    f(g, "reduction_progress", choices=("test", "thread"), default="test",
+    f(g, "reduction_progress", choices=reducers.PROGRESS, default="test",
       help="per_layer, bucketed: how outstanding gradient allreduces advance during backward: test (MPI entered "
            "between layers, the default) or thread (a helper thread enters MPI every 0.2 ms; needs "
            "MPI_THREAD_MULTIPLE). MPICH's own progress thread: MPIR_CVAR_ASYNC_PROGRESS=1; docs/distributed.md")
@@ -375,7 +378,7 @@ def main(argv=None):
         if args.simulate:
             from pydtnn.perfmodel.simulate import simulate
 
-            simulate(args)
+            simulate(args, vars(build_parser().parse_args([])))
             return 0
         from pydtnn.run import run
 

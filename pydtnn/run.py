@@ -20,6 +20,7 @@ from pydtnn.distributed.consistency import broadcast_state
 from pydtnn.errors import ConfigError
 from pydtnn.files import write_atomic
 from pydtnn.optim import schedules as sch
+from pydtnn.plan import RunPlan, optimizer_options
 from pydtnn.preflight import (NOT_SAVED, PATH_FLAGS, agree_on_flags, check_agreement, check_combinations,
                               check_monitored, check_outputs, chosen_schedulers, metric_names)
 from pydtnn.report import announce_compilation, conv_shapes, effective_values, header, models_table
@@ -40,7 +41,7 @@ def run(args):
     if args.list_models:
         print(models_table())
         return None
-    comm, say, (group, replicas, mp_size) = start(args)
+    comm, say, (group, replicas, mp_size), plan = start(args)
     world = replicas.size  # model replicas: the batch, the learning rate and the reduction follow them
     # the flags as given (None: "the default for this model and optimizer"), saved as the run's
     # configuration; the values they resolve to are saved next to them as "effective"
@@ -55,23 +56,23 @@ def run(args):
         model_parallel.partition(model, group)
     comm, replicas, grad_comm = device_communicators(args, comm, replicas, backend, say)
     options, lr_note = scaled_optimizer_options(args, family, world, mp_size)
-    strategy = reduction_strategy(args, world)
+    strategy = plan.reduction.name
     corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
     check_topk_flags(args, strategy)
     optimizer = optim.create(args.optimizer, model.parameters(), backend=model.backend, **options)
     schedules = build_schedules(args, world)
-    reducer = build_reducer(args, strategy, grad_comm, corrected)
-    trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
-                      progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,
-                      log=log, comm=replicas, reducer=reducer, is_root=comm.rank == 0, sync_every=args.sync_every)
-    trainer.accumulation_steps = args.accumulation_steps
-    if args.sync_batchnorm:
-        trainer.sync_batchnorm()
+    reducer = None if strategy is None else reducers.create(strategy, grad_comm,
+                                                            **plan.reduction.create_options(**topk_momentum(corrected)))
     effective = effective_values(args, choice, options, world, schedules, strategy, mp_size)
     effective["data_shape"] = list(data_shape)  # the images before any padding: what an exported graph takes
     if corrected:
         effective["topk_momentum"] = corrected  # the optimizer's momentum is 0: the reducer applies this one
-    trainer.callbacks = build_callbacks(args, trainer, config, effective)
+    trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
+                      progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,
+                      log=log, comm=replicas, reducer=reducer, is_root=comm.rank == 0, sync_every=args.sync_every,
+                      accumulation_steps=args.accumulation_steps, sync_batchnorm=args.sync_batchnorm,
+                      callbacks=build_callbacks(args, config, effective, is_root=comm.rank == 0),
+                      tracer=new_tracer(model, comm) if args.tracing else None)
     start_epoch = 0
     if args.resume:
         start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,
@@ -83,7 +84,7 @@ def run(args):
     if args.summary and comm.rank == 0:
         model.summary(file=sys.stderr)
     if args.tracing:
-        attach_tracer(trainer, comm)
+        attach_tracer(trainer)
     announce_compilation(backend, say)
     if isinstance(backend, CPUBackend):  # every rank takes rank 0's measured choices (docs/performance.md)
         backend.tune_convolutions(comm, say, conv_shapes(model))
@@ -107,15 +108,11 @@ def start(args):
                           f"model or hybrid, or one process")
     if args.parallel in ("data", "model") and comm.size == 1:
         say(f"pydtnn: --parallel {args.parallel} with one process trains sequentially")
+    plan = RunPlan.from_args(args, comm.size)
     layout = model_parallel.layout(comm, args.parallel, args.model_parallel_size)
-    world, mp_size = layout[1].size, layout[2]
-    if args.global_batch_size is not None:
-        if args.global_batch_size % world:
-            raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by {world} "
-                              f"{'model replicas' if mp_size > 1 else 'processes'}")
-        args.batch_size = args.global_batch_size // world
+    args.batch_size = plan.batch_size
     check_outputs(args, comm)
-    return comm, say, layout
+    return comm, say, layout, plan
 
 
 def build_model_and_data(args, comm):
@@ -180,27 +177,21 @@ def check_topk_flags(args, strategy):
                           f"most {args.num_epochs}")
 
 
-def build_reducer(args, strategy, grad_comm, corrected):
-    """The gradient reducer the flags name over grad_comm (None with one replica); corrected: topk's momentum."""
-    if strategy is None:
-        return None
-    options = {"compression": args.gradient_compression, "progress": args.reduction_progress}
-    if strategy in ("bucketed", "hierarchical"):
-        options["bucket_mb"] = args.bucket_size_mb
-    if strategy == "hierarchical":
-        options["ranks_per_node"] = args.ranks_per_node
-    if strategy == "topk":
-        options.update(density=args.density, momentum=corrected, warmup_epochs=args.density_warmup_epochs,
-                       selection=args.topk_selection)
-    return reducers.create(strategy, grad_comm, **options)
+def topk_momentum(corrected):
+    """The topk reducer's momentum option where --momentum_correction moved SGD's momentum into it."""
+    return {"momentum": corrected} if corrected else {}
 
 
-def attach_tracer(trainer, comm):
-    """--tracing: one timeline per rank, with spans from the trainer, the model, its groups and the reducer."""
+def new_tracer(model, comm):
+    """--tracing: this rank's timeline, which the trainer gets at construction."""
     from pydtnn.profiling import Tracer
 
+    return Tracer(pid=comm.rank, name=f"pydtnn {model.name} rank {comm.rank}")
+
+
+def attach_tracer(trainer):
+    """--tracing: the trainer's timeline also gets the spans of the model, its groups and the reducer."""
     model = trainer.model
-    trainer.tracer = Tracer(pid=comm.rank, name=f"pydtnn {model.name} rank {comm.rank}")
     model.set_tracer(trainer.tracer)
     if model.sharding is not None:
         model.sharding.group.tracer = trainer.tracer
@@ -282,13 +273,6 @@ def momentum_correction(args, strategy, options):
     return momentum
 
 
-def reduction_strategy(args, world):
-    """The gradient reducer's name with several processes (None with one)."""
-    if world == 1:
-        return None
-    return args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
-
-
 def load_datasets(args, comm=None):
     """(train, validation or None, test or None) as the dataset flags say, not yet augmented.
 
@@ -319,30 +303,6 @@ def augmented(train, args):
                                   crop=args.crop_images, crop_padding=args.crop_images_padding)
 
 
-def optimizer_options(args, model_name=None):
-    """Keyword arguments of the chosen optimizer from the flags that apply to it.
-
-    Flags left unset take the optimizer's own default (AdamW's weight decay stays 0.01), except the
-    learning rate (the model family's for SGD, else DEFAULT_LR) and SGD's momentum (0.9).
-    """
-    from pydtnn.models.families import DEFAULT_LR, recipe
-
-    name = args.optimizer
-    default = recipe(model_name, name).get("learning_rate", DEFAULT_LR[name]) if model_name else DEFAULT_LR[name]
-    opts = {"lr": args.learning_rate if args.learning_rate is not None else default}
-    if args.decay is not None:
-        opts["weight_decay"] = args.decay
-    if name == "sgd":
-        opts.update(momentum=0.9 if args.momentum is None else args.momentum, nesterov=args.nesterov)
-    elif name == "rmsprop":
-        opts.update(rho=args.rho, eps=args.epsilon)
-        if args.momentum is not None:
-            opts["momentum"] = args.momentum
-    else:
-        opts.update(beta1=args.beta1, beta2=args.beta2, eps=args.epsilon)
-    return opts
-
-
 def build_schedules(args, world):
     chosen, out = chosen_schedulers(args), []
     if "warm_up" in chosen:
@@ -359,19 +319,17 @@ def build_schedules(args, world):
     return out
 
 
-def build_callbacks(args, trainer, config, effective=None):
+def build_callbacks(args, config, effective=None, is_root=True):
+    """The callbacks the flags ask for; is_root: this process writes the run's files. A checkpoint is saved by
+    every rank's callback, as resume.save_checkpoint says which ranks take part."""
     chosen, out = chosen_schedulers(args), []
     if "early_stopping" in chosen:
         out.append(EarlyStopping(args.early_stopping_metric, args.early_stopping_patience))
     if "stop_at_loss" in chosen:
         out.append(StopAtThreshold(args.stop_at_loss_metric, args.stop_at_loss_threshold))
-    if args.history_file and trainer.is_root:
+    if args.history_file and is_root:
         out.append(HistoryCSV(args.history_file, made=args.checkpoint_dir))
-    reducer_has_state = trainer.reducer is not None and bool(trainer.reducer.state_dict())
-    if ("model_checkpoint" in chosen or args.checkpoint_dir) and (trainer.is_root or trainer.model.sharding
-                                                                   or reducer_has_state):
-        # rank 0 writes; parameters are identical on every rank, or (model parallelism) gathered from
-        # every rank of its group, which all take part
+    if "model_checkpoint" in chosen or args.checkpoint_dir:
         out.append(ModelCheckpoint(lambda t, epoch: save_checkpoint(args.checkpoint_dir, t, epoch, config, effective),
                                    args.model_checkpoint_save_freq))
     return out

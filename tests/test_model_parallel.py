@@ -109,6 +109,7 @@ ZOO = ("lenet5", "simplecnn", "simplemlp", "alexnet_cifar10", "vgg11bn_cifar10",
        "mobilenetv1_cifar10", "densenet_cifar10", "googlenet_cifar10")
 
 
+@pytest.mark.slow
 def test_every_zoo_family_split_over_3_processes_computes_what_it_computes_whole():
     """One model of every family (residual, concatenation and dense blocks, depthwise convolutions, dropout):
     output and gradients of one training step equal the whole model's (tests/mp_zoo_worker.py)."""
@@ -139,6 +140,7 @@ def uninterrupted(tmp_path_factory):
     return load_file(str(d / "ck" / "model.safetensors")), load_file(str(d / "ck" / "optimizer.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first,then", [("model2", "one"), ("model2", "data2"), ("one", "model2"),
                                         ("data2", "model2"), ("hybrid4", "model2")])
 def test_a_checkpoint_resumes_at_another_layout(uninterrupted, tmp_path, first, then):

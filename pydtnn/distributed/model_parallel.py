@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from pydtnn.backends import array_module, is_device_array
 from pydtnn.distributed.sampler import shard_bounds
 from pydtnn.errors import ConfigError
 from pydtnn.layers.activation import LeakyReLU, ReLU, ReLU6, Sigmoid, Tanh
@@ -129,8 +130,6 @@ class Group:
 
 
 def _xp(a):
-    from pydtnn.backends import array_module
-
     return array_module(a)
 
 
@@ -196,7 +195,7 @@ class Sharding:
 
     def gather(self, name, a):
         """The whole array of state `name` (NumPy); `a` is this rank's slice (returned as is if unsliced)."""
-        a = np.asarray(a) if not hasattr(a, "get") else a.get()
+        a = a.get() if is_device_array(a) else np.asarray(a)
         return a if name not in self.slices else self.group.gather_rows(a, self.bounds(name))
 
     def cut(self, name, a):
@@ -409,31 +408,18 @@ def _slice(layer, bounds, group, owners, split_input):
 
 def layout(comm, parallel, model_parallel_size):
     """(group, replicas, M): the model-parallel group of this rank, the data-parallel communicator of the
-    replicas (ranks with the same place in their groups) and the group size M, from the flags.
+    replicas (ranks with the same place in their groups) and the group size M, from the flags, checked by the
+    run plan's one rule (pydtnn.plan.layout).
 
     Groups are consecutive ranks (0..M-1, M..2M-1, ...), which launchers place on one node, so the
     model-parallel collectives, the most frequent, stay on the fastest links. With M = 1 (data
     parallelism) there is no group and the replicas are every rank.
     """
     from pydtnn.distributed.comm import SingleProcess
+    from pydtnn.plan import layout as plan_layout
 
     world = comm.size
-    if parallel not in ("model", "hybrid"):
-        if model_parallel_size not in (None, 1):
-            raise ConfigError(f"--model_parallel_size {model_parallel_size} needs --parallel hybrid (or model); "
-                              f"got --parallel {parallel or 'data'}")
-        return None, comm, 1
-    m = model_parallel_size
-    if parallel == "model":
-        if m not in (None, world):
-            raise ConfigError(f"--parallel model splits every layer over all {world} processes, but "
-                              f"--model_parallel_size is {m}; use --parallel hybrid --model_parallel_size {m}")
-        m = world
-    elif m is None:
-        raise ConfigError("--parallel hybrid needs --model_parallel_size M (processes per model replica)")
-    if world % m:
-        raise ConfigError(f"--model_parallel_size {m} does not divide the {world} processes; "
-                          f"expected a divisor of {world}")
+    m = plan_layout(parallel, world, model_parallel_size, flags=True).model_parallel_size
     if m == 1:
         return None, comm, 1
     group = comm.split(comm.rank // m, comm.rank)

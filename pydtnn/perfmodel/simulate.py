@@ -17,8 +17,54 @@ pydtnn-perfmodel predict and sweep use it too.
 import sys
 from dataclasses import dataclass
 
+from pydtnn import optim
 from pydtnn.data.datasets import SHAPES as DATASET_SHAPES
 from pydtnn.errors import ConfigError
+from pydtnn.plan import RunPlan, optimizer_options
+
+# What --simulate does with each pydtnn-train flag but itself (tests/test_simulate_flags.py walks the parser: a new
+# flag must be placed here). MODELLED flags change the prediction. REFUSED flags change what a training step
+# runs in a way the model leaves out: a value other than the default is refused, naming what is not modelled.
+# The rest change nothing a step computes: files and paths, epochs, values that change numbers but not work.
+MODELLED = ("model", "model_file", "dataset", "batch_size", "global_batch_size", "dtype", "optimizer", "momentum",
+            "nesterov", "decay", "parallel", "model_parallel_size", "non_blocking_mpi", "reduction",
+            "gradient_compression", "reduction_progress", "bucket_size_mb", "density", "threads_per_process",
+            "machine", "np")
+REFUSED = {
+    "enable_gpu": "a GPU's step (the model predicts CPU processes)",
+    "enable_nccl": "NCCL's reductions (the model predicts CPU processes)",
+    "sync_every": "a GPU's reads of the loss (the model predicts CPU processes)",
+    "sync_batchnorm": "the two allreduces per BatchNorm layer and step",
+    "accumulation_steps": "micro-batches (it predicts one pass over the batch per step)",
+    "conv_autotune": "the measured convolution algorithms (it costs the threshold choice of each layer)",
+    "topk_selection": "a per-layer top-k selection (it models the global one)",
+    "density_warmup_epochs": "a density that changes over the epochs (it models --density)",
+    "momentum_correction": "the topk reducer's momentum pass",
+    "ranks_per_node": "a node size other than the machine's (set processes_per_node in --machine)",
+    "debug_collectives": "the signature check before every collective",
+    "evaluate_only": "an evaluation (it predicts a training step)",
+}
+OUTSIDE_A_STEP = (
+    "help", "list_models", "num_epochs", "steps_per_epoch", "evaluate", "weights_and_bias_filename", "summary",
+    "dataset_train_path", "dataset_test_path", "download", "validation_split", "test_as_validation", "flip_images",
+    "flip_images_prob", "crop_images", "crop_images_padding", "use_synthetic_data", "learning_rate", "beta1",
+    "beta2", "epsilon", "rho", "loss_func", "metrics", "lr_schedulers", "warm_up_epochs", "warm_up_start_factor",
+    "cosine_min_factor", "reduce_lr_on_plateau_metric", "reduce_lr_on_plateau_factor",
+    "reduce_lr_on_plateau_patience", "reduce_lr_on_plateau_min_lr", "reduce_lr_every_nepochs_factor",
+    "reduce_lr_every_nepochs_nepochs", "reduce_lr_every_nepochs_min_lr", "early_stopping_metric",
+    "early_stopping_patience", "stop_at_loss_metric", "stop_at_loss_threshold", "model_checkpoint_save_freq",
+    "learning_rate_scaling", "drop_last", "stall_timeout", "tracing", "tracer_output", "profile", "seed",
+    "metrics_file", "history_file", "checkpoint_dir", "resume", "overwrite", "config", "progress",
+)
+
+
+def refuse_unmodelled(args, defaults):
+    """ConfigError for the first REFUSED flag whose value is not its default (`defaults`: flag -> default)."""
+    for flag, what in REFUSED.items():
+        value = getattr(args, flag)
+        if value != defaults[flag] and not (flag == "conv_autotune" and not value):
+            raise ConfigError(f"--simulate does not model {what}, but --{flag} {value} was given; leave --{flag} "
+                              f"out to predict the run without it")
 
 
 @dataclass(frozen=True)
@@ -100,43 +146,33 @@ def build(args):
                        say=lambda line: print(f"pydtnn: {line}", file=sys.stderr, flush=True))
 
 
-def replicas(args):
-    """Model replicas of the run: the processes, or the model-parallel groups (checked as the trainer checks)."""
-    from pydtnn.perfmodel.split import group_size
-
-    if args.parallel not in ("model", "hybrid"):
-        return args.np
-    return args.np // group_size(args.parallel, args.np, args.model_parallel_size)
-
-
-def batch_size(args, name):
-    """Samples per replica and step: --batch_size, else --global_batch_size over the replicas, else the recipe's."""
+def batch_size(plan, name, optimizer):
+    """Samples per replica and step: the plan's (--global_batch_size over the replicas, else --batch_size), else
+    the recipe's of model `name` for `optimizer`."""
     from pydtnn.models.families import recipe
 
-    if args.batch_size:
-        return args.batch_size
-    if args.global_batch_size:
-        n = replicas(args)
-        if args.global_batch_size % n:
-            raise ConfigError(f"--global_batch_size {args.global_batch_size} does not divide by the {n} model "
-                              f"replicas of --np {args.np}; expected a multiple of {n}")
-        return args.global_batch_size // n
-    return recipe(name, args.optimizer)["batch_size"]
+    return plan.batch_size or recipe(name, optimizer)["batch_size"]
 
 
-def simulate(args, say=print):
-    """Print the prediction of the run `args` describes; returns the Prediction."""
+def simulate(args, defaults, say=print):
+    """Print the prediction of the run `args` describes; returns the Prediction. defaults: each flag's default
+    value (pydtnn-train's parser), against which REFUSED flags are checked."""
+    refuse_unmodelled(args, defaults)
     from pydtnn.perfmodel import machine as machines
-    from pydtnn.perfmodel.predict import duration, predict, rate, table
+    from pydtnn.perfmodel.predict import duration, predict, rate, table, update_passes
 
     machine = machines.DEFAULT if args.machine is None else machines.load(args.machine)
+    plan = RunPlan.from_args(args, args.np)
     name, model = build(args)
-    reduction = args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
-    optimizer = {"sgd": "sgd_momentum", "adam": "adam", "adamw": "adam", "nadam": "adam"}.get(args.optimizer, "sgd")
-    p = predict(model, batch_size(args, name), args.np, machine, reduction=reduction,
-                threads=args.threads_per_process or 1, bucket_mb=args.bucket_size_mb, optimizer=optimizer,
-                parallel=args.parallel if args.parallel not in (None, "sequential") else "data", name=name,
-                model_parallel_size=args.model_parallel_size, density=args.density)
+    lay, red = plan.layout, plan.reduction
+    hyper = optim.hyperparameters(args.optimizer, **optimizer_options(args, name))
+    p = predict(model, batch_size(plan, name, args.optimizer), lay.world_size, machine,
+                reduction=red.name or "bucketed", threads=plan.threads or 1,
+                update_passes=update_passes(args.optimizer, hyper), compression=red.compression,
+                progress=red.progress,
+                bucket_mb=red.options.get("bucket_mb", args.bucket_size_mb), density=red.options.get("density", args.density),
+                parallel="data" if lay.parallel == "sequential" else lay.parallel, name=name,
+                model_parallel_size=lay.model_parallel_size if lay.parallel == "hybrid" else None)
     say(table(p))
     say(f"pydtnn: simulated, nothing trained: {duration(p.step_s)} a step, {rate(p.samples_per_second)} samples/s "
         f"over {p.np} process(es)")

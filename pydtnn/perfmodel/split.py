@@ -27,24 +27,13 @@ import copy
 import weakref
 
 from pydtnn.distributed import model_parallel
-from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives
+from pydtnn.plan import layout
 
 
 def group_size(parallel, np, model_parallel_size):
-    """M: processes per model replica, checked as the trainer checks it."""
-    if parallel == "model":
-        if model_parallel_size not in (None, np):
-            raise ConfigError(f"parallel=model splits every layer over all {np} processes; model_parallel_size "
-                              f"{model_parallel_size} needs parallel=hybrid")
-        return np
-    if model_parallel_size is None:
-        raise ConfigError("parallel=hybrid needs model_parallel_size (processes per model replica)")
-    if isinstance(model_parallel_size, bool) or not isinstance(model_parallel_size, int) or model_parallel_size < 1:
-        raise ConfigError(f"model_parallel_size={model_parallel_size!r}; expected a positive integer")
-    if np % model_parallel_size:
-        raise ConfigError(f"model_parallel_size {model_parallel_size} does not divide np {np}")
-    return model_parallel_size
+    """M: processes per model replica, by the run plan's rule (pydtnn.plan.layout), as the trainer takes it."""
+    return layout(parallel, np, model_parallel_size).model_parallel_size
 
 
 def group_messages(steps, batch_size, itemsize, m, machine, algorithm):

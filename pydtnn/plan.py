@@ -1,0 +1,167 @@
+"""The run plan: what a run computes with, resolved once from the flags (or from Python) and frozen.
+
+    plan = RunPlan.from_args(args, world_size=comm.size)      # pydtnn-train; --simulate with --np
+    plan.layout.replicas, plan.layout.model_parallel_size     # 4 replicas of 2 processes each
+    plan.batch_size                                           # samples per replica and step (None: the recipe's)
+    plan.reduction.name, plan.reduction.options               # "bucketed", {"bucket_mb": 25.0, ...}
+
+pydtnn-train splits its processes, sizes its batch and builds its reducer from the plan; `--simulate`
+and pydtnn-perfmodel predict the same plan, so a prediction and a run cannot disagree about what runs.
+The rules live here once: which layouts exist and what they need (`layout`), which reducer a run takes
+and with which options (`Reduction`, over the reducers' registry: pydtnn.distributed.reducers). Messages name flags (`--model_parallel_size`) for the command line
+and parameters (`model_parallel_size=`) for Python callers.
+"""
+
+from dataclasses import dataclass, field
+
+from pydtnn.distributed import reducers
+from pydtnn.errors import ConfigError
+
+PARALLEL = ("sequential", "data", "model", "hybrid")
+# the flags that set the reducers' options (reducers.defaults(name) names each strategy's); an option no flag
+# sets keeps its default (first_bucket_mb), or is the run's to decide (topk's momentum: --momentum_correction)
+OPTION_FLAGS = {"bucket_mb": "bucket_size_mb", "ranks_per_node": "ranks_per_node", "density": "density",
+                "warmup_epochs": "density_warmup_epochs", "selection": "topk_selection"}
+
+
+def _named(name, value, flags):
+    """'--name value' on the command line, 'name=value' in Python."""
+    return f"--{name} {value}" if flags else f"{name}={value!r}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job's processes are arranged: `parallel` (sequential, data, model, hybrid, as it runs: one
+    process is sequential, one replica of M processes is model), `world_size` processes, each model replica
+    split over `model_parallel_size` (M) consecutive ranks; `replicas` = world_size / M share the data."""
+
+    parallel: str
+    world_size: int
+    model_parallel_size: int = 1
+
+    @property
+    def replicas(self):
+        return self.world_size // self.model_parallel_size
+
+
+def layout(parallel, world_size, model_parallel_size=None, flags=False):
+    """The Layout of `world_size` processes for `parallel` (None: data) and `model_parallel_size` (M), or a
+    ConfigError naming the flag (flags=True) or parameter at fault. The one rule: data and sequential take no
+    M (or 1); model takes all processes (M = world_size); hybrid needs an M that divides world_size."""
+    if parallel not in (None,) + PARALLEL:
+        raise ConfigError(f"{_named('parallel', parallel, flags)}: expected one of {', '.join(PARALLEL)}")
+    m = model_parallel_size
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ConfigError(f"{_named('model_parallel_size', m, flags)}; expected a positive integer")
+    if parallel not in ("model", "hybrid"):
+        if m not in (None, 1):
+            raise ConfigError(f"{_named('model_parallel_size', m, flags)} needs {_named('parallel', 'hybrid', flags)} "
+                              f"(or model); got {_named('parallel', parallel or 'data', flags)}")
+        m = 1
+    elif parallel == "model":
+        if m not in (None, world_size):
+            raise ConfigError(f"{_named('parallel', 'model', flags)} splits every layer over all {world_size} "
+                              f"processes, but {_named('model_parallel_size', m, flags)} was given; use "
+                              f"{_named('parallel', 'hybrid', flags)} for groups of {m}")
+        m = world_size
+    elif m is None:
+        raise ConfigError(f"{_named('parallel', 'hybrid', flags)} needs {'--' if flags else ''}model_parallel_size "
+                          f"M (processes per model replica)")
+    if world_size % m:
+        where = f"the {world_size} processes" if flags else f"np={world_size} (the processes)"
+        raise ConfigError(f"{_named('model_parallel_size', m, flags)} does not divide {where}; "
+                          f"expected a divisor of {world_size}")
+    if m == 1:
+        return Layout("data" if world_size > 1 else "sequential", world_size, 1)
+    return Layout("model" if m == world_size else "hybrid", world_size, m)
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """The gradient reduction of a run: reducer `name` (None with one replica: nothing to reduce), its
+    wire `compression` ("none", "fp16"), how outstanding collectives `progress` ("test", "thread"), and
+    the reducer's own options ({"bucket_mb": 25.0} for bucketed), as reducers.create takes them."""
+
+    name: str | None
+    compression: str = "none"
+    progress: str = "test"
+    options: dict = field(default_factory=dict, hash=False)
+
+    @classmethod
+    def from_args(cls, args, replicas):
+        """The reduction the flags ask for over `replicas`: --reduction, else per_layer with --non_blocking_mpi,
+        else bucketed; None with one replica."""
+        if replicas == 1:
+            return cls(None, args.gradient_compression, args.reduction_progress)
+        name = args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
+        device = "nccl" if args.enable_nccl else "gpu" if args.enable_gpu else "cpu"
+        reducers.validate(name, args.gradient_compression, args.reduction_progress, device)
+        options = {key: getattr(args, OPTION_FLAGS[key]) for key in reducers.defaults(name) if key in OPTION_FLAGS}
+        return cls(name, args.gradient_compression, args.reduction_progress, options)
+
+    def create_options(self, **extra):
+        """Keyword arguments of reducers.create(self.name, comm, ...): compression, progress, the options,
+        and `extra` (the topk reducer's momentum, which the optimizer's options decide)."""
+        return {"compression": self.compression, "progress": self.progress, **self.options, **extra}
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run: its `layout`, `batch_size` per replica and step (None: the model family's recipe decides,
+    once the model is known), `global_batch_size` as given, `accumulation_steps` micro-batches per step,
+    its `reduction`, `optimizer` name, `threads` per process, `dtype` and `device` ("cpu", "gpu")."""
+
+    layout: Layout
+    batch_size: int | None
+    global_batch_size: int | None
+    reduction: Reduction
+    optimizer: str = "sgd"
+    accumulation_steps: int = 1
+    threads: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    @classmethod
+    def from_args(cls, args, world_size):
+        """The plan of pydtnn-train's parsed flags over `world_size` processes (the launched job's, or
+        --simulate's --np): the layout checked, --global_batch_size divided over the replicas."""
+        lay = layout(args.parallel, world_size, args.model_parallel_size, flags=True)
+        return cls(lay, batch_per_replica(args.batch_size, args.global_batch_size, lay), args.global_batch_size,
+                   Reduction.from_args(args, lay.replicas), args.optimizer, args.accumulation_steps,
+                   args.threads_per_process, args.dtype, "gpu" if args.enable_gpu else "cpu")
+
+
+def batch_per_replica(batch_size, global_batch_size, lay):
+    """Samples per replica and step: global_batch_size over lay's replicas where given (it must divide),
+    else batch_size (None: the recipe's, decided with the model)."""
+    if global_batch_size is None:
+        return batch_size
+    if global_batch_size % lay.replicas:
+        what = "model replicas" if lay.model_parallel_size > 1 else "processes"
+        raise ConfigError(f"--global_batch_size {global_batch_size} does not divide by {lay.replicas} {what}; "
+                          f"expected a multiple of {lay.replicas}")
+    return global_batch_size // lay.replicas
+
+
+def optimizer_options(args, model_name=None):
+    """Keyword arguments of the chosen optimizer from the flags that apply to it.
+
+    Flags left unset take the optimizer's own default (AdamW's weight decay stays 0.01), except the
+    learning rate (the model family's for SGD, else DEFAULT_LR) and SGD's momentum (0.9).
+    """
+    from pydtnn.models.families import DEFAULT_LR, recipe
+
+    name = args.optimizer
+    default = recipe(model_name, name).get("learning_rate", DEFAULT_LR[name]) if model_name else DEFAULT_LR[name]
+    opts = {"lr": args.learning_rate if args.learning_rate is not None else default}
+    if args.decay is not None:
+        opts["weight_decay"] = args.decay
+    if name == "sgd":
+        opts.update(momentum=0.9 if args.momentum is None else args.momentum, nesterov=args.nesterov)
+    elif name == "rmsprop":
+        opts.update(rho=args.rho, eps=args.epsilon)
+        if args.momentum is not None:
+            opts["momentum"] = args.momentum
+    else:
+        opts.update(beta1=args.beta1, beta2=args.beta2, eps=args.epsilon)
+    return opts
