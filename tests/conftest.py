@@ -71,3 +71,29 @@ def trim_when_large():
         return
     if resident > 6 << 30:
         _collect_and_trim()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--whole", action="store_true",
+                     help="the whole suite, slow tests included (what .ci/run runs); plain `pytest` is the quick tier")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The quick tier: plain `pytest` leaves the tests marked slow out. They run with --whole, with -m, or
+    when the command names test files or tests (what you name runs)."""
+    if config.getoption("whole") or config.option.markexpr or config.option.file_or_dir:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+        config.stash[_LEFT_OUT] = len(slow)
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = config.stash.get(_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(f"quick tier: {left_out} slow tests left out; `pytest --whole` runs the whole suite")

@@ -14,6 +14,7 @@ from pydtnn import losses, models, optim
 from pydtnn.backends import CPUBackend
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["simplecnn", "vgg11_cifar10", "resnet20_cifar10", "mobilenetv1_cifar10",
                                   "googlenet_cifar10"])
 def test_torch_twin_matches_forward_and_gradients(name):
@@ -31,6 +32,7 @@ TRAIN_STEP_MODELS = [("simplecnn", {}), ("vgg11_cifar10", {"dropout": 0.0}), ("r
                      ("mobilenetv1_cifar10", {"dropout": 0.0})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,options", TRAIN_STEP_MODELS)
 def test_torch_twin_takes_the_same_sgd_step(name, options):
     """Training-mode forward, cross-entropy, backward and an SGD(momentum=0.9) step: same loss, same parameters.

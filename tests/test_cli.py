@@ -16,6 +16,7 @@ def run_cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "pydtnn", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_main_job_reaches_95_percent_on_held_out_digits(tmp_path):
     """The README's main job, with its defaults: simplecnn on the embedded 5,000 digits."""
     metrics = tmp_path / "run.jsonl"

@@ -163,6 +163,7 @@ def test_config_json_holds_the_values_used_and_is_a_config_file(tmp_path):
     assert args.learning_rate is None and args.progress is False and args.batch_size == 8  # adamw's own rate
 
 
+@pytest.mark.slow
 def test_family_recipe_sets_batch_epochs_and_rate_where_no_flag_does(tmp_path):
     ckpt = tmp_path / "ck"
     r = cli("--model", "vgg11", "--steps_per_epoch", "1", "--checkpoint_dir", ckpt, "--num_epochs", "1")
@@ -264,6 +265,7 @@ def test_plot_ticks_are_whole_epochs(tmp_path, n_epochs):
         plt.close(fig)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="pip install mpich puts mpirun next to python")
 def test_the_readme_command_from_examples(tmp_path):
     """`cd examples; mpirun -np 2 python train.py --model vgg16`, cut to two steps of one epoch."""

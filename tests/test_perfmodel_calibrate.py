@@ -151,6 +151,7 @@ def run_cli(*args, timeout=120):
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_quick_calibration_writes_a_plausible_machine(tmp_path):
     base = DEFAULT.with_link("inter", bandwidth=3.0e8, latency=7e-5)
     save(base, tmp_path / "base.yaml")
