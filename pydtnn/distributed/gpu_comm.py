@@ -75,6 +75,11 @@ def loaded_mpi_libraries(maps="/proc/self/maps"):
     return found
 
 
+# what a device communicator answers for the hierarchical reducer's collectives
+HOST_ONLY = ("mpi or single (the hierarchical reducer reduces host arrays; on a GPU use blocking, per_layer, "
+             "bucketed or topk)")
+
+
 class DeviceComm(Communicator):
     """MPI collectives that also take CuPy arrays, over the host communicator `comm` (see the module docstring).
 
@@ -94,17 +99,10 @@ class DeviceComm(Communicator):
         self.name = f"{comm.name}+{'cuda-aware' if self.cuda_aware else 'host-staged'}"
         self._pool = {}  # (nbytes, dtype) -> free page-locked host buffers
 
-    @property
-    def stall_timeout(self):
-        return self.comm.stall_timeout
-
-    @property
-    def debug(self):
-        return self.comm.debug
-
-    @property
-    def seq(self):
-        return self.comm.seq
+    # the host communicator's watch settings and collective count
+    stall_timeout = property(lambda self: self.comm.stall_timeout)
+    debug = property(lambda self: self.comm.debug)
+    seq = property(lambda self: self.comm.seq)
 
     # -- staging -------------------------------------------------------------------------
     def _take(self, buf, copy=True):
@@ -156,37 +154,31 @@ class DeviceComm(Communicator):
 
     def allgatherv(self, send, recv, counts, label=""):
         """As Communicator.allgatherv; device arrays that MPI cannot take travel through host buffers."""
-        if self.size == 1 or (self._direct(send) and self._direct(recv)):
-            return self.comm.allgatherv(send, recv, counts, label)
-        host_send = self._take(send) if is_device_array(send) else send
-        host_recv = self._take(recv, copy=False) if is_device_array(recv) else recv
-        self.comm.allgatherv(host_send, host_recv, counts, label)
-        self._finish_staged(send, host_send, recv, host_recv)
-        return recv
+        return self._staged(self.comm.allgatherv, send, recv, counts, label)
 
     def reduce_scatterv(self, send, recv, counts, label=""):
         """As Communicator.reduce_scatterv; device arrays that MPI cannot take travel through host buffers."""
+        return self._staged(self.comm.reduce_scatterv, send, recv, counts, label)
+
+    def _staged(self, collective, send, recv, counts, label):
+        """collective(send, recv, counts, label) of the host communicator, on send and recv as they are where
+        MPI takes them, else on page-locked host copies (recv's copied back); returns recv."""
         if self.size == 1 or (self._direct(send) and self._direct(recv)):
-            return self.comm.reduce_scatterv(send, recv, counts, label)
+            return collective(send, recv, counts, label)
         host_send = self._take(send) if is_device_array(send) else send
         host_recv = self._take(recv, copy=False) if is_device_array(recv) else recv
-        self.comm.reduce_scatterv(host_send, host_recv, counts, label)
-        self._finish_staged(send, host_send, recv, host_recv)
-        return recv
-
-    def _finish_staged(self, send, host_send, recv, host_recv):
+        collective(host_send, host_recv, counts, label)
         if host_recv is not recv:
             self._bring_back(recv, host_recv)
         if host_send is not send:
             self._give(host_send)
+        return recv
 
     def ireduce(self, buf, root=0, label=""):
-        raise self.refuse("ireduce", "mpi or single (the hierarchical reducer reduces host arrays; on a GPU use "
-                                     "blocking, per_layer, bucketed or topk)")
+        raise self.refuse("ireduce", HOST_ONLY)
 
     def ibcast(self, buf, root=0, label=""):
-        raise self.refuse("ibcast", "mpi or single (the hierarchical reducer reduces host arrays; on a GPU use "
-                                    "blocking, per_layer, bucketed or topk)")
+        raise self.refuse("ibcast", HOST_ONLY)
 
     def bcast(self, buf, root=0):
         if self.size == 1 or self._direct(buf):
@@ -265,17 +257,10 @@ class NcclComm(Communicator):
         self._types = {np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32,
                        np.dtype(np.float64): nccl.NCCL_FLOAT64}
 
-    @property
-    def stall_timeout(self):
-        return self.comm.stall_timeout
-
-    @property
-    def debug(self):
-        return self.comm.debug
-
-    @property
-    def seq(self):
-        return self.comm.seq
+    # the host communicator's watch settings and collective count
+    stall_timeout = property(lambda self: self.comm.stall_timeout)
+    debug = property(lambda self: self.comm.debug)
+    seq = property(lambda self: self.comm.seq)
 
     def iallreduce(self, buf, label=""):
         if not is_device_array(buf):
@@ -336,12 +321,10 @@ class NcclComm(Communicator):
         return self.comm.reduce_scatterv(send, recv, counts, label)
 
     def ireduce(self, buf, root=0, label=""):
-        raise self.refuse("ireduce", "mpi or single (the hierarchical reducer reduces host arrays; with NCCL use "
-                                     "blocking, per_layer, bucketed or topk)")
+        raise self.refuse("ireduce", HOST_ONLY)
 
     def ibcast(self, buf, root=0, label=""):
-        raise self.refuse("ibcast", "mpi or single (the hierarchical reducer reduces host arrays; with NCCL use "
-                                    "blocking, per_layer, bucketed or topk)")
+        raise self.refuse("ibcast", HOST_ONLY)
 
     def bcast(self, buf, root=0):
         return self.comm.bcast(buf, root)
