@@ -57,6 +57,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, help="timed steps of every model (default: train_step.py's per model)")
     p.add_argument("--wait_idle", type=float, default=15)
     p.add_argument("--retries", type=int, default=1)
+    p.add_argument("--conv_autotune", action="store_true",
+                   help="both checkouts measure each layer's convolution algorithm first (train_step.py's flag)")
     p.add_argument("--out", help="also write the table (markdown) here")
     p.add_argument("--json", help="also write every record here")
     args = p.parse_args(argv)

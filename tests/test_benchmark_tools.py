@@ -209,3 +209,17 @@ def test_conv_algorithms_times_every_candidate_and_writes_the_table(tmp_path, ca
         conv_algorithms.main(["--shapes", "8by8"])
     assert stop.value.code == 2
     assert "error: --shapes '8by8': expected C x H pairs such as 64x32,128x16" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ab_step_compares_two_checkouts_step_for_step(tmp_path, capsys):
+    """benchmarks/ab_step.py runs train_step.py's worker on both checkouts (here this one twice) and tables the
+    per-round ratios."""
+    import ab_step
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ab_step.main(["--baseline", root, "--models", "simplecnn", "--batches", "4", "--threads", "1", "--rounds", "1",
+                  "--warmup", "1", "--steps", "2", "--wait_idle", "0", "--json", str(tmp_path / "ab.json")])
+    out = capsys.readouterr().out
+    assert "| simplecnn | 4 | 1 |" in out and "Median ratio over configurations" in out
+    assert (tmp_path / "ab.json").exists()
