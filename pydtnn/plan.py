@@ -32,7 +32,7 @@ def _named(name, value, flags):
 @dataclass(frozen=True)
 class Layout:
     """How a job's processes are arranged: `parallel` (sequential, data, model, hybrid, as it runs: one
-    process is sequential, one replica of M processes is model), `world_size` processes, each model replica
+    process is sequential, a group of one process is data parallelism), `world_size` processes, each model replica
     split over `model_parallel_size` (M) consecutive ranks; `replicas` = world_size / M share the data."""
 
     parallel: str
@@ -73,7 +73,7 @@ def layout(parallel, world_size, model_parallel_size=None, flags=False):
                           f"expected a divisor of {world_size}")
     if m == 1:
         return Layout("data" if world_size > 1 else "sequential", world_size, 1)
-    return Layout("model" if m == world_size else "hybrid", world_size, m)
+    return Layout(parallel, world_size, m)  # hybrid with one group stays hybrid, as asked: replicas says 1
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pydtnn.plan import Layout, Reduction, RunPlan, layout
     ("model", 4, None, Layout("model", 4, 4)),
     ("model", 4, 4, Layout("model", 4, 4)),
     ("hybrid", 8, 2, Layout("hybrid", 8, 2)),
-    ("hybrid", 4, 4, Layout("model", 4, 4)),
+    ("hybrid", 4, 4, Layout("hybrid", 4, 4)),
     ("hybrid", 4, 1, Layout("data", 4, 1)),
 ])
 def test_a_layout_is_what_runs(parallel, world, m, expected):

@@ -109,3 +109,18 @@ def test_the_global_batch_wins_over_the_batch_per_process_as_in_training():
     args = BASE + ["--global_batch_size", "64"]
     assert _predict(args).batch_size == 16
     assert RunPlan.from_args(parse_args(args), 4).batch_size == 16  # the plan pydtnn-train's start() takes
+
+
+@pytest.mark.parametrize("extra,flags", [([], []), (["--reduction", "per_layer", "--reduction_progress", "thread"],
+                                                     ["--reduction", "per_layer", "--progress", "thread"]),
+                                         (["--parallel", "hybrid", "--model_parallel_size", "2"],
+                                          ["--parallel", "hybrid", "--model_parallel_size", "2"])])
+def test_simulate_and_perfmodel_predict_predict_the_same_plan_alike(extra, flags, capsys):
+    import json
+
+    from pydtnn.perfmodel.cli import main as perfmodel
+
+    simulated = _predict(BASE + extra)
+    assert perfmodel(["predict", "--model", "simplecnn", "--batch_size", "32", "--np", "4", "--json"] + flags) == 0
+    predicted = json.loads(capsys.readouterr().out)
+    assert predicted["step_s"] == simulated.step_s and predicted["messages"] == simulated.messages

@@ -153,14 +153,17 @@ def add_predict(subparsers):
 
 
 def run_predict(args):
-    from pydtnn.perfmodel.predict import predict, table
+    from pydtnn.perfmodel.predict import UPDATE_PASSES, predict_plan, table
     from pydtnn.perfmodel.simulate import build_model
+    from pydtnn.plan import Reduction, RunPlan, layout
 
     machine = machine_from(args)
+    plan = RunPlan(layout(args.parallel, args.np, args.model_parallel_size), args.batch_size, None,
+                   Reduction(args.reduction, "none", args.progress, {"density": args.density}), threads=args.threads,
+                   dtype=args.dtype)
     name, model = build_model(args.model, data_from(args, args.model), args.num_classes, args.dtype, say)
-    p = predict(model, args.batch_size, args.np, machine, reduction=args.reduction, threads=args.threads,
-                algorithm=args.algorithm, progress=args.progress, optimizer=args.optimizer, parallel=args.parallel,
-                model_parallel_size=args.model_parallel_size, density=args.density, name=name)
+    p = predict_plan(model, plan, machine, update_passes=UPDATE_PASSES[args.optimizer], algorithm=args.algorithm,
+                     name=name)
     print(json.dumps(p.to_dict()) if args.json else table(p))
     return 0
 

@@ -241,6 +241,20 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     )
 
 
+def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algorithm="ring", name=None):
+    """The Prediction of run plan `plan` (pydtnn.plan.RunPlan) for `model`: its layout, batch per replica
+    (`batch_size` where the plan leaves it to the model's recipe), reduction with its compression, progress
+    and options, and threads per process. update_passes: the update's (update_passes()), else SGD with
+    momentum's. pydtnn-train --simulate and pydtnn-perfmodel predict both predict through here."""
+    lay, red = plan.layout, plan.reduction
+    shaping = {k: v for k, v in red.options.items() if k in ("bucket_mb", "first_bucket_mb", "density")}
+    return predict(model, plan.batch_size or batch_size, lay.world_size, machine, reduction=red.name or "bucketed",
+                   threads=plan.threads or 1, algorithm=algorithm, progress=red.progress, compression=red.compression,
+                   update_passes=update_passes, parallel="data" if lay.parallel == "sequential" else lay.parallel,
+                   model_parallel_size=lay.model_parallel_size if lay.parallel == "hybrid" else None, name=name,
+                   **shaping)
+
+
 def update_passes(optimizer, hyper):
     """Passes over the parameters' bytes of one update by `optimizer` (optim.NAMES) with hyperparameters
     `hyper` (optim.hyperparameters: every one it runs with), as the backend's updates make them: SGD reads p

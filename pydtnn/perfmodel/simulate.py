@@ -159,20 +159,14 @@ def simulate(args, defaults, say=print):
     value (pydtnn-train's parser), against which REFUSED flags are checked."""
     refuse_unmodelled(args, defaults)
     from pydtnn.perfmodel import machine as machines
-    from pydtnn.perfmodel.predict import duration, predict, rate, table, update_passes
+    from pydtnn.perfmodel.predict import duration, predict_plan, rate, table, update_passes
 
     machine = machines.DEFAULT if args.machine is None else machines.load(args.machine)
     plan = RunPlan.from_args(args, args.np)
     name, model = build(args)
-    lay, red = plan.layout, plan.reduction
     hyper = optim.hyperparameters(args.optimizer, **optimizer_options(args, name))
-    p = predict(model, batch_size(plan, name, args.optimizer), lay.world_size, machine,
-                reduction=red.name or "bucketed", threads=plan.threads or 1,
-                update_passes=update_passes(args.optimizer, hyper), compression=red.compression,
-                progress=red.progress,
-                bucket_mb=red.options.get("bucket_mb", args.bucket_size_mb), density=red.options.get("density", args.density),
-                parallel="data" if lay.parallel == "sequential" else lay.parallel, name=name,
-                model_parallel_size=lay.model_parallel_size if lay.parallel == "hybrid" else None)
+    p = predict_plan(model, plan, machine, batch_size(plan, name, args.optimizer),
+                     update_passes=update_passes(args.optimizer, hyper), name=name)
     say(table(p))
     say(f"pydtnn: simulated, nothing trained: {duration(p.step_s)} a step, {rate(p.samples_per_second)} samples/s "
         f"over {p.np} process(es)")
