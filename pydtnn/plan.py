@@ -8,8 +8,9 @@
 pydtnn-train splits its processes, sizes its batch and builds its reducer from the plan; `--simulate`
 and pydtnn-perfmodel predict the same plan, so a prediction and a run cannot disagree about what runs.
 The rules live here once: which layouts exist and what they need (`layout`), which reducer a run takes
-and with which options (`Reduction`, over the reducers' registry: pydtnn.distributed.reducers). Messages name flags (`--model_parallel_size`) for the command line
-and parameters (`model_parallel_size=`) for Python callers.
+and with which options (`Reduction`, over the reducers' registry: pydtnn.distributed.reducers). Messages
+name flags (`--model_parallel_size`) for the command line and parameters (`model_parallel_size=`) for
+Python callers; optimizer_options gives the optimizer's keyword arguments from the flags.
 """
 
 from dataclasses import dataclass, field
