@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pydtnn.distributed import reducers
 from pydtnn.errors import ConfigError
+from pydtnn.optim import schedules as sch
 
 PARALLEL = ("sequential", "data", "model", "hybrid")
 # the flags that set the reducers' options (reducers.defaults(name) names each strategy's); an option no flag
@@ -166,3 +167,26 @@ def optimizer_options(args, model_name=None):
     else:
         opts.update(beta1=args.beta1, beta2=args.beta2, eps=args.epsilon)
     return opts
+
+
+def build_schedules(args, world):
+    """The learning-rate schedules the flags choose (pydtnn.optim.schedules objects, fresh: they keep state), for
+    `world` model replicas (warm-up starts at 1/world of the rate by default)."""
+    chosen, out = chosen_schedulers(args), []
+    if "warm_up" in chosen:
+        start = args.warm_up_start_factor or (1 / world if world > 1 else 0.1)
+        out.append(sch.WarmUp(args.warm_up_epochs, start))
+    if "cosine" in chosen:
+        out.append(sch.Cosine(args.num_epochs, args.cosine_min_factor))
+    if "reduce_lr_every_nepochs" in chosen:
+        out.append(sch.ReduceEveryNEpochs(args.reduce_lr_every_nepochs_factor, args.reduce_lr_every_nepochs_nepochs,
+                                          args.reduce_lr_every_nepochs_min_lr))
+    if "reduce_lr_on_plateau" in chosen:
+        out.append(sch.ReduceOnPlateau(args.reduce_lr_on_plateau_metric, args.reduce_lr_on_plateau_factor,
+                                       args.reduce_lr_on_plateau_patience, args.reduce_lr_on_plateau_min_lr))
+    return out
+
+
+def chosen_schedulers(args):
+    """The names in --lr_schedulers (None before fill_defaults: none)."""
+    return [s for s in (args.lr_schedulers or "").split(",") if s]  # None: the family's, set by fill_defaults

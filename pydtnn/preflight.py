@@ -8,6 +8,7 @@ from pydtnn import checkpoint, data
 from pydtnn.errors import ConfigError
 from pydtnn.files import same_file
 from pydtnn.optim import schedules as sch
+from pydtnn.plan import chosen_schedulers
 from pydtnn.resume import check_checkpoint_dir
 
 # flags that describe how to run rather than what to compute: not saved as the run's configuration
@@ -148,8 +149,3 @@ def check_agreement(comm, model, datasets, start_epoch):
 def metric_names(args):
     """The names in --metrics, in order."""
     return tuple(m.strip() for m in args.metrics.split(",") if m.strip())
-
-
-def chosen_schedulers(args):
-    """The names in --lr_schedulers (None before fill_defaults: none)."""
-    return [s for s in (args.lr_schedulers or "").split(",") if s]  # None: the family's, set by fill_defaults

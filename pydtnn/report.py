@@ -7,10 +7,11 @@ from pydtnn.optim import schedules as sch
 from pydtnn.preflight import chosen_schedulers
 
 
-def effective_values(args, choice, options, world, schedules, strategy, mp_size=1):
+def effective_values(args, choice, options, plan, schedules):
     """What the run computes with, after defaults, family resolution, scaling and warm-up: saved in
-    config.json under "effective" and summarized in the header. world: model replicas; mp_size: the
-    processes of each (model parallelism)."""
+    config.json under "effective" and summarized in the header. plan: the run's RunPlan (its layout and
+    reduction); options: the optimizer's keyword arguments; schedules: the schedule objects."""
+    world, mp_size, strategy = plan.layout.replicas, plan.layout.model_parallel_size, plan.reduction.name
     parallel = ("hybrid" if world > 1 else "model") if mp_size > 1 else ("data" if world > 1 else "sequential")
     out = {"model": choice.name, "input_shape": list(choice.input_shape), "num_classes": choice.num_classes,
            "adapted": list(choice.notes), "processes": world * mp_size, "parallel": parallel,

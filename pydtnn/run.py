@@ -19,8 +19,7 @@ from pydtnn.distributed import launch, model_parallel, reducers
 from pydtnn.distributed.consistency import broadcast_state
 from pydtnn.errors import ConfigError
 from pydtnn.files import write_atomic
-from pydtnn.optim import schedules as sch
-from pydtnn.plan import RunPlan, optimizer_options
+from pydtnn.plan import RunPlan, build_schedules, optimizer_options
 from pydtnn.preflight import (NOT_SAVED, PATH_FLAGS, agree_on_flags, check_agreement, check_combinations,
                               check_monitored, check_outputs, chosen_schedulers, metric_names)
 from pydtnn.report import announce_compilation, conv_shapes, effective_values, header, models_table
@@ -60,10 +59,10 @@ def run(args):
     corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
     check_topk_flags(args, strategy)
     optimizer = optim.create(args.optimizer, model.parameters(), backend=model.backend, **options)
-    schedules = build_schedules(args, world)
+    schedules = build_schedules(args, plan.layout.replicas)
     reducer = None if strategy is None else reducers.create(strategy, grad_comm,
                                                             **plan.reduction.create_options(**topk_momentum(corrected)))
-    effective = effective_values(args, choice, options, world, schedules, strategy, mp_size)
+    effective = effective_values(args, choice, options, plan, schedules)
     effective["data_shape"] = list(data_shape)  # the images before any padding: what an exported graph takes
     if corrected:
         effective["topk_momentum"] = corrected  # the optimizer's momentum is 0: the reducer applies this one
@@ -301,22 +300,6 @@ def augmented(train, args):
     """The training set with the flips and crops the flags ask for."""
     return data.with_augmentation(train, flip=args.flip_images, flip_prob=args.flip_images_prob,
                                   crop=args.crop_images, crop_padding=args.crop_images_padding)
-
-
-def build_schedules(args, world):
-    chosen, out = chosen_schedulers(args), []
-    if "warm_up" in chosen:
-        start = args.warm_up_start_factor or (1 / world if world > 1 else 0.1)
-        out.append(sch.WarmUp(args.warm_up_epochs, start))
-    if "cosine" in chosen:
-        out.append(sch.Cosine(args.num_epochs, args.cosine_min_factor))
-    if "reduce_lr_every_nepochs" in chosen:
-        out.append(sch.ReduceEveryNEpochs(args.reduce_lr_every_nepochs_factor, args.reduce_lr_every_nepochs_nepochs,
-                                          args.reduce_lr_every_nepochs_min_lr))
-    if "reduce_lr_on_plateau" in chosen:
-        out.append(sch.ReduceOnPlateau(args.reduce_lr_on_plateau_metric, args.reduce_lr_on_plateau_factor,
-                                       args.reduce_lr_on_plateau_patience, args.reduce_lr_on_plateau_min_lr))
-    return out
 
 
 def build_callbacks(args, config, effective=None, is_root=True):

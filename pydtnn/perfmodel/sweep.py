@@ -17,8 +17,9 @@ What each axis varies (everything else is the baseline: its nodes, its batch, th
 Each axis's grid holds the baseline's own value, so that one point per axis is the baseline itself.
 
 Throughput is samples per second over all processes: batch_size * processes / step_s. Every point is
-one predict() call on the model built once; predict() recomputes the layers' costs per call, which
-takes milliseconds, so no cache is kept.
+the prediction of one run plan (pydtnn.plan.RunPlan, predict.predict_plan, as pydtnn-train --simulate
+predicts a run) on the model built once; each recomputes the layers' costs, which takes milliseconds, so
+no cache is kept.
 
 Schemes, compared on the same processes and the same global batch (batch_size x processes):
   data    every process a replica with batch_size samples;
@@ -35,7 +36,8 @@ import itertools
 import math
 
 from pydtnn.errors import ConfigError
-from pydtnn.perfmodel.predict import predict
+from pydtnn.perfmodel.predict import predict_plan
+from pydtnn.plan import Reduction, RunPlan, layout
 
 SCHEMES = ("data", "model", "hybrid")
 SCHEME_LABELS = {"data": "data parallelism", "model": "model parallelism",
@@ -163,7 +165,8 @@ def setting(axis, value, machine, baseline):
 def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algorithm="ring", progress="test",
           points=None, on_point=None, density=0.01):
     """[Point] of `model` (built once, on a CPU backend) for every scheme and every value of every axis.
-    reduction, algorithm, progress, density: as predict() takes them; on_point: called once per point computed."""
+    reduction, algorithm, progress, density: each point's plan's (predict.predict_plan); on_point: called once per
+    point computed."""
     points_out = []
     for scheme in SCHEMES:
         for axis in check_axes(axes):
@@ -185,17 +188,17 @@ def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algor
     return points_out
 
 
-def scheme_step(model, name, scheme, batch, np_, machine, **options):
-    """predict() of one scheme at `batch` samples per process over np_ processes (the same global batch for
-    every scheme); None where the scheme cannot run (a layer with fewer channels than its group)."""
-    if scheme == "data":
-        return predict(model, batch, np_, machine, parallel="data", name=name, **options)
-    group = np_ if scheme == "model" else min(machine.processes_per_node, np_)
+def scheme_step(model, name, scheme, batch, np_, machine, reduction="bucketed", algorithm="ring", progress="test",
+                density=0.01):
+    """The prediction of one scheme's run plan at `batch` samples per process over np_ processes (the same global
+    batch for every scheme; predict.predict_plan); None where the scheme cannot run (a layer with fewer
+    channels than its group)."""
+    group = 1 if scheme == "data" else np_ if scheme == "model" else min(machine.processes_per_node, np_)
+    parallel = "data" if group == 1 else "hybrid"
+    plan = RunPlan(layout(parallel, np_, group if group > 1 else None), batch * group, None,
+                   Reduction(reduction, "none", progress, {"density": density}))
     try:
-        if group == 1:
-            return predict(model, batch, np_, machine, parallel="data", name=name, **options)
-        return predict(model, batch * group, np_, machine, parallel="hybrid", model_parallel_size=group, name=name,
-                       **options)
+        return predict_plan(model, plan, machine, algorithm=algorithm, name=name)
     except ConfigError as e:
         if "fewer than the" in str(e):
             return None
