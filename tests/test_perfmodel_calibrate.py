@@ -198,6 +198,21 @@ def test_no_mpi_keeps_the_base_links_and_one_thread_keeps_its_scaling(tmp_path):
     assert "MPI probe" not in r.stderr
 
 
+def test_the_mpi_probe_times_every_size_it_names_on_two_processes():
+    """The probe calibrate runs under mpiexec: one timing per message size of mpi_probe.sizes, for the
+    ping-pong, the allreduce and each collective model parallelism runs, each a positive number of seconds."""
+    from pydtnn.perfmodel import mpi_probe
+
+    if calibrate.mpi_missing():
+        pytest.skip(calibrate.mpi_missing())
+    r = mpi_links.run_mpi_probe(2, quick=True)
+    assert r["np"] == 2 and set(r["collectives"]) == set(mpi_probe.COLLECTIVES)
+    sizes = [n for n, _ in r["pingpong"]]
+    assert sizes == mpi_probe.sizes(sizes[-1], quick=True) and [n for n, _ in r["allreduce"]] == sizes
+    for series in [r["pingpong"], r["allreduce"], *r["collectives"].values()]:
+        assert series and all(seconds > 0 for _, seconds in series)
+
+
 def test_a_hanging_probe_fails_with_a_clear_error():
     if calibrate.mpi_missing():
         pytest.skip(calibrate.mpi_missing())
