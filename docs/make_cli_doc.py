@@ -141,7 +141,10 @@ def main(path=os.path.join(os.path.dirname(__file__), "cli.md")):
             default = "" if a.default in (None, "") else f"`{a.default}`"
             choices = f" ({', '.join(map(str, a.choices))})" if a.choices else ""
             help_ = (a.help or "").replace("|", "\\|") + choices
-            lines.append(f"| `{a.option_strings[0]}` | {default} | {help_} | {PYDTNN.get(a.dest, '')} |")
+            # PyDTNN's spelling of the flag and of any alias (each also takes dashes)
+            names = [o for o in a.option_strings[1:] if o.startswith("--") and "-" not in o[2:]]
+            flag = " or ".join(f"`{o}`" for o in [a.option_strings[0], *names])
+            lines.append(f"| {flag} | {default} | {help_} | {PYDTNN.get(a.dest, '')} |")
         lines.append("")
     lines += [
         "## Schedules",

@@ -92,9 +92,10 @@ class Parser(argparse.ArgumentParser):
                 return did_you_mean(m.group(2), action.choices)
         return ""
 
-    def flag(self, group, name, **kw):
-        """Add --name (PyDTNN's underscore spelling) and its dashed twin."""
-        names = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    def flag(self, group, name, aliases=(), **kw):
+        """Add --name (PyDTNN's underscore spelling) and its dashed twin, and each of `aliases` likewise."""
+        names = [spelling for n in (name, *aliases)
+                 for spelling in [f"--{n}"] + ([f"--{n.replace('_', '-')}"] if "_" in n else [])]
         if self.argument_default is argparse.SUPPRESS:
             kw["default"] = argparse.SUPPRESS
         if kw.get("type") is parse_bool:

@@ -92,9 +92,9 @@ def _model_and_data_flags(p):
       help="samples per step over all processes; must divide by the process count (sets --batch_size)")
     f(g, "num_epochs", type=positive_int, default=None,
       help="epochs to train (default 10; 7 for VGG without BatchNorm, see docs/models.md)")
-    f(g, "accumulation_steps", type=positive_int, default=1,
-      help="split each step's batch into this many micro-batches, summing gradients: one reduction and "
-           "one update per step, activation memory of a micro-batch (default 1)")
+    f(g, "accumulation_steps", aliases=("micro_batches",), type=positive_int, default=1,
+      help="split each step's batch into this many micro-batches, summing gradients (BatchNorm statistics per "
+           "micro-batch): one reduction and one update per step, activation memory of a micro-batch (default 1)")
     f(g, "steps_per_epoch", type=positive_int, default=None, help="cap on steps per epoch (default: whole dataset)")
     f(g, "dtype", choices=("float32", "float64"), default="float32", help="parameters and activations (default float32)")
     f(g, "evaluate", type=parse_bool, default=False, help="evaluate on the test set before and after training")

@@ -146,3 +146,10 @@ def test_library_errors_name_parameters_and_the_command_line_names_flags(capsys)
         err = capsys.readouterr().err
         assert all(w in err for w in words), err
         assert "train_path=" not in err and "=True" not in err and "validation_split=" not in err, err
+
+
+def test_micro_batches_is_the_accumulation_steps_flag():
+    """--micro_batches M (the name pipelines use) splits each step into M micro-batches, as --accumulation_steps."""
+    assert parse_args(["--micro_batches", "4"]).accumulation_steps == 4
+    assert parse_args(["--micro-batches", "3"]).accumulation_steps == 3
+    assert parse_args(["--accumulation_steps", "2"]).accumulation_steps == 2

@@ -49,13 +49,14 @@ backward; exposed communication is what remains after it. The progress modes are
 import math
 from dataclasses import asdict, dataclass, field
 
+from pydtnn import plan as plan_module
 from pydtnn.distributed import reducers
 from pydtnn.distributed.model_parallel import plan
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 
-PARALLEL = ("data", "model", "hybrid")
+PARALLEL = tuple(p for p in plan_module.PARALLEL if p != "sequential")  # one process of "data" is sequential
 REDUCTIONS = reducers.NAMES
 PROGRESS = reducers.PROGRESS
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
