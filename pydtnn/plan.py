@@ -55,6 +55,9 @@ def layout(parallel, world_size, model_parallel_size=None, flags=False):
     m = model_parallel_size
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise ConfigError(f"{_named('model_parallel_size', m, flags)}; expected a positive integer")
+    if parallel == "sequential" and world_size > 1:
+        raise ConfigError(f"{_named('parallel', 'sequential', flags)}, but {world_size} processes were launched; use "
+                          f"{'--parallel' if flags else 'parallel='} data, model or hybrid, or one process")
     if parallel not in ("model", "hybrid"):
         if m not in (None, 1):
             raise ConfigError(f"{_named('model_parallel_size', m, flags)} needs {_named('parallel', 'hybrid', flags)} "
@@ -128,6 +131,9 @@ class RunPlan:
         """The plan of pydtnn-train's parsed flags over `world_size` processes (the launched job's, or
         --simulate's --np): the layout checked, --global_batch_size divided over the replicas."""
         lay = layout(args.parallel, world_size, args.model_parallel_size, flags=True)
+        if args.enable_gpu and lay.model_parallel_size > 1:
+            raise ConfigError(f"--parallel {lay.parallel} splits layers over CPU processes; with --enable_gpu use "
+                              f"--parallel data (model parallelism runs on the CPU backend)")
         return cls(lay, batch_per_replica(args.batch_size, args.global_batch_size, lay), args.global_batch_size,
                    Reduction.from_args(args, lay.replicas), args.optimizer, args.accumulation_steps,
                    args.threads_per_process, args.dtype, "gpu" if args.enable_gpu else "cpu")

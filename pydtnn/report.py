@@ -12,7 +12,7 @@ def effective_values(args, choice, options, plan, schedules):
     config.json under "effective" and summarized in the header. plan: the run's RunPlan (its layout and
     reduction); options: the optimizer's keyword arguments; schedules: the schedule objects."""
     world, mp_size, strategy = plan.layout.replicas, plan.layout.model_parallel_size, plan.reduction.name
-    parallel = ("hybrid" if world > 1 else "model") if mp_size > 1 else ("data" if world > 1 else "sequential")
+    parallel = plan.layout.parallel
     out = {"model": choice.name, "input_shape": list(choice.input_shape), "num_classes": choice.num_classes,
            "adapted": list(choice.notes), "processes": world * mp_size, "parallel": parallel,
            "model_parallel_size": mp_size, "replicas": world,

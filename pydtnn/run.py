@@ -102,9 +102,6 @@ def start(args):
     agree_on_flags(comm, args)  # before any collective that the flags shape (a split, a reducer's groups)
     for note in args.notes:
         say(note)
-    if comm.size > 1 and args.parallel == "sequential":
-        raise ConfigError(f"--parallel sequential, but {comm.size} processes were launched; use --parallel data, "
-                          f"model or hybrid, or one process")
     if args.parallel in ("data", "model") and comm.size == 1:
         say(f"pydtnn: --parallel {args.parallel} with one process trains sequentially")
     plan = RunPlan.from_args(args, comm.size)

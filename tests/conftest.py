@@ -79,9 +79,11 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The quick tier: plain `pytest` leaves the tests marked slow out. They run with --whole, with -m, or
-    when the command names test files or tests (what you name runs)."""
-    if config.getoption("whole") or config.option.markexpr or config.option.file_or_dir:
+    """The quick tier: plain `pytest` (or `pytest tests`) leaves the tests marked slow out. They run with
+    --whole, with -m, or when the command names test files or tests (what you name runs)."""
+    named = [os.path.abspath(str(a).split("::")[0]) for a in config.option.file_or_dir]
+    tiers = [os.path.abspath(os.path.join(str(config.rootpath), t)) for t in config.getini("testpaths")]
+    if config.getoption("whole") or config.option.markexpr or any(n not in tiers for n in named):
         return
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
     if slow:

@@ -166,7 +166,8 @@ def fake_cupy(monkeypatch):
 
 def test_device_comm_stages_allgatherv_and_reduce_scatterv_through_the_host(fake_cupy):
     """Device arrays never reach a host-only MPI: each is copied to a host buffer, the collective runs there,
-    and the result comes back into the device array (allgatherv is topk's; reduce_scatterv model parallelism's)."""
+    and the result comes back into the device array (allgatherv is topk's; reduce_scatterv is the contract's,
+    for any caller of device arrays)."""
     host = _Host()
     comm = DeviceComm(host, cuda_aware=False)
     send, recv = _DeviceArray(np.arange(3.0)), _DeviceArray(np.zeros(6))

@@ -169,10 +169,16 @@ class Recorder(SingleProcess):
         self.seen.append(("allgather", send.nbytes))
         return super().allgatherv(send, recv, counts, label)
 
+    def allreduce_sum(self, values, label="metrics"):
+        self.seen.append(("allreduce", 8 * len(values)))  # float64 values (fp16 compression's scales)
+        return super().allreduce_sum(values, label)
+
 
 @pytest.mark.parametrize("reduction,options", [
     ("blocking", {}), ("per_layer", {}), ("bucketed", {"bucket_mb": 0.05, "first_bucket_mb": 0.01}),
-    ("bucketed", {}), ("topk", {"density": 0.1}), ("topk", {"density": 0.1, "selection": "per_layer"})])
+    ("bucketed", {}), ("topk", {"density": 0.1}), ("topk", {"density": 0.1, "selection": "per_layer"}),
+    ("blocking", {"compression": "fp16"}), ("per_layer", {"compression": "fp16"}),
+    ("bucketed", {"bucket_mb": 0.05, "first_bucket_mb": 0.01, "compression": "fp16"})])
 def test_predicted_messages_are_the_ones_the_reducer_sends(reduction, options, monkeypatch):
     """The performance model takes its messages from the registry's pure function, the one the reducer lays them
     out with: per step, a reducer over a recording communicator sends exactly those (in 4 KB pieces here)."""

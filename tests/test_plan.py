@@ -29,6 +29,8 @@ def test_a_layout_is_what_runs(parallel, world, m, expected):
     ("model", 4, 2, "--parallel model splits every layer over all 4 processes", "parallel='model' splits every"),
     ("pipeline", 4, None, "--parallel pipeline: expected one of", "parallel='pipeline': expected one of"),
     ("hybrid", 4, 0, "--model_parallel_size 0; expected a positive integer", "model_parallel_size=0; expected"),
+    ("sequential", 4, None, "--parallel sequential, but 4 processes were launched",
+     "parallel='sequential', but 4 processes were launched"),
 ])
 def test_a_bad_layout_names_the_flag_or_the_parameter(parallel, world, m, flag_message, python_message):
     with pytest.raises(ConfigError, match=flag_message):
@@ -60,3 +62,9 @@ def test_a_plan_is_frozen():
     plan = RunPlan.from_args(parse_args([]), 1)
     with pytest.raises(AttributeError):
         plan.batch_size = 3
+
+
+def test_model_parallelism_on_a_gpu_is_refused_before_anything_runs():
+    with pytest.raises(ConfigError, match="--parallel hybrid splits layers over CPU processes; with --enable_gpu"):
+        RunPlan.from_args(parse_args(["--enable_gpu", "true", "--parallel", "hybrid", "--model_parallel_size", "2"]), 4)
+    assert RunPlan.from_args(parse_args(["--enable_gpu", "true"]), 4).layout == Layout("data", 4, 1)

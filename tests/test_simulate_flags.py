@@ -42,7 +42,6 @@ REFUSED_VALUES = {
     "sync_every": ["--sync_every", "4"],
     "sync_batchnorm": ["--sync_batchnorm", "true"],
     "accumulation_steps": ["--accumulation_steps", "2"],
-    "conv_autotune": ["--conv_autotune", "true"],
     "topk_selection": ["--reduction", "topk", "--topk_selection", "per_layer"],
     "density_warmup_epochs": ["--reduction", "topk", "--density_warmup_epochs", "1"],
     "momentum_correction": ["--reduction", "topk", "--momentum_correction", "true"],
@@ -74,7 +73,7 @@ def _files(tmp_path, argv):
 
 def test_every_flag_is_modelled_refused_or_outside_a_step():
     dests = {a.dest for a in build_parser()._actions}
-    places = [set(sim.MODELLED), set(sim.REFUSED), set(sim.OUTSIDE_A_STEP), {"simulate"}]
+    places = [set(sim.MODELLED), set(sim.REFUSED), set(sim.NOTED), set(sim.OUTSIDE_A_STEP), {"simulate"}]
     assert set().union(*places) == dests, "flags placed nowhere or placed but gone: " + str(
         sorted(set().union(*places) ^ dests))
     assert sum(len(p) for p in places) == len(dests), "a flag is placed twice"
@@ -124,3 +123,12 @@ def test_simulate_and_perfmodel_predict_predict_the_same_plan_alike(extra, flags
     assert perfmodel(["predict", "--model", "simplecnn", "--batch_size", "32", "--np", "4", "--json"] + flags) == 0
     predicted = json.loads(capsys.readouterr().out)
     assert predicted["step_s"] == simulated.step_s and predicted["messages"] == simulated.messages
+
+
+def test_a_flag_the_model_cannot_know_is_said(capsys):
+    """--conv_autotune (on by default in a run) measures the algorithms; the prediction costs the threshold ones
+    and says so, unless --conv_autotune false makes the run do the same."""
+    _predict(BASE)
+    assert "costed with its threshold algorithm" in capsys.readouterr().err
+    _predict(BASE + ["--conv_autotune", "false"])
+    assert capsys.readouterr().err == ""

@@ -184,7 +184,6 @@ class MPIComm(Communicator):
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.stall_timeout, self.debug = stall_timeout, debug
         self.watch = StallWatch(self.comm, MPI, stall_timeout, debug, self.abort)
         self._fp16_sum = None  # MPI's operator summing float16, made when first needed
 
@@ -192,6 +191,10 @@ class MPIComm(Communicator):
     def seq(self):
         """Collectives entered so far."""
         return self.watch.seq
+
+    # the watch's settings, held by the watch alone
+    stall_timeout = property(lambda self: self.watch.stall_timeout)
+    debug = property(lambda self: self.watch.debug)
 
     # -- collectives ---------------------------------------------------------------------
     def allreduce(self, buf, label=""):

@@ -97,16 +97,11 @@ from pydtnn.perfmodel.overheads import fixed_costs
 
 
 def cpu_model():
-    """The CPU model named in /proc/cpuinfo, or None."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model", "cpu model") and value.strip():
-                    return " ".join(value.split())
-    except OSError:
-        pass
-    return None
+    """The CPU model named in /proc/cpuinfo (isa.cpu_features, the one reading of it), or None."""
+    from pydtnn.backends.cpu.isa import cpu_features
+
+    model = cpu_features()[0]
+    return None if model == "unknown" else model
 
 
 def cores():

@@ -248,6 +248,8 @@ def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algo
     and options, and threads per process. update_passes: the update's (update_passes()), else SGD with
     momentum's. pydtnn-train --simulate and pydtnn-perfmodel predict both predict through here."""
     lay, red = plan.layout, plan.reduction
+    if red.name is not None:  # a plan built in Python is checked as the flags' are: what the run would refuse
+        reducers.validate(red.name, red.compression, red.progress)
     shaping = {k: v for k, v in red.options.items() if k in ("bucket_mb", "first_bucket_mb", "density")}
     return predict(model, plan.batch_size or batch_size, lay.world_size, machine, reduction=red.name or "bucketed",
                    threads=plan.threads or 1, algorithm=algorithm, progress=red.progress, compression=red.compression,

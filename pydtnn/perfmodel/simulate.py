@@ -36,7 +36,6 @@ REFUSED = {
     "sync_every": "a GPU's reads of the loss (the model predicts CPU processes)",
     "sync_batchnorm": "the two allreduces per BatchNorm layer and step",
     "accumulation_steps": "micro-batches (it predicts one pass over the batch per step)",
-    "conv_autotune": "the measured convolution algorithms (it costs the threshold choice of each layer)",
     "topk_selection": "a per-layer top-k selection (it models the global one)",
     "density_warmup_epochs": "a density that changes over the epochs (it models --density)",
     "momentum_correction": "the topk reducer's momentum pass",
@@ -44,6 +43,9 @@ REFUSED = {
     "debug_collectives": "the signature check before every collective",
     "evaluate_only": "an evaluation (it predicts a training step)",
 }
+# Flags whose effect the model cannot know in advance: the prediction is made without it, and says so.
+NOTED = {"conv_autotune": "each convolution is costed with its threshold algorithm; the run measures the algorithms "
+                          "(--conv_autotune, the default) and may take faster ones"}
 OUTSIDE_A_STEP = (
     "help", "list_models", "num_epochs", "steps_per_epoch", "evaluate", "weights_and_bias_filename", "summary",
     "dataset_train_path", "dataset_test_path", "download", "validation_split", "test_as_validation", "flip_images",
@@ -62,7 +64,7 @@ def refuse_unmodelled(args, defaults):
     """ConfigError for the first REFUSED flag whose value is not its default (`defaults`: flag -> default)."""
     for flag, what in REFUSED.items():
         value = getattr(args, flag)
-        if value != defaults[flag] and not (flag == "conv_autotune" and not value):
+        if value != defaults[flag]:
             raise ConfigError(f"--simulate does not model {what}, but --{flag} {value} was given; leave --{flag} "
                               f"out to predict the run without it")
 
@@ -168,6 +170,8 @@ def simulate(args, defaults, say=print):
     p = predict_plan(model, plan, machine, batch_size(plan, name, args.optimizer),
                      update_passes=update_passes(args.optimizer, hyper), name=name)
     say(table(p))
+    if args.conv_autotune is not False:  # None: the run's default, env.conv_autotune(), measures
+        print(f"pydtnn: --simulate: {NOTED['conv_autotune']}", file=sys.stderr, flush=True)
     say(f"pydtnn: simulated, nothing trained: {duration(p.step_s)} a step, {rate(p.samples_per_second)} samples/s "
         f"over {p.np} process(es)")
     return p

@@ -36,8 +36,8 @@ def cpu_features(path="/proc/cpuinfo"):
             for line in f:
                 name, _, value = line.partition(":")
                 name = name.strip()
-                if name == "model name" and model == "unknown":
-                    model = " ".join(value.split())
+                if name in ("model name", "Model", "cpu model") and model == "unknown" and value.strip():
+                    model = " ".join(value.split())  # x86 names it "model name"; ARM "Model", MIPS "cpu model"
                 elif name == "flags" and not flags:
                     flags = frozenset(value.split())
                 if model != "unknown" and flags:
