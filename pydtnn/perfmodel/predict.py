@@ -171,15 +171,16 @@ def _check_arguments(parallel, reduction, progress, optimizer, algorithm, **coun
 
 
 def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
-            optimizer="sgd_momentum", bucket_mb=25.0, first_bucket_mb=1.0, parallel="data", name=None,
-            model_parallel_size=None, density=0.01, compression="none", update_passes=None):
+            optimizer="sgd_momentum", bucket_mb=None, first_bucket_mb=None, parallel="data", name=None,
+            model_parallel_size=None, density=None, compression="none", update_passes=None):
     """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
     model replica (per process with data parallelism) over np processes, each with `threads` threads, on
     `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
     model_parallel_size (perfmodel/split.py). compression: the gradients' wire format ("none", "fp16":
     half the bytes, and a small allreduce of scales before each message; reducers.messages).
     update_passes: the update's passes over the parameters' bytes (update_passes()), else UPDATE_PASSES's
-    of `optimizer`."""
+    of `optimizer`. bucket_mb, first_bucket_mb, density: the reducer's options where it takes them; None (not
+    given) is the reducer's own default (reducers.defaults)."""
     _check_arguments(parallel, reduction, progress, optimizer, algorithm, batch_size=batch_size, np=np, threads=threads)
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
     replicas = np // m

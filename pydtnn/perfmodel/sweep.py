@@ -163,7 +163,7 @@ def setting(axis, value, machine, baseline):
 
 
 def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algorithm="ring", progress="test",
-          points=None, on_point=None, density=0.01):
+          points=None, on_point=None, density=None):
     """[Point] of `model` (built once, on a CPU backend) for every scheme and every value of every axis.
     reduction, algorithm, progress, density: each point's plan's (predict.predict_plan); on_point: called once per
     point computed."""
@@ -189,7 +189,7 @@ def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algor
 
 
 def scheme_step(model, name, scheme, batch, np_, machine, reduction="bucketed", algorithm="ring", progress="test",
-                density=0.01):
+                density=None):
     """The prediction of one scheme's run plan at `batch` samples per process over np_ processes (the same global
     batch for every scheme; predict.predict_plan); None where the scheme cannot run (a layer with fewer
     channels than its group)."""

@@ -116,7 +116,7 @@ def messages(name, counts, itemsize, compression="none", **options):
     reordering by readiness), for gradients of `counts` entries each (parameter order) of `itemsize` bytes,
     with `compression` on the wire ("none", "fp16": layout.compressed), cut at base.PIECE_BYTES as the
     reducer cuts them; options: any of the strategy's own (defaults(name)), of which those that shape its
-    messages are used (bucket_mb, density, ...)."""
+    messages are used (bucket_mb, density, ...); an option not given (or None) takes the reducer's default."""
     own = defaults(name)
     unknown = sorted(k for k in options if k not in own)
     if unknown:
@@ -124,7 +124,8 @@ def messages(name, counts, itemsize, compression="none", **options):
     validate(name, compression)
     fn = STRATEGIES[name].messages
     shaping = inspect.signature(fn).parameters
-    sent = fn(counts, itemsize, base.PIECE_BYTES, **{k: v for k, v in options.items() if k in shaping})
+    given = {k: v for k, v in options.items() if v is not None}
+    sent = fn(counts, itemsize, base.PIECE_BYTES, **{k: v for k, v in {**own, **given}.items() if k in shaping})
     wire = compression_of(compression).wire_dtype
     if wire is None:
         return sent

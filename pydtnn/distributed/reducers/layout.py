@@ -87,7 +87,7 @@ def per_layer_messages(counts, itemsize, piece_bytes):
     return [m for i, n in enumerate(counts) for m in _pieced((i,), n, itemsize, piece_bytes)]
 
 
-def bucketed_messages(counts, itemsize, piece_bytes, bucket_mb=25.0, first_bucket_mb=1.0):
+def bucketed_messages(counts, itemsize, piece_bytes, bucket_mb, first_bucket_mb):
     """The buckets of bucket_layout over the gradients in reverse parameter order, each in pieces."""
     order = list(range(len(counts)))[::-1]
     out = []
@@ -96,7 +96,7 @@ def bucketed_messages(counts, itemsize, piece_bytes, bucket_mb=25.0, first_bucke
     return out
 
 
-def topk_messages(counts, itemsize, piece_bytes, density=0.01, selection="global"):
+def topk_messages(counts, itemsize, piece_bytes, density, selection):
     """Two allgathers after backward: each rank's k int64 indices and k values (k from topk_counts)."""
     k = sum(topk_counts(counts, density, selection))
     return [Message("allgather", None, k * 8), Message("allgather", None, k * itemsize)]
