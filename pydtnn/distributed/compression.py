@@ -27,8 +27,6 @@ import numpy as np
 from pydtnn.backends import array_module, is_device_array
 from pydtnn.errors import ConfigError
 
-COMPRESSIONS = ("none", "fp16")
-
 
 class NoCompression:
     """The gradients travel in their own dtype."""
@@ -94,13 +92,15 @@ class FP16Compression:
         return scales
 
 
+_BY_NAME = {c.name: c for c in (NoCompression, FP16Compression)}
+COMPRESSIONS = tuple(_BY_NAME)
+
+
 def compression_of(spec):
-    """The compression `spec` names ("none", "fp16"), or `spec` itself when it is a compression object
-    (a new FP16Compression per name: it keeps its reducer's scales)."""
+    """The compression `spec` names (COMPRESSIONS), or `spec` itself when it is a compression object
+    (a new one per name: FP16Compression keeps its reducer's scales)."""
     if isinstance(spec, str):
-        if spec == "none":
-            return NoCompression()
-        if spec == "fp16":
-            return FP16Compression()
-        raise ConfigError(f"unknown gradient compression {spec!r}; expected none or fp16")
+        if spec not in _BY_NAME:
+            raise ConfigError(f"unknown gradient compression {spec!r}; expected {' or '.join(COMPRESSIONS)}")
+        return _BY_NAME[spec]()
     return spec
