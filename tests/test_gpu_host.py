@@ -84,6 +84,24 @@ def test_found_runtime_is_the_one_the_frontend_is_told_to_use(monkeypatch):
     assert os.environ["CUDNN_FRONTEND_CUDART_LIB_NAME"] == "/opt/nvidia/lib/libcudart.so"
 
 
+def test_where_cuda_pathfinder_fails_the_wheels_on_sys_path_are_searched(monkeypatch, tmp_path):
+    """cuda.pathfinder before 1.7 raises for cuDNN: libcudnn.so.9 of the nvidia-cudnn wheel is loaded directly."""
+    from pydtnn.backends.gpu import device
+
+    lib = tmp_path / "nvidia" / "cudnn" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcudnn.so.9").write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "elsewhere"), str(tmp_path)])
+    assert device.wheel_library("cudnn") == str(lib / "libcudnn.so.9")
+    assert device.wheel_library("cudart") is None
+    opened = []
+    monkeypatch.setattr(device.ctypes, "CDLL", lambda path, mode=0: opened.append(path))
+    _fake_pathfinder(monkeypatch, "cudnn", [])
+    monkeypatch.setenv("LD_LIBRARY_PATH", "")
+    found = device.load_cuda_libraries()
+    assert found["cudnn"] == str(lib / "libcudnn.so.9") and opened == [found["cudnn"]]
+
+
 def test_without_cuda_pathfinder_the_error_says_what_to_install(monkeypatch):
     from pydtnn.backends.gpu import device
 
@@ -483,10 +501,51 @@ def test_conv_graph_cache_is_bounded_and_drops_the_least_recently_used(monkeypat
 
     def build(kind, n, g, w_shape):
         built.append(n)
-        return Graph(), {"X": "X"}, 16
+        return conv_graphs._Entry(Graph(), {"X": "X"}, 16, None, None)
 
     monkeypatch.setattr(graphs, "_build", build)
     for n in (1, 2, 3, 1, 4, 2, 1):  # 1 is used again before 4 arrives, so 2 is dropped, then built again
         graphs.run("fprop", n, "g", (8, 3, 3, 3), {"X": n})
     assert built == [1, 2, 3, 4, 2] and len(graphs.cache) == 3
     assert [key[1] for key in graphs.cache] == [4, 2, 1] and len(ran) == 7
+
+
+def test_conv_graphs_pass_buffers_by_position_or_else_by_mapping_and_set_the_stream_once(monkeypatch):
+    """Buffers go to the frontend by position with their uids; a frontend that refuses that gets the mapping
+    from then on. The handle is given the stream only when the current stream changes."""
+    from pydtnn.backends.gpu import conv_graphs
+
+    streams_set, current = [], [7]
+    fake = types.SimpleNamespace(create_handle=lambda: 1, destroy_handle=lambda h: None,
+                                 set_stream=lambda handle, stream: streams_set.append(stream))
+    monkeypatch.setattr(conv_graphs, "require_cudnn", lambda: fake)
+    backend = types.SimpleNamespace(cupy=types.SimpleNamespace(
+        cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=current[0])),
+        empty=lambda n, dtype: np.empty(n, np.uint8), uint8=np.uint8))
+    graphs = conv_graphs.ConvGraphs(backend)
+    calls = []
+
+    class Graph:
+        def __init__(self, positional):
+            self.positional = positional
+
+        def execute(self, arrays, ws, handle, tensor_uids=None):
+            if tensor_uids is not None and not self.positional:
+                raise TypeError("tensor_uids")
+            calls.append((arrays, tensor_uids))
+
+    order = ("X", "W", "Y")
+    uids = tuple(conv_graphs.UIDS[k] for k in order)
+    entries = {1: conv_graphs._Entry(Graph(True), dict(zip(order, "xwy")), 0, order, uids),
+               2: conv_graphs._Entry(Graph(False), dict(zip(order, "xwy")), 0, order, uids)}
+    monkeypatch.setattr(graphs, "_build", lambda kind, n, g, w_shape: entries[n])
+    arrays = {"Y": "out", "X": "in", "W": "weight"}
+    graphs.run("fprop", 1, "g", (1,), arrays)
+    assert calls[-1] == (["in", "weight", "out"], (1, 2, 3))
+    graphs.run("fprop", 2, "g", (1,), arrays)  # refused by position: the mapping, and from then on
+    assert calls[-1] == ({"y": "out", "x": "in", "w": "weight"}, None) and entries[2].uids is None
+    graphs.run("fprop", 2, "g", (1,), arrays)
+    assert len(calls) == 3 and calls[-1][1] is None
+    current[0] = 9
+    graphs.run("fprop", 1, "g", (1,), arrays)
+    assert streams_set == [7, 9]

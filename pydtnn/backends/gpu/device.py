@@ -2,7 +2,9 @@
 (load_cuda_libraries), and which GPU a rank takes (local_rank)."""
 
 import ctypes
+import glob
 import os
+import sys
 
 from pydtnn.errors import ConfigError
 
@@ -22,6 +24,9 @@ CUDA_LIBRARIES = (
      "pip install nvidia-cudnn-cu13 (CUDA 13) or nvidia-cudnn-cu12 (CUDA 12), or put cuDNN's lib folder on "
      "LD_LIBRARY_PATH"),
 )
+# the file names of each library in NVIDIA's wheels (nvidia/<package>/lib/), newest CUDA first
+SONAMES = {"cudart": ("libcudart.so.13", "libcudart.so.12"), "cublasLt": ("libcublasLt.so.13", "libcublasLt.so.12"),
+           "cudnn": ("libcudnn.so.9",)}
 
 
 def gpu_status():
@@ -54,11 +59,13 @@ def load_cuda_libraries():
 
     Found by cuda.pathfinder (already loaded, then NVIDIA wheels on sys.path, conda, the dynamic linker,
     CUDNN_PATH/CUDA_HOME), except that a libcudnn.so.9 on LD_LIBRARY_PATH comes first, as the frontend
-    itself prefers it: one cuDNN in the process, whichever looks for it. CUDNN_FRONTEND_CUDART_LIB_NAME is
+    itself prefers it: one cuDNN in the process, whichever looks for it. Where cuda.pathfinder fails (before
+    1.7 it has no entry for cuDNN), NVIDIA's wheels on sys.path are searched directly (wheel_library).
+    CUDNN_FRONTEND_CUDART_LIB_NAME is
     set to the runtime found (unless already set), so the frontend uses that one runtime.
     """
     try:
-        from cuda.pathfinder import DynamicLibNotFoundError, load_nvidia_dynamic_lib
+        from cuda.pathfinder import load_nvidia_dynamic_lib
     except ImportError as e:
         raise ConfigError(f"the GPU backend needs cuda-pathfinder to find the CUDA libraries ({e}); pip install "
                           f"cuda-pathfinder (CuPy 14 installs it; part of {_INSTALL})") from None
@@ -74,13 +81,31 @@ def load_cuda_libraries():
                                       f"{install}") from None
         try:
             found[name] = load_nvidia_dynamic_lib(name).abs_path
-        except DynamicLibNotFoundError as e:
-            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except Exception as e:  # noqa: BLE001 (DynamicLibNotFoundError; older releases raise others for cuDNN)
+            path, error = wheel_library(name), e
+            if path is not None:  # cuda.pathfinder before 1.7 has no entry for cuDNN: NVIDIA's wheel, directly
+                try:
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                    found[name] = path
+                    continue
+                except OSError as load_error:
+                    error = load_error
+            why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ConfigError(f"the GPU backend needs {what}, which was not found or could not be loaded ({why}); "
                               f"{install}") from None
     if found.get("cudart"):
         os.environ.setdefault("CUDNN_FRONTEND_CUDART_LIB_NAME", found["cudart"])
     return found
+
+
+def wheel_library(name):
+    """The path of library `name` (a key of SONAMES) in an NVIDIA wheel on sys.path (nvidia/*/lib/), or None."""
+    for folder in sys.path:
+        for soname in SONAMES[name]:
+            hits = sorted(glob.glob(os.path.join(folder or ".", "nvidia", "*", "lib", soname)))
+            if hits:
+                return hits[0]
+    return None
 
 
 def cudnn_on_ld_library_path():
