@@ -674,8 +674,8 @@ def _kernels_run(x, dy_rng, tuning):
     # compiled BatchNorm: channels split
     weight, bias = dy_rng.standard_normal((2, c)).astype(np.float32)
     dy = dy_rng.standard_normal(x.shape).astype(np.float32)
-    y, mean, var = fast.batchnorm_forward(x, weight, bias, 1e-5)
-    out += [y, mean, var, *fast.batchnorm_backward(dy, x, mean, 1 / np.sqrt(var + 1e-5), weight)]
+    y, mean, var, inv_std = fast.batchnorm_forward(x, weight, bias, 1e-5)
+    out += [y, mean, var, inv_std, *fast.batchnorm_backward(dy, x, mean, inv_std, weight)]
     # compiled ReLU: runs of elements split
     y = fast.relu_forward(x)
     out += [y, fast.relu_backward(dy, y)]

@@ -14,6 +14,7 @@ methods and nothing else of a backend: no layer asks whether a method exists or 
     maxpool2d_* / avgpool2d_*                                      MaxPool2D, AvgPool2D
     relu_forward / relu_backward                                   ReLU, ReLU6 (cap=6)
     batchnorm_forward / batchnorm_backward                         BatchNorm, training on its own batch
+    batchnorm_update_running                                       BatchNorm's running statistics
     channel_moments / channel_affine / channel_sums / channel_centered_dot / channel_affine_dx
                                                                    BatchNorm otherwise (running or
                                                                    synchronized statistics)
@@ -193,11 +194,20 @@ class Backend:
         return dx
 
     def batchnorm_forward(self, x, weight, bias, eps):
-        """Training-mode batch normalization on this batch's statistics: (y, mean, var), the biased
-        variance, both float64 (C,)."""
+        """Training-mode batch normalization on this batch's statistics: (y, mean, var, inv_std), var the
+        biased variance and inv_std = 1 / sqrt(var + eps), all three float64 (C,)."""
         mean, var, _ = self.channel_moments(x)
-        a = weight * (1 / self.xp.sqrt(var + eps))
-        return self.channel_affine(x, a, bias - mean * a), mean, var
+        inv_std = 1 / self.xp.sqrt(var + eps)
+        a = weight * inv_std
+        return self.channel_affine(x, a, bias - mean * a), mean, var, inv_std
+
+    def batchnorm_update_running(self, running_mean, running_var, mean, var, momentum, m):
+        """running = (1 - momentum) * running + momentum * statistic, in place (PyTorch's rule): the mean, and
+        the biased variance `var` of m values made unbiased (times m / (m - 1))."""
+        running_mean *= 1 - momentum
+        running_mean += momentum * mean
+        running_var *= 1 - momentum
+        running_var += (momentum * m / max(m - 1, 1)) * var
 
     def batchnorm_backward(self, dy, x, mean, inv_std, weight):
         """Gradients of batchnorm_forward: (dx, dbias, dweight), the last two float64 (C,)."""

@@ -49,8 +49,7 @@ class BatchNorm(Layer):
     def forward(self, x, training=True):
         weight, bias, backend = self.params["weight"], self.params["bias"], self.backend
         if training and self.sync is None:
-            y, mean, var = backend.batchnorm_forward(x, weight, bias, self.eps)
-            inv_std = 1 / self.xp.sqrt(var + self.eps)
+            y, mean, var, inv_std = backend.batchnorm_forward(x, weight, bias, self.eps)
             self._update_running(mean, var, x.size // x.shape[1])
         else:
             if training:
@@ -83,11 +82,8 @@ class BatchNorm(Layer):
         return self._global_dx(dy, x, db, dw)
 
     def _update_running(self, mean, var, m):
-        mom = self.momentum
-        self.buffers["running_mean"] *= 1 - mom
-        self.buffers["running_mean"] += mom * mean
-        self.buffers["running_var"] *= 1 - mom
-        self.buffers["running_var"] += (mom * m / max(m - 1, 1)) * var
+        self.backend.batchnorm_update_running(self.buffers["running_mean"], self.buffers["running_var"], mean, var,
+                                              self.momentum, m)
 
     # -- synchronized statistics -----------------------------------------------------------
     def _global_moments(self, x):

@@ -91,7 +91,7 @@ def affine_dx(b, dy, x, k1, k2, k0):
 
 
 def compiled_forward(b, x, weight, bias, eps):
-    """(y, mean, var) by the fused per-channel kernel; statistics float64."""
+    """(y, mean, var, inv_std) by the fused per-channel kernel; statistics float64."""
     from pydtnn.backends.cpu.kernels import normalization
 
     x3 = rows(np.ascontiguousarray(x))
@@ -101,7 +101,7 @@ def compiled_forward(b, x, weight, bias, eps):
     nbytes = x.nbytes if x.nbytes >= b.tuning.batchnorm_split_bytes else 0
     kernels = normalization.batchnorm_forward, normalization.batchnorm_forward_chunks
     b.split_compiled(*kernels, x3.shape[1], args, nbytes)
-    return y.reshape(x.shape), mean, var
+    return y.reshape(x.shape), mean, var, 1 / np.sqrt(var + eps)
 
 
 def compiled_backward(b, dy, x, mean, inv_std, weight):

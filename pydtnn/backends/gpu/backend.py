@@ -7,7 +7,7 @@ import numpy as np
 from pydtnn.backends.base import Backend
 from pydtnn.backends.gpu.conv_graphs import ConvGraphs
 from pydtnn.backends.gpu.device import local_rank, require_cupy
-from pydtnn.backends.gpu.kernels import DROPOUT_SRC, POOL_SRC, update_kernels
+from pydtnn.backends.gpu.kernels import BN_SRC, DROPOUT_SRC, POOL_SRC, elementwise_kernels, update_kernels
 from pydtnn.backends.gpu.transfers import BatchCopier, Uploader
 from pydtnn.errors import ConfigError
 
@@ -35,6 +35,7 @@ class GPUBackend(Backend):
         self.device.use()
         self.convs = ConvGraphs(self)
         self._pool = cp.RawModule(code=POOL_SRC)
+        self._bn = cp.RawModule(code=BN_SRC)
         self._dropout = cp.ElementwiseKernel("uint64 seed, float32 rate, float32 scale", "T mask", DROPOUT_SRC,
                                              "pydtnn_dropout_mask")
         self._batches, self._uploads = BatchCopier(cp), Uploader(cp)
@@ -170,6 +171,73 @@ class GPUBackend(Backend):
         dx = cp.empty((dy.shape[0], g.c, g.h, g.w), dy.dtype)
         self._launch("avgpool_bwd", dx.size, dy, dx, np.int64(dx.size), *self._pool_args(g))
         return dx
+
+    # -- activations and batch normalization -------------------------------------------------
+    def relu_forward(self, x, cap=None):
+        return elementwise_kernels()[0](x, x.dtype.type(cap or 0), cap is not None)
+
+    def relu_backward(self, dy, y, cap=None):
+        return elementwise_kernels()[1](dy, y, y.dtype.type(cap or 0), cap is not None)
+
+    def _bn_partials(self, mode, x, dy=None, mean=None):
+        """bn_partials' S partial sums per channel of x (N, C, L...) (and of dy), float64 (C, S) each."""
+        cp = self.cupy
+        n, c = x.shape[0], x.shape[1]
+        length = x.size // (n * c)
+        nl = n * length
+        shares = max(1, min(-(-2048 // c), -(-nl // 2048)))  # about 2048 blocks, each of at least 2048 values
+        part0 = cp.empty((c, shares), cp.float64)
+        part1 = cp.empty((c, shares), cp.float64) if mode == 2 else part0
+        self._bn.get_function("bn_partials")(
+            (c, shares), (256,), (x, x if dy is None else dy, part0 if mean is None else mean, part0, part1,
+                                  np.int32(mode), np.int32(c), np.int64(length), np.int64(nl), np.int32(shares)))
+        return part0, part1, shares
+
+    def _per_channel_launch(self, name, c, *args):
+        self._bn.get_function(name)(((c + 127) // 128,), (128,), args)
+
+    def batchnorm_forward(self, x, weight, bias, eps):
+        """(y, mean, var, inv_std): BN_SRC's two-pass float64 statistics and one pass for y."""
+        cp = self.cupy
+        x = cp.ascontiguousarray(x)
+        c = x.shape[1]
+        m = x.size // c
+        f64, f32 = cp.float64, cp.float32
+        mean, var, inv_std = cp.empty(c, f64), cp.empty(c, f64), cp.empty(c, f64)
+        a, b = cp.empty(c, f32), cp.empty(c, f32)
+        part, _, shares = self._bn_partials(0, x)
+        self._per_channel_launch("bn_mean", c, part, mean, np.int32(c), np.int32(shares), np.float64(m))
+        part, _, shares = self._bn_partials(1, x, mean=mean)
+        self._per_channel_launch("bn_forward_coefficients", c, part, mean, weight, bias, np.int32(c),
+                                 np.int32(shares), np.float64(m), np.float64(eps), var, inv_std, a, b)
+        y = cp.empty_like(x)
+        self._launch_elementwise("bn_affine", x.size, x, a, b, y, np.int64(x.size), np.int32(c),
+                                 np.int64(x.size // (x.shape[0] * c)))
+        return y, mean, var, inv_std
+
+    def batchnorm_backward(self, dy, x, mean, inv_std, weight):
+        """(dx, dbias, dweight): the sums of dy and dy * (x - mean) in one pass, then one pass for dx."""
+        cp = self.cupy
+        dy, x = cp.ascontiguousarray(dy), cp.ascontiguousarray(x)
+        c = x.shape[1]
+        f64, f32 = cp.float64, cp.float32
+        db, dw = cp.empty(c, f64), cp.empty(c, f64)
+        k1, k2, k0 = cp.empty(c, f32), cp.empty(c, f32), cp.empty(c, f32)
+        part0, part1, shares = self._bn_partials(2, x, dy=dy, mean=mean)
+        self._per_channel_launch("bn_backward_coefficients", c, part0, part1, mean, inv_std, weight, np.int32(c),
+                                 np.int32(shares), np.float64(x.size // c), db, dw, k1, k2, k0)
+        dx = cp.empty_like(dy)
+        self._launch_elementwise("bn_affine_dx", x.size, dy, x, k1, k2, k0, dx, np.int64(x.size), np.int32(c),
+                                 np.int64(x.size // (x.shape[0] * c)))
+        return dx, db, dw
+
+    def batchnorm_update_running(self, running_mean, running_var, mean, var, momentum, m):
+        elementwise_kernels()[2](mean, var, np.float32(1 - momentum), float(momentum),
+                                 momentum * m / max(m - 1, 1), running_mean, running_var)
+
+    def _launch_elementwise(self, name, total, *args):
+        if total:
+            self._bn.get_function(name)(((total + 255) // 256,), (256,), args)
 
     # -- dropout ---------------------------------------------------------------------------
     def dropout_mask(self, shape, rate, dtype, stream=None):

@@ -25,6 +25,7 @@ class ConvGraphs:
         self.cache = collections.OrderedDict()
         self.max_graphs = max_graphs
         self.workspace = None
+        self.stream = None  # the stream the handle was last given
 
     def __del__(self):
         with contextlib.suppress(Exception):  # at interpreter exit the library may be gone already
@@ -39,11 +40,18 @@ class ConvGraphs:
                 self.cache.popitem(last=False)
         else:
             self.cache.move_to_end(key)
-        graph, tensors, ws_size = entry
-        ws = self._workspace(ws_size)
-        cp = self.backend.cupy
-        self.cudnn.set_stream(handle=self.handle, stream=cp.cuda.get_current_stream().ptr)
-        graph.execute({tensors[k]: v for k, v in arrays.items()}, ws, handle=self.handle)
+        ws = self._workspace(entry.workspace_size)
+        stream = self.backend.cupy.cuda.get_current_stream().ptr
+        if stream != self.stream:
+            self.cudnn.set_stream(handle=self.handle, stream=stream)
+            self.stream = stream
+        if entry.uids is not None:  # buffers by position: the frontend caches the rest of the call by value
+            try:
+                entry.graph.execute([arrays[k] for k in entry.order], ws, handle=self.handle, tensor_uids=entry.uids)
+                return
+            except Exception:  # noqa: BLE001 (a frontend without positional buffers: the mapping form from now on)
+                entry.uids = None
+        entry.graph.execute({entry.tensors[k]: v for k, v in arrays.items()}, ws, handle=self.handle)
 
     def _workspace(self, size):
         cp = self.backend.cupy
@@ -62,7 +70,7 @@ class ConvGraphs:
                 "dilation": [g.dh, g.dw], "compute_data_type": f32}
 
         def tensor(name, dim):
-            return graph.tensor(name=name, dim=list(dim), stride=_row_major(dim), data_type=f32)
+            return graph.tensor(name=name, dim=list(dim), stride=_row_major(dim), data_type=f32, uid=UIDS[name])
 
         if kind == "fprop":
             t = {"X": tensor("X", x_dim), "W": tensor("W", w_shape)}
@@ -77,6 +85,13 @@ class ConvGraphs:
             t["DW"] = graph.conv_wgrad(image=t["X"], loss=t["DY"], **conv)
             out, dim = t["DW"], w_shape
         out.set_output(True).set_dim(list(dim)).set_stride(_row_major(dim)).set_data_type(f32)
+        out_name = next(k for k, v in t.items() if v is out)
+        try:
+            out.set_uid(UIDS[out_name])
+            order = tuple(t)
+            uids = tuple(UIDS[k] for k in order)
+        except Exception:  # noqa: BLE001 (no uid for outputs in this frontend: tensors by mapping only)
+            order = uids = None
         try:
             graph.validate()
             graph.build_operation_graph()
@@ -86,7 +101,20 @@ class ConvGraphs:
         except Exception as e:  # the frontend's own error, with what was being built added to it
             raise with_context(e, f"while building the cuDNN graph of conv {kind} with batch {n}, weight {w_shape}, "
                                   f"{g}") from None
-        return graph, t, graph.get_workspace_size()
+        return _Entry(graph, t, graph.get_workspace_size(), order, uids)
+
+
+class _Entry:
+    """A built graph: its tensors by name, workspace size, and the names and uids of its buffers in order."""
+
+    __slots__ = ("graph", "order", "tensors", "uids", "workspace_size")
+
+    def __init__(self, graph, tensors, workspace_size, order, uids):
+        self.graph, self.tensors, self.workspace_size, self.order, self.uids = graph, tensors, workspace_size, order, uids
+
+
+# each tensor's uid in its graph (a graph has three)
+UIDS = {"X": 1, "W": 2, "Y": 3, "DY": 4, "DX": 5, "DW": 6}
 
 
 def with_context(error, context):
