@@ -39,6 +39,19 @@ class Model:
         self.sharding = None  # set by distributed.model_parallel.partition: which state arrays are slices
         self._build()
 
+    @classmethod
+    def of_built(cls, root, backend, name="model", need_dx=False):
+        """A Model of layers built already (a Sequential `root` whose input_shape is set), their arrays kept:
+        a pipeline stage (pydtnn.distributed.pipeline). need_dx: the stage before wants dL/dinput."""
+        model = cls.__new__(cls)
+        model.backend, model.name, model.root = backend, name, root
+        root.need_dx = need_dx
+        model.input_shape = tuple(int(s) for s in root.input_shape)
+        model.output_shape = root.output_shape
+        model.training, model._hooks, model.sharding = True, [], None
+        model.reindex()
+        return model
+
     def _build(self):
         """Build every layer for the input shape (fresh parameters) and index the tree."""
         for path, layer in self.root.named_layers():
@@ -135,8 +148,9 @@ class Model:
 
     def backward(self, dy):
         """Backpropagate dL/doutput (taken in the model's dtype); every layer's grads are overwritten. Hooks
-        fire as grads appear."""
-        self.root.backward(dy.astype(self.backend.dtype, copy=False))
+        fire as grads appear. Returns dL/dinput where the model was made to give it (a pipeline stage after
+        the first, Model.of_built), else None."""
+        return self.root.backward(dy.astype(self.backend.dtype, copy=False))
 
     def train(self):
         self.training = True

@@ -6,6 +6,7 @@
 The loop (trainer.py) asks a step for nothing but this, so another way to take a step (pipeline stages
 with their micro-batches, ZeRO's sharded update) is another class with the same method:
 
+    input_shape: the shape of a sample x takes (without the batch).
     run(x, y, weight=1.0, streams=None, read=True) -> (loss, outputs)
         x (n, ...), y (n, ...): this rank's share of the global batch, on the device (n >= 1).
         weight: that share, n / global batch (its gradients count that much in the average).
@@ -79,6 +80,10 @@ class Step:
         if batchnorm_sync is not None:
             for _, layer in model.layers():
                 layer.synchronize(batchnorm_sync)
+
+    @property
+    def input_shape(self):
+        return self.model.input_shape
 
     def run(self, x, y, weight=1.0, streams=None, read=True):
         """(loss, outputs) of one step on x (n, ...) against y; see the module docstring."""

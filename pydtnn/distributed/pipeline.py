@@ -1,0 +1,280 @@
+"""Pipeline parallelism: a model's layer sequence cut into S consecutive stages, one per process, and a step
+that runs M micro-batches through them.
+
+    units = pipeline.units(model)                      # (path, layer): the pieces a cut may fall between
+    bounds = pipeline.balanced_cuts(costs, S)          # or pipeline.cuts_at(units, ["8", "13"]) by hand
+    stage = pipeline.stage_model(model, units, bounds, s)
+    step = pipeline.PipelineStep(stage, loss, optimizer, comm, micro_batches=M, schedule="1f1b",
+                                 input_shape=model.input_shape, output_shape=model.output_shape)
+    trainer = Trainer(stage, loss, optimizer, step=step)
+    loss, outputs = step.run(x, y, streams=streams)    # the Step contract (pydtnn/step.py)
+
+The units are the model's layers with every Sequential opened up: blocks (residual additions,
+concatenations) stay whole, so a cut never falls inside one. A stage is a Model of its units under
+their own paths ("layer1.0", "fc"), so its state dict names, and each Dropout's random stream (keyed
+by path), are the whole model's.
+
+A step equals one process with `accumulation_steps=M` (pydtnn.step.Step): micro-batch i is rows
+[n*i/M, n*(i+1)/M) of the batch, with those rows' sample streams; BatchNorm normalizes each micro-batch
+by its own statistics; gradients are summed weighted by each micro-batch's share in the order
+0, 1, ..., M-1 under either schedule, so GPipe and 1F1B give the same bits.
+
+Schedules, for stage s of S:
+- gpipe: the M forwards, then the M backwards (all M micro-batches' activations live at once);
+- 1f1b: min(S-1-s, M) forwards to fill the pipe, then one forward and one backward in turn, then the
+  backwards left (at most S-s micro-batches' activations live on stage s).
+
+Activations go forward and their gradients backward between neighbouring stages as non-blocking MPI
+point-to-point messages, every receive posted when the step starts, so a message arrives while the
+stage computes. Each forward's saved state (what its layers keep for backward) is set aside per
+micro-batch and put back for that micro-batch's backward. The last stage computes the loss; its
+loss and outputs are broadcast to every stage, so the loop above the step (metrics, progress, the
+finite-loss check) runs the same on every process.
+"""
+
+import numpy as np
+
+from pydtnn.errors import ConfigError, TrainingDiverged
+from pydtnn.layers.base import Layer
+from pydtnn.layers.blocks import Sequential
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+# -- cutting the model ---------------------------------------------------------------------------
+def units(model):
+    """[(path, layer)]: the model's layers in order, each Sequential opened up, blocks and leaves whole."""
+    out = []
+
+    def walk(seq, prefix):
+        for name, child in seq.children:
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, Sequential):
+                walk(child, path)
+            else:
+                out.append((path, child))
+
+    walk(model.root, "")
+    return out
+
+
+def balanced_cuts(costs, stages):
+    """Bounds [0, b1, ..., len(costs)] of `stages` consecutive non-empty runs of `costs` whose largest sum is
+    the least possible (the slowest stage sets a pipeline's pace); among equal ones, the earliest cuts."""
+    n = len(costs)
+    check_stages(stages, n)
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+    # best[k][j]: the least largest sum cutting the first j units into k runs; cut[k][j]: where run k starts
+    best = np.full((stages + 1, n + 1), np.inf)
+    cut = np.zeros((stages + 1, n + 1), dtype=np.int64)
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j] - 1e-12 * max(1.0, abs(value)):
+                    best[k][j], cut[k][j] = value, i
+    bounds = [n]
+    for k in range(stages, 0, -1):
+        bounds.append(int(cut[k][bounds[-1]]))
+    return bounds[::-1]
+
+
+def cuts_at(unit_list, starts):
+    """Bounds of the stages that begin at the units named `starts` (dotted paths, in order), the first stage
+    at the first unit: --stage_boundaries."""
+    paths = [p for p, _ in unit_list]
+    bounds = [0]
+    for name in starts:
+        if name not in paths:
+            shown = ", ".join(paths[1:41]) + (f", ... ({len(paths) - 1} in all)" if len(paths) > 41 else "")
+            raise ConfigError(f"--stage_boundaries: {name!r} is not a layer a stage can begin at; expected one of "
+                              f"{shown}")
+        at = paths.index(name)
+        if at <= bounds[-1]:
+            raise ConfigError(f"--stage_boundaries: {name!r} does not come after the stage before it; expected layers "
+                              f"in model order, each after the last (not the first layer, {paths[0]!r})")
+        bounds.append(at)
+    return bounds + [len(paths)]
+
+
+def check_stages(stages, n_units):
+    if int(stages) != stages or stages < 1:
+        raise ConfigError(f"--pipeline_stages must be a positive integer, got {stages!r}")
+    if stages > n_units:
+        raise ConfigError(f"--pipeline_stages {stages} is more than the model's {n_units} layers a stage can hold "
+                          f"(blocks count as one); expected at most {n_units}")
+
+
+def unit_costs(unit_list):
+    """Each unit's forward floating-point operations per sample, at least 1 (a layer without arithmetic still
+    takes a stage's time to pass its data on)."""
+    return [max(float(layer.flops()), 1.0) for _, layer in unit_list]
+
+
+def stage_model(model, unit_list, bounds, stage):
+    """The Model of stage `stage`: units [bounds[stage], bounds[stage + 1]) under their own paths, holding the
+    whole model's arrays (nothing is built again)."""
+    from pydtnn.model import Model
+
+    lo, hi = bounds[stage], bounds[stage + 1]
+    chosen = unit_list[lo:hi]
+    root = Sequential({path: layer for path, layer in chosen})
+    Layer.build(root, chosen[0][1].input_shape, model.backend.dtype, model.backend)
+    root.output_shape = chosen[-1][1].output_shape
+    return Model.of_built(root, model.backend, name=f"{model.name} stage {stage}", need_dx=stage > 0)
+
+
+# -- the step ------------------------------------------------------------------------------------
+def schedule(kind, stages, stage, micro_batches):
+    """[("F" or "B", micro-batch)] in the order stage `stage` runs them (module docstring)."""
+    if kind not in SCHEDULES:
+        raise ConfigError(f"--pipeline_schedule {kind!r}: expected one of {', '.join(SCHEDULES)}")
+    m = micro_batches
+    if kind == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(stages - 1 - stage, m)
+    ops = [("F", i) for i in range(warm)]
+    for i in range(warm, m):
+        ops += [("F", i), ("B", i - warm)]
+    return ops + [("B", i) for i in range(m - warm, m)]
+
+
+class PipelineStep:
+    """The Step contract (pydtnn/step.py) for one stage of a pipeline; see the module docstring.
+
+    stage_model: this process's stage (stage_model()); comm: the pipeline's communicator (pydtnn's MPIComm),
+    rank s holding stage s; input_shape, output_shape: the whole model's (without the batch)."""
+
+    def __init__(self, stage_model, loss, optimizer, comm, micro_batches, schedule="1f1b", input_shape=None,
+                 output_shape=None, tracer=None):
+        if int(micro_batches) != micro_batches or micro_batches < 1:
+            raise ConfigError(f"--micro_batches must be a positive integer, got {micro_batches!r}")
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"--pipeline_schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        self.model, self.loss, self.optimizer, self.comm = stage_model, loss, optimizer, comm
+        self.micro_batches, self.schedule, self.tracer = int(micro_batches), schedule, tracer
+        self.stage, self.stages = comm.rank, comm.size
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        self.output_shape = tuple(output_shape if output_shape is not None else stage_model.output_shape)
+        self.input_shape = tuple(input_shape if input_shape is not None else stage_model.input_shape)
+        self.backend, self.reducer, self.accumulation_steps = stage_model.backend, None, int(micro_batches)
+        self._params = stage_model.parameters()
+        self._layers = [layer for _, layer in stage_model.layers()]
+        self._acc = None
+
+    # the MPI communicator under pydtnn's (point-to-point is not part of the collective contract)
+    @property
+    def _mpi(self):
+        return self.comm.comm
+
+    def run(self, x, y, weight=1.0, streams=None, read=True):
+        n, xp, params = x.shape[0], self.backend.xp, self._params
+        m = self.micro_batches
+        bounds = [n * i // m for i in range(m + 1)]
+        rows = [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        own_rows = streams is not None and len(streams) == n
+        dtype = self.model.backend.dtype
+        in_shape, out_shape = self.model.input_shape, self.model.output_shape
+        mpi = self._mpi
+        # every message of the step is posted now: activations from the stage before, gradients from the next
+        got_x = {i: np.empty((b - a,) + in_shape, dtype) for i, (a, b) in enumerate(rows) if b > a and not self.first}
+        got_dy = {i: np.empty((b - a,) + out_shape, dtype) for i, (a, b) in enumerate(rows) if b > a and not self.last}
+        recv_x = {i: mpi.Irecv(buf, source=self.stage - 1, tag=2 * i) for i, buf in got_x.items()}
+        recv_dy = {i: mpi.Irecv(buf, source=self.stage + 1, tag=2 * i + 1) for i, buf in got_dy.items()}
+        sends, saved, dys, losses, outs = [], {}, {}, {}, {}
+        if self._acc is None:
+            self._acc = [xp.zeros_like(g) for _, _, g in params]
+        for op, i in schedule(self.schedule, self.stages, self.stage, m):
+            a, b = rows[i]
+            if a == b:
+                continue
+            share = (b - a) / n
+            micro_streams = streams.rows(None, a, b) if own_rows else streams
+            if op == "F":
+                if self.first:
+                    h = x[a:b]
+                else:
+                    recv_x[i].Wait()
+                    h = got_x[i]
+                with self.backend.sample_streams_for(micro_streams):
+                    out = self.model.forward(h, training=True)
+                if self.last:  # the loss now: its saved state is the next micro-batch's after this
+                    losses[i] = self.loss.forward(out, y[a:b])
+                    dys[i] = self.loss.backward()
+                    outs[i] = out
+                else:
+                    out = np.ascontiguousarray(out)
+                    sends.append((mpi.Isend(out, dest=self.stage + 1, tag=2 * i), out))
+                saved[i] = [dict(layer.__dict__) for layer in self._layers]
+            else:
+                for layer, state in zip(self._layers, saved.pop(i)):
+                    layer.__dict__.update(state)
+                if self.last:
+                    dy = dys.pop(i)
+                else:
+                    recv_dy[i].Wait()
+                    dy = got_dy[i]
+                with self.backend.sample_streams_for(micro_streams):
+                    dx = self.model.backward(dy)
+                if not self.first:
+                    dx = np.ascontiguousarray(dx)
+                    sends.append((mpi.Isend(dx, dest=self.stage - 1, tag=2 * i + 1), dx))
+                for acc, (_, _, g) in zip(self._acc, params):  # as Step._accumulated, in micro-batch order
+                    if a == 0:
+                        xp.multiply(g, share, out=acc)
+                    else:
+                        acc += xp.multiply(g, share, out=g)
+        for request, _ in sends:
+            request.Wait()
+        total, outputs = self._results(losses, outs, rows, n)
+        if not np.isfinite(total):  # every stage knows it: the update is skipped on all of them
+            raise TrainingDiverged(f"loss is {total}")
+        for acc, (_, _, g) in zip(self._acc, params):
+            g[...] = acc
+        self.optimizer.step()
+        return (total if read else xp.asarray(total, dtype=xp.float64)), outputs
+
+    def _results(self, losses, outs, rows, n):
+        """(the batch's loss, its outputs (n, ...)): the last stage's, sent to every stage."""
+        outputs = np.empty((n,) + self.output_shape, self.model.backend.dtype)
+        total = np.zeros(1, np.float64)
+        if self.last:
+            for i, (a, b) in enumerate(rows):
+                if b > a:
+                    total[0] += losses[i] * ((b - a) / n)
+                    outputs[a:b] = outs[i]
+        self._mpi.Bcast(outputs, root=self.stages - 1)
+        self._mpi.Bcast(total, root=self.stages - 1)
+        return float(total[0]), outputs
+
+
+def whole_state(stage_model, comm, layout):
+    """{name: NumPy array} of the whole model on rank 0 (None elsewhere), from every stage's own arrays.
+    layout: state_layout()'s [(name, stage, shape, dtype)], which every rank knows."""
+    mpi = comm.comm
+    own = {k: np.ascontiguousarray(stage_model.backend.to_numpy(v)) for k, v in stage_model.named_state()}
+    if comm.rank != 0:
+        for name, stage, _, _ in layout:
+            if stage == comm.rank:
+                mpi.Send(own[name], dest=0, tag=0)
+        return None
+    out = {}
+    for name, stage, shape, dtype in layout:
+        if stage == 0:
+            out[name] = own[name].copy()
+        else:
+            out[name] = np.empty(shape, dtype)
+            mpi.Recv(out[name], source=stage, tag=0)
+    return out
+
+
+def state_layout(model, unit_list, bounds):
+    """[(name, stage, shape, dtype)] of the whole model's state dict, in its order: which stage holds each array."""
+    stage_of = {}
+    for s in range(len(bounds) - 1):
+        for path, layer in unit_list[bounds[s]:bounds[s + 1]]:
+            for sub_path, _ in layer.named_layers(path):
+                stage_of[sub_path] = s
+    return [(name, stage_of[name.rpartition(".")[0]], tuple(v.shape), np.dtype(v.dtype).str)
+            for name, v in model.named_state()]

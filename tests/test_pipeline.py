@@ -1,0 +1,202 @@
+"""Pipeline parallelism (pydtnn.distributed.pipeline): the cuts, the schedules, and S processes computing
+what one process computes with the same micro-batches.
+
+Multi-process runs use the mpiexec next to the Python in use, as subprocesses with a timeout.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from pydtnn.backends import CPUBackend
+from pydtnn.distributed import pipeline
+from pydtnn.errors import ConfigError
+from pydtnn.layers import AdditionBlock, BatchNorm, Conv2D, Dense, Flatten, ReLU
+from pydtnn.layers.blocks import Sequential
+from pydtnn.model import Model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+WORKER = os.path.join(HERE, "pipe_worker.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+# -- cuts and schedules ------------------------------------------------------------------------
+@pytest.mark.parametrize("costs,stages,want", [
+    ([1, 1, 1, 1], 2, [0, 2, 4]),
+    ([5, 1, 1, 1, 1, 1], 2, [0, 1, 6]),
+    ([1, 1, 1, 1, 1, 5], 2, [0, 5, 6]),
+    ([3, 3, 2, 2, 2], 3, [0, 1, 3, 5]),
+    ([1, 2, 3], 3, [0, 1, 2, 3]),
+    ([7], 1, [0, 1]),
+])
+def test_balanced_cuts_minimize_the_slowest_stage(costs, stages, want):
+    got = pipeline.balanced_cuts(costs, stages)
+    assert got == want
+    worst = max(sum(costs[a:b]) for a, b in zip(got[:-1], got[1:]))
+    brute = min(max(sum(costs[a:b]) for a, b in zip(c[:-1], c[1:])) for c in _all_cuts(len(costs), stages))
+    assert worst == brute
+
+
+def _all_cuts(n, stages):
+    from itertools import combinations
+
+    for inner in combinations(range(1, n), stages - 1):
+        yield [0, *inner, n]
+
+
+def test_balanced_cuts_match_a_brute_force_search_on_random_costs():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n, stages = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+        if stages > n:
+            continue
+        costs = rng.integers(1, 20, n).tolist()
+        got = pipeline.balanced_cuts(costs, stages)
+        assert got[0] == 0 and got[-1] == n and all(a < b for a, b in zip(got[:-1], got[1:]))
+        worst = max(sum(costs[a:b]) for a, b in zip(got[:-1], got[1:]))
+        assert worst == min(max(sum(costs[a:b]) for a, b in zip(c[:-1], c[1:])) for c in _all_cuts(n, stages))
+
+
+def test_more_stages_than_layers_is_a_config_error():
+    with pytest.raises(ConfigError, match="--pipeline_stages 5 is more than the model's 4 layers"):
+        pipeline.balanced_cuts([1, 1, 1, 1], 5)
+    with pytest.raises(ConfigError, match="positive integer"):
+        pipeline.balanced_cuts([1, 1], 0)
+
+
+def _model():
+    layers = Sequential({"stem": Sequential([Conv2D(4, 3, padding=1), BatchNorm(), ReLU()]),
+                         "res": AdditionBlock([Conv2D(4, 3, padding=1), BatchNorm()], []),
+                         "relu": ReLU(), "flat": Flatten(), "fc": Dense(3)})
+    return Model(layers, (2, 5, 5), backend=CPUBackend(np.float64, seed=0))
+
+
+def test_units_open_sequentials_and_keep_blocks_whole():
+    got = [(p, type(layer).__name__) for p, layer in pipeline.units(_model())]
+    assert got == [("stem.0", "Conv2D"), ("stem.1", "BatchNorm"), ("stem.2", "ReLU"), ("res", "AdditionBlock"),
+                   ("relu", "ReLU"), ("flat", "Flatten"), ("fc", "Dense")]
+
+
+def test_cuts_by_hand_name_their_units_or_fail_in_one_line():
+    units = pipeline.units(_model())
+    assert pipeline.cuts_at(units, ["res", "fc"]) == [0, 3, 6, 7]
+    with pytest.raises(ConfigError, match=r"'res\.0' is not a layer a stage can begin at; expected one of stem\.1"):
+        pipeline.cuts_at(units, ["res.0"])
+    with pytest.raises(ConfigError, match="does not come after the stage before it"):
+        pipeline.cuts_at(units, ["fc", "res"])
+
+
+def test_stage_models_keep_the_whole_models_names_arrays_and_results():
+    """Stages chained by hand give the whole model's output and input gradient; their state is the whole's."""
+    model = _model()
+    units = pipeline.units(model)
+    bounds = [0, 3, 5, 7]
+    stages = [pipeline.stage_model(model, units, bounds, s) for s in range(3)]
+    whole = model.state_dict()
+    for s in stages:
+        for name, value in s.named_state():
+            assert value is whole[name]
+    layout = pipeline.state_layout(model, units, bounds)
+    assert [name for name, *_ in layout] == list(whole)
+    assert {name: stage for name, stage, *_ in layout}["res.0.1.running_var"] == 1
+    x = np.random.default_rng(1).standard_normal((4, 2, 5, 5))
+    want = model.forward(x, training=False)
+    h = x
+    for s in stages:
+        h = s.forward(h, training=False)
+    np.testing.assert_array_equal(h, want)
+    h = x
+    for s in stages:
+        h = s.forward(h, training=True)
+    dy = np.ones_like(h)
+    for s in reversed(stages[1:]):
+        dy = s.backward(dy)
+        assert dy is not None and dy.shape[1:] == s.input_shape
+    assert stages[0].backward(dy) is None  # the first stage, like the whole model, gives no dL/dinput
+
+
+@pytest.mark.parametrize("kind", pipeline.SCHEDULES)
+@pytest.mark.parametrize("stages,micro", [(1, 4), (2, 4), (3, 4), (4, 2), (4, 8)])
+def test_schedules_run_each_micro_batch_forward_then_backward_once(kind, stages, micro):
+    for s in range(stages):
+        ops = pipeline.schedule(kind, stages, s, micro)
+        assert sorted(ops) == sorted([("F", i) for i in range(micro)] + [("B", i) for i in range(micro)])
+        assert [i for op, i in ops if op == "B"] == list(range(micro))  # gradients summed in micro-batch order
+        live, most = set(), 0
+        for op, i in ops:
+            if op == "F":
+                live.add(i)
+            else:
+                assert i in live
+                live.remove(i)
+            most = max(most, len(live))
+        assert most == (micro if kind == "gpipe" else min(stages - s, micro))
+
+
+def test_bad_micro_batches_or_schedule_is_a_config_error():
+    class Comm:
+        rank, size = 0, 2
+
+    model = _model()
+    stage = pipeline.stage_model(model, pipeline.units(model), [0, 3, 7], 0)
+    with pytest.raises(ConfigError, match="--micro_batches must be a positive integer, got 0"):
+        pipeline.PipelineStep(stage, None, None, Comm(), 0)
+    with pytest.raises(ConfigError, match="--pipeline_schedule 'zigzag': expected one of gpipe, 1f1b"):
+        pipeline.PipelineStep(stage, None, None, Comm(), 2, "zigzag")
+
+
+# -- S processes equal one --------------------------------------------------------------------
+def launch(n, out, *extra, timeout=180):
+    cmd = ([MPIEXEC, "-n", str(n)] if n > 1 else []) + [sys.executable, WORKER, str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One process, 4 micro-batches a step (tests/pipe_worker.py: BatchNorm, dropout, flips and crops)."""
+    out = tmp_path_factory.mktemp("pipe1") / "one.st"
+    r = launch(1, out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def assert_close(want_path, got_path, rtol):
+    want, got = load_file(str(want_path)), load_file(str(got_path))
+    assert got.keys() == want.keys()
+    for k in want:
+        assert np.abs(want[k]).max() > 0, k
+        err = np.abs(got[k] - want[k]).max() / np.abs(want[k]).max()
+        assert err <= rtol, f"{k}: relative difference {err:.3g} > {rtol}"
+
+
+@pytest.mark.parametrize("n,extra", [(2, ()), (3, ("--boundaries", "4,13")), (4, ())],
+                         ids=["2 stages", "3 stages cut by hand, unevenly", "4 stages"])
+@pytest.mark.parametrize("kind", pipeline.SCHEDULES)
+def test_pipeline_equals_one_process_with_the_same_micro_batches(single, tmp_path, n, extra, kind):
+    """10 steps, float64: each stage's parameters and BatchNorm statistics are one process's."""
+    r = launch(n, tmp_path / "p.st", "--schedule", kind, *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_close(single, tmp_path / "p.st", 1e-12)
+    if extra:
+        assert "bounds [0, 4, 13, 19]" in r.stdout, r.stdout
+
+
+def test_gpipe_and_1f1b_give_the_same_bits(tmp_path):
+    for kind in pipeline.SCHEDULES:
+        r = launch(3, tmp_path / f"{kind}.st", "--schedule", kind, "--steps", "4")
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = load_file(str(tmp_path / "gpipe.st")), load_file(str(tmp_path / "1f1b.st"))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_the_reference_differs_with_other_micro_batches(single, tmp_path):
+    """The check above can fail: one process with 2 micro-batches (other BatchNorm statistics) is elsewhere."""
+    r = launch(1, tmp_path / "m2.st", "--micro_batches", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    with pytest.raises(AssertionError, match="relative difference"):
+        assert_close(single, tmp_path / "m2.st", 1e-12)
