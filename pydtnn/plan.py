@@ -19,7 +19,7 @@ from pydtnn.distributed import reducers
 from pydtnn.errors import ConfigError
 from pydtnn.optim import schedules as sch
 
-PARALLEL = ("sequential", "data", "model", "hybrid")
+PARALLEL = ("sequential", "data", "model", "hybrid", "pipeline")
 # the flags that set the reducers' options (reducers.defaults(name) names each strategy's); an option no flag
 # sets keeps its default (first_bucket_mb), or is the run's to decide (topk's momentum: --momentum_correction)
 OPTION_FLAGS = {"bucket_mb": "bucket_size_mb", "ranks_per_node": "ranks_per_node", "density": "density",
@@ -33,25 +33,33 @@ def _named(name, value, flags):
 
 @dataclass(frozen=True)
 class Layout:
-    """How a job's processes are arranged: `parallel` (sequential, data, model, hybrid, as it runs: one
-    process is sequential, a group of one process is data parallelism), `world_size` processes, each model replica
-    split over `model_parallel_size` (M) consecutive ranks; `replicas` = world_size / M share the data."""
+    """How a job's processes are arranged: `parallel` (sequential, data, model, hybrid, pipeline, as it runs:
+    one process is sequential, a group of one process is data parallelism), `world_size` processes, each model
+    replica split over `model_parallel_size` (M) consecutive ranks or cut into `pipeline_stages` (S), one
+    per rank; `replicas` = world_size / (M x S) share the data."""
 
     parallel: str
     world_size: int
     model_parallel_size: int = 1
+    pipeline_stages: int = 1
 
     @property
     def replicas(self):
-        return self.world_size // self.model_parallel_size
+        return self.world_size // (self.model_parallel_size * self.pipeline_stages)
 
 
-def layout(parallel, world_size, model_parallel_size=None, flags=False):
-    """The Layout of `world_size` processes for `parallel` (None: data) and `model_parallel_size` (M), or a
-    ConfigError naming the flag (flags=True) or parameter at fault. The one rule: data and sequential take no
-    M (or 1); model takes all processes (M = world_size); hybrid needs an M that divides world_size."""
+def layout(parallel, world_size, model_parallel_size=None, flags=False, pipeline_stages=None):
+    """The Layout of `world_size` processes for `parallel` (None: data), `model_parallel_size` (M) and
+    `pipeline_stages` (S), or a ConfigError naming the flag (flags=True) or parameter at fault. The one rule:
+    data and sequential take no M (or 1); model takes all processes (M = world_size); hybrid needs an M that
+    divides world_size; pipeline takes S stages, one per process (S = world_size), and no M."""
     if parallel not in (None,) + PARALLEL:
         raise ConfigError(f"{_named('parallel', parallel, flags)}: expected one of {', '.join(PARALLEL)}")
+    s = pipeline_stages
+    if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+        raise ConfigError(f"{_named('pipeline_stages', s, flags)}; expected a positive integer")
+    if parallel == "pipeline" or s is not None:
+        return _pipeline_layout(parallel, world_size, model_parallel_size, s, flags)
     m = model_parallel_size
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise ConfigError(f"{_named('model_parallel_size', m, flags)}; expected a positive integer")
@@ -79,6 +87,24 @@ def layout(parallel, world_size, model_parallel_size=None, flags=False):
     if m == 1:
         return Layout("data" if world_size > 1 else "sequential", world_size, 1)
     return Layout(parallel, world_size, m)  # hybrid with one group stays hybrid, as asked: replicas says 1
+
+
+def _pipeline_layout(parallel, world_size, m, s, flags):
+    if parallel != "pipeline":
+        raise ConfigError(f"{_named('pipeline_stages', s, flags)} needs {_named('parallel', 'pipeline', flags)}; got "
+                          f"{_named('parallel', parallel or 'data', flags)}")
+    if s is None:
+        raise ConfigError(f"{_named('parallel', 'pipeline', flags)} needs {'--' if flags else ''}pipeline_stages S "
+                          f"(the stages the model is cut into, one per process)")
+    if m not in (None, 1):
+        raise ConfigError(f"{_named('model_parallel_size', m, flags)} with {_named('parallel', 'pipeline', flags)}: "
+                          f"stages split over model-parallel groups are not written yet; expected no "
+                          f"{'--' if flags else ''}model_parallel_size")
+    if s != world_size:
+        where = f"{world_size} processes were launched" if flags else f"np={world_size}"
+        raise ConfigError(f"{_named('pipeline_stages', s, flags)} runs one stage per process, but {where}; launch "
+                          f"{s} processes (pipelines with data-parallel replicas are not written yet)")
+    return Layout("pipeline", world_size, 1, s)
 
 
 @dataclass(frozen=True)
@@ -130,7 +156,11 @@ class RunPlan:
     def from_args(cls, args, world_size):
         """The plan of pydtnn-train's parsed flags over `world_size` processes (the launched job's, or
         --simulate's --np): the layout checked, --global_batch_size divided over the replicas."""
-        lay = layout(args.parallel, world_size, args.model_parallel_size, flags=True)
+        lay = layout(args.parallel, world_size, args.model_parallel_size, flags=True,
+                     pipeline_stages=args.pipeline_stages)
+        if args.enable_gpu and lay.pipeline_stages > 1:
+            raise ConfigError("--parallel pipeline runs its stages on the CPU backend; with --enable_gpu use "
+                              "--parallel data")
         if args.enable_gpu and lay.model_parallel_size > 1:
             raise ConfigError(f"--parallel {lay.parallel} splits layers over CPU processes; with --enable_gpu use "
                               f"--parallel data (model parallelism runs on the CPU backend)")

@@ -14,8 +14,8 @@ def effective_values(args, choice, options, plan, schedules):
     world, mp_size, strategy = plan.layout.replicas, plan.layout.model_parallel_size, plan.reduction.name
     parallel = plan.layout.parallel
     out = {"model": choice.name, "input_shape": list(choice.input_shape), "num_classes": choice.num_classes,
-           "adapted": list(choice.notes), "processes": world * mp_size, "parallel": parallel,
-           "model_parallel_size": mp_size, "replicas": world,
+           "adapted": list(choice.notes), "processes": plan.layout.world_size, "parallel": parallel,
+           "model_parallel_size": mp_size, "pipeline_stages": plan.layout.pipeline_stages, "replicas": world,
            "reduction": strategy, "batch_size_per_process": args.batch_size,
            "global_batch_size": args.batch_size * world, "num_epochs": args.num_epochs,
            "lr_schedulers": chosen_schedulers(args),
@@ -40,7 +40,10 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
     dataset = "synthetic" if args.use_synthetic_data else args.dataset
     yield (f"pydtnn: data {dataset}: {len(train):,} train, {len(val) if val else 0:,} validation, "
            f"{len(test) if test else 0:,} test; {'x'.join(map(str, data_shape))} images, {train.num_classes} classes")
-    if eff["model_parallel_size"] > 1:
+    if eff.get("pipeline_stages", 1) > 1:
+        yield (f"pydtnn: {eff['processes']} processes, pipeline parallel: the layers cut into {eff['pipeline_stages']} "
+               f"stages, one per process; batch {args.batch_size} in {args.accumulation_steps} micro-batches")
+    elif eff["model_parallel_size"] > 1:
         each = f"split over {eff['model_parallel_size']} processes by output channels"
         if eff["replicas"] > 1:
             yield (f"pydtnn: {eff['processes']} processes, hybrid parallel: {eff['replicas']} model replicas, each "

@@ -20,8 +20,17 @@ from pydtnn.distributed.consistency import broadcast_state
 from pydtnn.errors import ConfigError
 from pydtnn.files import write_atomic
 from pydtnn.plan import RunPlan, build_schedules, optimizer_options
-from pydtnn.preflight import (NOT_SAVED, PATH_FLAGS, agree_on_flags, check_agreement, check_combinations,
-                              check_monitored, check_outputs, chosen_schedulers, metric_names)
+from pydtnn.preflight import (
+    NOT_SAVED,
+    PATH_FLAGS,
+    agree_on_flags,
+    check_agreement,
+    check_combinations,
+    check_monitored,
+    check_outputs,
+    chosen_schedulers,
+    metric_names,
+)
 from pydtnn.report import announce_compilation, conv_shapes, effective_values, header, models_table
 from pydtnn.resume import resume, save_checkpoint
 from pydtnn.trainer import MetricsFile, Trainer, format_record
@@ -53,12 +62,21 @@ def run(args):
         checkpoint.load_weights(args.weights_and_bias_filename, model)
     if group is not None:
         model_parallel.partition(model, group)
+    whole = model
+    if plan.layout.parallel == "pipeline":  # from here on, this rank's stage
+        model, cut = pipeline_stage(args, model, comm)
     comm, replicas, grad_comm = device_communicators(args, comm, replicas, backend, say)
     options, lr_note = scaled_optimizer_options(args, family, world, mp_size)
     strategy = plan.reduction.name
     corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
     check_topk_flags(args, strategy)
     optimizer = optim.create(args.optimizer, model.parameters(), backend=model.backend, **options)
+    loss = losses.create(args.loss_func)
+    step = None
+    if plan.layout.parallel == "pipeline":
+        from pydtnn.distributed.pipeline import PipelineStep
+
+        step = PipelineStep(model, loss, optimizer, comm, cut, args.accumulation_steps, args.pipeline_schedule)
     schedules = build_schedules(args, plan.layout.replicas)
     reducer = None if strategy is None else reducers.create(strategy, grad_comm,
                                                             **plan.reduction.create_options(**topk_momentum(corrected)))
@@ -66,27 +84,31 @@ def run(args):
     effective["data_shape"] = list(data_shape)  # the images before any padding: what an exported graph takes
     if corrected:
         effective["topk_momentum"] = corrected  # the optimizer's momentum is 0: the reducer applies this one
-    trainer = Trainer(model, losses.create(args.loss_func), optimizer, metrics=metric_names(args), seed=args.seed,
+    trainer = Trainer(model, loss, optimizer, metrics=metric_names(args), seed=args.seed,
                       progress=args.progress, epoch_lines=True, metrics_file=args.metrics_file, schedules=schedules,
                       log=log, comm=replicas, reducer=reducer, is_root=comm.rank == 0, sync_every=args.sync_every,
                       accumulation_steps=args.accumulation_steps, sync_batchnorm=args.sync_batchnorm,
                       callbacks=build_callbacks(args, config, effective, is_root=comm.rank == 0),
-                      tracer=new_tracer(model, comm) if args.tracing else None)
+                      tracer=new_tracer(model, comm) if args.tracing else None, step=step)
     start_epoch = 0
     if args.resume:
         start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,
                              scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
-    check_agreement(comm, model, datasets, start_epoch)
+    check_agreement(comm, whole, datasets, start_epoch)
     broadcast_state(replicas, model, optimizer)
-    for line in header(args, choice, model, datasets, effective, lr_note, data_shape):
+    for line in header(args, choice, whole, datasets, effective, lr_note, data_shape):
         say(line)
+    if step is not None:
+        say(f"pydtnn: pipeline of {comm.size} stages ({args.pipeline_schedule}, {args.accumulation_steps} "
+            f"micro-batches a step): {cut.describe()}")
     if args.summary and comm.rank == 0:
-        model.summary(file=sys.stderr)
+        whole.summary(file=sys.stderr)
     if args.tracing:
         attach_tracer(trainer)
     announce_compilation(backend, say)
     if isinstance(backend, CPUBackend):  # every rank takes rank 0's measured choices (docs/performance.md)
-        backend.tune_convolutions(comm, say, conv_shapes(model))
+        backend.tune_convolutions(comm, say, conv_shapes(whole))  # a pipeline: every stage's shapes
+    whole = None  # a pipeline stage keeps its own layers only
     return execute(args, trainer, datasets, start_epoch, comm, say)
 
 
@@ -105,7 +127,12 @@ def start(args):
     if args.parallel in ("data", "model") and comm.size == 1:
         say(f"pydtnn: --parallel {args.parallel} with one process trains sequentially")
     plan = RunPlan.from_args(args, comm.size)
-    layout = model_parallel.layout(comm, args.parallel, args.model_parallel_size)
+    if plan.layout.parallel == "pipeline":  # one replica; the stages talk over the world communicator
+        from pydtnn.distributed.comm import SingleProcess
+
+        layout = None, SingleProcess(), 1
+    else:
+        layout = model_parallel.layout(comm, args.parallel, args.model_parallel_size)
     args.batch_size = plan.batch_size
     check_outputs(args, comm)
     return comm, say, layout, plan
@@ -145,6 +172,15 @@ def device_communicators(args, comm, replicas, backend, say):
             raise ConfigError(f"--enable_nccl: {e}, or run without --enable_nccl (MPI through host memory)") from None
     say(f"pydtnn: {backend}, {grad_comm.name} gradient reduction" if world > 1 else f"pydtnn: {backend}")
     return comm, replicas, grad_comm
+
+
+def pipeline_stage(args, model, comm):
+    """(this rank's stage Model, the pipeline.Cut): the model cut where --stage_boundaries says, else into
+    stages of balanced FLOPs."""
+    from pydtnn.distributed import pipeline
+
+    cut = pipeline.Cut.of(model, comm.size, args.stage_boundaries.split(",") if args.stage_boundaries else None)
+    return cut.stage(comm.rank), cut
 
 
 def scaled_optimizer_options(args, family, world, mp_size):
@@ -323,7 +359,7 @@ def evaluate_only(trainer, test, args):
     values = trainer.evaluate_as("test", test, args.batch_size)
     wall = time.perf_counter() - t0
     final = {"final": True, **values, "wall_time_s": wall, "samples_per_second": len(test) / wall,
-             **trainer.layout(), "params_sha256": trainer.model.params_sha256()}
+             **trainer.layout(), "params_sha256": trainer.step.params_sha256()}
     if not trainer.is_root:
         return final
     if args.metrics_file:

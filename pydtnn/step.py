@@ -7,6 +7,9 @@ The loop (trainer.py) asks a step for nothing but this, so another way to take a
 with their micro-batches, ZeRO's sharded update) is another class with the same method:
 
     input_shape: the shape of a sample x takes (without the batch).
+    stages: the processes the model is cut over in a pipeline (1 here).
+    predict(x) -> outputs: the model's in evaluation mode (every stage takes part in a pipeline).
+    params_sha256() -> the whole model's (every process takes part where it is split).
     run(x, y, weight=1.0, streams=None, read=True) -> (loss, outputs)
         x (n, ...), y (n, ...): this rank's share of the global batch, on the device (n >= 1).
         weight: that share, n / global batch (its gradients count that much in the average).
@@ -81,9 +84,19 @@ class Step:
             for _, layer in model.layers():
                 layer.synchronize(batchnorm_sync)
 
+    stages = 1  # processes the model is cut over (a pipeline's stages)
+
     @property
     def input_shape(self):
         return self.model.input_shape
+
+    def predict(self, x):
+        """The model's outputs for x (n, ...) in evaluation mode."""
+        return self.model.forward(x, training=False)
+
+    def params_sha256(self):
+        """The whole model's Model.params_sha256 (a collective where the model is split)."""
+        return self.model.params_sha256()
 
     def run(self, x, y, weight=1.0, streams=None, read=True):
         """(loss, outputs) of one step on x (n, ...) against y; see the module docstring."""

@@ -117,7 +117,11 @@ class Trainer:
         """{"world_size": processes of the job, "replicas": model replicas (data parallelism), "model_parallel_size":
         processes each replica is split over}: the layout as the final record names it."""
         group = self.model.sharding.group.size if self.model.sharding is not None else 1
-        return {"world_size": self.world_size * group, "replicas": self.world_size, "model_parallel_size": group}
+        out = {"world_size": self.world_size * group * self.step.stages, "replicas": self.world_size,
+               "model_parallel_size": group}
+        if self.step.stages > 1:
+            out["pipeline_stages"] = self.step.stages
+        return out
 
     def train_step(self, x, y, weight=1.0, read=True):
         """Forward, loss, backward, gradient reduction and update on one batch (pydtnn.step). Returns (loss, outputs).
@@ -173,7 +177,7 @@ class Trainer:
             self.final["wall_time_s"] = time.perf_counter() - t_start
             self.final["samples_per_second"] = train_samples / train_time if train_time > 0 else None
             self.final.update(self.layout())
-            self.final["params_sha256"] = self.model.params_sha256()
+            self.final["params_sha256"] = self.step.params_sha256()
             if writer:
                 writer.write(self.final)
             return self.history
@@ -320,7 +324,7 @@ class Trainer:
                 if not read:
                     check_host_targets(self.loss, y, self.model.output_shape)
                 x, y = backend.batch_to_device(x, y)
-                out = self.model.forward(x, training=False)
+                out = self.step.predict(x)
                 with nullcontext() if read else targets_checked_on_host():
                     loss = self.loss.forward(out, y) if read else self.loss.value(out, y)
                 readings.add(loss, out, y, b - a)
@@ -338,7 +342,7 @@ class Trainer:
                 x = data.get_batch(np.arange(a, b), backend.dtype)[0]
             else:
                 x = np.asarray(data[a:b], dtype=backend.dtype)
-            outs.append(backend.to_numpy(self.model.forward(backend.asarray(x), training=False)))
+            outs.append(backend.to_numpy(self.step.predict(backend.asarray(x))))
         return np.concatenate(outs) if outs else np.empty((0,) + self.model.output_shape, backend.dtype)
 
 

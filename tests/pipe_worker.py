@@ -18,14 +18,14 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mp_worker import network  # noqa: E402
+from mp_worker import network
 
-from pydtnn import data  # noqa: E402
-from pydtnn.backends import CPUBackend  # noqa: E402
-from pydtnn.distributed import launch, pipeline  # noqa: E402
-from pydtnn.losses import SoftmaxCrossEntropy  # noqa: E402
-from pydtnn.optim import SGD  # noqa: E402
-from pydtnn.trainer import Trainer  # noqa: E402
+from pydtnn import data
+from pydtnn.backends import CPUBackend
+from pydtnn.distributed import launch, pipeline
+from pydtnn.losses import SoftmaxCrossEntropy
+from pydtnn.optim import SGD
+from pydtnn.trainer import Trainer
 
 
 def main():
@@ -51,20 +51,15 @@ def main():
         trainer.fit(train, epochs=1, batch_size=args.batch)
         state, bounds = model.whole_state_dict(), None
     else:
-        unit_list = pipeline.units(model)
-        if args.boundaries:
-            bounds = pipeline.cuts_at(unit_list, args.boundaries.split(","))
-        else:
-            bounds = pipeline.balanced_cuts(pipeline.unit_costs(unit_list), world.size)
-        layout = pipeline.state_layout(model, unit_list, bounds)
-        stage = pipeline.stage_model(model, unit_list, bounds, world.rank)
-        optimizer = SGD(stage.parameters(), lr=0.05, momentum=0.9, backend=stage.backend)
-        step = pipeline.PipelineStep(stage, loss, optimizer, world, args.micro_batches, args.schedule,
-                                     input_shape=model.input_shape, output_shape=model.output_shape)
-        trainer = Trainer(stage, loss, optimizer, progress=False, is_root=world.rank == 0, step=step)
+        cut = pipeline.Cut.of(model, world.size, args.boundaries.split(",") if args.boundaries else None)
+        bounds = cut.bounds
+        stage = cut.stage(world.rank)
         del model
+        optimizer = SGD(stage.parameters(), lr=0.05, momentum=0.9, backend=stage.backend)
+        step = pipeline.PipelineStep(stage, loss, optimizer, world, cut, args.micro_batches, args.schedule)
+        trainer = Trainer(stage, loss, optimizer, progress=False, is_root=world.rank == 0, step=step)
         trainer.fit(train, epochs=1, batch_size=args.batch)
-        state = pipeline.whole_state(stage, world, layout)
+        state = step.whole_state()
     if world.rank == 0:
         save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, args.out)
         print("bounds", bounds, "loss", trainer.history[-1]["loss"], flush=True)

@@ -144,16 +144,17 @@ def test_bad_micro_batches_or_schedule_is_a_config_error():
 
     model = _model()
     stage = pipeline.stage_model(model, pipeline.units(model), [0, 3, 7], 0)
+    cut = pipeline.Cut.of(_model(), 2)
     with pytest.raises(ConfigError, match="--micro_batches must be a positive integer, got 0"):
-        pipeline.PipelineStep(stage, None, None, Comm(), 0)
+        pipeline.PipelineStep(stage, None, None, Comm(), cut, 0)
     with pytest.raises(ConfigError, match="--pipeline_schedule 'zigzag': expected one of gpipe, 1f1b"):
-        pipeline.PipelineStep(stage, None, None, Comm(), 2, "zigzag")
+        pipeline.PipelineStep(stage, None, None, Comm(), cut, 2, "zigzag")
 
 
 # -- S processes equal one --------------------------------------------------------------------
 def launch(n, out, *extra, timeout=180):
     cmd = ([MPIEXEC, "-n", str(n)] if n > 1 else []) + [sys.executable, WORKER, str(out), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +201,62 @@ def test_the_reference_differs_with_other_micro_batches(single, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     with pytest.raises(AssertionError, match="relative difference"):
         assert_close(single, tmp_path / "m2.st", 1e-12)
+
+
+# -- pydtnn-train --parallel pipeline ------------------------------------------------------------
+TRAIN = [sys.executable, "-m", "pydtnn", "--num_epochs", "1", "--steps_per_epoch", "6", "--dtype", "float64",
+         "--flip_images", "true", "--progress", "false"]
+
+
+def train(n, out, *flags, timeout=180):
+    cmd = ([MPIEXEC, "-n", str(n)] if n > 1 else []) + [*TRAIN, "--metrics_file", str(out), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, check=False)
+
+
+def final(path):
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f][-1]
+
+
+@pytest.mark.parametrize("kind", pipeline.SCHEDULES)
+def test_pydtnn_train_pipeline_equals_one_process(tmp_path, kind):
+    """The default model and data, 4 micro-batches: 2 stages end with one process's parameters (their
+    SHA-256 over the whole model, gathered from the stages) and its test accuracy."""
+    r1 = train(1, tmp_path / "one.jsonl", "--micro_batches", "4")
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = train(2, tmp_path / "two.jsonl", "--micro_batches", "4", "--parallel", "pipeline", "--pipeline_stages", "2",
+               "--pipeline_schedule", kind)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    one, two = final(tmp_path / "one.jsonl"), final(tmp_path / "two.jsonl")
+    assert two["params_sha256"] == one["params_sha256"]
+    assert two["test_accuracy"] == one["test_accuracy"] and two["pipeline_stages"] == 2
+    assert "pipeline parallel: the layers cut into 2 stages" in r2.stderr and "stage 1 " in r2.stderr
+
+
+@pytest.mark.parametrize("n,flags,words", [
+    (2, ["--parallel", "pipeline", "--pipeline_stages", "3"], "--pipeline_stages 3 runs one stage per process, but 2"),
+    (2, ["--pipeline_stages", "2"], "--pipeline_stages 2 needs --parallel pipeline"),
+    (2, ["--parallel", "pipeline"], "--parallel pipeline needs --pipeline_stages S"),
+    (2, ["--parallel", "pipeline", "--pipeline_stages", "2", "--stage_boundaries", "7.weight"],
+     "--stage_boundaries: '7.weight' is not a layer a stage can begin at"),
+    (2, ["--parallel", "pipeline", "--pipeline_stages", "2", "--stage_boundaries", "3,5"],
+     "--stage_boundaries names 2 layers, but 2 stages begin at 1"),
+    (1, ["--parallel", "pipeline", "--pipeline_stages", "1", "--checkpoint_dir", "CKPT"],
+     "--checkpoint_dir with --parallel pipeline is not written yet"),
+    (1, ["--pipeline_schedule", "gpipe"], "--pipeline_schedule applies to --parallel pipeline"),
+])
+def test_pipeline_mistakes_are_one_line_and_exit_2(tmp_path, n, flags, words):
+    flags = [str(tmp_path / "ckpt") if f == "CKPT" else f for f in flags]
+    r = train(n, tmp_path / "m.jsonl", *flags, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert lines and words in lines[0], r.stderr[-3000:]
+    assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_simulate_refuses_a_pipeline_in_one_line():
+    r = subprocess.run([*TRAIN, "--simulate", "--np", "2", "--parallel", "pipeline", "--pipeline_stages", "2"],
+                       capture_output=True, text=True, timeout=120, env=ENV, check=False)
+    assert r.returncode == 2 and "--simulate does not model pipeline parallelism" in r.stderr, r.stderr[-2000:]

@@ -27,7 +27,9 @@ def test_a_layout_is_what_runs(parallel, world, m, expected):
     ("hybrid", 4, 3, "--model_parallel_size 3 does not divide the 4 processes", "does not divide np=4"),
     ("data", 4, 2, "--model_parallel_size 2 needs --parallel hybrid", "model_parallel_size=2 needs parallel='hybrid'"),
     ("model", 4, 2, "--parallel model splits every layer over all 4 processes", "parallel='model' splits every"),
-    ("pipeline", 4, None, "--parallel pipeline: expected one of", "parallel='pipeline': expected one of"),
+    ("zigzag", 4, None, "--parallel zigzag: expected one of", "parallel='zigzag': expected one of"),
+    ("pipeline", 4, None, "--parallel pipeline needs --pipeline_stages S", "parallel='pipeline' needs pipeline_stages"),
+    ("pipeline", 4, 2, "--parallel pipeline needs --pipeline_stages S", "parallel='pipeline' needs pipeline_stages"),
     ("hybrid", 4, 0, "--model_parallel_size 0; expected a positive integer", "model_parallel_size=0; expected"),
     ("sequential", 4, None, "--parallel sequential, but 4 processes were launched",
      "parallel='sequential', but 4 processes were launched"),
@@ -37,6 +39,22 @@ def test_a_bad_layout_names_the_flag_or_the_parameter(parallel, world, m, flag_m
         layout(parallel, world, m, flags=True)
     with pytest.raises(ConfigError, match=python_message.replace("(", r"\(")):
         layout(parallel, world, m)
+
+
+@pytest.mark.parametrize("parallel,world,m,stages,message", [
+    ("pipeline", 4, None, 3, "--pipeline_stages 3 runs one stage per process, but 4 processes were launched"),
+    ("pipeline", 2, 2, 2, "--model_parallel_size 2 with --parallel pipeline: stages split over model-parallel"),
+    ("data", 2, None, 2, "--pipeline_stages 2 needs --parallel pipeline; got --parallel data"),
+    ("pipeline", 2, None, 0, "--pipeline_stages 0; expected a positive integer"),
+])
+def test_a_bad_pipeline_layout_names_the_flag(parallel, world, m, stages, message):
+    with pytest.raises(ConfigError, match=message):
+        layout(parallel, world, m, flags=True, pipeline_stages=stages)
+
+
+def test_a_pipeline_layout_has_one_stage_per_process_and_one_replica():
+    lay = layout("pipeline", 3, None, pipeline_stages=3)
+    assert lay == Layout("pipeline", 3, 1, 3) and lay.replicas == 1
 
 
 def test_the_plan_of_the_flags():

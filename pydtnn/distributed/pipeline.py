@@ -1,15 +1,13 @@
 """Pipeline parallelism: a model's layer sequence cut into S consecutive stages, one per process, and a step
 that runs M micro-batches through them.
 
-    units = pipeline.units(model)                      # (path, layer): the pieces a cut may fall between
-    bounds = pipeline.balanced_cuts(costs, S)          # or pipeline.cuts_at(units, ["8", "13"]) by hand
-    stage = pipeline.stage_model(model, units, bounds, s)
-    step = pipeline.PipelineStep(stage, loss, optimizer, comm, micro_batches=M, schedule="1f1b",
-                                 input_shape=model.input_shape, output_shape=model.output_shape)
+    cut = pipeline.Cut.of(model, S)                    # or Cut.of(model, S, ["layer2", "layer3"]) by hand
+    stage = cut.stage(comm.rank)                       # this process's layers; the rest let go
+    step = pipeline.PipelineStep(stage, loss, optimizer, comm, cut, micro_batches=M, schedule="1f1b")
     trainer = Trainer(stage, loss, optimizer, step=step)
     loss, outputs = step.run(x, y, streams=streams)    # the Step contract (pydtnn/step.py)
 
-The units are the model's layers with every Sequential opened up: blocks (residual additions,
+pipeline.units(model) lists the pieces a cut may fall between: the model's layers with every Sequential opened up: blocks (residual additions,
 concatenations) stay whole, so a cut never falls inside one. A stage is a Model of its units under
 their own paths ("layer1.0", "fc"), so its state dict names, and each Dropout's random stream (keyed
 by path), are the whole model's.
@@ -125,6 +123,48 @@ def stage_model(model, unit_list, bounds, stage):
     return Model.of_built(root, model.backend, name=f"{model.name} stage {stage}", need_dx=stage > 0)
 
 
+class Cut:
+    """A model cut into stages: the stages' bounds among its units, which stage holds each array, and the
+    whole model's input and output shapes. stage(s) builds a stage and lets go of the whole model."""
+
+    def __init__(self, model, unit_list, bounds):
+        self.model, self.units, self.bounds = model, unit_list, list(bounds)
+        self.layout = state_layout(model, unit_list, bounds)
+        self.param_names = [name for name, _, _ in model.parameters()]
+        self.input_shape, self.output_shape = tuple(model.input_shape), tuple(model.output_shape)
+        self.unit_names, self.costs = [p for p, _ in unit_list], unit_costs(unit_list)
+
+    @classmethod
+    def of(cls, model, stages, starts=None):
+        """The cut of `model` into `stages` stages: at the units named `starts` (--stage_boundaries, which must
+        name stages - 1 of them), else balanced by the units' FLOPs."""
+        unit_list = units(model)
+        check_stages(stages, len(unit_list))
+        if starts:
+            if len(starts) != stages - 1:
+                raise ConfigError(f"--stage_boundaries names {len(starts)} layers, but {stages} stages begin at "
+                                  f"{stages - 1}; expected {stages - 1} comma-separated layer paths")
+            return cls(model, unit_list, cuts_at(unit_list, starts))
+        return cls(model, unit_list, balanced_cuts(unit_costs(unit_list), stages))
+
+    def stage(self, s):
+        """Stage s's Model; the Cut then holds no layer of the whole model (a process keeps its stage only)."""
+        built = stage_model(self.model, self.units, self.bounds, s)
+        self.model = self.units = None
+        return built
+
+    def describe(self):
+        """One phrase per stage: its first and last layers and its share of the forward FLOPs."""
+        costs = self.costs
+        total = sum(costs)
+        parts = []
+        for s, (a, b) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
+            first, last = self.unit_names[a], self.unit_names[b - 1]
+            span = first if a == b - 1 else f"{first}..{last}"
+            parts.append(f"stage {s} {span} ({100 * sum(costs[a:b]) / total:.0f}% of the FLOPs)")
+        return "; ".join(parts)
+
+
 # -- the step ------------------------------------------------------------------------------------
 def schedule(kind, stages, stage, micro_batches):
     """[("F" or "B", micro-batch)] in the order stage `stage` runs them (module docstring)."""
@@ -143,11 +183,10 @@ def schedule(kind, stages, stage, micro_batches):
 class PipelineStep:
     """The Step contract (pydtnn/step.py) for one stage of a pipeline; see the module docstring.
 
-    stage_model: this process's stage (stage_model()); comm: the pipeline's communicator (pydtnn's MPIComm),
-    rank s holding stage s; input_shape, output_shape: the whole model's (without the batch)."""
+    stage_model: this process's stage (Cut.stage); comm: the pipeline's communicator (pydtnn's MPIComm), rank
+    s holding stage s; cut: the Cut the stage comes from (the whole model's shapes and state layout)."""
 
-    def __init__(self, stage_model, loss, optimizer, comm, micro_batches, schedule="1f1b", input_shape=None,
-                 output_shape=None, tracer=None):
+    def __init__(self, stage_model, loss, optimizer, comm, cut, micro_batches, schedule="1f1b", tracer=None):
         if int(micro_batches) != micro_batches or micro_batches < 1:
             raise ConfigError(f"--micro_batches must be a positive integer, got {micro_batches!r}")
         if schedule not in SCHEDULES:
@@ -156,12 +195,12 @@ class PipelineStep:
         self.micro_batches, self.schedule, self.tracer = int(micro_batches), schedule, tracer
         self.stage, self.stages = comm.rank, comm.size
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
-        self.output_shape = tuple(output_shape if output_shape is not None else stage_model.output_shape)
-        self.input_shape = tuple(input_shape if input_shape is not None else stage_model.input_shape)
+        self.input_shape, self.output_shape = cut.input_shape, cut.output_shape
         self.backend, self.reducer, self.accumulation_steps = stage_model.backend, None, int(micro_batches)
         self._params = stage_model.parameters()
         self._layers = [layer for _, layer in stage_model.layers()]
         self._acc = None
+        self.cut = cut
 
     # the MPI communicator under pydtnn's (point-to-point is not part of the collective contract)
     @property
@@ -234,6 +273,40 @@ class PipelineStep:
             g[...] = acc
         self.optimizer.step()
         return (total if read else xp.asarray(total, dtype=xp.float64)), outputs
+
+    def predict(self, x):
+        """The whole model's outputs for x in evaluation mode, on every stage: through the stages in turn."""
+        mpi, n = self._mpi, x.shape[0]
+        if self.first:
+            h = x
+        else:
+            h = np.empty((n,) + self.model.input_shape, self.model.backend.dtype)
+            mpi.Recv(h, source=self.stage - 1, tag=1)
+        out = np.ascontiguousarray(self.model.forward(h, training=False))
+        if not self.last:
+            mpi.Send(out, dest=self.stage + 1, tag=1)
+        outputs = out if self.last else np.empty((n,) + self.output_shape, self.model.backend.dtype)
+        mpi.Bcast(outputs, root=self.stages - 1)
+        return outputs
+
+    def whole_state(self):
+        """{name: NumPy array} of the whole model on rank 0, None elsewhere (every stage takes part)."""
+        return whole_state(self.model, self.comm, self.cut.layout)
+
+    def params_sha256(self):
+        """Model.params_sha256 of the whole model, on every stage (every stage takes part)."""
+        import hashlib
+
+        state = self.whole_state()
+        digest = np.zeros(64, np.uint8)
+        if state is not None:
+            h = hashlib.sha256()
+            for name in self.cut.param_names:
+                a = np.ascontiguousarray(state[name])
+                h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+            digest[:] = np.frombuffer(h.hexdigest().encode(), np.uint8)
+        self._mpi.Bcast(digest, root=0)
+        return digest.tobytes().decode()
 
     def _results(self, losses, outs, rows, n):
         """(the batch's loss, its outputs (n, ...)): the last stage's, sent to every stage."""

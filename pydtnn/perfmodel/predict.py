@@ -56,7 +56,8 @@ from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 
-PARALLEL = tuple(p for p in plan_module.PARALLEL if p != "sequential")  # one process of "data" is sequential
+# one process of "data" is sequential; pipelines are not costed yet
+PARALLEL = tuple(p for p in plan_module.PARALLEL if p not in ("sequential", "pipeline"))
 REDUCTIONS = reducers.NAMES
 PROGRESS = reducers.PROGRESS
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}

@@ -42,6 +42,9 @@ REFUSED = {
     "ranks_per_node": "a node size other than the machine's (set processes_per_node in --machine)",
     "debug_collectives": "the signature check before every collective",
     "evaluate_only": "an evaluation (it predicts a training step)",
+    "pipeline_stages": "pipeline parallelism (stages, their bubble and messages are not costed yet)",
+    "pipeline_schedule": "pipeline parallelism (stages, their bubble and messages are not costed yet)",
+    "stage_boundaries": "pipeline parallelism (stages, their bubble and messages are not costed yet)",
 }
 # Flags whose effect the model cannot know in advance: the prediction is made without it, and says so.
 NOTED = {"conv_autotune": "each convolution is costed with its threshold algorithm; the run measures the algorithms "
