@@ -173,13 +173,15 @@ def _parallel_flags(p):
     f(g, "parallel", choices=PARALLEL, default=None,
       help="over MPI when launched with several processes: data (each process a model replica, the default), "
            "model (every Conv2D and Dense split by output channels over all processes), hybrid (groups of "
-           "--model_parallel_size processes split the model, data parallel across groups) or pipeline (the "
-           "layers cut into --pipeline_stages stages, one per process); docs/parallelism.md")
+           "--model_parallel_size processes split the model, or --pipeline_stages processes hold a pipeline, data "
+           "parallel across groups) or pipeline (the layers cut into --pipeline_stages stages, one per process); "
+           "docs/parallelism.md")
     f(g, "model_parallel_size", type=positive_int, default=None,
       help="--parallel hybrid: processes per model replica (a divisor of the process count)")
     f(g, "pipeline_stages", type=positive_int, default=None,
       help="--parallel pipeline: the consecutive stages the model is cut into, one per process (S = the process "
-           "count); each step runs --micro_batches micro-batches through them")
+           "count); --parallel hybrid: stages per pipeline, np / S pipelines data parallel; each step runs "
+           "--micro_batches micro-batches through them")
     f(g, "pipeline_schedule", choices=("gpipe", "1f1b"), default="1f1b",
       help="--parallel pipeline: all forwards then all backwards (gpipe), or one forward and one backward in turn "
            "once the pipe is full (1f1b, the default: fewer micro-batches' activations held); same results")

@@ -47,12 +47,18 @@ class Layout:
     def replicas(self):
         return self.world_size // (self.model_parallel_size * self.pipeline_stages)
 
+    @property
+    def pipelined(self):
+        """The model is cut into stages (--parallel pipeline, or hybrid with --pipeline_stages)."""
+        return self.parallel == "pipeline" or self.pipeline_stages > 1
+
 
 def layout(parallel, world_size, model_parallel_size=None, flags=False, pipeline_stages=None):
     """The Layout of `world_size` processes for `parallel` (None: data), `model_parallel_size` (M) and
     `pipeline_stages` (S), or a ConfigError naming the flag (flags=True) or parameter at fault. The one rule:
     data and sequential take no M (or 1); model takes all processes (M = world_size); hybrid needs an M that
-    divides world_size; pipeline takes S stages, one per process (S = world_size), and no M."""
+    divides world_size; pipeline takes S stages, one per process (S = world_size), and no M; hybrid with S
+    takes R = world_size / S data-parallel replicas of an S-stage pipeline."""
     if parallel not in (None,) + PARALLEL:
         raise ConfigError(f"{_named('parallel', parallel, flags)}: expected one of {', '.join(PARALLEL)}")
     s = pipeline_stages
@@ -60,6 +66,10 @@ def layout(parallel, world_size, model_parallel_size=None, flags=False, pipeline
         raise ConfigError(f"{_named('pipeline_stages', s, flags)}; expected a positive integer")
     if parallel == "pipeline" or s is not None:
         return _pipeline_layout(parallel, world_size, model_parallel_size, s, flags)
+    if parallel == "hybrid" and model_parallel_size is None:
+        raise ConfigError(f"{_named('parallel', 'hybrid', flags)} needs {'--' if flags else ''}model_parallel_size "
+                          f"M (processes per model replica) or {'--' if flags else ''}pipeline_stages S (stages per "
+                          f"pipeline replica)")
     m = model_parallel_size
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise ConfigError(f"{_named('model_parallel_size', m, flags)}; expected a positive integer")
@@ -90,21 +100,25 @@ def layout(parallel, world_size, model_parallel_size=None, flags=False, pipeline
 
 
 def _pipeline_layout(parallel, world_size, m, s, flags):
-    if parallel != "pipeline":
-        raise ConfigError(f"{_named('pipeline_stages', s, flags)} needs {_named('parallel', 'pipeline', flags)}; got "
-                          f"{_named('parallel', parallel or 'data', flags)}")
+    if parallel not in ("pipeline", "hybrid"):
+        raise ConfigError(f"{_named('pipeline_stages', s, flags)} needs {_named('parallel', 'pipeline', flags)} (or "
+                          f"hybrid); got {_named('parallel', parallel or 'data', flags)}")
     if s is None:
         raise ConfigError(f"{_named('parallel', 'pipeline', flags)} needs {'--' if flags else ''}pipeline_stages S "
                           f"(the stages the model is cut into, one per process)")
     if m not in (None, 1):
-        raise ConfigError(f"{_named('model_parallel_size', m, flags)} with {_named('parallel', 'pipeline', flags)}: "
+        raise ConfigError(f"{_named('model_parallel_size', m, flags)} with {_named('pipeline_stages', s, flags)}: "
                           f"stages split over model-parallel groups are not written yet; expected no "
                           f"{'--' if flags else ''}model_parallel_size")
-    if s != world_size:
-        where = f"{world_size} processes were launched" if flags else f"np={world_size}"
+    where = f"{world_size} processes were launched" if flags else f"np={world_size}"
+    if parallel == "pipeline" and s != world_size:
         raise ConfigError(f"{_named('pipeline_stages', s, flags)} runs one stage per process, but {where}; launch "
-                          f"{s} processes (pipelines with data-parallel replicas are not written yet)")
-    return Layout("pipeline", world_size, 1, s)
+                          f"{s} processes, or use {_named('parallel', 'hybrid', flags)} for data-parallel replicas of "
+                          f"the pipeline")
+    if world_size % s:
+        raise ConfigError(f"{_named('pipeline_stages', s, flags)} does not divide the processes ({where}); expected a "
+                          f"divisor of {world_size}, one stage per process in each replica")
+    return Layout(parallel, world_size, 1, s)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ def check_combinations(args):
                           f"--evaluate_only, or --weights_and_bias_filename DIR)")
     if "model_checkpoint" in chosen_schedulers(args) and not args.checkpoint_dir:
         raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
-    if args.parallel == "pipeline":
+    if args.parallel == "pipeline" or args.pipeline_stages is not None:
         for flag, given in (("--checkpoint_dir", args.checkpoint_dir), ("--resume", args.resume),
                             ("--sync_batchnorm", args.sync_batchnorm)):
             if given:
@@ -41,7 +41,8 @@ def check_combinations(args):
                                   f"or model")
     elif args.stage_boundaries is not None or "pipeline_schedule" in args.explicit:
         flag = "--stage_boundaries" if args.stage_boundaries is not None else "--pipeline_schedule"
-        raise ConfigError(f"{flag} applies to --parallel pipeline; got --parallel {args.parallel or 'data'}")
+        raise ConfigError(f"{flag} applies to --parallel pipeline (or hybrid with --pipeline_stages); got --parallel "
+                          f"{args.parallel or 'data'}")
 
 
 def profile_path(rank=0, size=1):

@@ -60,11 +60,11 @@ def run(args):
     fill_defaults(args, family)
     if args.weights_and_bias_filename and not args.resume:  # a resumed run takes every weight from its checkpoint
         checkpoint.load_weights(args.weights_and_bias_filename, model)
-    if group is not None:
+    if group is not None and not plan.layout.pipelined:
         model_parallel.partition(model, group)
     whole = model
-    if plan.layout.parallel == "pipeline":  # from here on, this rank's stage
-        model, cut = pipeline_stage(args, model, comm)
+    if plan.layout.pipelined:  # from here on, this rank's stage; `group` is its pipeline
+        model, cut = pipeline_stage(args, model, group)
     comm, replicas, grad_comm = device_communicators(args, comm, replicas, backend, say)
     options, lr_note = scaled_optimizer_options(args, family, world, mp_size)
     strategy = plan.reduction.name
@@ -73,13 +73,14 @@ def run(args):
     optimizer = optim.create(args.optimizer, model.parameters(), backend=model.backend, **options)
     loss = losses.create(args.loss_func)
     step = None
-    if plan.layout.parallel == "pipeline":
-        from pydtnn.distributed.pipeline import PipelineStep
-
-        step = PipelineStep(model, loss, optimizer, comm, cut, args.accumulation_steps, args.pipeline_schedule)
     schedules = build_schedules(args, plan.layout.replicas)
     reducer = None if strategy is None else reducers.create(strategy, grad_comm,
                                                             **plan.reduction.create_options(**topk_momentum(corrected)))
+    if plan.layout.pipelined:  # the Trainer attaches the reducer to the stage before the first step
+        from pydtnn.distributed.pipeline import PipelineStep
+
+        step = PipelineStep(model, loss, optimizer, group, cut, args.accumulation_steps, args.pipeline_schedule,
+                            reducer=reducer)
     effective = effective_values(args, choice, options, plan, schedules)
     effective["data_shape"] = list(data_shape)  # the images before any padding: what an exported graph takes
     if corrected:
@@ -99,7 +100,7 @@ def run(args):
     for line in header(args, choice, whole, datasets, effective, lr_note, data_shape):
         say(line)
     if step is not None:
-        say(f"pydtnn: pipeline of {comm.size} stages ({args.pipeline_schedule}, {args.accumulation_steps} "
+        say(f"pydtnn: pipeline of {group.size} stages ({args.pipeline_schedule}, {args.accumulation_steps} "
             f"micro-batches a step): {cut.describe()}")
     if args.summary and comm.rank == 0:
         whole.summary(file=sys.stderr)
@@ -127,10 +128,10 @@ def start(args):
     if args.parallel in ("data", "model") and comm.size == 1:
         say(f"pydtnn: --parallel {args.parallel} with one process trains sequentially")
     plan = RunPlan.from_args(args, comm.size)
-    if plan.layout.parallel == "pipeline":  # one replica; the stages talk over the world communicator
-        from pydtnn.distributed.comm import SingleProcess
+    if plan.layout.pipelined:  # (this rank's pipeline, the replicas of its stage, 1)
+        from pydtnn.distributed import pipeline
 
-        layout = None, SingleProcess(), 1
+        layout = (*pipeline.groups(comm, plan.layout.pipeline_stages), 1)
     else:
         layout = model_parallel.layout(comm, args.parallel, args.model_parallel_size)
     args.batch_size = plan.batch_size
@@ -176,7 +177,7 @@ def device_communicators(args, comm, replicas, backend, say):
 
 def pipeline_stage(args, model, comm):
     """(this rank's stage Model, the pipeline.Cut): the model cut where --stage_boundaries says, else into
-    stages of balanced FLOPs."""
+    stages of balanced FLOPs; comm: this rank's pipeline."""
     from pydtnn.distributed import pipeline
 
     cut = pipeline.Cut.of(model, comm.size, args.stage_boundaries.split(",") if args.stage_boundaries else None)

@@ -1,11 +1,16 @@
 """Worker launched by tests/test_pipeline.py under mpiexec (or plain python for one process).
 
     python tests/pipe_worker.py OUT_FILE [--micro_batches 4] [--schedule gpipe|1f1b] [--boundaries 5,9]
+                                [--replicas R]
 
 Trains tests/mp_worker.py's network (BatchNorm, dropout, a residual and a concatenation block, random
 flips and crops of the images) for --steps steps of SGD with momentum. One process: Step with
 accumulation_steps = --micro_batches, the reference. Several: one pipeline stage per process (cut by the
-units' costs, or where --boundaries says), PipelineStep. Rank 0 saves the whole state to OUT_FILE
+units' costs, or where --boundaries says), PipelineStep; with --replicas R, R data-parallel pipelines of
+np / R stages, each stage's gradients reduced across them (bucketed), and with np = R plain data
+parallelism (Step's micro-batches), their reference. (Data parallelism takes each replica's share of a
+batch sorted by sample index, so its micro-batches hold other samples than one process's: with
+BatchNorm it equals data parallelism, not one process, unless the statistics are synchronized.) Rank 0 saves the whole state to OUT_FILE
 (safetensors) and prints the stage bounds.
 """
 
@@ -22,7 +27,7 @@ from mp_worker import network
 
 from pydtnn import data
 from pydtnn.backends import CPUBackend
-from pydtnn.distributed import launch, pipeline
+from pydtnn.distributed import launch, pipeline, reducers
 from pydtnn.losses import SoftmaxCrossEntropy
 from pydtnn.optim import SGD
 from pydtnn.trainer import Trainer
@@ -37,6 +42,7 @@ def main():
     p.add_argument("--micro_batches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--boundaries", default="", help="comma-separated unit paths where stages 1.. begin")
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel pipelines")
     args = p.parse_args()
     world = launch.init()
     launch.install_abort_handler(world)
@@ -45,20 +51,27 @@ def main():
     train = data.with_augmentation(train.subset(np.arange(args.steps * args.batch) * 7), flip=True, crop=True,
                                    crop_padding=2)
     loss = SoftmaxCrossEntropy()
-    if world.size == 1:
+    if world.size == args.replicas:  # one process, or plain data parallelism: Step's micro-batches
         optimizer = SGD(model.parameters(), lr=0.05, momentum=0.9, backend=model.backend)
-        trainer = Trainer(model, loss, optimizer, progress=False, accumulation_steps=args.micro_batches)
-        trainer.fit(train, epochs=1, batch_size=args.batch)
+        reducer = reducers.create("bucketed", world) if world.size > 1 else None
+        trainer = Trainer(model, loss, optimizer, progress=False, accumulation_steps=args.micro_batches,
+                          comm=world if world.size > 1 else None, reducer=reducer, is_root=world.rank == 0)
+        trainer.fit(train, epochs=1, batch_size=args.batch // args.replicas)
         state, bounds = model.whole_state_dict(), None
     else:
-        cut = pipeline.Cut.of(model, world.size, args.boundaries.split(",") if args.boundaries else None)
+        stages = world.size // args.replicas
+        pipe, replicas = pipeline.groups(world, stages)
+        cut = pipeline.Cut.of(model, stages, args.boundaries.split(",") if args.boundaries else None)
         bounds = cut.bounds
-        stage = cut.stage(world.rank)
+        stage = cut.stage(pipe.rank)
         del model
         optimizer = SGD(stage.parameters(), lr=0.05, momentum=0.9, backend=stage.backend)
-        step = pipeline.PipelineStep(stage, loss, optimizer, world, cut, args.micro_batches, args.schedule)
-        trainer = Trainer(stage, loss, optimizer, progress=False, is_root=world.rank == 0, step=step)
-        trainer.fit(train, epochs=1, batch_size=args.batch)
+        reducer = reducers.create("bucketed", replicas) if replicas.size > 1 else None
+        step = pipeline.PipelineStep(stage, loss, optimizer, pipe, cut, args.micro_batches, args.schedule,
+                                     reducer=reducer)
+        trainer = Trainer(stage, loss, optimizer, progress=False, is_root=world.rank == 0, step=step,
+                          comm=replicas if replicas.size > 1 else None, reducer=reducer)
+        trainer.fit(train, epochs=1, batch_size=args.batch // args.replicas)
         state = step.whole_state()
     if world.rank == 0:
         save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, args.out)

@@ -175,7 +175,8 @@ def assert_close(want_path, got_path, rtol):
         assert err <= rtol, f"{k}: relative difference {err:.3g} > {rtol}"
 
 
-@pytest.mark.parametrize("n,extra", [(2, ()), (3, ("--boundaries", "4,13")), (4, ())],
+@pytest.mark.parametrize("n,extra", [(2, ()), pytest.param(3, ("--boundaries", "4,13"), marks=pytest.mark.slow),
+                                     pytest.param(4, (), marks=pytest.mark.slow)],
                          ids=["2 stages", "3 stages cut by hand, unevenly", "4 stages"])
 @pytest.mark.parametrize("kind", pipeline.SCHEDULES)
 def test_pipeline_equals_one_process_with_the_same_micro_batches(single, tmp_path, n, extra, kind):
@@ -187,6 +188,19 @@ def test_pipeline_equals_one_process_with_the_same_micro_batches(single, tmp_pat
         assert "bounds [0, 4, 13, 19]" in r.stdout, r.stdout
 
 
+@pytest.mark.slow
+def test_data_parallel_pipelines_equal_data_parallelism(tmp_path):
+    """2 replicas x 2 stages (np 4) and 2 replicas x 3 stages (np 6) end where 2 data-parallel processes with the
+    same micro-batches end: each stage's gradients reduced across the replicas."""
+    r = launch(2, tmp_path / "dp.st", "--replicas", "2", "--micro_batches", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for n in (4, 6):
+        r = launch(n, tmp_path / f"h{n}.st", "--replicas", "2", "--micro_batches", "2", "--schedule", "gpipe")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert_close(tmp_path / "dp.st", tmp_path / f"h{n}.st", 1e-12)
+
+
+@pytest.mark.slow
 def test_gpipe_and_1f1b_give_the_same_bits(tmp_path):
     for kind in pipeline.SCHEDULES:
         r = launch(3, tmp_path / f"{kind}.st", "--schedule", kind, "--steps", "4")
@@ -235,7 +249,24 @@ def test_pydtnn_train_pipeline_equals_one_process(tmp_path, kind):
     assert "pipeline parallel: the layers cut into 2 stages" in r2.stderr and "stage 1 " in r2.stderr
 
 
+@pytest.mark.slow
+def test_pydtnn_train_hybrid_pipelines_equal_data_parallelism(tmp_path):
+    """--parallel hybrid --pipeline_stages 2 over 4 processes: 2 replicas of a 2-stage pipeline end with the
+    parameters of 2 data-parallel processes with the same micro-batches."""
+    r2 = train(2, tmp_path / "dp.jsonl", "--micro_batches", "2")
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    r4 = train(4, tmp_path / "hybrid.jsonl", "--micro_batches", "2", "--parallel", "hybrid", "--pipeline_stages", "2")
+    assert r4.returncode == 0, r4.stderr[-3000:]
+    dp, hybrid = final(tmp_path / "dp.jsonl"), final(tmp_path / "hybrid.jsonl")
+    assert hybrid["params_sha256"] == dp["params_sha256"] and hybrid["test_accuracy"] == dp["test_accuracy"]
+    assert (hybrid["world_size"], hybrid["replicas"], hybrid["pipeline_stages"]) == (4, 2, 2)
+    assert "2 replicas of a pipeline of 2 stages" in r4.stderr
+
+
 @pytest.mark.parametrize("n,flags,words", [
+    (4, ["--parallel", "hybrid", "--pipeline_stages", "3"], "--pipeline_stages 3 does not divide the processes"),
+    (4, ["--parallel", "hybrid", "--pipeline_stages", "2", "--model_parallel_size", "2"],
+     "--model_parallel_size 2 with --pipeline_stages 2: stages split over model-parallel groups are not written"),
     (2, ["--parallel", "pipeline", "--pipeline_stages", "3"], "--pipeline_stages 3 runs one stage per process, but 2"),
     (2, ["--pipeline_stages", "2"], "--pipeline_stages 2 needs --parallel pipeline"),
     (2, ["--parallel", "pipeline"], "--parallel pipeline needs --pipeline_stages S"),

@@ -30,11 +30,14 @@ loss and outputs are broadcast to every stage, so the loop above the step (metri
 finite-loss check) runs the same on every process.
 """
 
+from contextlib import nullcontext
+
 import numpy as np
 
 from pydtnn.errors import ConfigError, TrainingDiverged
 from pydtnn.layers.base import Layer
 from pydtnn.layers.blocks import Sequential
+from pydtnn.step import reduce_and_update
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -165,6 +168,17 @@ class Cut:
         return "; ".join(parts)
 
 
+def groups(comm, stages):
+    """(this rank's pipeline, the replicas of its stage): a pipeline is `stages` consecutive ranks (0..S-1,
+    S..2S-1, ...), one replica of the model, whose neighbours launchers place on one node; the ranks holding
+    the same stage in every pipeline reduce that stage's gradients (data parallelism across pipelines)."""
+    from pydtnn.distributed.comm import SingleProcess
+
+    if comm.size == stages:
+        return comm, SingleProcess()
+    return comm.split(comm.rank // stages, comm.rank), comm.split(comm.rank % stages, comm.rank)
+
+
 # -- the step ------------------------------------------------------------------------------------
 def schedule(kind, stages, stage, micro_batches):
     """[("F" or "B", micro-batch)] in the order stage `stage` runs them (module docstring)."""
@@ -184,9 +198,12 @@ class PipelineStep:
     """The Step contract (pydtnn/step.py) for one stage of a pipeline; see the module docstring.
 
     stage_model: this process's stage (Cut.stage); comm: the pipeline's communicator (pydtnn's MPIComm), rank
-    s holding stage s; cut: the Cut the stage comes from (the whole model's shapes and state layout)."""
+    s holding stage s; cut: the Cut the stage comes from (the whole model's shapes and state layout);
+    reducer: the gradient reducer across the replicas of this stage (groups()), attached to the stage, or
+    None: the summed micro-batches' gradients are reduced once per step, as Step's accumulation does."""
 
-    def __init__(self, stage_model, loss, optimizer, comm, cut, micro_batches, schedule="1f1b", tracer=None):
+    def __init__(self, stage_model, loss, optimizer, comm, cut, micro_batches, schedule="1f1b", reducer=None,
+                 tracer=None):
         if int(micro_batches) != micro_batches or micro_batches < 1:
             raise ConfigError(f"--micro_batches must be a positive integer, got {micro_batches!r}")
         if schedule not in SCHEDULES:
@@ -196,7 +213,7 @@ class PipelineStep:
         self.stage, self.stages = comm.rank, comm.size
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.input_shape, self.output_shape = cut.input_shape, cut.output_shape
-        self.backend, self.reducer, self.accumulation_steps = stage_model.backend, None, int(micro_batches)
+        self.backend, self.reducer, self.accumulation_steps = stage_model.backend, reducer, int(micro_batches)
         self._params = stage_model.parameters()
         self._layers = [layer for _, layer in stage_model.layers()]
         self._acc = None
@@ -211,68 +228,59 @@ class PipelineStep:
         n, xp, params = x.shape[0], self.backend.xp, self._params
         m = self.micro_batches
         bounds = [n * i // m for i in range(m + 1)]
-        rows = [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-        own_rows = streams is not None and len(streams) == n
-        dtype = self.model.backend.dtype
-        in_shape, out_shape = self.model.input_shape, self.model.output_shape
-        mpi = self._mpi
-        # every message of the step is posted now: activations from the stage before, gradients from the next
-        got_x = {i: np.empty((b - a,) + in_shape, dtype) for i, (a, b) in enumerate(rows) if b > a and not self.first}
-        got_dy = {i: np.empty((b - a,) + out_shape, dtype) for i, (a, b) in enumerate(rows) if b > a and not self.last}
-        recv_x = {i: mpi.Irecv(buf, source=self.stage - 1, tag=2 * i) for i, buf in got_x.items()}
-        recv_dy = {i: mpi.Irecv(buf, source=self.stage + 1, tag=2 * i + 1) for i, buf in got_dy.items()}
-        sends, saved, dys, losses, outs = [], {}, {}, {}, {}
+        rows = list(zip(bounds[:-1], bounds[1:]))
         if self._acc is None:
             self._acc = [xp.zeros_like(g) for _, _, g in params]
-        for op, i in schedule(self.schedule, self.stages, self.stage, m):
-            a, b = rows[i]
-            if a == b:
-                continue
-            share = (b - a) / n
-            micro_streams = streams.rows(None, a, b) if own_rows else streams
-            if op == "F":
-                if self.first:
-                    h = x[a:b]
-                else:
-                    recv_x[i].Wait()
-                    h = got_x[i]
-                with self.backend.sample_streams_for(micro_streams):
-                    out = self.model.forward(h, training=True)
-                if self.last:  # the loss now: its saved state is the next micro-batch's after this
-                    losses[i] = self.loss.forward(out, y[a:b])
-                    dys[i] = self.loss.backward()
-                    outs[i] = out
-                else:
-                    out = np.ascontiguousarray(out)
-                    sends.append((mpi.Isend(out, dest=self.stage + 1, tag=2 * i), out))
-                saved[i] = [dict(layer.__dict__) for layer in self._layers]
-            else:
-                for layer, state in zip(self._layers, saved.pop(i)):
-                    layer.__dict__.update(state)
-                if self.last:
-                    dy = dys.pop(i)
-                else:
-                    recv_dy[i].Wait()
-                    dy = got_dy[i]
-                with self.backend.sample_streams_for(micro_streams):
-                    dx = self.model.backward(dy)
-                if not self.first:
-                    dx = np.ascontiguousarray(dx)
-                    sends.append((mpi.Isend(dx, dest=self.stage - 1, tag=2 * i + 1), dx))
-                for acc, (_, _, g) in zip(self._acc, params):  # as Step._accumulated, in micro-batch order
-                    if a == 0:
-                        xp.multiply(g, share, out=acc)
-                    else:
-                        acc += xp.multiply(g, share, out=g)
-        for request, _ in sends:
-            request.Wait()
+        messages = _Messages(self, rows)
+        with nullcontext() if self.reducer is None else self.reducer.no_sync():  # one reduction, after the loop
+            losses, outs = self._micro_batches(x, y, streams, rows, messages)
+        messages.finish()
         total, outputs = self._results(losses, outs, rows, n)
         if not np.isfinite(total):  # every stage knows it: the update is skipped on all of them
             raise TrainingDiverged(f"loss is {total}")
         for acc, (_, _, g) in zip(self._acc, params):
             g[...] = acc
-        self.optimizer.step()
+        if self.reducer is not None:
+            self.reducer.begin_step(weight)
+        reduce_and_update(self.optimizer, self.reducer, self.tracer, replay=True)
         return (total if read else xp.asarray(total, dtype=xp.float64)), outputs
+
+    def _micro_batches(self, x, y, streams, rows, messages):
+        """The schedule's forwards and backwards on this stage, the gradients summed into self._acc in
+        micro-batch order; ({i: loss}, {i: outputs}) on the last stage, empty elsewhere."""
+        xp, params, n = self.backend.xp, self._params, x.shape[0]
+        own_rows = streams is not None and len(streams) == n
+        saved, dys, losses, outs = {}, {}, {}, {}
+        for op, i in schedule(self.schedule, self.stages, self.stage, self.micro_batches):
+            a, b = rows[i]
+            if a == b:
+                continue
+            micro_streams = streams.rows(None, a, b) if own_rows else streams
+            if op == "F":
+                h = x[a:b] if self.first else messages.activation(i)
+                with self.backend.sample_streams_for(micro_streams):
+                    out = self.model.forward(h, training=True)
+                if self.last:  # the loss now: its saved state is the next micro-batch's after this
+                    losses[i] = self.loss.forward(out, y[a:b])
+                    dys[i], outs[i] = self.loss.backward(), out
+                else:
+                    messages.send_activation(i, out)
+                saved[i] = [dict(layer.__dict__) for layer in self._layers]
+                continue
+            for layer, state in zip(self._layers, saved.pop(i)):
+                layer.__dict__.update(state)
+            dy = dys.pop(i) if self.last else messages.gradient(i)
+            with self.backend.sample_streams_for(micro_streams):
+                dx = self.model.backward(dy)
+            if not self.first:
+                messages.send_gradient(i, dx)
+            share = (b - a) / n
+            for acc, (_, _, g) in zip(self._acc, params):  # as Step._accumulated
+                if a == 0:
+                    xp.multiply(g, share, out=acc)
+                else:
+                    acc += xp.multiply(g, share, out=g)
+        return losses, outs
 
     def predict(self, x):
         """The whole model's outputs for x in evaluation mode, on every stage: through the stages in turn."""
@@ -320,6 +328,44 @@ class PipelineStep:
         self._mpi.Bcast(outputs, root=self.stages - 1)
         self._mpi.Bcast(total, root=self.stages - 1)
         return float(total[0]), outputs
+
+
+class _Messages:
+    """One step's point-to-point messages of a stage: every receive posted at once (activations from the
+    stage before, tag 2i; gradients from the next, tag 2i + 1), sends kept until finish()."""
+
+    def __init__(self, step, rows):
+        self.step, self.mpi, self.sends = step, step._mpi, []
+        dtype, stage = step.model.backend.dtype, step.stage
+        self.x = {i: np.empty((b - a,) + step.model.input_shape, dtype) for i, (a, b) in enumerate(rows)
+                  if b > a and not step.first}
+        self.dy = {i: np.empty((b - a,) + step.model.output_shape, dtype) for i, (a, b) in enumerate(rows)
+                   if b > a and not step.last}
+        self.x_requests = {i: self.mpi.Irecv(buf, source=stage - 1, tag=2 * i) for i, buf in self.x.items()}
+        self.dy_requests = {i: self.mpi.Irecv(buf, source=stage + 1, tag=2 * i + 1) for i, buf in self.dy.items()}
+
+    def activation(self, i):
+        self.x_requests.pop(i).Wait()
+        return self.x.pop(i)
+
+    def gradient(self, i):
+        self.dy_requests.pop(i).Wait()
+        return self.dy.pop(i)
+
+    def send_activation(self, i, out):
+        self._send(out, self.step.stage + 1, 2 * i)
+
+    def send_gradient(self, i, dx):
+        self._send(dx, self.step.stage - 1, 2 * i + 1)
+
+    def _send(self, a, dest, tag):
+        a = np.ascontiguousarray(a)
+        self.sends.append((self.mpi.Isend(a, dest=dest, tag=tag), a))  # the buffer lives until the send is over
+
+    def finish(self):
+        for request, _ in self.sends:
+            request.Wait()
+        self.sends = []
 
 
 def whole_state(stage_model, comm, layout):
