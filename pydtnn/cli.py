@@ -92,6 +92,10 @@ def _model_and_data_flags(p):
       help="samples per step over all processes; must divide by the process count (sets --batch_size)")
     f(g, "num_epochs", type=positive_int, default=None,
       help="epochs to train (default 10; 7 for VGG without BatchNorm, see docs/models.md)")
+    f(g, "recompute", choices=("none", "segments", "all"), default="none",
+      help="activation recomputation: keep only the inputs of segments of about sqrt(L) layers (segments) or of "
+           "every layer (all) in forward, and run each segment's forward again in backward; same results, less "
+           "memory, one more forward (default none)")
     f(g, "accumulation_steps", aliases=("micro_batches",), type=positive_int, default=1,
       help="split each step's batch into this many micro-batches, summing gradients (BatchNorm statistics per "
            "micro-batch): one reduction and one update per step, activation memory of a micro-batch (default 1)")

@@ -184,6 +184,23 @@ class Model:
         """Depth-first (path, layer) pairs of every layer, containers included."""
         return [(p, l) for p, l in self.root.named_layers() if p]
 
+    def units(self):
+        """[(path, layer, the Sequential holding it)]: the layers in order with every Sequential opened up,
+        blocks (additions, concatenations) and leaves whole: where a pipeline may cut, and the pieces
+        activation recomputation groups into segments."""
+        out = []
+
+        def walk(seq, prefix):
+            for name, child in seq.children:
+                path = f"{prefix}.{name}" if prefix else name
+                if isinstance(child, Sequential):
+                    walk(child, path)
+                else:
+                    out.append((path, child, seq))
+
+        walk(self.root, "")
+        return out
+
     def named_state(self):
         """(name, array) of every parameter and buffer, in state-dict order (each layer: parameters, then buffers)."""
         out = []

@@ -80,7 +80,7 @@ def run(args):
         from pydtnn.distributed.pipeline import PipelineStep
 
         step = PipelineStep(model, loss, optimizer, group, cut, args.accumulation_steps, args.pipeline_schedule,
-                            reducer=reducer)
+                            reducer=reducer, recompute=args.recompute)
     effective = effective_values(args, choice, options, plan, schedules)
     effective["data_shape"] = list(data_shape)  # the images before any padding: what an exported graph takes
     if corrected:
@@ -90,7 +90,8 @@ def run(args):
                       log=log, comm=replicas, reducer=reducer, is_root=comm.rank == 0, sync_every=args.sync_every,
                       accumulation_steps=args.accumulation_steps, sync_batchnorm=args.sync_batchnorm,
                       callbacks=build_callbacks(args, config, effective, is_root=comm.rank == 0),
-                      tracer=new_tracer(model, comm) if args.tracing else None, step=step)
+                      tracer=new_tracer(model, comm) if args.tracing else None, step=step,
+                      recompute=args.recompute)
     start_epoch = 0
     if args.resume:
         start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,

@@ -28,6 +28,7 @@ from contextlib import nullcontext
 
 from pydtnn.errors import ConfigError, TrainingDiverged
 from pydtnn.losses import defers
+from pydtnn.recompute import passes as recompute_passes
 
 _UNTRACED = nullcontext()  # reusable: a step without a tracer allocates no context per phase
 
@@ -69,15 +70,17 @@ class Step:
     of a micro-batch, the update is that of the whole batch. batchnorm_sync: a BatchNormSync, which every
     layer that computes statistics over the batch (Layer.synchronize) uses from now on, or None.
     tracer: a profiling.Tracer, which gets the forward, loss, backward, reduce and optimizer spans.
+    recompute: "none", or "segments" / "all": activations recomputed in backward (pydtnn.recompute).
     """
 
     def __init__(self, model, loss, optimizer, reducer=None, accumulation_steps=1, batchnorm_sync=None,
-                 tracer=None):
+                 tracer=None, recompute="none"):
         if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
         self.model, self.loss, self.optimizer, self.reducer = model, loss, optimizer, reducer
         self.accumulation_steps, self.batchnorm_sync, self.tracer = int(accumulation_steps), batchnorm_sync, tracer
         self.backend, self._defers = model.backend, defers(loss)
+        self.passes = recompute_passes(model, recompute)
         self._params = model.parameters()
         self._acc = None  # the accumulated gradients, one array per parameter, made at the first accumulated step
         if batchnorm_sync is not None:
@@ -116,12 +119,12 @@ class Step:
             self.batchnorm_sync.weight = weight
         with self.backend.sample_streams_for(streams):
             with span(self.tracer, "forward"):
-                out = self.model.forward(x, training=True)
+                out = self.passes.forward(x, training=True)
             with span(self.tracer, "loss"):
                 loss = self._loss(out, y, read)
                 dy = self.loss.backward()
             with span(self.tracer, "backward"):
-                self.model.backward(dy)
+                self.passes.backward(dy)
         return loss, out
 
     def _loss(self, out, y, read):

@@ -50,7 +50,8 @@ class Trainer:
     what one process computes on the same global batch, BatchNorm included.
 
     accumulation_steps: each step's batch in that many micro-batches, one reduction and one update
-    (pydtnn.step.Step). step: another way to take a step, with Step's run() and input_shape (a pipeline
+    (pydtnn.step.Step). recompute: "none", "segments" or "all": activations kept only at segment inputs
+    and recomputed in backward (pydtnn.recompute). step: another way to take a step, with Step's run() and input_shape (a pipeline
     stage's, pydtnn.distributed.pipeline.PipelineStep), in place of the Step made of the arguments above. tracer: a profiling.Tracer for the spans of data, forward, loss, backward,
     reduce, optimizer and each step (model.set_tracer adds the layers' own).
 
@@ -71,7 +72,7 @@ class Trainer:
     def __init__(self, model, loss, optimizer, *, metrics=("accuracy",), seed=0, schedules=(), callbacks=(),
                  comm=None, reducer=None, sync_batchnorm=False, accumulation_steps=1, tracer=None, prefetch=True,
                  sync_every=None, progress=True, epoch_lines=None, progress_every=10.0, metrics_file=None, log=None,
-                 is_root=None, step=None):
+                 is_root=None, step=None, recompute="none"):
         runtime.ensure_configured()
         if sync_every is not None and (int(sync_every) != sync_every or sync_every < 1):
             raise ConfigError(f"sync_every must be a positive integer, got {sync_every!r}")
@@ -90,7 +91,8 @@ class Trainer:
         self.log = self.report.log
         self.reducer = reducer.attach(model) if reducer is not None else None
         self.step = step if step is not None else Step(model, loss, optimizer, self.reducer, accumulation_steps,
-                                                       BatchNormSync(comm) if sync_batchnorm else None, tracer)
+                                                       BatchNormSync(comm) if sync_batchnorm else None, tracer,
+                                                       recompute)
         self._tracer = tracer
         self.prefetch = prefetch
         self.sync_every = sync_every  # None: 1 where arrays are on the host, SYNC_EVERY_DEVICE on a GPU

@@ -43,6 +43,7 @@ def main():
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--boundaries", default="", help="comma-separated unit paths where stages 1.. begin")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel pipelines")
+    p.add_argument("--recompute", default="none")
     args = p.parse_args()
     world = launch.init()
     launch.install_abort_handler(world)
@@ -55,7 +56,8 @@ def main():
         optimizer = SGD(model.parameters(), lr=0.05, momentum=0.9, backend=model.backend)
         reducer = reducers.create("bucketed", world) if world.size > 1 else None
         trainer = Trainer(model, loss, optimizer, progress=False, accumulation_steps=args.micro_batches,
-                          comm=world if world.size > 1 else None, reducer=reducer, is_root=world.rank == 0)
+                          comm=world if world.size > 1 else None, reducer=reducer, is_root=world.rank == 0,
+                          recompute=args.recompute)
         trainer.fit(train, epochs=1, batch_size=args.batch // args.replicas)
         state, bounds = model.whole_state_dict(), None
     else:
@@ -68,7 +70,7 @@ def main():
         optimizer = SGD(stage.parameters(), lr=0.05, momentum=0.9, backend=stage.backend)
         reducer = reducers.create("bucketed", replicas) if replicas.size > 1 else None
         step = pipeline.PipelineStep(stage, loss, optimizer, pipe, cut, args.micro_batches, args.schedule,
-                                     reducer=reducer)
+                                     reducer=reducer, recompute=args.recompute)
         trainer = Trainer(stage, loss, optimizer, progress=False, is_root=world.rank == 0, step=step,
                           comm=replicas if replicas.size > 1 else None, reducer=reducer)
         trainer.fit(train, epochs=1, batch_size=args.batch // args.replicas)

@@ -48,6 +48,7 @@ REFUSED_VALUES = {
     "ranks_per_node": ["--reduction", "hierarchical", "--ranks_per_node", "2"],
     "debug_collectives": ["--debug_collectives", "true"],
     "evaluate_only": ["--evaluate_only", "true"],
+    "recompute": ["--recompute", "all"],
     "pipeline_stages": ["--parallel", "pipeline", "--pipeline_stages", "2"],
     "pipeline_schedule": ["--pipeline_schedule", "gpipe"],
     "stage_boundaries": ["--parallel", "pipeline", "--stage_boundaries", "3"],

@@ -37,6 +37,7 @@ import numpy as np
 from pydtnn.errors import ConfigError, TrainingDiverged
 from pydtnn.layers.base import Layer
 from pydtnn.layers.blocks import Sequential
+from pydtnn.recompute import passes as recompute_passes
 from pydtnn.step import reduce_and_update
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -44,19 +45,9 @@ SCHEDULES = ("gpipe", "1f1b")
 
 # -- cutting the model ---------------------------------------------------------------------------
 def units(model):
-    """[(path, layer)]: the model's layers in order, each Sequential opened up, blocks and leaves whole."""
-    out = []
-
-    def walk(seq, prefix):
-        for name, child in seq.children:
-            path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, Sequential):
-                walk(child, path)
-            else:
-                out.append((path, child))
-
-    walk(model.root, "")
-    return out
+    """[(path, layer)]: the model's layers in order, each Sequential opened up, blocks and leaves whole
+    (Model.units)."""
+    return [(path, layer) for path, layer, _ in model.units()]
 
 
 def balanced_cuts(costs, stages):
@@ -200,10 +191,11 @@ class PipelineStep:
     stage_model: this process's stage (Cut.stage); comm: the pipeline's communicator (pydtnn's MPIComm), rank
     s holding stage s; cut: the Cut the stage comes from (the whole model's shapes and state layout);
     reducer: the gradient reducer across the replicas of this stage (groups()), attached to the stage, or
-    None: the summed micro-batches' gradients are reduced once per step, as Step's accumulation does."""
+    None: the summed micro-batches' gradients are reduced once per step, as Step's accumulation does;
+    recompute: "none", "segments" or "all" (pydtnn.recompute), within the stage."""
 
     def __init__(self, stage_model, loss, optimizer, comm, cut, micro_batches, schedule="1f1b", reducer=None,
-                 tracer=None):
+                 tracer=None, recompute="none"):
         if int(micro_batches) != micro_batches or micro_batches < 1:
             raise ConfigError(f"--micro_batches must be a positive integer, got {micro_batches!r}")
         if schedule not in SCHEDULES:
@@ -215,7 +207,9 @@ class PipelineStep:
         self.input_shape, self.output_shape = cut.input_shape, cut.output_shape
         self.backend, self.reducer, self.accumulation_steps = stage_model.backend, reducer, int(micro_batches)
         self._params = stage_model.parameters()
-        self._layers = [layer for _, layer in stage_model.layers()]
+        self.passes = recompute_passes(stage_model, recompute)
+        # what a forward leaves for its backward, set aside per micro-batch: the layers' and the recomputation's
+        self._layers = [layer for _, layer in stage_model.layers()] + ([self.passes] if recompute != "none" else [])
         self._acc = None
         self.cut = cut
 
@@ -259,7 +253,7 @@ class PipelineStep:
             if op == "F":
                 h = x[a:b] if self.first else messages.activation(i)
                 with self.backend.sample_streams_for(micro_streams):
-                    out = self.model.forward(h, training=True)
+                    out = self.passes.forward(h, training=True)
                 if self.last:  # the loss now: its saved state is the next micro-batch's after this
                     losses[i] = self.loss.forward(out, y[a:b])
                     dys[i], outs[i] = self.loss.backward(), out
@@ -271,7 +265,7 @@ class PipelineStep:
                 layer.__dict__.update(state)
             dy = dys.pop(i) if self.last else messages.gradient(i)
             with self.backend.sample_streams_for(micro_streams):
-                dx = self.model.backward(dy)
+                dx = self.passes.backward(dy)
             if not self.first:
                 messages.send_gradient(i, dx)
             share = (b - a) / n

@@ -42,6 +42,7 @@ REFUSED = {
     "ranks_per_node": "a node size other than the machine's (set processes_per_node in --machine)",
     "debug_collectives": "the signature check before every collective",
     "evaluate_only": "an evaluation (it predicts a training step)",
+    "recompute": "activation recomputation's second forward",
     "pipeline_stages": "pipeline parallelism (stages, their bubble and messages are not costed yet)",
     "pipeline_schedule": "pipeline parallelism (stages, their bubble and messages are not costed yet)",
     "stage_boundaries": "pipeline parallelism (stages, their bubble and messages are not costed yet)",
