@@ -148,8 +148,8 @@ class Model:
 
     def backward(self, dy):
         """Backpropagate dL/doutput (taken in the model's dtype); every layer's grads are overwritten. Hooks
-        fire as grads appear. Returns dL/dinput where the model was made to give it (a pipeline stage after
-        the first, Model.of_built), else None."""
+        fire as grads appear. Returns what the first layer returns: dL/dinput, or None where that layer
+        skips it (a Conv2D or Dense first in a model; a pipeline stage after the first always gives it)."""
         return self.root.backward(dy.astype(self.backend.dtype, copy=False))
 
     def train(self):
@@ -187,12 +187,13 @@ class Model:
     def units(self):
         """[(path, layer, the Sequential holding it)]: the layers in order with every Sequential opened up,
         blocks (additions, concatenations) and leaves whole: where a pipeline may cut, and the pieces
-        activation recomputation groups into segments."""
+        activation recomputation groups into segments. A child with an empty name puts its own children in
+        its parent's namespace (torchvision's names), so several units may share a path."""
         out = []
 
         def walk(seq, prefix):
             for name, child in seq.children:
-                path = f"{prefix}.{name}" if prefix else name
+                path = _join(prefix, name)
                 if isinstance(child, Sequential):
                     walk(child, path)
                 else:

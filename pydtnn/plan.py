@@ -106,6 +106,9 @@ def _pipeline_layout(parallel, world_size, m, s, flags):
     if s is None:
         raise ConfigError(f"{_named('parallel', 'pipeline', flags)} needs {'--' if flags else ''}pipeline_stages S "
                           f"(the stages the model is cut into, one per process)")
+    if s < 2:
+        raise ConfigError(f"{_named('pipeline_stages', s, flags)} is the whole model on each process; expected 2 or "
+                          f"more stages, or no {'--' if flags else ''}pipeline_stages")
     if m not in (None, 1):
         raise ConfigError(f"{_named('model_parallel_size', m, flags)} with {_named('pipeline_stages', s, flags)}: "
                           f"stages split over model-parallel groups are not written yet; expected no "

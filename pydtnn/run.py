@@ -76,11 +76,12 @@ def run(args):
     schedules = build_schedules(args, plan.layout.replicas)
     reducer = None if strategy is None else reducers.create(strategy, grad_comm,
                                                             **plan.reduction.create_options(**topk_momentum(corrected)))
+    tracer = new_tracer(model, comm) if args.tracing else None
     if plan.layout.pipelined:  # the Trainer attaches the reducer to the stage before the first step
         from pydtnn.distributed.pipeline import PipelineStep
 
         step = PipelineStep(model, loss, optimizer, group, cut, args.accumulation_steps, args.pipeline_schedule,
-                            reducer=reducer, recompute=args.recompute)
+                            reducer=reducer, tracer=tracer, recompute=args.recompute)
     effective = effective_values(args, choice, options, plan, schedules)
     effective["data_shape"] = list(data_shape)  # the images before any padding: what an exported graph takes
     if corrected:
@@ -90,7 +91,7 @@ def run(args):
                       log=log, comm=replicas, reducer=reducer, is_root=comm.rank == 0, sync_every=args.sync_every,
                       accumulation_steps=args.accumulation_steps, sync_batchnorm=args.sync_batchnorm,
                       callbacks=build_callbacks(args, config, effective, is_root=comm.rank == 0),
-                      tracer=new_tracer(model, comm) if args.tracing else None, step=step,
+                      tracer=tracer, step=step,
                       recompute=args.recompute)
     start_epoch = 0
     if args.resume:

@@ -6,7 +6,7 @@
 The loop (trainer.py) asks a step for nothing but this, so another way to take a step (pipeline stages
 with their micro-batches, ZeRO's sharded update) is another class with the same method:
 
-    input_shape: the shape of a sample x takes (without the batch).
+    input_shape, output_shape: the shapes of a sample x and of its outputs (without the batch).
     stages: the processes the model is cut over in a pipeline (1 here).
     predict(x) -> outputs: the model's in evaluation mode (every stage takes part in a pipeline).
     params_sha256() -> the whole model's (every process takes part where it is split).
@@ -92,6 +92,10 @@ class Step:
     @property
     def input_shape(self):
         return self.model.input_shape
+
+    @property
+    def output_shape(self):
+        return self.model.output_shape
 
     def predict(self, x):
         """The model's outputs for x (n, ...) in evaluation mode."""

@@ -51,8 +51,9 @@ class Trainer:
 
     accumulation_steps: each step's batch in that many micro-batches, one reduction and one update
     (pydtnn.step.Step). recompute: "none", "segments" or "all": activations kept only at segment inputs
-    and recomputed in backward (pydtnn.recompute). step: another way to take a step, with Step's run() and input_shape (a pipeline
-    stage's, pydtnn.distributed.pipeline.PipelineStep), in place of the Step made of the arguments above. tracer: a profiling.Tracer for the spans of data, forward, loss, backward,
+    and recomputed in backward (pydtnn.recompute). step: another way to take a step, with Step's run(),
+    predict(), params_sha256(), input_shape, output_shape and stages (a pipeline stage's,
+    pydtnn.distributed.pipeline.PipelineStep), in place of the Step made of the arguments above. tracer: a profiling.Tracer for the spans of data, forward, loss, backward,
     reduce, optimizer and each step (model.set_tracer adds the layers' own).
 
     prefetch: assemble the next training batch (read, decode, augment) in a background thread while
@@ -268,7 +269,7 @@ class Trainer:
         with span(self._tracer, "data"):
             x, y = batches.get(step)
             if not read:  # the values are checked here, on the host, and not read again on the device
-                check_host_targets(self.loss, y, self.model.output_shape)
+                check_host_targets(self.loss, y, self.step.output_shape)
             x, y = backend.batch_to_device(x, y)  # a GPU copies them while it computes the step before
         # dropout masks from each sample's stream (pydtnn.randomness): the same at any process count, nothing
         # to checkpoint; the Generator, reseeded per step and rank, serves only layers outside a Model
@@ -324,7 +325,7 @@ class Trainer:
             for a, b in batch_slices(last - first, max(batch_size, 1)):
                 x, y = data.get_batch(np.arange(first + a, first + b), backend.dtype)
                 if not read:
-                    check_host_targets(self.loss, y, self.model.output_shape)
+                    check_host_targets(self.loss, y, self.step.output_shape)
                 x, y = backend.batch_to_device(x, y)
                 out = self.step.predict(x)
                 with nullcontext() if read else targets_checked_on_host():

@@ -291,3 +291,30 @@ def test_simulate_refuses_a_pipeline_in_one_line():
     r = subprocess.run([*TRAIN, "--simulate", "--np", "2", "--parallel", "pipeline", "--pipeline_stages", "2"],
                        capture_output=True, text=True, timeout=120, env=ENV, check=False)
     assert r.returncode == 2 and "--simulate does not model pipeline parallelism" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name,shape,starts", [("resnet20_cifar10", (3, 32, 32), ["layer2", "layer3"]),
+                                               ("densenet_cifar10", (3, 32, 32), None)])
+def test_cuts_of_torchvision_named_models_keep_every_state_name(name, shape, starts):
+    """ResNets put their blocks' layers in the block's namespace (an empty name), DenseNets several blocks in one:
+    the units get distinct names, the stages' state names are the whole model's, the stages chained give
+    the whole model's outputs, and a Sequential's path begins a stage at its first layer."""
+    from pydtnn import models
+
+    def build():
+        return models.create(name, input_shape=shape, num_classes=10, backend=CPUBackend(np.float64, seed=0))
+
+    model, whole = build(), build()
+    names = [p for p, _ in pipeline.units(model)]
+    assert len(set(names)) == len(names) and all(n and not n.endswith(".") and "#" not in n for n in names)
+    cut = pipeline.Cut.of(model, 3, starts)
+    if starts:
+        assert [names[b] for b in cut.bounds[1:-1]] == ["layer2.0", "layer3.0"]
+    stages = [pipeline.stage_model(model, cut.units, cut.bounds, s) for s in range(3)]
+    assert [k for s in stages for k, _ in s.named_state()] == [k for k, _ in whole.named_state()]
+    assert [k for k, *_ in cut.layout] == [k for k, _ in whole.named_state()]
+    x = np.random.default_rng(0).standard_normal((2,) + shape)
+    h = x
+    for s in stages:
+        h = s.forward(h, training=False)
+    np.testing.assert_array_equal(h, whole.forward(x, training=False))

@@ -48,6 +48,8 @@ def test_a_bad_layout_names_the_flag_or_the_parameter(parallel, world, m, flag_m
     ("hybrid", 6, None, 4, "--pipeline_stages 4 does not divide the processes"),
     ("data", 2, None, 2, r"--pipeline_stages 2 needs --parallel pipeline \(or hybrid\); got --parallel data"),
     ("pipeline", 2, None, 0, "--pipeline_stages 0; expected a positive integer"),
+    ("pipeline", 1, None, 1, "--pipeline_stages 1 is the whole model on each process; expected 2 or more"),
+    ("hybrid", 2, None, 1, "--pipeline_stages 1 is the whole model on each process"),
 ])
 def test_a_bad_pipeline_layout_names_the_flag(parallel, world, m, stages, message):
     with pytest.raises(ConfigError, match=message):

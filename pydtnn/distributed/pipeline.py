@@ -35,19 +35,42 @@ from contextlib import nullcontext
 import numpy as np
 
 from pydtnn.errors import ConfigError, TrainingDiverged
-from pydtnn.layers.base import Layer
+from pydtnn.layers.base import Layer, _join
 from pydtnn.layers.blocks import Sequential
 from pydtnn.recompute import passes as recompute_passes
-from pydtnn.step import reduce_and_update
+from pydtnn.step import reduce_and_update, span
 
 SCHEDULES = ("gpipe", "1f1b")
 
 
 # -- cutting the model ---------------------------------------------------------------------------
 def units(model):
-    """[(path, layer)]: the model's layers in order, each Sequential opened up, blocks and leaves whole
-    (Model.units)."""
-    return [(path, layer) for path, layer, _ in model.units()]
+    """[(name, layer)]: the model's layers in order, each Sequential opened up, blocks and leaves whole
+    (Model.units), each named by its path, or, where that path is not its own (a child with an empty name,
+    as in torchvision's DenseNets), by the longest path the paths of all its layers with state begin with
+    ("features.denseblock1.denselayer2"); "#k" is added to a name still taken."""
+    found = model.units()
+    shared = {p for p in (path for path, _, _ in found) if sum(q == p for q, _, _ in found) > 1}
+    out, taken = [], set()
+    for path, layer, _ in found:
+        inner = [p for p, sub in layer.named_layers(path) if sub.params or sub.buffers]
+        name = _common(inner) or path if path in shared or not path else path
+        if name in taken or not name:
+            name = f"{name}#{len(out)}"
+        taken.add(name)
+        out.append((name, layer))
+    return out
+
+
+def _common(paths):
+    """The longest dotted prefix every path has ("" for none)."""
+    if not paths:
+        return ""
+    parts = [p.split(".") for p in paths]
+    n = 0
+    while all(len(p) > n and p[n] == parts[0][n] for p in parts):
+        n += 1
+    return ".".join(parts[0][:n])
 
 
 def balanced_cuts(costs, stages):
@@ -74,15 +97,15 @@ def balanced_cuts(costs, stages):
 
 def cuts_at(unit_list, starts):
     """Bounds of the stages that begin at the units named `starts` (dotted paths, in order), the first stage
-    at the first unit: --stage_boundaries."""
+    at the first unit: --stage_boundaries. A path that holds several units ("layer2") begins at its first."""
     paths = [p for p, _ in unit_list]
     bounds = [0]
-    for name in starts:
-        if name not in paths:
+    for name in (s.strip() for s in starts):
+        at = next((i for i, p in enumerate(paths) if p == name or p.startswith(name + ".")), None)
+        if at is None or not name:
             shown = ", ".join(paths[1:41]) + (f", ... ({len(paths) - 1} in all)" if len(paths) > 41 else "")
             raise ConfigError(f"--stage_boundaries: {name!r} is not a layer a stage can begin at; expected one of "
                               f"{shown}")
-        at = paths.index(name)
         if at <= bounds[-1]:
             raise ConfigError(f"--stage_boundaries: {name!r} does not come after the stage before it; expected layers "
                               f"in model order, each after the last (not the first layer, {paths[0]!r})")
@@ -105,16 +128,31 @@ def unit_costs(unit_list):
 
 
 def stage_model(model, unit_list, bounds, stage):
-    """The Model of stage `stage`: units [bounds[stage], bounds[stage + 1]) under their own paths, holding the
-    whole model's arrays (nothing is built again)."""
+    """The Model of stage `stage`: units [bounds[stage], bounds[stage + 1]) in a copy of the whole model's
+    nesting of Sequentials, under the same names (empty ones too), so every path and state name is the
+    whole model's; it holds the whole model's arrays (nothing is built again)."""
     from pydtnn.model import Model
 
     lo, hi = bounds[stage], bounds[stage + 1]
-    chosen = unit_list[lo:hi]
-    root = Sequential({path: layer for path, layer in chosen})
-    Layer.build(root, chosen[0][1].input_shape, model.backend.dtype, model.backend)
-    root.output_shape = chosen[-1][1].output_shape
-    return Model.of_built(root, model.backend, name=f"{model.name} stage {stage}", need_dx=stage > 0)
+    chosen = {id(layer) for _, layer in unit_list[lo:hi]}
+
+    def copy(seq):
+        kept = []
+        for name, child in seq.children:
+            if isinstance(child, Sequential):
+                inner = copy(child)
+                if inner is not None:
+                    kept.append((name, inner))
+            elif id(child) in chosen:
+                kept.append((name, child))
+        if not kept:
+            return None
+        new = Sequential(kept)
+        Layer.build(new, kept[0][1].input_shape, model.backend.dtype, model.backend)
+        new.output_shape = kept[-1][1].output_shape
+        return new
+
+    return Model.of_built(copy(model.root), model.backend, name=f"{model.name} stage {stage}", need_dx=stage > 0)
 
 
 class Cut:
@@ -190,8 +228,8 @@ class PipelineStep:
 
     stage_model: this process's stage (Cut.stage); comm: the pipeline's communicator (pydtnn's MPIComm), rank
     s holding stage s; cut: the Cut the stage comes from (the whole model's shapes and state layout);
-    reducer: the gradient reducer across the replicas of this stage (groups()), attached to the stage, or
-    None: the summed micro-batches' gradients are reduced once per step, as Step's accumulation does;
+    reducer: the gradient reducer across the replicas of this stage (groups()), which the Trainer attaches
+    to the stage (reducer.attach(stage_model) for a hand-written loop), or None: the summed micro-batches' gradients are reduced once per step, as Step's accumulation does;
     recompute: "none", "segments" or "all" (pydtnn.recompute), within the stage."""
 
     def __init__(self, stage_model, loss, optimizer, comm, cut, micro_batches, schedule="1f1b", reducer=None,
@@ -203,6 +241,9 @@ class PipelineStep:
         self.model, self.loss, self.optimizer, self.comm = stage_model, loss, optimizer, comm
         self.micro_batches, self.schedule, self.tracer = int(micro_batches), schedule, tracer
         self.stage, self.stages = comm.rank, comm.size
+        if len(cut.bounds) - 1 != comm.size:
+            raise ConfigError(f"the cut has {len(cut.bounds) - 1} stages but the pipeline's communicator {comm.size} "
+                              f"processes; expected one stage per process")
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.input_shape, self.output_shape = cut.input_shape, cut.output_shape
         self.backend, self.reducer, self.accumulation_steps = stage_model.backend, reducer, int(micro_batches)
@@ -252,11 +293,12 @@ class PipelineStep:
             micro_streams = streams.rows(None, a, b) if own_rows else streams
             if op == "F":
                 h = x[a:b] if self.first else messages.activation(i)
-                with self.backend.sample_streams_for(micro_streams):
+                with self.backend.sample_streams_for(micro_streams), span(self.tracer, "forward"):
                     out = self.passes.forward(h, training=True)
                 if self.last:  # the loss now: its saved state is the next micro-batch's after this
-                    losses[i] = self.loss.forward(out, y[a:b])
-                    dys[i], outs[i] = self.loss.backward(), out
+                    with span(self.tracer, "loss"):
+                        losses[i] = self.loss.forward(out, y[a:b])
+                        dys[i], outs[i] = self.loss.backward(), out
                 else:
                     messages.send_activation(i, out)
                 saved[i] = [dict(layer.__dict__) for layer in self._layers]
@@ -264,7 +306,7 @@ class PipelineStep:
             for layer, state in zip(self._layers, saved.pop(i)):
                 layer.__dict__.update(state)
             dy = dys.pop(i) if self.last else messages.gradient(i)
-            with self.backend.sample_streams_for(micro_streams):
+            with self.backend.sample_streams_for(micro_streams), span(self.tracer, "backward"):
                 dx = self.passes.backward(dy)
             if not self.first:
                 messages.send_gradient(i, dx)
@@ -339,12 +381,21 @@ class _Messages:
         self.dy_requests = {i: self.mpi.Irecv(buf, source=stage + 1, tag=2 * i + 1) for i, buf in self.dy.items()}
 
     def activation(self, i):
-        self.x_requests.pop(i).Wait()
+        with self._span("receive activation", i, self.x[i]):
+            self.x_requests.pop(i).Wait()
         return self.x.pop(i)
 
     def gradient(self, i):
-        self.dy_requests.pop(i).Wait()
+        with self._span("receive gradient", i, self.dy[i]):
+            self.dy_requests.pop(i).Wait()
         return self.dy.pop(i)
+
+    def _span(self, what, i, buf):
+        """The trace span of a wait (tid 2, the messages' track): what it waited for, the micro-batch, bytes."""
+        tracer = self.step.tracer
+        if tracer is None:
+            return nullcontext()
+        return tracer.span(what, "p2p", tid=2, micro_batch=i, bytes=int(buf.nbytes), stage=self.step.stage)
 
     def send_activation(self, i, out):
         self._send(out, self.step.stage + 1, 2 * i)
@@ -353,8 +404,11 @@ class _Messages:
         self._send(dx, self.step.stage - 1, 2 * i + 1)
 
     def _send(self, a, dest, tag):
-        a = np.ascontiguousarray(a)
-        self.sends.append((self.mpi.Isend(a, dest=dest, tag=tag), a))  # the buffer lives until the send is over
+        a = np.ascontiguousarray(a, dtype=self.step.model.backend.dtype)
+        # a buffer lives until its send is over, no longer: 1F1B then holds few micro-batches' messages
+        self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+        with self._span("send activation" if tag % 2 == 0 else "send gradient", tag // 2, a):
+            self.sends.append((self.mpi.Isend(a, dest=dest, tag=tag), a))
 
     def finish(self):
         for request, _ in self.sends:
@@ -384,10 +438,13 @@ def whole_state(stage_model, comm, layout):
 
 def state_layout(model, unit_list, bounds):
     """[(name, stage, shape, dtype)] of the whole model's state dict, in its order: which stage holds each array."""
-    stage_of = {}
+    stage_of = {}  # id of every layer inside a unit -> its stage
     for s in range(len(bounds) - 1):
-        for path, layer in unit_list[bounds[s]:bounds[s + 1]]:
-            for sub_path, _ in layer.named_layers(path):
-                stage_of[sub_path] = s
-    return [(name, stage_of[name.rpartition(".")[0]], tuple(v.shape), np.dtype(v.dtype).str)
-            for name, v in model.named_state()]
+        for _, unit in unit_list[bounds[s]:bounds[s + 1]]:
+            for _, layer in unit.named_layers():
+                stage_of[id(layer)] = s
+    out = []
+    for path, layer in model.root.named_layers():
+        for k, v in list(layer.params.items()) + list(layer.buffers.items()):
+            out.append((_join(path, k), stage_of[id(layer)], tuple(v.shape), np.dtype(v.dtype).str))
+    return out
