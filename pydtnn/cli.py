@@ -76,7 +76,7 @@ def build_parser(suppress_defaults=False):
 
 def _model_and_data_flags(p):
     """The model, its batch and epochs, and the data (PyDTNN's names)."""
-    from pydtnn import data
+    from pydtnn import data, recompute
 
     f = p.flag
 
@@ -92,7 +92,7 @@ def _model_and_data_flags(p):
       help="samples per step over all processes; must divide by the process count (sets --batch_size)")
     f(g, "num_epochs", type=positive_int, default=None,
       help="epochs to train (default 10; 7 for VGG without BatchNorm, see docs/models.md)")
-    f(g, "recompute", choices=("none", "segments", "all"), default="none",
+    f(g, "recompute", choices=recompute.MODES, default="none",
       help="activation recomputation: keep only the inputs of segments of about sqrt(L) layers (segments) or of "
            "every layer (all) in forward, and run each segment's forward again in backward; same results, less "
            "memory, one more forward (default none)")
@@ -169,6 +169,7 @@ def _optimizer_flags(p):
 def _parallel_flags(p):
     """Data, model and hybrid parallelism, and how gradients are reduced."""
     from pydtnn.distributed import reducers
+    from pydtnn.distributed.pipeline import SCHEDULES
     from pydtnn.plan import PARALLEL
 
     f = p.flag
@@ -186,7 +187,7 @@ def _parallel_flags(p):
       help="--parallel pipeline: the consecutive stages the model is cut into, one per process (S = the process "
            "count); --parallel hybrid: stages per pipeline, np / S pipelines data parallel; each step runs "
            "--micro_batches micro-batches through them")
-    f(g, "pipeline_schedule", choices=("gpipe", "1f1b"), default="1f1b",
+    f(g, "pipeline_schedule", choices=SCHEDULES, default="1f1b",
       help="--parallel pipeline: all forwards then all backwards (gpipe), or one forward and one backward in turn "
            "once the pipe is full (1f1b, the default: fewer micro-batches' activations held); same results")
     f(g, "stage_boundaries", default=None,

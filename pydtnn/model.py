@@ -267,15 +267,16 @@ class Model:
     def params_sha256(self, whole=None):
         """SHA-256 over all parameters in state-dict order, as little-endian bytes of their dtype; of the
         whole model when it is split over ranks (a collective then), or of `whole` (whole_state_dict())."""
-        h = hashlib.sha256()
-        for name, p, _ in self.parameters():
-            if whole is not None:
-                p = whole[name]
-            elif self.sharding is not None:
-                p = self.sharding.gather(name, p)
-            a = np.ascontiguousarray(self.backend.to_numpy(p))
-            h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
-        return h.hexdigest()
+        def whole_params():
+            for name, p, _ in self.parameters():
+                if whole is not None:
+                    yield whole[name]
+                elif self.sharding is not None:
+                    yield self.sharding.gather(name, p)
+                else:
+                    yield self.backend.to_numpy(p)
+
+        return params_digest(whole_params())
 
     # -- reporting -----------------------------------------------------------------------
     def summary(self, file=None):
@@ -295,3 +296,13 @@ class Model:
         text = f"{self.name}: input {self.input_shape}, {self.backend!r}\n" + "\n".join(lines)
         print(text, file=file)
         return text
+
+
+def params_digest(arrays):
+    """SHA-256 (hex) over NumPy arrays in order, as little-endian bytes of their dtype: Model.params_sha256's
+    digest, which a pipeline's stages compute over the arrays they gather."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+    return h.hexdigest()

@@ -87,9 +87,6 @@ def layout(parallel, world_size, model_parallel_size=None, flags=False, pipeline
                               f"processes, but {_named('model_parallel_size', m, flags)} was given; use "
                               f"{_named('parallel', 'hybrid', flags)} for groups of {m}")
         m = world_size
-    elif m is None:
-        raise ConfigError(f"{_named('parallel', 'hybrid', flags)} needs {'--' if flags else ''}model_parallel_size "
-                          f"M (processes per model replica)")
     if world_size % m:
         where = f"the {world_size} processes" if flags else f"np={world_size} (the processes)"
         raise ConfigError(f"{_named('model_parallel_size', m, flags)} does not divide {where}; "

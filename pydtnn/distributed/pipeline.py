@@ -30,6 +30,7 @@ loss and outputs are broadcast to every stage, so the loop above the step (metri
 finite-loss check) runs the same on every process.
 """
 
+from collections import Counter
 from contextlib import nullcontext
 
 import numpy as np
@@ -50,11 +51,11 @@ def units(model):
     as in torchvision's DenseNets), by the longest path the paths of all its layers with state begin with
     ("features.denseblock1.denselayer2"); "#k" is added to a name still taken."""
     found = model.units()
-    shared = {p for p in (path for path, _, _ in found) if sum(q == p for q, _, _ in found) > 1}
+    counts = Counter(path for path, _, _ in found)
     out, taken = [], set()
     for path, layer, _ in found:
         inner = [p for p, sub in layer.named_layers(path) if sub.params or sub.buffers]
-        name = _common(inner) or path if path in shared or not path else path
+        name = _common(inner) or path if counts[path] > 1 or not path else path
         if name in taken or not name:
             name = f"{name}#{len(out)}"
         taken.add(name)
@@ -339,16 +340,13 @@ class PipelineStep:
 
     def params_sha256(self):
         """Model.params_sha256 of the whole model, on every stage (every stage takes part)."""
-        import hashlib
+        from pydtnn.model import params_digest
 
         state = self.whole_state()
         digest = np.zeros(64, np.uint8)
         if state is not None:
-            h = hashlib.sha256()
-            for name in self.cut.param_names:
-                a = np.ascontiguousarray(state[name])
-                h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
-            digest[:] = np.frombuffer(h.hexdigest().encode(), np.uint8)
+            hexdigest = params_digest(state[name] for name in self.cut.param_names)
+            digest[:] = np.frombuffer(hexdigest.encode(), np.uint8)
         self._mpi.Bcast(digest, root=0)
         return digest.tobytes().decode()
 

@@ -131,11 +131,12 @@ class GPUBackend(Backend):
         dy.sum(axis=(0, 2, 3), out=out)
 
     # -- pooling ---------------------------------------------------------------------------
-    def _launch(self, name, total, *args):
-        threads = 256
+    @staticmethod
+    def _launch(module, name, total, *args, threads=256):
+        """Kernel `name` of RawModule `module` over `total` threads (one per output, or per channel)."""
         blocks = (total + threads - 1) // threads
         if blocks:
-            self._pool.get_function(name)((blocks,), (threads,), args)
+            module.get_function(name)((blocks,), (threads,), args)
 
     def _pool_args(self, g):
         i32 = np.int32
@@ -148,28 +149,28 @@ class GPUBackend(Backend):
         n = x.shape[0]
         y = cp.empty((n, g.c, g.ho, g.wo), x.dtype)
         arg = cp.empty(y.shape, cp.int32)  # index of each maximum within its (n, c) plane
-        self._launch("maxpool_fwd", y.size, x, y, arg, np.int64(y.size), *self._pool_args(g))
+        self._launch(self._pool, "maxpool_fwd", y.size, x, y, arg, np.int64(y.size), *self._pool_args(g))
         return y, (arg if keep else None)
 
     def maxpool2d_backward(self, dy, ctx, g):
         cp = self.cupy
         dy = cp.ascontiguousarray(dy)
         dx = cp.empty((dy.shape[0], g.c, g.h, g.w), dy.dtype)
-        self._launch("maxpool_bwd", dx.size, dy, ctx, dx, np.int64(dx.size), *self._pool_args(g))
+        self._launch(self._pool, "maxpool_bwd", dx.size, dy, ctx, dx, np.int64(dx.size), *self._pool_args(g))
         return dx
 
     def avgpool2d_forward(self, x, g, keep=True):
         cp = self.cupy
         x = cp.ascontiguousarray(x)
         y = cp.empty((x.shape[0], g.c, g.ho, g.wo), x.dtype)
-        self._launch("avgpool_fwd", y.size, x, y, np.int64(y.size), *self._pool_args(g))
+        self._launch(self._pool, "avgpool_fwd", y.size, x, y, np.int64(y.size), *self._pool_args(g))
         return y, None
 
     def avgpool2d_backward(self, dy, ctx, g):
         cp = self.cupy
         dy = cp.ascontiguousarray(dy)
         dx = cp.empty((dy.shape[0], g.c, g.h, g.w), dy.dtype)
-        self._launch("avgpool_bwd", dx.size, dy, dx, np.int64(dx.size), *self._pool_args(g))
+        self._launch(self._pool, "avgpool_bwd", dx.size, dy, dx, np.int64(dx.size), *self._pool_args(g))
         return dx
 
     # -- activations and batch normalization -------------------------------------------------
@@ -193,9 +194,6 @@ class GPUBackend(Backend):
                                   np.int32(mode), np.int32(c), np.int64(length), np.int64(nl), np.int32(shares)))
         return part0, part1, shares
 
-    def _per_channel_launch(self, name, c, *args):
-        self._bn.get_function(name)(((c + 127) // 128,), (128,), args)
-
     def batchnorm_forward(self, x, weight, bias, eps):
         """(y, mean, var, inv_std): BN_SRC's two-pass float64 statistics and one pass for y."""
         cp = self.cupy
@@ -206,13 +204,13 @@ class GPUBackend(Backend):
         mean, var, inv_std = cp.empty(c, f64), cp.empty(c, f64), cp.empty(c, f64)
         a, b = cp.empty(c, f32), cp.empty(c, f32)
         part, _, shares = self._bn_partials(0, x)
-        self._per_channel_launch("bn_mean", c, part, mean, np.int32(c), np.int32(shares), np.float64(m))
+        self._launch(self._bn, "bn_mean", c, part, mean, np.int32(c), np.int32(shares), np.float64(m))
         part, _, shares = self._bn_partials(1, x, mean=mean)
-        self._per_channel_launch("bn_forward_coefficients", c, part, mean, weight, bias, np.int32(c),
-                                 np.int32(shares), np.float64(m), np.float64(eps), var, inv_std, a, b)
+        self._launch(self._bn, "bn_forward_coefficients", c, part, mean, weight, bias, np.int32(c),
+                     np.int32(shares), np.float64(m), np.float64(eps), var, inv_std, a, b)
         y = cp.empty_like(x)
-        self._launch_elementwise("bn_affine", x.size, x, a, b, y, np.int64(x.size), np.int32(c),
-                                 np.int64(x.size // (x.shape[0] * c)))
+        self._launch(self._bn, "bn_affine", x.size, x, a, b, y, np.int64(x.size), np.int32(c),
+                     np.int64(x.size // (x.shape[0] * c)))
         return y, mean, var, inv_std
 
     def batchnorm_backward(self, dy, x, mean, inv_std, weight):
@@ -224,20 +222,16 @@ class GPUBackend(Backend):
         db, dw = cp.empty(c, f64), cp.empty(c, f64)
         k1, k2, k0 = cp.empty(c, f32), cp.empty(c, f32), cp.empty(c, f32)
         part0, part1, shares = self._bn_partials(2, x, dy=dy, mean=mean)
-        self._per_channel_launch("bn_backward_coefficients", c, part0, part1, mean, inv_std, weight, np.int32(c),
-                                 np.int32(shares), np.float64(x.size // c), db, dw, k1, k2, k0)
+        self._launch(self._bn, "bn_backward_coefficients", c, part0, part1, mean, inv_std, weight, np.int32(c),
+                     np.int32(shares), np.float64(x.size // c), db, dw, k1, k2, k0)
         dx = cp.empty_like(dy)
-        self._launch_elementwise("bn_affine_dx", x.size, dy, x, k1, k2, k0, dx, np.int64(x.size), np.int32(c),
-                                 np.int64(x.size // (x.shape[0] * c)))
+        self._launch(self._bn, "bn_affine_dx", x.size, dy, x, k1, k2, k0, dx, np.int64(x.size), np.int32(c),
+                     np.int64(x.size // (x.shape[0] * c)))
         return dx, db, dw
 
     def batchnorm_update_running(self, running_mean, running_var, mean, var, momentum, m):
         elementwise_kernels()[2](mean, var, np.float32(1 - momentum), float(momentum),
                                  momentum * m / max(m - 1, 1), running_mean, running_var)
-
-    def _launch_elementwise(self, name, total, *args):
-        if total:
-            self._bn.get_function(name)(((total + 255) // 256,), (256,), args)
 
     # -- dropout ---------------------------------------------------------------------------
     def dropout_mask(self, shape, rate, dtype, stream=None):
