@@ -290,6 +290,9 @@ def _add_dataset_flags(p, g):
     p.flag(g, "crop_images", type=parse_bool, default=False, help="random crops with zero padding while training")
     p.flag(g, "crop_images_padding", type=non_negative_int, default=4, help="padding before the random crop (default 4)")
     p.flag(g, "use_synthetic_data", type=parse_bool, default=False, help="random images in the model's input shape")
+    p.flag(g, "data_workers", type=positive_int, default=1,
+           help="threads that read, decode and augment each batch, a share of its images each (default 1); "
+                "the batches are the same for any number")
 
 
 # -- configuration ------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def run(args):
                       accumulation_steps=args.accumulation_steps, sync_batchnorm=args.sync_batchnorm,
                       callbacks=build_callbacks(args, config, effective, is_root=comm.rank == 0),
                       tracer=tracer, step=step,
-                      recompute=args.recompute)
+                      recompute=args.recompute, data_workers=args.data_workers)
     start_epoch = 0
     if args.resume:
         start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,

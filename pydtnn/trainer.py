@@ -18,6 +18,7 @@ import numpy as np
 from pydtnn import metrics as metric_fns
 from pydtnn import runtime
 from pydtnn.data.dataset import batch_slices, epoch_order
+from pydtnn.data.workers import BatchWorkers, check_workers
 from pydtnn.errors import ConfigError, DataError, TrainingDiverged
 from pydtnn.losses import check_host_targets, defers, targets_checked_on_host
 from pydtnn.optim.schedules import learning_rate
@@ -59,6 +60,8 @@ class Trainer:
     prefetch: assemble the next training batch (read, decode, augment) in a background thread while
     the current step computes. Batches depend only on (seed, epoch, step, rank), so the result is
     the same either way; the "data" span of a trace then shows only the wait that was not hidden.
+    data_workers: threads that assemble each batch, every one a share of its samples (pydtnn.data.workers);
+    the batches are the same, to the bit, for any number.
     sync_every: steps between reads of the loss and metrics (pydtnn.readings; see steps_between_reads).
 
     progress, epoch_lines, progress_every, metrics_file, log: what the root process reports, and where
@@ -73,7 +76,7 @@ class Trainer:
     def __init__(self, model, loss, optimizer, *, metrics=("accuracy",), seed=0, schedules=(), callbacks=(),
                  comm=None, reducer=None, sync_batchnorm=False, accumulation_steps=1, tracer=None, prefetch=True,
                  sync_every=None, progress=True, epoch_lines=None, progress_every=10.0, metrics_file=None, log=None,
-                 is_root=None, step=None, recompute="none"):
+                 is_root=None, step=None, recompute="none", data_workers=1):
         runtime.ensure_configured()
         if sync_every is not None and (int(sync_every) != sync_every or sync_every < 1):
             raise ConfigError(f"sync_every must be a positive integer, got {sync_every!r}")
@@ -96,6 +99,7 @@ class Trainer:
                                                        recompute)
         self._tracer = tracer
         self.prefetch = prefetch
+        self.data_workers = check_workers(data_workers)
         self.sync_every = sync_every  # None: 1 where arrays are on the host, SYNC_EVERY_DEVICE on a GPU
         self.history = []
         self.stop_training = False
@@ -222,7 +226,8 @@ class Trainer:
             shares.append((np.sort(order[lo:hi]) if hi > lo else order[a : a + 1], hi - lo))
 
         def load(step):
-            return train.get_batch(shares[step][0], backend.dtype, rng=SampleStreams(self.seed, epoch, shares[step][0]))
+            idx = shares[step][0]
+            return workers.get_batch(train, idx, backend.dtype, rng=SampleStreams(self.seed, epoch, idx))
 
         bar, lines = self.report.bar(slices, epoch, epochs), self.report.lines(slices, epoch, epochs)
         self.model.train()
@@ -230,7 +235,7 @@ class Trainer:
             self.reducer.begin_epoch(epoch)
         every = self.steps_between_reads()
         readings = Readings(self.metric_fns, backend, every, self.reducer, epoch, *self._last_and_rank())
-        with _Prefetcher(load, len(slices), self.prefetch) as batches:
+        with BatchWorkers(self.data_workers) as workers, _Prefetcher(load, len(slices), self.prefetch) as batches:
             for step, (a, b) in enumerate(bar):
                 indices, n = shares[step]
                 loss, out, y = self._train_batch(batches, step, epoch, indices, n / (b - a), read=every == 1)
@@ -322,15 +327,16 @@ class Trainer:
         read = self.steps_between_reads() == 1 or not defers(self.loss)
         readings = Readings(self.metric_fns, backend, every=1 if read else None)
         try:
-            for a, b in batch_slices(last - first, max(batch_size, 1)):
-                x, y = data.get_batch(np.arange(first + a, first + b), backend.dtype)
-                if not read:
-                    check_host_targets(self.loss, y, self.step.output_shape)
-                x, y = backend.batch_to_device(x, y)
-                out = self.step.predict(x)
-                with nullcontext() if read else targets_checked_on_host():
-                    loss = self.loss.forward(out, y) if read else self.loss.value(out, y)
-                readings.add(loss, out, y, b - a)
+            with BatchWorkers(self.data_workers) as workers:
+                for a, b in batch_slices(last - first, max(batch_size, 1)):
+                    x, y = workers.get_batch(data, np.arange(first + a, first + b), backend.dtype)
+                    if not read:
+                        check_host_targets(self.loss, y, self.step.output_shape)
+                    x, y = backend.batch_to_device(x, y)
+                    out = self.step.predict(x)
+                    with nullcontext() if read else targets_checked_on_host():
+                        loss = self.loss.forward(out, y) if read else self.loss.value(out, y)
+                    readings.add(loss, out, y, b - a)
         finally:
             self.model.training = was_training
         return readings.totals(self.comm)[0]

@@ -17,12 +17,15 @@ from numpy.lib.stride_tricks import sliding_window_view
 from pydtnn.errors import ConfigError
 
 
-def normalize(x, dtype=np.float32, scale=1.0, mean=None, std=None):
-    """(x * scale - mean) / std per channel, as a new array of `dtype`.
+def normalize(x, dtype=np.float32, scale=1.0, mean=None, std=None, out=None):
+    """(x * scale - mean) / std per channel, as a new array of `dtype`, or written into `out` (same shape).
 
     x: (N, C, H, W) of any numeric dtype; mean, std: (C,) or None (skipped).
     """
-    out = np.asarray(x).astype(dtype)
+    if out is None:
+        out = np.asarray(x).astype(dtype)
+    else:
+        out[...] = x
     if scale != 1.0:
         out *= scale  # a Python float keeps the array's dtype
     c = out.shape[1]
@@ -169,10 +172,14 @@ class AugmentedDataset:
     def y(self):
         return self.dataset.y
 
-    def get_batch(self, idx, dtype=np.float32, rng=None):
-        """(x, y) as the wrapped dataset gives them, augmented when rng is a Generator."""
+    def get_batch(self, idx, dtype=np.float32, rng=None, out=None):
+        """(x, y) as the wrapped dataset gives them, augmented when rng is a Generator (x written into out)."""
         x, y = self.dataset.get_batch(idx, dtype)
-        return np.ascontiguousarray(self.augment(x, rng, self.fill), dtype=dtype), y
+        x = self.augment(x, rng, self.fill)
+        if out is not None:
+            out[...] = x
+            return out, y
+        return np.ascontiguousarray(x, dtype=dtype), y
 
     def subset(self, idx, name=None):
         return AugmentedDataset(self.dataset.subset(idx, name=name), self.augment)

@@ -38,13 +38,18 @@ class ArrayDataset:
     def input_shape(self):
         return tuple(self.x.shape[1:])
 
-    def get_batch(self, idx, dtype=np.float32, rng=None):
+    def get_batch(self, idx, dtype=np.float32, rng=None, out=None):
         """(x, y) for sample indices idx: x (len(idx), C, H, W) in `dtype`, y (len(idx),) int64.
 
         rng: a Generator for random augmentation, given for training batches only (None: the
         deterministic evaluation view). An ArrayDataset has no augmentation and ignores it.
+        out: an array (len(idx), C, H, W) of `dtype` to write x into.
         """
-        x = self.x[idx].astype(dtype)
+        if out is None:
+            x = self.x[idx].astype(dtype)
+        else:
+            x = out
+            x[...] = self.x[idx]
         if self.scale != 1.0:
             x *= self.scale  # a Python float: keeps the array's dtype
         if self.mean is not None:

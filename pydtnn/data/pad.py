@@ -35,11 +35,11 @@ class PaddedDataset:
     def y(self):
         return self.dataset.y
 
-    def get_batch(self, idx, dtype=np.float32, rng=None):
-        """(x padded to (N, *input_shape), y) of the wrapped dataset's batch."""
+    def get_batch(self, idx, dtype=np.float32, rng=None, out=None):
+        """(x padded to (N, *input_shape), y) of the wrapped dataset's batch (x written into out, if given)."""
         x, y = self.dataset.get_batch(idx, dtype, rng=rng)
         c, h, w = x.shape[1:]
-        out = np.empty((len(x), *self.input_shape), dtype)
+        out = np.empty((len(x), *self.input_shape), dtype) if out is None else out
         out[...] = self.fill.astype(dtype).reshape(1, c, 1, 1)
         out[:, :, self.top:self.top + h, self.left:self.left + w] = x
         return out, y

@@ -88,16 +88,17 @@ class StreamedDataset:
         """Raw pixels (len(rows), C, H, W) of storage rows; rng is None for the evaluation view."""
         raise NotImplementedError
 
-    def get_batch(self, idx, dtype=np.float32, rng=None):
+    def get_batch(self, idx, dtype=np.float32, rng=None, out=None):
         """(x, y) for samples idx: x (len(idx), C, H, W) in `dtype`, normalized; y (len(idx),) int64.
 
         rng: the training batch's Generator (random augmentation); None for the evaluation view.
+        out: an array (len(idx), C, H, W) of `dtype` to write x into (pydtnn.data.workers' shares).
         """
         idx = np.asarray(idx, dtype=np.int64)
         x = self._read(self.rows[idx], rng)
         if self.augment is not None:
             x = self.augment(x, rng)  # raw pixels: zero padding is black
-        return normalize(x, dtype, self.scale, self.mean, self.std), self.y[idx]
+        return normalize(x, dtype, self.scale, self.mean, self.std, out), self.y[idx]
 
     def subset(self, idx, name=None):
         """A view on samples idx (same storage, normalization and augmentation)."""

@@ -60,7 +60,7 @@ OUTSIDE_A_STEP = (
     "reduce_lr_every_nepochs_nepochs", "reduce_lr_every_nepochs_min_lr", "early_stopping_metric",
     "early_stopping_patience", "stop_at_loss_metric", "stop_at_loss_threshold", "model_checkpoint_save_freq",
     "learning_rate_scaling", "drop_last", "stall_timeout", "tracing", "tracer_output", "profile", "seed",
-    "metrics_file", "history_file", "checkpoint_dir", "resume", "overwrite", "config", "progress",
+    "metrics_file", "history_file", "checkpoint_dir", "resume", "overwrite", "config", "progress", "data_workers",
 )
 
 
