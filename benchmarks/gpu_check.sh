@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run: the GPU tests, then training throughput against PyTorch.
 #
-#   bash benchmarks/gpu_check.sh [all|tests,profile,bench]   # results in $OUT (the device tool's folder) or ./gpu-results
+#   bash benchmarks/gpu_check.sh [all|tests,nccl,loader,profile,bench]   # results in $OUT (the device tool's folder)
+#                                                                        # or ./gpu-results
+# tests: tests/test_gpu.py (with two processes on the GPU where an mpiexec is found). nccl: what NCCL itself
+# does with two ranks on one GPU (pydtnn refuses it before NCCL starts). loader: benchmarks/loader.py on the
+# machine's cores, then ResNet-50 trained from a JPEG folder against the same from memory.
 #
-# Sized for a command limit of 10 minutes: each stage has its own limit (TESTS_S, PROFILE_S, BENCH_S seconds), every
+# Sized for a command limit of 10 minutes: each stage has its own limit (TESTS_S, NCCL_S, LOADER_S, PROFILE_S, BENCH_S seconds), every
 # test its own (TEST_S), the tests' CPU reference runs the NumPy kernels (no Numba compiles), and the
 # benchmark writes its table after every row, so a stage cut short still reports what it did.
 #
@@ -15,6 +19,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 STAGE=${1:-all}  # or some of the stages, comma-separated
 want() { [ "$STAGE" = all ] || [[ ",$STAGE," == *",$1,"* ]]; }
+# Open MPI as root, in a container: allowed, oversubscribed, no single-copy mechanism (MPICH ignores these)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+    OMPI_MCA_btl_vader_single_copy_mechanism=none
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -44,6 +51,7 @@ print('cupy', cupy.__version__, 'cuDNN', cudnn.backend_version_string(), 'cudnn-
 getattr(cudnn, '__version__', '?'), 'numpy', numpy.__version__, 'torch', torch.__version__)"
     python3 -c "from cupy.cuda import nccl; print('NCCL', nccl.get_version())"
     python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+    echo "mpiexec: $(command -v mpiexec || echo none on PATH)"
 } > "$OUT/versions.txt" 2>&1
 # the frontend's graph API as installed, for reading beside a failure
 python3 -c "import pydoc, cudnn; print(pydoc.render_doc(cudnn.pygraph, renderer=pydoc.plaintext))" \
@@ -55,6 +63,31 @@ if want tests; then
     PYDTNN_CPU_KERNELS=numpy timeout "${TESTS_S:-180}" python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider \
         --timeout "${TEST_S:-120}" --junitxml "$OUT/gpu_tests.xml" -k "${TESTS_K:-}" tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
     tests=${PIPESTATUS[0]}
+fi
+if want nccl && command -v mpiexec >/dev/null; then
+    timeout "${NCCL_S:-60}" mpiexec -n 2 python3 -c "
+from mpi4py import MPI
+from pydtnn.backends.gpu.device import load_cuda_libraries
+load_cuda_libraries()
+import cupy
+from cupy.cuda import nccl
+comm = MPI.COMM_WORLD
+cupy.cuda.Device(0).use()
+uid = comm.bcast(nccl.get_unique_id() if comm.rank == 0 else None)
+try:
+    c = nccl.NcclCommunicator(2, uid, comm.rank)
+    x = cupy.ones(4, cupy.float32)
+    c.allReduce(x.data.ptr, x.data.ptr, 4, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, cupy.cuda.get_current_stream().ptr)
+    cupy.cuda.get_current_stream().synchronize()
+    print('rank', comm.rank, 'NCCL with two ranks on GPU 0: allreduce gave', x.get())
+except Exception as e:
+    print('rank', comm.rank, 'NCCL with two ranks on GPU 0:', type(e).__name__, e)
+" 2>&1 | tee "$OUT/nccl_two_ranks.log"
+fi
+if want loader; then
+    timeout "${LOADER_S:-170}" python3 benchmarks/loader.py --images 2048 --batch 64 --repeats 1 --workers 1,2,4,8,16 \
+        --train resnet50_imagenet --gpu --train_workers 1,4,8,16 --train_steps 32 --train_warmup 8 \
+        --folder /tmp/pydtnn-jpegs --out "$OUT/loader.md" --json "$OUT/loader.json" 2>&1 | tee "$OUT/loader.log"
 fi
 if want profile; then
     timeout "${PROFILE_S:-45}" python3 benchmarks/gpu_profile.py --torch --out "$OUT/gpu_profile.md" 2>&1 | tail -n 80

@@ -379,3 +379,70 @@ def test_batches_reach_the_device_intact_on_the_copy_stream(gpu):
         sums.append((d.astype(cp.float64) ** 2).sum())  # queued on the computing stream, not read yet
     got = [float(s) for s in sums]
     np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+# -- several processes on one GPU ----------------------------------------------------------------------------
+def _mpiexec():
+    """The mpiexec of the MPI library mpi4py uses: next to this Python, else on PATH; None without one."""
+    import shutil
+
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
+MPI_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
+needs_mpiexec = pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec next to python or on PATH")
+
+
+def _train_gpu(n, tmp_path, *flags):
+    """pydtnn-train --enable_gpu on n processes (all on this machine's first GPU when it has one): the process
+    and its metrics file's records."""
+    import json
+
+    out = tmp_path / f"m{n}-{len(list(tmp_path.iterdir()))}.jsonl"
+    cmd = ([_mpiexec(), "-n", str(n)] if n > 1 else []) + [
+        sys.executable, "-m", "pydtnn", "--model", "simplemlp", "--num_epochs", "1", "--steps_per_epoch", "12",
+        "--global_batch_size", "48", "--progress", "false", "--enable_gpu", "true", "--sync_every", "1",
+        "--metrics_file", str(out), *flags]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240,
+                       env={**MPI_ENV, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")})
+    records = [json.loads(s) for s in out.read_text().splitlines()] if out.exists() else []
+    return r, records
+
+
+@needs_gpu
+@needs_mpiexec
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["bucketed", "per_layer", "blocking"])
+def test_two_processes_sharing_the_gpu_equal_one_process(tmp_path, reduction):
+    """Data parallelism over two processes on one GPU, gradients reduced by MPI through host memory
+    (DeviceComm): the same losses and test accuracy as one process, within float32 rounding."""
+    r1, one = _train_gpu(1, tmp_path)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2, two = _train_gpu(2, tmp_path, "--reduction", reduction)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert two[-1]["world_size"] == 2 and one[-1]["world_size"] == 1
+    assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-4)
+    assert two[-1]["test_loss"] == pytest.approx(one[-1]["test_loss"], rel=1e-3)
+
+
+@needs_gpu
+@needs_mpiexec
+@pytest.mark.gpu
+def test_topk_reduction_on_two_processes_sharing_the_gpu(tmp_path):
+    """topk's allgatherv of device gradients, staged through host memory: trains, and the loss falls."""
+    r, records = _train_gpu(2, tmp_path, "--reduction", "topk", "--density", "0.1", "--num_epochs", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [rec["loss"] for rec in records if "epoch" in rec and rec.get("loss") is not None]
+    assert len(losses) == 2 and np.isfinite(losses).all() and losses[1] < losses[0], records
+
+
+@needs_gpu
+@needs_mpiexec
+@pytest.mark.gpu
+def test_nccl_with_two_processes_on_one_gpu_is_refused_in_one_line(tmp_path):
+    r, _ = _train_gpu(2, tmp_path, "--enable_nccl", "true")
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [s for s in r.stderr.splitlines() if "share the GPU" in s]
+    assert lines and "expected one GPU per rank" in lines[0], r.stderr[-3000:]

@@ -195,10 +195,11 @@ class _Event:
         pass
 
 
-def _fake_cupy(monkeypatch, nccl, events_done=True):
+def _fake_cupy(monkeypatch, nccl, events_done=True, bus="0000:1A:00.0"):
     cupy = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     cuda.nccl = nccl
+    cuda.Device = lambda device=None: types.SimpleNamespace(pci_bus_id=bus)
     cuda.Event = lambda disable_timing=True: _Event(events_done)
     cuda.Stream = lambda non_blocking=True: types.SimpleNamespace(ptr=1, wait_event=lambda e: None)
     cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0, wait_event=lambda e: None)
@@ -227,8 +228,56 @@ class _World:
 
         return json.loads(json.dumps(obj))  # what MPI carries: JSON
 
+    def allgather_obj(self, obj):
+        return [self.bcast_obj(obj)]
+
     def abort(self, code=1):
         self.aborted = code
+
+
+class _TwoOnOneNode(_World):
+    """Rank 0 of two on one node, the other rank on GPU `other_bus`."""
+
+    size = 2
+
+    def __init__(self, other_bus):
+        super().__init__()
+        self.other_bus = other_bus
+
+    def allgather_obj(self, obj):
+        return [obj, [obj[0], self.other_bus]]
+
+
+@pytest.mark.parametrize("other_bus", ["0000:1a:00.0", "0000:1A:00.0"])
+def test_nccl_refuses_two_ranks_on_one_gpu_before_nccl_starts(monkeypatch, other_bus):
+    from pydtnn.distributed import gpu_comm
+    from pydtnn.errors import ConfigError
+
+    nccl = _FakeNccl()
+    _fake_cupy(monkeypatch, nccl, bus="0000:1A:00.0")
+    with pytest.raises(ConfigError) as e:
+        gpu_comm.NcclComm(_TwoOnOneNode(other_bus))
+    message = str(e.value)
+    assert "\n" not in message and "ranks 0 and 1 share the GPU 0000:1A:00.0 of node" in message
+    assert "expected one GPU per rank" in message
+    assert nccl.made == []  # refused before NCCL was asked
+
+
+def test_nccl_takes_two_ranks_on_two_gpus(monkeypatch):
+    from pydtnn.distributed import gpu_comm
+
+    nccl = _FakeNccl()
+    _fake_cupy(monkeypatch, nccl, bus="0000:1A:00.0")
+    comm = gpu_comm.NcclComm(_TwoOnOneNode("0000:1B:00.0"))
+    assert comm.size == 2 and len(nccl.made) == 1
+
+
+def test_shared_gpu_names_the_first_pair_per_node():
+    from pydtnn.distributed.gpu_comm import shared_gpu
+
+    assert shared_gpu([("a", "0:1"), ("a", "0:2"), ("b", "0:1"), ("b", "0:2")]) is None
+    assert shared_gpu([("a", "0:1"), ("b", "0:1"), ("a", "0:2"), ("b", "0:1")]) == (1, 3, "b", "0:1")
+    assert shared_gpu([]) is None
 
 
 @pytest.mark.parametrize("id_form", [bytes, tuple], ids=["cupy14-bytes", "cupy13-tuple"])

@@ -21,6 +21,7 @@ Neither module imports CuPy until it is constructed: the CPU path never touches 
 """
 
 import contextlib
+import socket
 import sys
 import time
 
@@ -250,6 +251,11 @@ class NcclComm(Communicator):
             raise ConfigError("NcclComm: CuPy cannot load the NCCL library; pip install nvidia-nccl-cu13 (or -cu12)")
         self.cupy, self.nccl, self.comm = cupy, nccl, comm
         self.rank, self.size = comm.rank, comm.size
+        shared = shared_gpu(comm.allgather_obj((socket.gethostname(), cupy.cuda.Device().pci_bus_id)))
+        if shared is not None:  # NCCL refuses it too, later and less clearly (ncclInvalidUsage)
+            raise ConfigError(f"--enable_nccl: ranks {shared[0]} and {shared[1]} share the GPU {shared[3]} of node "
+                              f"{shared[2]}; expected one GPU per rank: start at most as many ranks per node as it "
+                              f"has GPUs, or leave NCCL off (MPI then reduces through host memory)")
         wire = comm.bcast_obj(nccl_id_to_wire(nccl.get_unique_id()) if comm.rank == 0 else None, root=0)
         self.nccl_comm = nccl.NcclCommunicator(comm.size, nccl_id_from_wire(wire), comm.rank)
         self._pending = []  # (event recorded after a reduction, its label, when it was queued)
@@ -354,6 +360,18 @@ class NcclComm(Communicator):
 
     def abort(self, code=1):
         self.comm.abort(code)
+
+
+def shared_gpu(places):
+    """(rank a, rank b, host, bus id) of the first two ranks on one GPU, from every rank's (host, PCI bus id)
+    in rank order; None when each rank has a GPU of its own."""
+    first = {}
+    for rank, (host, bus) in enumerate(places):
+        key = (host, str(bus).lower())
+        if key in first:
+            return first[key][0], rank, host, first[key][1]
+        first[key] = rank, bus
+    return None
 
 
 def nccl_id_to_wire(uid):
