@@ -66,8 +66,8 @@ def save(directory, model, optimizer=None, meta=None, write=True, extra=None):
     converted to numbers and lists). Raises ConfigError when the directory cannot be written.
     Returns the manifest written as meta.json.
 
-    A model split over ranks (model parallelism) is saved whole, as one process holds it: every rank
-    of its group calls save (the state is gathered), and only the one with `write` writes.
+    A model split over ranks (model parallelism, or a pipeline's stages) is saved whole, as one process holds
+    it: every rank of its group calls save (the state is gathered), and only the one with `write` writes.
     extra: {name: NumPy array} of training state beside the optimizer's (names starting with EXTRA),
     stored in the optimizer file; load() hands them back through its `extras`.
     """
@@ -77,6 +77,8 @@ def save(directory, model, optimizer=None, meta=None, write=True, extra=None):
     arrays = optimizer.state_dict()["arrays"] if optimizer is not None else {}
     if model.sharding is not None:
         arrays = {k: model.sharding.gather(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
+    if model.pipeline is not None:  # every stage's slots, onto the first stage
+        arrays = model.pipeline.gather({k: to_numpy(v) for k, v in arrays.items()}) or {}
     for k, v in (extra or {}).items():
         if not k.startswith(EXTRA):
             raise ValueError(f"checkpoint extra state {k!r}: expected a name starting with {EXTRA!r}")
@@ -94,10 +96,10 @@ def save(directory, model, optimizer=None, meta=None, write=True, extra=None):
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "files": {name: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for name, b in blobs.items()},
         "model": {
-            "name": model.name,
+            "name": model.whole_name,
             "backend": model.backend.name,
             "dtype": np.dtype(model.backend.dtype).name,
-            "input_shape": list(model.input_shape),
+            "input_shape": list(model.whole_input_shape),
             "state": fingerprint(model),
             "params_sha256": model.params_sha256(whole=state),
         },
@@ -223,6 +225,9 @@ def load(directory, model, optimizer=None, check_meta=None, extras=None):
             extras.update(extra)
         if model.sharding is not None:  # whole in the file; this rank holds its slices
             arrays = {k: model.sharding.cut(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
+        if model.pipeline is not None:  # whole in the file; this stage takes the slots of its own parameters
+            others = set(model.pipeline.param_names) - {name for name, _, _ in model.parameters()}
+            arrays = {k: v for k, v in arrays.items() if k.rsplit(".", 1)[0] not in others}
         own_arrays = optimizer.state_dict()["arrays"]
         for name, t in arrays.items():
             if name in own_arrays:  # names the optimizer lacks: its load_state_dict says which
@@ -394,8 +399,8 @@ def _check_model(entry, state, model, path, where):
     if name is not None and not isinstance(name, str):
         raise DataError(f"{path} is corrupt: model.name is {name!r:.60}; expected a string")
     difference = _architecture_difference(state, model)
-    if name is not None and name != model.name and _GENERIC_NAME not in (name, model.name):
-        raise ShapeError(f"{path} is a checkpoint of model {name!r}, this model is {model.name!r}"
+    if name is not None and name != model.whole_name and _GENERIC_NAME not in (name, model.whole_name):
+        raise ShapeError(f"{path} is a checkpoint of model {name!r}, this model is {model.whole_name!r}"
                          + (f"; {where}: {difference}" if difference else
                             " (with the same state names and shapes); build the same model to load it"))
     if difference:

@@ -276,7 +276,8 @@ def _device_and_output_flags(p):
     f(g, "history_file", default=None, help="CSV file of per-epoch metrics")
     f(g, "checkpoint_dir", default=None, help="save a resumable checkpoint here after every epoch (see model_checkpoint)")
     f(g, "resume", default=None,
-      help="continue the run saved in this checkpoint directory, writing on into it (unless --checkpoint_dir)")
+      help="continue the run saved in this checkpoint directory, writing on into it (unless --checkpoint_dir); "
+           "any layout flag given (--parallel, --pipeline_stages...) replaces the saved layout whole")
     f(g, "overwrite", type=parse_bool, default=False,
       help="let a new run replace the checkpoint already in --checkpoint_dir (refused otherwise)")
     f(g, "config", default=None, help="YAML or JSON file of flag values; command-line flags override it")

@@ -37,6 +37,7 @@ class Model:
         self.training = True
         self._hooks = []
         self.sharding = None  # set by distributed.model_parallel.partition: which state arrays are slices
+        self.pipeline = None  # set by a pipeline's step (distributed.pipeline.StageOf): the whole model of a stage
         self._build()
 
     @classmethod
@@ -48,7 +49,7 @@ class Model:
         root.need_dx = need_dx
         model.input_shape = tuple(int(s) for s in root.input_shape)
         model.output_shape = root.output_shape
-        model.training, model._hooks, model.sharding = True, [], None
+        model.training, model._hooks, model.sharding, model.pipeline = True, [], None, None
         model.reindex()
         return model
 
@@ -222,16 +223,31 @@ class Model:
 
     def whole_state_dict(self):
         """{name: NumPy array} of parameters and buffers, whole: gathered from every rank of a model-parallel
-        group (a collective there: every rank of the group calls it), copies of the own arrays otherwise."""
+        group (a collective there: every rank of the group calls it), from every stage of a pipeline onto its
+        first (every stage calls it; None on the others), copies of the own arrays otherwise."""
+        if self.pipeline is not None:
+            return self.pipeline.gather({k: self.backend.to_numpy(v) for k, v in self.named_state()})
         if self.sharding is None:
             return {k: np.array(self.backend.to_numpy(v)) for k, v in self.named_state()}
         return {k: self.sharding.gather(k, v) for k, v in self.named_state()}
 
     def state_layout(self):
         """{name: (shape, dtype)} of the whole state dict (what a one-process model holds; no communication)."""
+        if self.pipeline is not None:
+            return dict(self.pipeline.layout)
         cut = self.sharding
         return {k: (tuple(v.shape) if cut is None else cut.whole_shape(k, v.shape), np.dtype(v.dtype))
                 for k, v in self.named_state()}
+
+    @property
+    def whole_input_shape(self):
+        """The input shape of the whole model (of a pipeline stage: the first stage's)."""
+        return self.pipeline.input_shape if self.pipeline is not None else self.input_shape
+
+    @property
+    def whole_name(self):
+        """The name of the whole model (of a pipeline stage: the model it was cut from)."""
+        return self.pipeline.name if self.pipeline is not None else self.name
 
     def load_state_dict(self, state, strict=True):
         """Copy arrays into the model's own (memory stays where it is). Names and shapes must match.
@@ -242,6 +258,8 @@ class Model:
         own = self.state_dict()
         if self.sharding is not None:  # whole arrays (a checkpoint, another layout) are cut to this rank's slices
             state = {k: self.sharding.cut(k, v) for k, v in state.items()}
+        if self.pipeline is not None:  # whole arrays: a stage takes its own, and leaves the other stages' alone
+            state = {k: v for k, v in state.items() if k in own or k not in self.pipeline.layout}
         extra = sorted(set(state) - set(own))
         missing = sorted(set(own) - set(state))
         if extra or (strict and missing):
@@ -268,6 +286,9 @@ class Model:
         """SHA-256 over all parameters in state-dict order, as little-endian bytes of their dtype; of the
         whole model when it is split over ranks (a collective then), or of `whole` (whole_state_dict())."""
         def whole_params():
+            if whole is not None and self.pipeline is not None:
+                yield from (whole[name] for name in self.pipeline.param_names)
+                return
             for name, p, _ in self.parameters():
                 if whole is not None:
                     yield whole[name]

@@ -33,12 +33,9 @@ def check_combinations(args):
     if "model_checkpoint" in chosen_schedulers(args) and not args.checkpoint_dir:
         raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
     if args.parallel == "pipeline" or args.pipeline_stages is not None:
-        for flag, given in (("--checkpoint_dir", args.checkpoint_dir), ("--resume", args.resume),
-                            ("--sync_batchnorm", args.sync_batchnorm)):
-            if given:
-                raise ConfigError(f"{flag} with --parallel pipeline is not written yet (checkpoints of a pipeline's "
-                                  f"stages, statistics across replicas); drop {flag}, or train with --parallel data "
-                                  f"or model")
+        if args.sync_batchnorm:
+            raise ConfigError("--sync_batchnorm with --parallel pipeline is not written yet (statistics across the "
+                              "pipelines' replicas); drop --sync_batchnorm, or train with --parallel data or model")
     elif args.stage_boundaries is not None or "pipeline_schedule" in args.explicit:
         flag = "--stage_boundaries" if args.stage_boundaries is not None else "--pipeline_schedule"
         raise ConfigError(f"{flag} applies to --parallel pipeline (or hybrid with --pipeline_stages); got --parallel "

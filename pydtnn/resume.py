@@ -11,6 +11,9 @@ from pydtnn.files import inside
 
 # outputs that a resumed run writes again: inside the checkpoint directory, they follow it when it moves
 OUTPUTS = ("metrics_file", "history_file", "tracer_output")
+# how a run is laid out over its processes, not what it computes: a checkpoint's are taken all together, or
+# (any of them given now) none of them, so that any layout resumes any other
+LAYOUT = ("parallel", "model_parallel_size", "pipeline_stages", "pipeline_schedule", "stage_boundaries")
 
 
 def saved_config(directory):
@@ -30,12 +33,16 @@ def resumed_config(directory, given=None, notes=None):
     a checkpoint is never trusted as a place to write: an output file that was inside the old
     checkpoint directory moves with it (unless a link in the checkpoint leads it out), any other goes
     back to its default, and `notes` (a list, when given) receives a line saying so. `given` ({flag:
-    value} set now) are left out, as the caller sets them. An evaluation (evaluate_only given) inherits
+    value} set now) are left out, as the caller sets them; where it names any LAYOUT flag, the saved
+    layout is left out whole (a pipeline resumed on one process takes none of its stage flags). An evaluation (evaluate_only given) inherits
     no output file: it would replace the run's own metrics with its one record. A model file is never
     taken from a checkpoint: without --model_file given, its checkpoint is refused (ConfigError).
     """
     given = given or {}
     config = saved_config(directory)
+    if any(k in given for k in LAYOUT):
+        for k in LAYOUT:
+            config.pop(k, None)
     saved_file = config.pop("model_file", None)
     if isinstance(saved_file, str) and "model_file" not in given:  # code to run never comes from a checkpoint
         raise ConfigError(f"checkpoint {directory} was trained on the model of --model_file {saved_file[:300]}; a "
@@ -107,10 +114,13 @@ def save_checkpoint(directory, trainer, epoch, config, effective=None):
     """Everything a resumed run needs to continue bit-identically after `epoch` (0-based) ended.
 
     Every rank's checkpoint callback calls it. Rank 0 writes; the parameters are identical on every rank, or
-    (model parallelism) gathered from every rank of its group, which all take part, as every rank does where
-    the reducer keeps state of its own (topk's residuals); any other rank has nothing to add and returns.
+    (model parallelism, a pipeline's stages) gathered from every rank of its group, which all take part, as
+    every rank does where the reducer keeps state of its own (topk's residuals); any other rank has nothing
+    to add and returns.
     """
-    if not (trainer.is_root or trainer.model.sharding is not None or reducer_keeps_state(trainer.reducer)):
+    model = trainer.model
+    if not (trainer.is_root or model.sharding is not None or model.pipeline is not None
+            or reducer_keeps_state(trainer.reducer)):
         return
     meta = {
         "epoch": epoch + 1,

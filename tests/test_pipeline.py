@@ -274,8 +274,8 @@ def test_pydtnn_train_hybrid_pipelines_equal_data_parallelism(tmp_path):
      "--stage_boundaries: '7.weight' is not a layer a stage can begin at"),
     (2, ["--parallel", "pipeline", "--pipeline_stages", "2", "--stage_boundaries", "3,5"],
      "--stage_boundaries names 2 layers, but 2 stages begin at 1"),
-    (1, ["--parallel", "pipeline", "--pipeline_stages", "1", "--checkpoint_dir", "CKPT"],
-     "--checkpoint_dir with --parallel pipeline is not written yet"),
+    (1, ["--parallel", "pipeline", "--pipeline_stages", "1", "--sync_batchnorm", "true", "--checkpoint_dir", "CKPT"],
+     "--sync_batchnorm with --parallel pipeline is not written yet"),
     (1, ["--pipeline_schedule", "gpipe"], "--pipeline_schedule applies to --parallel pipeline"),
 ])
 def test_pipeline_mistakes_are_one_line_and_exit_2(tmp_path, n, flags, words):
@@ -285,6 +285,90 @@ def test_pipeline_mistakes_are_one_line_and_exit_2(tmp_path, n, flags, words):
     lines = [line for line in r.stderr.splitlines() if "error" in line]
     assert lines and words in lines[0], r.stderr[-3000:]
     assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "ckpt").exists()
+
+
+def same_files(a, b, names=("model.safetensors", "optimizer.safetensors")):
+    """Every tensor of checkpoint a's files equals checkpoint b's, to the bit, under the same names."""
+    for name in names:
+        x, y = load_file(str(a / name)), load_file(str(b / name))
+        assert list(x) == list(y), name
+        for k in x:
+            assert x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]), f"{name}: {k}"
+
+
+@pytest.fixture(scope="module")
+def one_process_checkpoints(tmp_path_factory):
+    """One process, 4 micro-batches: its checkpoint after epoch 1, and its final record after epoch 2."""
+    d = tmp_path_factory.mktemp("ck")
+    for epochs in (1, 2):
+        r = train(1, d / f"one{epochs}.jsonl", "--micro_batches", "4", "--num_epochs", str(epochs),
+                  "--checkpoint_dir", str(d / f"one{epochs}"))
+        assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def test_a_pipelines_checkpoint_is_the_whole_model_and_resumes_on_one_process(one_process_checkpoints, tmp_path):
+    """2 stages save what one process saves (the whole model's state and optimizer slots, bit for bit, gathered
+    onto the first stage), and one process resumes it where the uninterrupted run goes."""
+    d = one_process_checkpoints
+    r = train(2, tmp_path / "p.jsonl", "--micro_batches", "4", "--parallel", "pipeline", "--pipeline_stages", "2",
+              "--checkpoint_dir", str(tmp_path / "pipe"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    same_files(tmp_path / "pipe", d / "one1")
+    r = train(1, tmp_path / "resumed.jsonl", "--resume", str(tmp_path / "pipe"), "--num_epochs", "2",
+              "--parallel", "data")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert final(tmp_path / "resumed.jsonl")["params_sha256"] == final(d / "one2.jsonl")["params_sha256"]
+    same_files(tmp_path / "pipe", d / "one2")
+
+
+def test_a_checkpoint_resumes_as_a_pipeline_and_a_pipelines_as_data_parallelism(one_process_checkpoints, tmp_path):
+    """One process's checkpoint resumed by 3 stages ends where one process ends; a pipeline's checkpoint resumed
+    by 2 data-parallel processes ends where they end from one process's checkpoint."""
+    import shutil
+
+    d = one_process_checkpoints
+    shutil.copytree(d / "one1", tmp_path / "a")
+    r = train(3, tmp_path / "a.jsonl", "--resume", str(tmp_path / "a"), "--num_epochs", "2", "--parallel",
+              "pipeline", "--pipeline_stages", "3", "--pipeline_schedule", "gpipe")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert final(tmp_path / "a.jsonl")["pipeline_stages"] == 3
+    assert final(tmp_path / "a.jsonl")["params_sha256"] == final(d / "one2.jsonl")["params_sha256"]
+    same_files(tmp_path / "a", d / "one2")
+    r = train(2, tmp_path / "p.jsonl", "--micro_batches", "4", "--parallel", "pipeline", "--pipeline_stages", "2",
+              "--checkpoint_dir", str(tmp_path / "pipe"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.copytree(d / "one1", tmp_path / "b")
+    for ck in ("pipe", "b"):
+        r = train(2, tmp_path / f"dp-{ck}.jsonl", "--resume", str(tmp_path / ck), "--num_epochs", "2", "--parallel",
+                  "data")
+        assert r.returncode == 0, r.stderr[-3000:]
+    got, want = final(tmp_path / "dp-pipe.jsonl"), final(tmp_path / "dp-b.jsonl")
+    assert got["world_size"] == 2 and got["params_sha256"] == want["params_sha256"]
+
+
+def test_a_resumed_run_takes_the_saved_layout_whole_or_not_at_all(monkeypatch, tmp_path):
+    from pydtnn import resume
+
+    saved = {"parallel": "pipeline", "pipeline_stages": 2, "pipeline_schedule": "gpipe", "model": "simplecnn",
+             "accumulation_steps": 4}
+    monkeypatch.setattr(resume, "saved_config", lambda directory: dict(saved))
+    kept = resume.resumed_config(str(tmp_path), {"num_epochs": 3})
+    assert {k: kept[k] for k in saved} == saved
+    for given in ({"parallel": "data"}, {"pipeline_stages": 3}):
+        config = resume.resumed_config(str(tmp_path), given)
+        assert not set(resume.LAYOUT) & set(config), given
+        assert config["model"] == "simplecnn" and config["accumulation_steps"] == 4
+
+
+@pytest.mark.slow
+def test_hybrid_pipelines_save_what_data_parallelism_saves(tmp_path):
+    """2 replicas of a 2-stage pipeline: each pipeline gathers its stages, the first one's first stage writes;
+    the files are those of 2 data-parallel processes with the same micro-batches."""
+    for n, flags in ((2, ()), (4, ("--parallel", "hybrid", "--pipeline_stages", "2"))):
+        r = train(n, tmp_path / f"{n}.jsonl", "--micro_batches", "2", *flags, "--checkpoint_dir", str(tmp_path / str(n)))
+        assert r.returncode == 0, r.stderr[-3000:]
+    same_files(tmp_path / "4", tmp_path / "2")
 
 
 def test_simulate_refuses_a_pipeline_in_one_line():

@@ -165,6 +165,7 @@ class Cut:
         self.layout = state_layout(model, unit_list, bounds)
         self.param_names = [name for name, _, _ in model.parameters()]
         self.input_shape, self.output_shape = tuple(model.input_shape), tuple(model.output_shape)
+        self.name = model.name
         self.unit_names, self.costs = [p for p, _ in unit_list], unit_costs(unit_list)
 
     @classmethod
@@ -254,6 +255,7 @@ class PipelineStep:
         self._layers = [layer for _, layer in stage_model.layers()] + ([self.passes] if recompute != "none" else [])
         self._acc = None
         self.cut = cut
+        stage_model.pipeline = StageOf(cut, comm)  # its checkpoints, weights and digests are the whole model's
 
     # the MPI communicator under pydtnn's (point-to-point is not part of the collective contract)
     @property
@@ -336,7 +338,7 @@ class PipelineStep:
 
     def whole_state(self):
         """{name: NumPy array} of the whole model on rank 0, None elsewhere (every stage takes part)."""
-        return whole_state(self.model, self.comm, self.cut.layout)
+        return self.model.whole_state_dict()
 
     def params_sha256(self):
         """Model.params_sha256 of the whole model, on every stage (every stage takes part)."""
@@ -414,24 +416,40 @@ class _Messages:
         self.sends = []
 
 
-def whole_state(stage_model, comm, layout):
-    """{name: NumPy array} of the whole model on rank 0 (None elsewhere), from every stage's own arrays.
-    layout: state_layout()'s [(name, stage, shape, dtype)], which every rank knows."""
-    mpi = comm.comm
-    own = {k: np.ascontiguousarray(stage_model.backend.to_numpy(v)) for k, v in stage_model.named_state()}
+class StageOf:
+    """What a stage's Model knows of the whole model it is part of (Model.pipeline): the whole state layout
+    {name: (shape, dtype)} in state-dict order, the whole model's parameter names, input shape and name, and the
+    pipeline's communicator, over which gather() assembles whole dicts. Checkpoints, weights and digests of a
+    stage are therefore the whole model's, as those of a model split by model parallelism are."""
+
+    def __init__(self, cut, comm):
+        self.layout = {name: (tuple(shape), np.dtype(dtype)) for name, _, shape, dtype in cut.layout}
+        self.param_names, self.input_shape, self.comm = list(cut.param_names), tuple(cut.input_shape), comm
+        self.name = cut.name
+
+    def gather(self, own):
+        """{name: NumPy array} of every stage's `own` arrays on the pipeline's rank 0 (None elsewhere; every
+        stage takes part): the state layout's names first, in its order, then the rest (optimizer slots) by stage."""
+        return gather_named(self.comm, own, order=self.layout)
+
+
+def gather_named(comm, own, order=()):
+    """Every rank's {name: array} merged on rank 0 of `comm` (None elsewhere): names from `order` first, in its
+    order, then the others rank by rank. The names, shapes and dtypes travel as JSON, the arrays as raw buffers."""
+    own = {k: np.ascontiguousarray(v) for k, v in own.items()}
+    listing = comm.allgather_obj([[k, list(v.shape), v.dtype.str] for k, v in own.items()])
+    mpi = comm.comm if comm.size > 1 else None
     if comm.rank != 0:
-        for name, stage, _, _ in layout:
-            if stage == comm.rank:
-                mpi.Send(own[name], dest=0, tag=0)
+        for k, _, _ in listing[comm.rank]:
+            mpi.Send(own[k], dest=0, tag=0)
         return None
-    out = {}
-    for name, stage, shape, dtype in layout:
-        if stage == 0:
-            out[name] = own[name].copy()
-        else:
-            out[name] = np.empty(shape, dtype)
-            mpi.Recv(out[name], source=stage, tag=0)
-    return out
+    got = dict(own)
+    for rank in range(1, comm.size):
+        for k, shape, dtype in listing[rank]:
+            got[k] = np.empty(shape, np.dtype(dtype))
+            mpi.Recv(got[k], source=rank, tag=0)
+    first = [k for k in order if k in got]
+    return {k: got[k] for k in first + [k for k in got if k not in set(first)]}
 
 
 def state_layout(model, unit_list, bounds):
