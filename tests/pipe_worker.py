@@ -1,7 +1,7 @@
 """Worker launched by tests/test_pipeline.py under mpiexec (or plain python for one process).
 
     python tests/pipe_worker.py OUT_FILE [--micro_batches 4] [--schedule gpipe|1f1b] [--boundaries 5,9]
-                                [--replicas R]
+                                [--replicas R] [--misbehave stall|kill|shape --at STEP --rank R --stall_timeout S]
 
 Trains tests/mp_worker.py's network (BatchNorm, dropout, a residual and a concatenation block, random
 flips and crops of the images) for --steps steps of SGD with momentum. One process: Step with
@@ -11,12 +11,15 @@ np / R stages, each stage's gradients reduced across them (bucketed), and with n
 parallelism (Step's micro-batches), their reference. (Data parallelism takes each replica's share of a
 batch sorted by sample index, so its micro-batches hold other samples than one process's: with
 BatchNorm it equals data parallelism, not one process, unless the statistics are synchronized.) Rank 0 saves the whole state to OUT_FILE
-(safetensors) and prints the stage bounds.
+(safetensors) and prints the stage bounds. --misbehave: after step --at, rank --rank sleeps 120 s, kills
+itself (SIGKILL: no word to anyone), or sends its activations with half their values from then on.
 """
 
 import argparse
 import os
+import signal
 import sys
+import time
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -33,6 +36,24 @@ from pydtnn.optim import SGD
 from pydtnn.trainer import Trainer
 
 
+class Misbehave:
+    """After step `at`, on rank `rank` of the world: sleep, die, or send short activations (see the docstring)."""
+
+    def __init__(self, how, at, rank, mine):
+        self.how, self.at, self.rank, self.mine = how, at, rank, mine
+
+    def on_batch_end(self, trainer, step, logs):
+        if step + 1 != self.at or self.mine != self.rank:
+            return
+        if self.how == "stall":
+            time.sleep(120)
+        elif self.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.how == "shape":
+            send = pipeline._Messages.send_activation
+            pipeline._Messages.send_activation = lambda messages, i, out: send(messages, i, out[:, : out.shape[1] // 2])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -44,8 +65,13 @@ def main():
     p.add_argument("--boundaries", default="", help="comma-separated unit paths where stages 1.. begin")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel pipelines")
     p.add_argument("--recompute", default="none")
+    p.add_argument("--misbehave", choices=("stall", "kill", "shape"), default=None)
+    p.add_argument("--at", type=int, default=3)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--stall_timeout", type=float, default=300.0)
     args = p.parse_args()
-    world = launch.init()
+    world = launch.init(stall_timeout=args.stall_timeout)
+    callbacks = [Misbehave(args.misbehave, args.at, args.rank, world.rank)] if args.misbehave else []
     launch.install_abort_handler(world)
     model = network(CPUBackend(args.dtype, seed=3), 0.3)
     train, _ = data.load("mnist5k")
@@ -72,7 +98,7 @@ def main():
         step = pipeline.PipelineStep(stage, loss, optimizer, pipe, cut, args.micro_batches, args.schedule,
                                      reducer=reducer, recompute=args.recompute)
         trainer = Trainer(stage, loss, optimizer, progress=False, is_root=world.rank == 0, step=step,
-                          comm=replicas if replicas.size > 1 else None, reducer=reducer)
+                          comm=replicas if replicas.size > 1 else None, reducer=reducer, callbacks=callbacks)
         trainer.fit(train, epochs=1, batch_size=args.batch // args.replicas)
         state = step.whole_state()
     if world.rank == 0:

@@ -209,6 +209,28 @@ def test_gpipe_and_1f1b_give_the_same_bits(tmp_path):
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_a_stalled_stage_is_reported_by_its_neighbours_naming_the_message(tmp_path):
+    """Stage 1 of 3 sleeps 120 s after step 3, longer than the test's timeout: its neighbours report which
+    message of which micro-batch they wait for, and the 3 s watch ends the job (exit code 1)."""
+    r = launch(3, tmp_path / "s.st", "--misbehave", "stall", "--at", "3", "--rank", "1", "--stall_timeout", "3",
+               timeout=90)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "stalled" in r.stderr and "of micro-batch 0 from stage 1" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_stage_killed_mid_run_ends_the_job(tmp_path):
+    """SIGKILL on stage 1 after step 3 (no word to anyone): the launcher ends the job, within the 30 s the
+    test allows (a hang raises subprocess.TimeoutExpired)."""
+    r = launch(3, tmp_path / "k.st", "--misbehave", "kill", "--at", "3", "--rank", "1", timeout=30)
+    assert r.returncode != 0 and not (tmp_path / "k.st").exists()
+
+
+def test_a_message_of_the_wrong_size_is_an_error_naming_it(tmp_path):
+    r = launch(3, tmp_path / "m.st", "--misbehave", "shape", "--at", "2", "--rank", "1", timeout=90)
+    assert r.returncode != 0, r.stderr[-2000:]
+    assert "stage 2 received 1764 values as the activation of micro-batch 0 from stage 1; expected 4116" in r.stderr
+
+
 def test_the_reference_differs_with_other_micro_batches(single, tmp_path):
     """The check above can fail: one process with 2 micro-batches (other BatchNorm statistics) is elsewhere."""
     r = launch(1, tmp_path / "m2.st", "--micro_batches", "2")

@@ -35,7 +35,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from pydtnn.errors import ConfigError, TrainingDiverged
+from pydtnn.errors import ConfigError, PydtnnError, TrainingDiverged
 from pydtnn.layers.base import Layer, _join
 from pydtnn.layers.blocks import Sequential
 from pydtnn.recompute import passes as recompute_passes
@@ -328,12 +328,15 @@ class PipelineStep:
             h = x
         else:
             h = np.empty((n,) + self.model.input_shape, self.model.backend.dtype)
-            mpi.Recv(h, source=self.stage - 1, tag=1)
+            receive(self.comm, mpi.Irecv(h, source=self.stage - 1, tag=1), h,
+                    f"the activation of an evaluation batch from stage {self.stage - 1}", self.stage - 1)
         out = np.ascontiguousarray(self.model.forward(h, training=False))
         if not self.last:
-            mpi.Send(out, dest=self.stage + 1, tag=1)
+            self.comm.watch.wait_message(mpi.Isend(out, dest=self.stage + 1, tag=1),
+                                         f"stage {self.stage + 1} to take an evaluation batch's activation",
+                                         self.stage + 1)
         outputs = out if self.last else np.empty((n,) + self.output_shape, self.model.backend.dtype)
-        mpi.Bcast(outputs, root=self.stages - 1)
+        self.comm.bcast(outputs, root=self.stages - 1)
         return outputs
 
     def whole_state(self):
@@ -349,7 +352,7 @@ class PipelineStep:
         if state is not None:
             hexdigest = params_digest(state[name] for name in self.cut.param_names)
             digest[:] = np.frombuffer(hexdigest.encode(), np.uint8)
-        self._mpi.Bcast(digest, root=0)
+        self.comm.bcast(digest, root=0)
         return digest.tobytes().decode()
 
     def _results(self, losses, outs, rows, n):
@@ -361,8 +364,8 @@ class PipelineStep:
                 if b > a:
                     total[0] += losses[i] * ((b - a) / n)
                     outputs[a:b] = outs[i]
-        self._mpi.Bcast(outputs, root=self.stages - 1)
-        self._mpi.Bcast(total, root=self.stages - 1)
+        self.comm.bcast(outputs, root=self.stages - 1)
+        self.comm.bcast(total, root=self.stages - 1)
         return float(total[0]), outputs
 
 
@@ -381,13 +384,17 @@ class _Messages:
         self.dy_requests = {i: self.mpi.Irecv(buf, source=stage + 1, tag=2 * i + 1) for i, buf in self.dy.items()}
 
     def activation(self, i):
+        stage = self.step.stage - 1
         with self._span("receive activation", i, self.x[i]):
-            self.x_requests.pop(i).Wait()
+            receive(self.step.comm, self.x_requests.pop(i), self.x[i],
+                    f"the activation of micro-batch {i} from stage {stage}", stage)
         return self.x.pop(i)
 
     def gradient(self, i):
+        stage = self.step.stage + 1
         with self._span("receive gradient", i, self.dy[i]):
-            self.dy_requests.pop(i).Wait()
+            receive(self.step.comm, self.dy_requests.pop(i), self.dy[i],
+                    f"the gradient of micro-batch {i} from stage {stage}", stage)
         return self.dy.pop(i)
 
     def _span(self, what, i, buf):
@@ -406,14 +413,31 @@ class _Messages:
     def _send(self, a, dest, tag):
         a = np.ascontiguousarray(a, dtype=self.step.model.backend.dtype)
         # a buffer lives until its send is over, no longer: 1F1B then holds few micro-batches' messages
-        self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+        self.sends = [s for s in self.sends if not s[0].Test()]
+        what = f"the {'activation' if tag % 2 == 0 else 'gradient'} of micro-batch {tag // 2}"
         with self._span("send activation" if tag % 2 == 0 else "send gradient", tag // 2, a):
-            self.sends.append((self.mpi.Isend(a, dest=dest, tag=tag), a))
+            self.sends.append((self.mpi.Isend(a, dest=dest, tag=tag), a, what, dest))
 
     def finish(self):
-        for request, _ in self.sends:
-            request.Wait()
+        for request, a, what, dest in self.sends:
+            self.step.comm.watch.wait_message(request, f"stage {dest} to take {what}", dest)
         self.sends = []
+
+
+def receive(comm, request, buf, what, source):
+    """Wait for the receive `request` into buf (`what`, from rank `source` of comm), watched by comm's stall
+    watch; MessageMismatch where it brought another number of values than buf holds."""
+    from mpi4py.util.dtlib import from_numpy_dtype
+
+    status = comm.watch.wait_message(request, what, source)
+    got = status.Get_count(from_numpy_dtype(buf.dtype))
+    if got != buf.size:
+        raise MessageMismatch(f"stage {comm.rank} received {got} values as {what}; expected {buf.size} "
+                              f"({'x'.join(map(str, buf.shape))}): the stages disagree on the shapes between them")
+
+
+class MessageMismatch(PydtnnError):
+    """A stage received another number of values than it expected: the stages disagree on their shapes."""
 
 
 class StageOf:

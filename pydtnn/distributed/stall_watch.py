@@ -6,6 +6,10 @@ MPIComm holds one StallWatch and calls it around each collective:
     what = watch.enter("allreduce", buf, label)      # numbers it; notes the arrival; compares (debug)
     watch.wait(comm.Iallreduce(...), what)            # polls; past stall_timeout: report and abort
 
+and a pipeline's stages around their point-to-point messages (what they carry, in words):
+
+    status = watch.wait_message(comm.Irecv(buf, source=0, tag=4), "the activation of micro-batch 2 from stage 0", 0)
+
 Two safety nets use the numbers:
 - stall_timeout: waits poll instead of blocking; a wait longer than the timeout reports the
   collective and, on rank 0, which ranks have not arrived at it (every rank tells rank 0 the number
@@ -48,7 +52,7 @@ class StallWatch:
     """
 
     def __init__(self, comm, MPI, stall_timeout=None, debug=False, abort=None):
-        self.comm, self.abort = comm, abort
+        self.comm, self.abort, self._MPI = comm, abort, MPI
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.stall_timeout, self.debug = stall_timeout, debug
         self.seq = 0  # collectives entered so far
@@ -147,6 +151,34 @@ class StallWatch:
                 self._report_stall(what, seq, waited)
             time.sleep(pause)
             pause = min(pause + 1e-5, 1e-3)  # then back off to a millisecond
+
+    def wait_message(self, req, what, peer):
+        """Wait for the point-to-point request req (`what`, in words: "the activation of micro-batch 3 from
+        stage 0") from or to rank `peer`; returns its mpi4py Status. Polls as wait() does where stall_timeout
+        is set: past it, reports what this rank waits for and aborts; a peer known to have left ends the wait
+        at once. Messages are not numbered: the stall names the message, not the ranks that have not arrived."""
+        status = self._MPI.Status()
+        if not self.stall_timeout:
+            req.Wait(status)
+            return status
+        start, pause = time.monotonic(), 0.0
+        while not req.Test(status):
+            waited = time.monotonic() - start
+            if waited < self.spin_s:
+                os.sched_yield()
+                continue
+            self._drain()
+            if peer in self.left:
+                print(f"pydtnn: error: rank {self.rank}: rank {peer} left the job without finishing it while rank "
+                      f"{self.rank} waits for {what}; aborting", file=sys.stderr, flush=True)
+                self.abort(1)
+            if waited > self.stall_timeout:
+                print(f"pydtnn: error: rank {self.rank}: stalled {waited:.1f} s waiting for {what}; aborting "
+                      f"(stall_timeout={self.stall_timeout:g} s)", file=sys.stderr, flush=True)
+                self.abort(1)
+            time.sleep(pause)
+            pause = min(pause + 1e-5, 1e-3)
+        return status
 
     def _report_stall(self, what, seq, waited):
         msg = f"pydtnn: error: rank {self.rank}: stalled {waited:.1f} s in {self.describe(what)}"
