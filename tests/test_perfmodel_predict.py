@@ -229,7 +229,12 @@ def test_processes_beyond_a_node_pay_the_inter_node_link():
     assert across.comm_s > 5 * inside.comm_s
 
 
-@pytest.mark.parametrize("bad,match", [({"parallel": "pipeline"}, "parallel='pipeline'"),
+@pytest.mark.parametrize("bad,match", [({"parallel": "sequential"}, "parallel='sequential'"),
+                                       ({"parallel": "pipeline", "schedule": "zigzag"}, "schedule='zigzag'"),
+                                       ({"micro_batches": 0}, "micro_batches=0"),
+                                       ({"recompute": "half"}, "recompute='half'"),
+                                       ({"parallel": "hybrid", "pipeline_stages": 2, "model_parallel_size": 2},
+                                        "stages split over model-parallel groups are not written"),
                                        ({"parallel": "hybrid"}, "needs model_parallel_size"),
                                        ({"parallel": "hybrid", "model_parallel_size": 3}, "does not divide np"),
                                        ({"reduction": "tree"}, "reduction='tree'"),

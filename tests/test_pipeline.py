@@ -393,10 +393,11 @@ def test_hybrid_pipelines_save_what_data_parallelism_saves(tmp_path):
     same_files(tmp_path / "4", tmp_path / "2")
 
 
-def test_simulate_refuses_a_pipeline_in_one_line():
-    r = subprocess.run([*TRAIN, "--simulate", "--np", "2", "--parallel", "pipeline", "--pipeline_stages", "2"],
-                       capture_output=True, text=True, timeout=120, env=ENV, check=False)
-    assert r.returncode == 2 and "--simulate does not model pipeline parallelism" in r.stderr, r.stderr[-2000:]
+def test_simulate_predicts_a_pipeline():
+    r = subprocess.run([*TRAIN, "--simulate", "--np", "2", "--parallel", "pipeline", "--pipeline_stages", "2",
+                        "--micro_batches", "4"], capture_output=True, text=True, timeout=120, env=ENV, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 stages per pipeline, 1f1b" in r.stdout and "pipeline bubble" in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("name,shape,starts", [("resnet20_cifar10", (3, 32, 32), ["layer2", "layer3"]),

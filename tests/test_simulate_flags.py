@@ -35,23 +35,26 @@ CHANGES = {
     "threads_per_process": ([], ["--threads_per_process", "2"]),
     "machine": ([], ["--machine", "MACHINE"]),
     "np": ([], ["--np", "8"]),
+    "accumulation_steps": (RESNET, ["--accumulation_steps", "4"]),
+    "recompute": ([], ["--recompute", "all"]),
+    "pipeline_stages": (["--parallel", "pipeline", "--pipeline_stages", "2", "--np", "2"],
+                        ["--pipeline_stages", "4", "--np", "4"]),
+    "pipeline_schedule": (["--parallel", "pipeline", "--pipeline_stages", "4", "--accumulation_steps", "4"],
+                          ["--pipeline_schedule", "gpipe"]),
+    "stage_boundaries": (["--parallel", "pipeline", "--pipeline_stages", "2", "--np", "2"],
+                         ["--stage_boundaries", "6"]),
 }
 REFUSED_VALUES = {
     "enable_gpu": ["--enable_gpu", "true"],
     "enable_nccl": ["--enable_nccl", "true"],
     "sync_every": ["--sync_every", "4"],
     "sync_batchnorm": ["--sync_batchnorm", "true"],
-    "accumulation_steps": ["--accumulation_steps", "2"],
     "topk_selection": ["--reduction", "topk", "--topk_selection", "per_layer"],
     "density_warmup_epochs": ["--reduction", "topk", "--density_warmup_epochs", "1"],
     "momentum_correction": ["--reduction", "topk", "--momentum_correction", "true"],
     "ranks_per_node": ["--reduction", "hierarchical", "--ranks_per_node", "2"],
     "debug_collectives": ["--debug_collectives", "true"],
     "evaluate_only": ["--evaluate_only", "true"],
-    "recompute": ["--recompute", "all"],
-    "pipeline_stages": ["--parallel", "pipeline", "--pipeline_stages", "2"],
-    "pipeline_schedule": ["--pipeline_schedule", "gpipe"],
-    "stage_boundaries": ["--parallel", "pipeline", "--stage_boundaries", "3"],
 }
 
 
@@ -117,7 +120,14 @@ def test_the_global_batch_wins_over_the_batch_per_process_as_in_training():
 @pytest.mark.parametrize("extra,flags", [([], []), (["--reduction", "per_layer", "--reduction_progress", "thread"],
                                                      ["--reduction", "per_layer", "--progress", "thread"]),
                                          (["--parallel", "hybrid", "--model_parallel_size", "2"],
-                                          ["--parallel", "hybrid", "--model_parallel_size", "2"])])
+                                          ["--parallel", "hybrid", "--model_parallel_size", "2"]),
+                                         (["--parallel", "pipeline", "--pipeline_stages", "4", "--accumulation_steps",
+                                           "4", "--recompute", "segments"],
+                                          ["--parallel", "pipeline", "--micro_batches", "4", "--recompute", "segments"]),
+                                         (["--parallel", "hybrid", "--pipeline_stages", "2", "--pipeline_schedule",
+                                           "gpipe"],
+                                          ["--parallel", "hybrid", "--pipeline_stages", "2", "--pipeline_schedule",
+                                           "gpipe"])])
 def test_simulate_and_perfmodel_predict_predict_the_same_plan_alike(extra, flags, capsys):
     import json
 

@@ -476,13 +476,19 @@ def gather_named(comm, own, order=()):
     return {k: got[k] for k in first + [k for k in got if k not in set(first)]}
 
 
-def state_layout(model, unit_list, bounds):
-    """[(name, stage, shape, dtype)] of the whole model's state dict, in its order: which stage holds each array."""
-    stage_of = {}  # id of every layer inside a unit -> its stage
+def layer_stages(unit_list, bounds):
+    """{id of every layer inside a unit: the stage that holds it}."""
+    stage_of = {}
     for s in range(len(bounds) - 1):
         for _, unit in unit_list[bounds[s]:bounds[s + 1]]:
             for _, layer in unit.named_layers():
                 stage_of[id(layer)] = s
+    return stage_of
+
+
+def state_layout(model, unit_list, bounds):
+    """[(name, stage, shape, dtype)] of the whole model's state dict, in its order: which stage holds each array."""
+    stage_of = layer_stages(unit_list, bounds)
     out = []
     for path, layer in model.root.named_layers():
         for k, v in list(layer.params.items()) + list(layer.buffers.items()):

@@ -122,7 +122,9 @@ def run_collective(args):
 def add_predict(subparsers):
     from pydtnn.argtypes import positive_int, share
     from pydtnn.perfmodel.collectives import algorithms
+    from pydtnn.distributed.pipeline import SCHEDULES
     from pydtnn.perfmodel.predict import PARALLEL, PROGRESS, REDUCTIONS, UPDATE_PASSES
+    from pydtnn.recompute import MODES
 
     p = subparsers.add_parser("predict", allow_abbrev=False, help="predicted time of one training step",
                               description="Predicted time of one training step, per layer and in total.")
@@ -132,9 +134,19 @@ def add_predict(subparsers):
     p.add_argument("--np", type=positive_int, default=1, help="number of processes (default 1)")
     p.add_argument("--threads", type=positive_int, default=1, help="threads per process (default 1)")
     p.add_argument("--parallel", choices=PARALLEL, default="data",
-                   help="data (default), model (every layer split over the --np processes) or hybrid (groups of "
-                        "--model_parallel_size; docs/parallelism.md)")
+                   help="data (default), model (every layer split over the --np processes), pipeline (--np stages) "
+                        "or hybrid (groups of --model_parallel_size, or pipelines of --pipeline_stages; "
+                        "docs/parallelism.md)")
     p.add_argument("--model_parallel_size", type=positive_int, help="--parallel hybrid: processes per model replica")
+    p.add_argument("--pipeline_stages", type=positive_int,
+                   help="--parallel pipeline (default --np) or hybrid: stages per pipeline, one process each")
+    p.add_argument("--pipeline_schedule", choices=SCHEDULES, default="1f1b", help="a pipeline's schedule (default 1f1b)")
+    p.add_argument("--stage_boundaries", default=None,
+                   help="comma-separated layer paths where stages 2.. begin (default: balanced FLOPs)")
+    p.add_argument("--micro_batches", type=positive_int, default=1,
+                   help="micro-batches per step, their gradients summed and reduced once (default 1)")
+    p.add_argument("--recompute", choices=MODES, default="none",
+                   help="activation recomputation: none (default), segments or all")
     p.add_argument("--density", type=share, default=0.01,
                    help="--reduction topk: the share of gradient entries sent, in (0, 1] (default 0.01)")
     p.add_argument("--reduction", choices=REDUCTIONS, default="bucketed", help="gradient reduction (default bucketed)")
@@ -158,12 +170,15 @@ def run_predict(args):
     from pydtnn.plan import Reduction, RunPlan, layout
 
     machine = machine_from(args)
-    plan = RunPlan(layout(args.parallel, args.np, args.model_parallel_size), args.batch_size, None,
-                   Reduction(args.reduction, "none", args.progress, {"density": args.density}), threads=args.threads,
-                   dtype=args.dtype)
+    stages = args.np if args.parallel == "pipeline" and args.pipeline_stages is None else args.pipeline_stages
+    lay = layout(args.parallel, args.np, args.model_parallel_size, pipeline_stages=stages)
+    plan = RunPlan(lay, args.batch_size, None,
+                   Reduction(args.reduction, "none", args.progress, {"density": args.density}),
+                   accumulation_steps=args.micro_batches, threads=args.threads, dtype=args.dtype)
     name, model = build_model(args.model, data_from(args, args.model), args.num_classes, args.dtype, say)
     p = predict_plan(model, plan, machine, update_passes=UPDATE_PASSES[args.optimizer], algorithm=args.algorithm,
-                     name=name)
+                     name=name, recompute=args.recompute, schedule=args.pipeline_schedule,
+                     stage_starts=args.stage_boundaries.split(",") if args.stage_boundaries else None)
     print(json.dumps(p.to_dict()) if args.json else table(p))
     return 0
 

@@ -47,20 +47,24 @@ backward; exposed communication is what remains after it. The progress modes are
 """
 
 import math
+from math import prod as math_prod
 from dataclasses import asdict, dataclass, field
 
 from pydtnn import plan as plan_module
+from pydtnn import recompute as recompute_module
 from pydtnn.distributed import reducers
 from pydtnn.distributed.model_parallel import plan
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
+from pydtnn.perfmodel.schedule import timeline
 
-# one process of "data" is sequential; pipelines are not costed yet
-PARALLEL = tuple(p for p in plan_module.PARALLEL if p not in ("sequential", "pipeline"))
+# one process of "data" is sequential
+PARALLEL = tuple(p for p in plan_module.PARALLEL if p != "sequential")
 REDUCTIONS = reducers.NAMES
 PROGRESS = reducers.PROGRESS
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
+RECOMPUTE = recompute_module.MODES
 MEASURED_CROWDING = 2.0  # ranks per core at which calibrate measures overheads.oversubscribed_collective_s
 
 
@@ -108,11 +112,18 @@ class Prediction:
     model_parallel_size: int = 1
     group_comm_s: float = 0.0
     sync_s: float = 0.0  # waits at the collectives for ranks off oversubscribed cores (in exposed_comm_s)
+    micro_batches: int = 1
+    recompute: str = "none"
+    pipeline_stages: int = 1
+    schedule: str | None = None  # a pipeline's
+    bubble_s: float = 0.0  # a pipeline's busiest stage waiting: the fill and drain, and for messages
+    p2p_s: float = 0.0  # a pipeline's point-to-point messages of a step, all of them (they overlap computing)
+    stages: list = field(default_factory=list)  # a pipeline's per stage: {"first", "last", "forward_s", ...}
 
     @property
     def global_batch(self):
         """Samples per step over all processes: batch_size per model replica times the replicas."""
-        return self.batch_size * (self.np // self.model_parallel_size)
+        return self.batch_size * (self.np // (self.model_parallel_size * self.pipeline_stages))
 
     @property
     def samples_per_second(self):
@@ -173,7 +184,8 @@ def _check_arguments(parallel, reduction, progress, optimizer, algorithm, **coun
 
 def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
             optimizer="sgd_momentum", bucket_mb=None, first_bucket_mb=None, parallel="data", name=None,
-            model_parallel_size=None, density=None, compression="none", update_passes=None):
+            model_parallel_size=None, density=None, compression="none", update_passes=None, micro_batches=1,
+            recompute="none", pipeline_stages=None, schedule="1f1b", stage_starts=None):
     """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
     model replica (per process with data parallelism) over np processes, each with `threads` threads, on
     `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
@@ -181,8 +193,21 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     half the bytes, and a small allreduce of scales before each message; reducers.messages).
     update_passes: the update's passes over the parameters' bytes (update_passes()), else UPDATE_PASSES's
     of `optimizer`. bucket_mb, first_bucket_mb, density: the reducer's options where it takes them; None (not
-    given) is the reducer's own default (reducers.defaults)."""
-    _check_arguments(parallel, reduction, progress, optimizer, algorithm, batch_size=batch_size, np=np, threads=threads)
+    given) is the reducer's own default (reducers.defaults). micro_batches: the batch cut into that many, their
+    gradients summed, reduced once (--micro_batches); recompute: "none", "segments" or "all" (the layers whose
+    forward runs again in backward are costed twice). parallel "pipeline" (pipeline_stages = np), or "hybrid"
+    with pipeline_stages S (np / S pipelines): see predict_pipeline."""
+    _check_arguments(parallel, reduction, progress, optimizer, algorithm, batch_size=batch_size, np=np, threads=threads,
+                     micro_batches=micro_batches)
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute={recompute!r}; expected one of {', '.join(RECOMPUTE)}")
+    if parallel == "pipeline" or (pipeline_stages or 1) > 1:
+        return predict_pipeline(model, batch_size, np, machine, pipeline_stages or np, micro_batches, schedule,
+                                stage_starts, reduction=reduction, threads=threads, algorithm=algorithm,
+                                progress=progress, optimizer=optimizer, bucket_mb=bucket_mb,
+                                first_bucket_mb=first_bucket_mb, name=name, model_parallel_size=model_parallel_size,
+                                density=density, compression=compression, update_passes=update_passes,
+                                recompute=recompute)
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
     replicas = np // m
     steps = plan(model, m) if m > 1 else []
@@ -190,29 +215,19 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     grads = parameter_bytes(held)
     per_node = min(np, machine.processes_per_node)
     crowding = max(1.0, per_node * threads / machine.cores)  # how much slower shared cores make everything
-    costs = layer_costs(held, batch_size)
-    fixed = machine.overheads
-    times, compute_s, memory_s, calls_s = [], 0.0, 0.0, 0.0
-    for c in costs:
-        call_fwd, call_bwd = (s * crowding for s in fixed.call_s(c.kind))
-        calls_s += call_fwd + call_bwd
-        parts = [phase_seconds(ph, c.kernel_class, machine, threads, crowding)
-                 for ph in (c.forward, c.backward_data, c.backward_weights)]
-        for s, bound in parts:
-            compute_s += s if bound == "compute" else 0.0
-            memory_s += s if bound == "memory" else 0.0
-        heavier = max(parts, key=lambda t: t[0])[1]
-        (fwd, _), (bwd_data, _), (bwd_weights, _) = parts
-        times.append(LayerTime(c.name, c.kind, c.algorithm, fwd + call_fwd, bwd_data + call_bwd, bwd_weights, heavier,
-                               grads.get(c.name, 0)))
-
+    sizes = micro_sizes(batch_size, micro_batches)
+    again = recomputed(held, recompute)
+    times, compute_s, memory_s, calls_s = step_layers(held, sizes, grads, machine, threads, crowding, again)
     forward_s = sum(t.forward_s for t in times)
     backward_s = sum(t.backward_data_s + t.backward_weights_s for t in times)
     param_bytes = sum(grads.values())
     update_s = (update_passes or UPDATE_PASSES[optimizer]) * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
                                                          / crowding)
-    group = split.group_messages(steps, batch_size, model.backend.dtype.itemsize, m, machine, algorithm)
+    memory_s += accumulation_s(param_bytes, len(sizes), machine, threads, crowding)
+    group = [g for b in sizes for g in split.group_messages(steps, b, model.backend.dtype.itemsize, m, machine,
+                                                            algorithm)]
     group_s = sum(seconds for *_, seconds in group)  # blocking, on the critical path
+    fixed = machine.overheads
     overhead_s = (calls_s + len(model.parameters()) * fixed.parameter_s * crowding
                   + fixed.step_s * crowding)
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
@@ -221,7 +236,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
     messages = _messages(params, times, forward_s, reduction, model.backend.dtype.itemsize, compression,
-                         bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, density=density)
+                         bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, density=density,
+                         after=len(sizes) > 1)
     durations = [_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
     comm_s = sum(durations)
     collectives_per_step = (len(messages) if replicas > 1 else 0) + len(group)
@@ -240,15 +256,19 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         step_s=compute_s + memory_s + update_s + overhead_s + exposed + group_s + sync_s, compute_s=compute_s,
         memory_s=memory_s + update_s, update_s=update_s, comm_s=comm_s + group_s + sync_s,
         exposed_comm_s=exposed + group_s + sync_s, messages=collectives_per_step, overhead_s=overhead_s,
-        layers=times, model_parallel_size=m, group_comm_s=group_s, sync_s=sync_s,
+        layers=times, model_parallel_size=m, group_comm_s=group_s, sync_s=sync_s, micro_batches=micro_batches,
+        recompute=recompute,
     )
 
 
-def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algorithm="ring", name=None):
-    """The Prediction of run plan `plan` (pydtnn.plan.RunPlan) for `model`: its layout, batch per replica
-    (`batch_size` where the plan leaves it to the model's recipe), reduction with its compression, progress
-    and options, and threads per process. update_passes: the update's (update_passes()), else SGD with
-    momentum's. pydtnn-train --simulate and pydtnn-perfmodel predict both predict through here."""
+def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algorithm="ring", name=None,
+                 recompute="none", schedule="1f1b", stage_starts=None):
+    """The Prediction of run plan `plan` (pydtnn.plan.RunPlan) for `model`: its layout (pipelines included),
+    batch per replica (`batch_size` where the plan leaves it to the model's recipe), micro-batches, reduction
+    with its compression, progress and options, and threads per process. update_passes: the update's
+    (update_passes()), else SGD with momentum's. recompute, schedule, stage_starts: the run's --recompute,
+    --pipeline_schedule and --stage_boundaries. pydtnn-train --simulate and pydtnn-perfmodel predict both
+    predict through here."""
     lay, red = plan.layout, plan.reduction
     if red.name is not None:  # a plan built in Python is checked as the flags' are: what the run would refuse
         reducers.validate(red.name, red.compression, red.progress)
@@ -257,7 +277,194 @@ def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algo
                    threads=plan.threads or 1, algorithm=algorithm, progress=red.progress, compression=red.compression,
                    update_passes=update_passes, parallel="data" if lay.parallel == "sequential" else lay.parallel,
                    model_parallel_size=lay.model_parallel_size if lay.parallel == "hybrid" else None, name=name,
-                   **shaping)
+                   micro_batches=plan.accumulation_steps, recompute=recompute, pipeline_stages=lay.pipeline_stages,
+                   schedule=schedule, stage_starts=stage_starts, **shaping)
+
+
+def micro_sizes(batch_size, micro_batches):
+    """Samples of each micro-batch of a step, as Step and PipelineStep cut a batch (bounds n i // M); the
+    empty ones (more micro-batches than samples) left out, as the steps skip them."""
+    bounds = [batch_size * i // micro_batches for i in range(micro_batches + 1)]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def recomputed(model, mode, unit_slice=slice(None)):
+    """Paths of the layers whose forward runs again in backward under recompute `mode` (pydtnn.recompute):
+    those of every segment of the units but the last; unit_slice: the units of a pipeline stage."""
+    if mode == "none":
+        return frozenset()
+    units = [(path, layer) for path, layer, _ in model.units()][unit_slice]
+    bounds = recompute_module.segments(len(units), mode)
+    return frozenset(p for path, unit in units[:bounds[-2]] for p, _ in unit.named_layers(path))
+
+
+def layer_times(costs, grads, machine, threads, crowding, again=frozenset()):
+    """([LayerTime], compute_s, memory_s, calls_s) of one forward and backward of `costs` (costs.layer_costs);
+    the layers named in `again` run their forward twice, the second time in backward (recomputation)."""
+    fixed = machine.overheads
+    times, compute_s, memory_s, calls_s = [], 0.0, 0.0, 0.0
+    for c in costs:
+        call_fwd, call_bwd = (s * crowding for s in fixed.call_s(c.kind))
+        parts = [phase_seconds(ph, c.kernel_class, machine, threads, crowding)
+                 for ph in (c.forward, c.backward_data, c.backward_weights)]
+        repeat = parts[0][0] if c.name in again else 0.0
+        if c.name in again:
+            parts.append(parts[0])
+            call_bwd += call_fwd
+        calls_s += call_fwd + call_bwd
+        for s, bound in parts:
+            compute_s += s if bound == "compute" else 0.0
+            memory_s += s if bound == "memory" else 0.0
+        heavier = max(parts[:3], key=lambda t: t[0])[1]
+        (fwd, _), (bwd_data, _), (bwd_weights, _) = parts[:3]
+        times.append(LayerTime(c.name, c.kind, c.algorithm, fwd + call_fwd, bwd_data + repeat + call_bwd, bwd_weights,
+                               heavier, grads.get(c.name, 0)))
+    return times, compute_s, memory_s, calls_s
+
+
+def step_layers(held, sizes, grads, machine, threads, crowding, again=frozenset()):
+    """layer_times summed over micro-batches of `sizes` samples (each layer's LayerTime per step)."""
+    cache, total = {}, None
+    for b in sizes:
+        if b not in cache:
+            cache[b] = layer_times(layer_costs(held, b), grads, machine, threads, crowding, again)
+        part = cache[b]
+        if total is None:
+            total = part
+            continue
+        times = [LayerTime(a.name, a.kind, a.algorithm, a.forward_s + t.forward_s, a.backward_data_s + t.backward_data_s,
+                           a.backward_weights_s + t.backward_weights_s, a.bound, a.grad_bytes)
+                 for a, t in zip(total[0], part[0])]
+        total = (times, *(x + y for x, y in zip(total[1:], part[1:])))
+    return total
+
+
+def accumulation_s(param_bytes, micro_batches, machine, threads, crowding):
+    """Seconds summing micro-batches' gradients (Step._accumulated): the first written into the sum (2
+    passes over the gradients' bytes), each later one scaled and added (4), the sum copied back (2)."""
+    if micro_batches <= 1:
+        return 0.0
+    passes = 2 + 4 * (micro_batches - 1) + 2
+    return passes * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
+
+
+def message_seconds(nbytes, machine, level):
+    """One point-to-point message of nbytes on link `level`: latency + bytes / bandwidth."""
+    link = machine.link(level)
+    return link.latency_s + nbytes * link.beta if nbytes else 0.0
+
+
+def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, schedule="1f1b", stage_starts=None,
+                     reduction="bucketed", threads=1, algorithm="ring", progress="test", optimizer="sgd_momentum",
+                     bucket_mb=None, first_bucket_mb=None, name=None, model_parallel_size=None, density=None,
+                     compression="none", update_passes=None, recompute="none"):
+    """The Prediction of a pipeline's step: np / stages pipelines of `stages` consecutive processes, the
+    model cut as pydtnn-train cuts it (pipeline.Cut.of: balanced FLOPs, or at stage_starts), batch_size
+    samples per pipeline in micro_batches micro-batches run by `schedule` (gpipe or 1f1b).
+
+    Each stage's forward and backward of each micro-batch are its layers' (layer_times, recomputation
+    included); each activation and its gradient cross to the neighbouring stage as one message (latency +
+    bytes / bandwidth) on the intra-node link where both stages share a node (processes_per_node
+    consecutive ranks), else the inter-node one, overlapping computation. The timeline (schedule.py)
+    places every stage's ops as the stages run them. After the last op: the last stage broadcasts the
+    loss and outputs to the stages; each stage's gradients are reduced across the replicas (its share of
+    the bytes, as the reducer lays it out; after the micro-batches, so exposed) and updated. The step is
+    the slowest stage's end plus those; compute_s, memory_s and overhead_s are the busiest stage's and
+    bubble_s is what is left of its step: the fill and drain, and waits for messages."""
+    from pydtnn.distributed import pipeline
+
+    if schedule not in pipeline.SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r}; expected one of {', '.join(pipeline.SCHEDULES)}")
+    if (model_parallel_size or 1) > 1:
+        raise ConfigError(f"model_parallel_size={model_parallel_size} with pipeline_stages={stages}: stages split "
+                          "over model-parallel groups are not written; expected model_parallel_size 1")
+    if np % stages:
+        raise ConfigError(f"pipeline_stages={stages} does not divide np={np}; expected a divisor")
+    cut = pipeline.Cut.of(model, stages, stage_starts)
+    replicas = np // stages
+    of_stage = pipeline.layer_stages(cut.units, cut.bounds)
+    stage_of = {path: of_stage[id(layer)] for path, layer in model.root.named_layers() if id(layer) in of_stage}
+    itemsize = model.backend.dtype.itemsize
+    per_node = min(stages, machine.processes_per_node)  # a pipeline's stages fill nodes in turn
+    crowding = max(1.0, per_node * threads / machine.cores)
+    sizes = micro_sizes(batch_size, micro_batches)
+    again = frozenset().union(*(recomputed(model, recompute, slice(a, b))
+                                for a, b in zip(cut.bounds[:-1], cut.bounds[1:])))
+    fwd, bwd, busy, first_times = _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again)
+    out_shapes = [cut.units[cut.bounds[s + 1] - 1][1].output_shape for s in range(stages - 1)]
+    levels = ["intra" if s // machine.processes_per_node == (s + 1) // machine.processes_per_node else "inter"
+              for s in range(stages - 1)]
+    msg = [[message_seconds(b * int(math_prod(out_shapes[s])) * itemsize, machine, levels[s]) for b in sizes]
+           for s in range(stages - 1)] + [[0.0] * len(sizes)]
+    line = timeline(fwd, bwd, msg, msg, schedule)
+    outputs = batch_size * int(math_prod(model.output_shape)) * itemsize
+    bcast = sum(collectives.seconds("broadcast", "binomial_tree", n, stages, machine) for n in (outputs, 8))
+    passes = update_passes or UPDATE_PASSES[optimizer]
+    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density}
+    after = [_stage_after(model, stage_of, s, replicas, len(sizes), machine, threads, crowding, passes, reduction,
+                          algorithm, compression, collectives.default_level(np, machine), shaping)
+             for s in range(stages)]
+    tail = max(red + upd + fix for red, _, upd, fix in after)
+    step_s = line.end + bcast + tail
+    critical = max(range(stages), key=lambda s: line.busy[s] + sum(after[s][::2]) + after[s][3])
+    red, n_sent, upd, fix = after[critical]
+    compute_s, memory_s = busy[critical]["compute_s"], busy[critical]["memory_s"] + upd
+    overhead_s = busy[critical]["calls_s"] + fix
+    exposed = bcast + red
+    stage_rows = [{"stage": s, "first": cut.unit_names[a], "last": cut.unit_names[b - 1],
+                   "forward_s": sum(fwd[s]), "backward_s": sum(bwd[s]), "message_s": sum(msg[s]),
+                   "busy_s": line.busy[s], "idle_s": line.idle[s], "reduce_s": after[s][0], "update_s": after[s][2]}
+                  for s, (a, b) in enumerate(zip(cut.bounds[:-1], cut.bounds[1:]))]
+    return Prediction(
+        model=name or model.name, batch_size=batch_size, np=np, threads=threads,
+        parallel="pipeline" if replicas == 1 else "hybrid", reduction=reduction, algorithm=algorithm,
+        progress=progress, machine=machine.name, step_s=step_s, compute_s=compute_s, memory_s=memory_s,
+        update_s=upd, comm_s=red + bcast + sum(sum(r) for r in msg), exposed_comm_s=exposed,
+        messages=n_sent + 2, overhead_s=overhead_s, layers=first_times, micro_batches=micro_batches,
+        recompute=recompute, pipeline_stages=stages, schedule=schedule,
+        bubble_s=step_s - (compute_s + memory_s + overhead_s + exposed), p2p_s=sum(sum(r) for r in msg),
+        stages=stage_rows,
+    )
+
+
+def _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again):
+    """(forward[s][i], backward[s][i] seconds, each stage's busy {"compute_s", "memory_s", "calls_s"}, the first
+    micro-batch's LayerTimes) of the pipeline's stages (stage_of: layer path -> stage) at micro-batches of `sizes`."""
+    grads = parameter_bytes(model)
+    fwd = [[0.0] * len(sizes) for _ in range(stages)]
+    bwd = [[0.0] * len(sizes) for _ in range(stages)]
+    busy = [{"compute_s": 0.0, "memory_s": 0.0, "calls_s": 0.0} for _ in range(stages)]
+    per_size = {b: (layer_costs(model, b),) for b in set(sizes)}
+    per_size = {b: (c, layer_times(c, grads, machine, threads, crowding, again)[0]) for b, (c,) in per_size.items()}
+    for i, b in enumerate(sizes):
+        costs, times = per_size[b]
+        for c, t in zip(costs, times):
+            s = stage_of[t.name]
+            fwd[s][i] += t.forward_s
+            bwd[s][i] += t.backward_data_s + t.backward_weights_s
+            parts = [phase_seconds(ph, c.kernel_class, machine, threads, crowding)
+                     for ph in (c.forward, c.backward_data, c.backward_weights)]
+            parts += [parts[0]] if t.name in again else []
+            for sec, bound in parts:
+                busy[s]["compute_s" if bound == "compute" else "memory_s"] += sec
+            busy[s]["calls_s"] += t.total_s - sum(sec for sec, _ in parts)
+    return fwd, bwd, busy, per_size[sizes[0]][1]
+
+
+def _stage_after(model, stage_of, s, replicas, micro_batches, machine, threads, crowding, passes, reduction, algorithm,
+                 compression, level, shaping):
+    """(reduction seconds, its collectives, update seconds, per-parameter and per-step costs) of stage s after
+    its micro-batches: its gradients reduced across the replicas (all at once), summed and updated."""
+    itemsize = model.backend.dtype.itemsize
+    own = [(n, g.nbytes) for n, _, g in model.parameters() if stage_of.get(n.rsplit(".", 1)[0]) == s]
+    sent = _messages(own, [], 0.0, reduction, itemsize, compression, after=True,
+                     **shaping) if own and replicas > 1 else []
+    red = sum(_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in sent)
+    nbytes = sum(nb for _, nb in own)
+    upd = passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
+    upd += accumulation_s(nbytes, micro_batches, machine, threads, crowding)
+    fixed = machine.overheads
+    return red, len(sent), upd, (len(own) * fixed.parameter_s + fixed.step_s) * crowding
 
 
 def update_passes(optimizer, hyper):
@@ -297,15 +504,16 @@ def _seconds(collective, nbytes, p, machine, algorithm, level):
                                p * nbytes, p, machine, level=level)
 
 
-def _messages(params, times, forward_s, reduction, itemsize, compression="none", **options):
+def _messages(params, times, forward_s, reduction, itemsize, compression="none", after=False, **options):
     """[(seconds into the step when the message can start, collective, bytes per replica)] in the order the
     reducer starts them (reducers.messages); params: [(parameter name, gradient bytes)] in state-dict order;
-    options: the reducer's own that shape its messages (those it does not take are left out)."""
+    options: the reducer's own that shape its messages (those it does not take are left out). after: every
+    gradient is reported at the end of backward (micro-batches: the reducer replays them after the last)."""
     ready, t = {}, forward_s
     for lt in reversed(times):  # backward runs the layers in reverse order
         t += lt.backward_data_s + lt.backward_weights_s
         ready[lt.name] = t
-    when = [ready.get(name.rsplit(".", 1)[0], t) for name, _ in params]
+    when = [t if after else ready.get(name.rsplit(".", 1)[0], t) for name, _ in params]
     own = reducers.defaults(reduction)
     sent = reducers.messages(reduction, [n // itemsize for _, n in params], itemsize, compression,
                              **{k: v for k, v in options.items() if k in own})
@@ -335,14 +543,32 @@ def rate(per_second):
 def table(p):
     """The per-layer table (milliseconds, one column unit) and the step's split and throughput, as text."""
     ms = lambda s: f"{1e3 * s:9.3f}"
-    how = (f"batch {p.batch_size} per process, {p.np} process(es)" if p.model_parallel_size == 1 else
-           f"batch {p.batch_size} per replica, {p.np} process(es) ({p.model_parallel_size} per replica)")
+    if p.pipeline_stages > 1:
+        how = (f"batch {p.batch_size} per pipeline in {p.micro_batches} micro-batch(es), {p.np} process(es) "
+               f"({p.pipeline_stages} stages per pipeline, {p.schedule})")
+    elif p.model_parallel_size == 1:
+        how = f"batch {p.batch_size} per process, {p.np} process(es)"
+    else:
+        how = f"batch {p.batch_size} per replica, {p.np} process(es) ({p.model_parallel_size} per replica)"
+    if p.pipeline_stages == 1 and p.micro_batches > 1:
+        how += f" in {p.micro_batches} micro-batches"
+    if p.recompute != "none":
+        how += f", recompute {p.recompute}"
+    per = " (first micro-batch)" if p.micro_batches > 1 and p.pipeline_stages > 1 else ""
     lines = [(f"{p.model}: {how} x {p.threads} thread(s), {p.parallel} "
              f"parallel, {p.reduction} reduction ({p.algorithm}, progress {p.progress}) on {p.machine}"),
-             f"{'layer':32s} {'kind':18s} {'algorithm':14s} {'fwd ms':>9s} {'bwd ms':>9s} {'bound':>7s}"]
+             f"{'layer':32s} {'kind':18s} {'algorithm':14s} {'fwd ms':>9s} {'bwd ms':>9s} {'bound':>7s}{per}"]
     for t in p.layers:
         lines.append(f"{t.name[:32]:32s} {t.kind[:18]:18s} {str(t.algorithm or '')[:14]:14s} {ms(t.forward_s)} "
                      f"{ms(t.backward_data_s + t.backward_weights_s)} {t.bound:>7s}")
+    if p.stages:
+        lines += ["", f"{'stage':6s} {'layers':30s} {'fwd ms':>9s} {'bwd ms':>9s} {'msg ms':>9s} {'busy ms':>9s} "
+                      f"{'idle ms':>9s} {'reduce ms':>9s} {'update ms':>9s}   (a step: every micro-batch)"]
+        for r in p.stages:
+            span = r["first"] if r["first"] == r["last"] else f"{r['first']}..{r['last']}"
+            lines.append(f"{r['stage']:<6d} {span[:30]:30s} {ms(r['forward_s'])} {ms(r['backward_s'])} "
+                         f"{ms(r['message_s'])} {ms(r['busy_s'])} {ms(r['idle_s'])} {ms(r['reduce_s'])} "
+                         f"{ms(r['update_s'])}")
     lines += ["", (f"step {duration(p.step_s)} = compute {duration(p.compute_s)} + memory-bound "
                   f"{duration(p.memory_s)} (update {duration(p.update_s)}) + fixed costs "
                   f"{duration(p.overhead_s)} + exposed communication "
@@ -350,7 +576,9 @@ def table(p):
                   + (f"; {duration(p.group_comm_s)} of them inside the model-parallel groups, blocking"
                      if p.model_parallel_size > 1 else "")
                   + (f"; {duration(p.sync_s)} waiting for ranks off oversubscribed cores" if p.sync_s else "")
-                  + ")"),
+                  + ")"
+                  + (f" + pipeline bubble {duration(p.bubble_s)} (the busiest stage's fill, drain and waits; "
+                     f"{duration(p.p2p_s)} of messages between stages)" if p.pipeline_stages > 1 else "")),
               (f"{rate(p.samples_per_second)} samples/s: a global batch of {p.global_batch:,} samples every "
                f"{duration(p.step_s)}")]
     if not math.isfinite(p.step_s):

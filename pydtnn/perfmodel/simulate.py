@@ -29,23 +29,19 @@ from pydtnn.plan import RunPlan, optimizer_options
 MODELLED = ("model", "model_file", "dataset", "batch_size", "global_batch_size", "dtype", "optimizer", "momentum",
             "nesterov", "decay", "parallel", "model_parallel_size", "non_blocking_mpi", "reduction",
             "gradient_compression", "reduction_progress", "bucket_size_mb", "density", "threads_per_process",
-            "machine", "np")
+            "machine", "np", "accumulation_steps", "recompute", "pipeline_stages", "pipeline_schedule",
+            "stage_boundaries")
 REFUSED = {
     "enable_gpu": "a GPU's step (the model predicts CPU processes)",
     "enable_nccl": "NCCL's reductions (the model predicts CPU processes)",
     "sync_every": "a GPU's reads of the loss (the model predicts CPU processes)",
     "sync_batchnorm": "the two allreduces per BatchNorm layer and step",
-    "accumulation_steps": "micro-batches (it predicts one pass over the batch per step)",
     "topk_selection": "a per-layer top-k selection (it models the global one)",
     "density_warmup_epochs": "a density that changes over the epochs (it models --density)",
     "momentum_correction": "the topk reducer's momentum pass",
     "ranks_per_node": "a node size other than the machine's (set processes_per_node in --machine)",
     "debug_collectives": "the signature check before every collective",
     "evaluate_only": "an evaluation (it predicts a training step)",
-    "recompute": "activation recomputation's second forward",
-    "pipeline_stages": "pipeline parallelism (stages, their bubble and messages are not costed yet)",
-    "pipeline_schedule": "pipeline parallelism (stages, their bubble and messages are not costed yet)",
-    "stage_boundaries": "pipeline parallelism (stages, their bubble and messages are not costed yet)",
 }
 # Flags whose effect the model cannot know in advance: the prediction is made without it, and says so.
 NOTED = {"conv_autotune": "each convolution is costed with its threshold algorithm; the run measures the algorithms "
@@ -172,7 +168,9 @@ def simulate(args, defaults, say=print):
     name, model = build(args)
     hyper = optim.hyperparameters(args.optimizer, **optimizer_options(args, name))
     p = predict_plan(model, plan, machine, batch_size(plan, name, args.optimizer),
-                     update_passes=update_passes(args.optimizer, hyper), name=name)
+                     update_passes=update_passes(args.optimizer, hyper), name=name, recompute=args.recompute,
+                     schedule=args.pipeline_schedule,
+                     stage_starts=args.stage_boundaries.split(",") if args.stage_boundaries else None)
     say(table(p))
     if args.conv_autotune is not False:  # None: the run's default, env.conv_autotune(), measures
         print(f"pydtnn: --simulate: {NOTED['conv_autotune']}", file=sys.stderr, flush=True)
