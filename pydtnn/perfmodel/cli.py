@@ -121,8 +121,8 @@ def run_collective(args):
 
 def add_predict(subparsers):
     from pydtnn.argtypes import positive_int, share
-    from pydtnn.perfmodel.collectives import algorithms
     from pydtnn.distributed.pipeline import SCHEDULES
+    from pydtnn.perfmodel.collectives import algorithms
     from pydtnn.perfmodel.predict import PARALLEL, PROGRESS, REDUCTIONS, UPDATE_PASSES
     from pydtnn.recompute import MODES
 

@@ -47,8 +47,8 @@ backward; exposed communication is what remains after it. The progress modes are
 """
 
 import math
-from math import prod as math_prod
 from dataclasses import asdict, dataclass, field
+from math import prod as math_prod
 
 from pydtnn import plan as plan_module
 from pydtnn import recompute as recompute_module
@@ -562,8 +562,9 @@ def table(p):
         lines.append(f"{t.name[:32]:32s} {t.kind[:18]:18s} {str(t.algorithm or '')[:14]:14s} {ms(t.forward_s)} "
                      f"{ms(t.backward_data_s + t.backward_weights_s)} {t.bound:>7s}")
     if p.stages:
-        lines += ["", f"{'stage':6s} {'layers':30s} {'fwd ms':>9s} {'bwd ms':>9s} {'msg ms':>9s} {'busy ms':>9s} "
-                      f"{'idle ms':>9s} {'reduce ms':>9s} {'update ms':>9s}   (a step: every micro-batch)"]
+        header = (f"{'stage':6s} {'layers':30s} {'fwd ms':>9s} {'bwd ms':>9s} {'msg ms':>9s} {'busy ms':>9s} "
+                  f"{'idle ms':>9s} {'reduce ms':>9s} {'update ms':>9s}   (a step: every micro-batch)")
+        lines += ["", header]
         for r in p.stages:
             span = r["first"] if r["first"] == r["last"] else f"{r['first']}..{r['last']}"
             lines.append(f"{r['stage']:<6d} {span[:30]:30s} {ms(r['forward_s'])} {ms(r['backward_s'])} "
