@@ -4,6 +4,7 @@
                                      [--warmup 2] [--steps 5] [--only TEXT]        # 70 runs, about 10 minutes
     python benchmarks/parallelism.py --quick          # 3 small configurations, about 10 s (smoke test)
     python benchmarks/parallelism.py --from_json docs/parallelism_benchmark.json   # table and plot again, re-predicted
+    python benchmarks/parallelism.py --pipelines [--out docs/pipeline_benchmark.json]  # pipelines beside data, 32 runs
 
 A configuration is a model, a global batch (samples per step over all processes), a process count, a
 layout and a network. Layouts: `data` (each process a replica on global/np samples), `model` (every
@@ -32,6 +33,13 @@ machine, so an emulated rate becomes the intra-node link with rate / np per rank
 perfmodel_validation.py, its latency measured under the cap by calibrate's MPI probe). --from_json
 predicts the saved configurations again with the checkout's performance model (--keep_predictions: the
 saved ones).
+
+--pipelines: pipelines (`--parallel pipeline`, one stage per process: S = 2 with M = 1, 4, 8 micro-batches
+under 1F1B and M = 8 under GPipe; S = 4 with M = 4, 8 under 1F1B and M = 8 under GPipe) beside data
+parallelism at np 2 and 4 on the same global batch (128), for the VGG and ResNet-20, on shared memory and at
+1 Gbit/s. Each run's peak resident memory per process (the largest over its ranks; GNU time's maximum
+resident set size) is measured too. The predictions are predict()'s for the same cut, schedule and
+micro-batches.
 
 Outputs: the JSON (every configuration with its measurement and its prediction),
 the PNG (step time per layout, one panel per model and global batch, grouped by network) and the
@@ -72,13 +80,15 @@ class Config:
     model: str
     batch: int
     np: int
-    layout: str  # data, model or hybrid
+    layout: str  # data, model, hybrid or pipeline
     network: str = "unlimited"
+    micro_batches: int = 1
+    schedule: str = "1f1b"  # a pipeline's
 
     @property
     def group(self):
         """Processes per model replica."""
-        return {"data": 1, "model": self.np, "hybrid": HYBRID_GROUP}[self.layout]
+        return {"data": 1, "model": self.np, "hybrid": HYBRID_GROUP, "pipeline": self.np}[self.layout]
 
     @property
     def replica_batch(self):
@@ -87,11 +97,32 @@ class Config:
 
     @property
     def label(self):
-        return f"{self.model} B{self.batch} np{self.np} {layout_name(self.np, self.layout)} {self.network}"
+        return f"{self.model} B{self.batch} np{self.np} {self.name} {self.network}"
+
+    @property
+    def name(self):
+        """The layout in words: data, model, hybrid 2x2, pipeline 4 x M8 1f1b."""
+        if self.layout == "pipeline":
+            return f"pipeline {self.np} x M{self.micro_batches} {self.schedule}"
+        return layout_name(self.np, self.layout)
 
 
 def layout_name(np_, layout):
     return f"hybrid {HYBRID_GROUP}x{np_ // HYBRID_GROUP}" if layout == "hybrid" else layout
+
+
+PIPELINES = ((2, 1, "1f1b"), (2, 4, "1f1b"), (2, 8, "1f1b"), (2, 8, "gpipe"), (4, 4, "1f1b"), (4, 8, "1f1b"),
+             (4, 8, "gpipe"))  # (stages, micro-batches, schedule)
+
+
+def pipeline_configs(models=("vgg11bn_cifar10", "resnet20_cifar10"), batch=128, networks=("unlimited", "1gbit")):
+    """Data parallelism at np 2 and 4 and every PIPELINES layout, for each model and network, on one global batch."""
+    out = []
+    for network in networks:
+        for model in models:
+            out += [Config(model, batch, n, "data", network) for n in (2, 4)]
+            out += [Config(model, batch, s, "pipeline", network, m, kind) for s, m, kind in PIPELINES]
+    return out
 
 
 # global batches measured on an emulated network where not every batch is: the others' steps take seconds
@@ -151,15 +182,20 @@ def write_dataset(directory, input_shape, num_classes, train_samples, test_sampl
                      f"(3, 32, 32) (CIFAR-10 files) or (1, H, W) (MNIST IDX files), at most 256 classes")
 
 
-def command(config, trace, warmup, steps, dataset, python=sys.executable):
+def command(config, trace, warmup, steps, dataset, python=sys.executable, rss=None):
     """The argv that trains `config` for warmup + steps steps on `dataset` (write_dataset's flags), writing its
-    traces to `trace`."""
+    traces to `trace` (and, rss given, each rank's peak resident set to that file, through GNU time)."""
     train = [python, "-m", "pydtnn", "--model", config.model, "--global_batch_size", str(config.batch),
              "--parallel", config.layout, *dataset, "--steps_per_epoch", str(warmup + steps),
              "--num_epochs", "1", "--learning_rate", validation.LR, "--tracing", "--tracer_output", trace,
              "--progress", "false", "--threads_per_process", "1"]
     if config.layout == "hybrid":
         train += ["--model_parallel_size", str(HYBRID_GROUP)]
+    if config.layout == "pipeline":
+        train += ["--pipeline_stages", str(config.np), "--micro_batches", str(config.micro_batches),
+                  "--pipeline_schedule", config.schedule]
+    if rss is not None:  # every rank appends its peak resident set (KiB) to this file
+        train = ["/usr/bin/time", "-f", "%M", "-a", "-o", rss, *train]
     train = [mpiexec_path(), "-n", str(config.np), *train]
     if config.network != "unlimited":
         train = [python, validation.NETEM, "--rate", config.network, "--", *train]
@@ -184,11 +220,20 @@ def measure(config, warmup, steps, wait_s, tmp):
     trace = os.path.join(tmp, "trace.json")
     dataset = write_dataset(os.path.join(tmp, f"{config.model}-{config.batch}"), *models.defaults(config.model),
                             train_samples=(warmup + steps) * config.batch)
-    m, wall, foreign = validation.run_traced(command(config, trace, warmup, steps, dataset), validation.thread_env(1),
-                                             tmp, trace, config.np, warmup, wait_s, config.label, RUN_TIMEOUT_S)
+    rss = os.path.join(tmp, "rss.txt") if os.path.exists("/usr/bin/time") else None
+    if rss and os.path.exists(rss):
+        os.remove(rss)
+    m, wall, foreign = validation.run_traced(command(config, trace, warmup, steps, dataset, rss=rss),
+                                             validation.thread_env(1), tmp, trace, config.np, warmup, wait_s,
+                                             config.label, RUN_TIMEOUT_S)
     mp_comm, reduce_wait = communication(m)
+    peak = None
+    if rss and os.path.exists(rss):
+        with open(rss, encoding="utf-8") as f:
+            peak = max(int(line) for line in f if line.strip().isdigit()) / 1024
     return {"step_s": m["step_s"], "steps_s": m["steps_s"], "phases_s": m["phases_s"], "mp_comm_s": mp_comm,
-            "reduce_wait_s": reduce_wait, "warmup": warmup, "steps": steps, "wall_s": wall, "foreign_cores": foreign}
+            "reduce_wait_s": reduce_wait, "warmup": warmup, "steps": steps, "wall_s": wall, "foreign_cores": foreign,
+            "peak_rss_mb": peak}
 
 
 def predicted(config, model, machine):
@@ -198,9 +243,10 @@ def predicted(config, model, machine):
 
     p = predict(model, config.replica_batch, config.np, machine, reduction="bucketed", threads=1, algorithm="best",
                 progress="test", optimizer="sgd_momentum", parallel=config.layout,
-                model_parallel_size=config.group if config.layout == "hybrid" else None)
+                model_parallel_size=config.group if config.layout == "hybrid" else None,
+                micro_batches=config.micro_batches, schedule=config.schedule)
     return {"step_s": p.step_s, "comm_s": p.comm_s, "exposed_comm_s": p.exposed_comm_s,
-            "group_comm_s": p.group_comm_s}
+            "group_comm_s": p.group_comm_s, "bubble_s": p.bubble_s}
 
 
 def predict_points(points, links, base):
@@ -246,11 +292,30 @@ def table(points):
     for p in points:
         c, m, pr = Config(**p["config"]), p["measured"], p["predicted"]
         foreign, r = m.get("foreign_cores"), ratio[p["label"]]
-        lines.append(f"| {c.model} | {c.batch} | {c.network} | {c.np} | {layout_name(c.np, c.layout)} | "
+        lines.append(f"| {c.model} | {c.batch} | {c.network} | {c.np} | {c.name} | "
                      f"{c.replica_batch} | {ms(m['step_s'])} | {c.batch / m['step_s']:.1f} | "
                      f"{'' if r is None else f'{r:.2f}'} | {ms(m['mp_comm_s']) if c.group > 1 else ''} | "
                      f"{ms(m['reduce_wait_s']) if c.group < c.np else ''} | {ms(pr['step_s']) if pr else ''} | "
                      f"{'' if foreign is None else f'{foreign:.2f}'} |")
+    return "\n".join(lines)
+
+
+def pipeline_table(points):
+    """The markdown table of a --pipelines run: step, throughput against data parallelism at the same np, the
+    prediction, its bubble, and the peak memory per process."""
+    ms = lambda v: "" if v is None else f"{1e3 * v:.0f}"
+    ratio = speedups(points)
+    lines = [("| model | network | np | layout | micro-batches | step ms | samples/s | data step / this | predicted ms "
+              "| predicted bubble ms | peak MB per process | other cores |"),
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in points:
+        c, m, pr = Config(**p["config"]), p["measured"], p["predicted"]
+        r, peak, foreign = ratio[p["label"]], m.get("peak_rss_mb"), m.get("foreign_cores")
+        what = f"pipeline ({c.schedule})" if c.layout == "pipeline" else c.layout
+        lines.append(f"| {c.model} | {c.network} | {c.np} | {what} | {c.micro_batches if c.layout == 'pipeline' else ''}"
+                     f" | {ms(m['step_s'])} | {c.batch / m['step_s']:.1f} | {'' if r is None else f'{r:.2f}'} | "
+                     f"{ms(pr['step_s']) if pr else ''} | {ms(pr.get('bubble_s')) if pr and c.layout == 'pipeline' else ''}"
+                     f" | {'' if peak is None else f'{peak:.0f}'} | {'' if foreign is None else f'{foreign:.2f}'} |")
     return "\n".join(lines)
 
 
@@ -267,10 +332,19 @@ def report(run):
              "model-parallel comm.: the inserted gathers and dx sums per step (waiting included). gradient wait: "
              "the reducer's exposed wait per step. predicted: pydtnn.perfmodel.predict on the same layout. "
              "other cores: CPU used by other processes during the run.")
+    if any(p["config"].get("layout") == "pipeline" for p in run["points"]):
+        notes = ("step ms: median over the timed steps of the slowest rank's step. data step / this: data "
+                 "parallelism's step at the same model, np and network over this one (above 1: faster than data). "
+                 "predicted: pydtnn.perfmodel.predict on the same layout, cut, schedule and micro-batches; predicted "
+                 "bubble: the part of it the busiest stage waits (fill, drain, messages). peak MB per process: "
+                 "the largest maximum resident set over the run's ranks. other cores: CPU used by other processes "
+                 "during the run.")
     busy = [p["label"] for p in run["points"] if (p["measured"].get("foreign_cores") or 0.0) > BUSY]
     disturbed = (f"{len(busy)} of {len(run['points'])} runs had other processes using more than {BUSY} cores "
                  f"(hatched in the plot){': ' + ', '.join(busy) if busy else ''}.")
-    return "\n".join([head, "", table(run["points"]), "", notes, "", disturbed])
+    pipelined = any(p["config"].get("layout") == "pipeline" for p in run["points"])
+    return "\n".join([head, "", pipeline_table(run["points"]) if pipelined else table(run["points"]), "", notes, "",
+                      disturbed])
 
 
 LAYOUT_COLORS = {(2, "data"): "#9ecae1", (2, "model"): "#fdae6b", (4, "data"): "#3182bd", (4, "model"): "#e6550d",
@@ -341,7 +415,8 @@ def drive(args):
     refusal = validation.netem_refusal()
     if refusal:
         print(f"parallelism: emulated networks skipped: {refusal}", file=sys.stderr)
-    configs = quick_configs(refusal is None) if args.quick else full_configs()
+    configs = (quick_configs(refusal is None) if args.quick else pipeline_configs() if args.pipelines
+               else full_configs())
     configs = [c for c in configs if (refusal is None or c.network == "unlimited")
                and (not args.only or args.only in c.label)]
     links = {}
@@ -387,6 +462,8 @@ def main(argv=None):
     p.add_argument("--machine", default=os.path.join(ROOT, "docs", "machine_vm.yaml"),
                    help="machine description the predictions use (default docs/machine_vm.yaml)")
     p.add_argument("--quick", action="store_true", help="3 small configurations (smoke test)")
+    p.add_argument("--pipelines", action="store_true",
+                   help="pipelines beside data parallelism (default output docs/pipeline_benchmark.json, no plot)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
     p.add_argument("--wait_idle", type=float, default=0.0,
@@ -407,7 +484,9 @@ def main(argv=None):
             run["predicted_at"] = validation.commit()
         output(run, args.out, args.plot)
         return 0
-    if not args.quick:
+    if args.pipelines:
+        args.out = args.out or os.path.join(ROOT, "docs", "pipeline_benchmark.json")
+    elif not args.quick:
         args.out = args.out or os.path.join(ROOT, "docs", "parallelism_benchmark.json")
         args.plot = args.plot or os.path.join(ROOT, "docs", "benchmarks_parallelism.png")
     output(drive(args), args.out, args.plot)

@@ -11,8 +11,9 @@ from pydtnn.backends import CPUBackend
 from pydtnn.distributed import pipeline
 from pydtnn.perfmodel import machine as machines
 from pydtnn.perfmodel.machine import Link
-from pydtnn.perfmodel.predict import micro_sizes, predict, recomputed, table
+from pydtnn.perfmodel.predict import micro_sizes, predict, recomputed
 from pydtnn.perfmodel.schedule import timeline
+from pydtnn.perfmodel.table import table
 
 
 def machine(**changes):

@@ -17,10 +17,11 @@ from pydtnn.layers import Dense, Flatten, ReLU
 from pydtnn.model import Model
 from pydtnn.perfmodel import collectives
 from pydtnn.perfmodel import machine as machines
+from pydtnn.perfmodel.cli import main
 from pydtnn.perfmodel.costs import layer_costs
 from pydtnn.perfmodel.machine import Link
-from pydtnn.perfmodel.cli import main
-from pydtnn.perfmodel.predict import duration, predict, table
+from pydtnn.perfmodel.predict import predict
+from pydtnn.perfmodel.table import duration, table
 
 ALPHA, BETA, GAMMA = 1e-5, 1e-9, 5e-10  # the link's latency and seconds per byte, the reduction's seconds per byte
 

@@ -165,8 +165,9 @@ def add_predict(subparsers):
 
 
 def run_predict(args):
-    from pydtnn.perfmodel.predict import UPDATE_PASSES, predict_plan, table
+    from pydtnn.perfmodel.predict import UPDATE_PASSES, predict_plan
     from pydtnn.perfmodel.simulate import build_model
+    from pydtnn.perfmodel.table import table
     from pydtnn.plan import Reduction, RunPlan, layout
 
     machine = machine_from(args)

@@ -380,23 +380,10 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
                           "over model-parallel groups are not written; expected model_parallel_size 1")
     if np % stages:
         raise ConfigError(f"pipeline_stages={stages} does not divide np={np}; expected a divisor")
-    cut = pipeline.Cut.of(model, stages, stage_starts)
     replicas = np // stages
-    of_stage = pipeline.layer_stages(cut.units, cut.bounds)
-    stage_of = {path: of_stage[id(layer)] for path, layer in model.root.named_layers() if id(layer) in of_stage}
+    cut, stage_of, sizes, crowding, fwd, bwd, busy, first_times, msg, line = _pipeline_parts(
+        model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute)
     itemsize = model.backend.dtype.itemsize
-    per_node = min(stages, machine.processes_per_node)  # a pipeline's stages fill nodes in turn
-    crowding = max(1.0, per_node * threads / machine.cores)
-    sizes = micro_sizes(batch_size, micro_batches)
-    again = frozenset().union(*(recomputed(model, recompute, slice(a, b))
-                                for a, b in zip(cut.bounds[:-1], cut.bounds[1:])))
-    fwd, bwd, busy, first_times = _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again)
-    out_shapes = [cut.units[cut.bounds[s + 1] - 1][1].output_shape for s in range(stages - 1)]
-    levels = ["intra" if s // machine.processes_per_node == (s + 1) // machine.processes_per_node else "inter"
-              for s in range(stages - 1)]
-    msg = [[message_seconds(b * int(math_prod(out_shapes[s])) * itemsize, machine, levels[s]) for b in sizes]
-           for s in range(stages - 1)] + [[0.0] * len(sizes)]
-    line = timeline(fwd, bwd, msg, msg, schedule)
     outputs = batch_size * int(math_prod(model.output_shape)) * itemsize
     bcast = sum(collectives.seconds("broadcast", "binomial_tree", n, stages, machine) for n in (outputs, 8))
     passes = update_passes or UPDATE_PASSES[optimizer]
@@ -425,6 +412,36 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
         bubble_s=step_s - (compute_s + memory_s + overhead_s + exposed), p2p_s=sum(sum(r) for r in msg),
         stages=stage_rows,
     )
+
+
+def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute):
+    """(cut, {layer path: stage}, micro-batch sizes, crowding, forward[s][i], backward[s][i], busy per stage, the
+    first micro-batch's LayerTimes, messages[s][i], the Timeline) of a pipeline's micro-batches."""
+    from pydtnn.distributed import pipeline
+
+    cut = pipeline.Cut.of(model, stages, stage_starts)
+    of_stage = pipeline.layer_stages(cut.units, cut.bounds)
+    stage_of = {path: of_stage[id(layer)] for path, layer in model.root.named_layers() if id(layer) in of_stage}
+    itemsize = model.backend.dtype.itemsize
+    per_node = min(stages, machine.processes_per_node)  # a pipeline's stages fill nodes in turn
+    crowding = max(1.0, per_node * threads / machine.cores)
+    sizes = micro_sizes(batch_size, micro_batches)
+    again = frozenset().union(*(recomputed(model, recompute, slice(a, b))
+                                for a, b in zip(cut.bounds[:-1], cut.bounds[1:])))
+    fwd, bwd, busy, first_times = _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again)
+    out_shapes = [cut.units[cut.bounds[s + 1] - 1][1].output_shape for s in range(stages - 1)]
+    levels = ["intra" if s // machine.processes_per_node == (s + 1) // machine.processes_per_node else "inter"
+              for s in range(stages - 1)]
+    msg = [[message_seconds(b * int(math_prod(out_shapes[s])) * itemsize, machine, levels[s]) for b in sizes]
+           for s in range(stages - 1)] + [[0.0] * len(sizes)]
+    return cut, stage_of, sizes, crowding, fwd, bwd, busy, first_times, msg, timeline(fwd, bwd, msg, msg, schedule)
+
+
+def predict_pipeline_timeline(model, batch_size, stages, machine, micro_batches=1, schedule="1f1b", stage_starts=None,
+                              threads=1, recompute="none"):
+    """The schedule.Timeline of one pipeline's micro-batches as predict_pipeline lays them out (its ops per stage)."""
+    return _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads,
+                           recompute)[-1]
 
 
 def _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again):
@@ -519,69 +536,3 @@ def _messages(params, times, forward_s, reduction, itemsize, compression="none",
                              **{k: v for k, v in options.items() if k in own})
     starts = [t if m.params is None else max(when[i] for i in m.params) for m in sent]
     return sorted(((s, m.collective, m.nbytes) for s, m in zip(starts, sent)), key=lambda x: x[0])
-
-
-def duration(seconds):
-    """Seconds as a reader writes them, in the unit that fits: '196.1 s', '12.35 ms', '850 us', '1,234 s'."""
-    if not math.isfinite(seconds) or seconds == 0:
-        return f"{seconds:g} s"
-    if abs(seconds) >= 1000:
-        return f"{seconds:,.0f} s"
-    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
-        if abs(seconds) >= scale:
-            return f"{seconds / scale:.4g} {unit}"
-    return f"{seconds * 1e9:.4g} ns"
-
-
-def rate(per_second):
-    """A rate to 4 significant digits, thousands separated: '5.223', '1,234', '123,456'."""
-    if math.isfinite(per_second) and abs(per_second) >= 1000:
-        return f"{per_second:,.0f}"
-    return f"{per_second:.4g}"
-
-
-def table(p):
-    """The per-layer table (milliseconds, one column unit) and the step's split and throughput, as text."""
-    ms = lambda s: f"{1e3 * s:9.3f}"
-    if p.pipeline_stages > 1:
-        how = (f"batch {p.batch_size} per pipeline in {p.micro_batches} micro-batch(es), {p.np} process(es) "
-               f"({p.pipeline_stages} stages per pipeline, {p.schedule})")
-    elif p.model_parallel_size == 1:
-        how = f"batch {p.batch_size} per process, {p.np} process(es)"
-    else:
-        how = f"batch {p.batch_size} per replica, {p.np} process(es) ({p.model_parallel_size} per replica)"
-    if p.pipeline_stages == 1 and p.micro_batches > 1:
-        how += f" in {p.micro_batches} micro-batches"
-    if p.recompute != "none":
-        how += f", recompute {p.recompute}"
-    per = " (first micro-batch)" if p.micro_batches > 1 and p.pipeline_stages > 1 else ""
-    lines = [(f"{p.model}: {how} x {p.threads} thread(s), {p.parallel} "
-             f"parallel, {p.reduction} reduction ({p.algorithm}, progress {p.progress}) on {p.machine}"),
-             f"{'layer':32s} {'kind':18s} {'algorithm':14s} {'fwd ms':>9s} {'bwd ms':>9s} {'bound':>7s}{per}"]
-    for t in p.layers:
-        lines.append(f"{t.name[:32]:32s} {t.kind[:18]:18s} {str(t.algorithm or '')[:14]:14s} {ms(t.forward_s)} "
-                     f"{ms(t.backward_data_s + t.backward_weights_s)} {t.bound:>7s}")
-    if p.stages:
-        header = (f"{'stage':6s} {'layers':30s} {'fwd ms':>9s} {'bwd ms':>9s} {'msg ms':>9s} {'busy ms':>9s} "
-                  f"{'idle ms':>9s} {'reduce ms':>9s} {'update ms':>9s}   (a step: every micro-batch)")
-        lines += ["", header]
-        for r in p.stages:
-            span = r["first"] if r["first"] == r["last"] else f"{r['first']}..{r['last']}"
-            lines.append(f"{r['stage']:<6d} {span[:30]:30s} {ms(r['forward_s'])} {ms(r['backward_s'])} "
-                         f"{ms(r['message_s'])} {ms(r['busy_s'])} {ms(r['idle_s'])} {ms(r['reduce_s'])} "
-                         f"{ms(r['update_s'])}")
-    lines += ["", (f"step {duration(p.step_s)} = compute {duration(p.compute_s)} + memory-bound "
-                  f"{duration(p.memory_s)} (update {duration(p.update_s)}) + fixed costs "
-                  f"{duration(p.overhead_s)} + exposed communication "
-                  f"{duration(p.exposed_comm_s)} (of {duration(p.comm_s)} in {p.messages} collective(s)"
-                  + (f"; {duration(p.group_comm_s)} of them inside the model-parallel groups, blocking"
-                     if p.model_parallel_size > 1 else "")
-                  + (f"; {duration(p.sync_s)} waiting for ranks off oversubscribed cores" if p.sync_s else "")
-                  + ")"
-                  + (f" + pipeline bubble {duration(p.bubble_s)} (the busiest stage's fill, drain and waits; "
-                     f"{duration(p.p2p_s)} of messages between stages)" if p.pipeline_stages > 1 else "")),
-              (f"{rate(p.samples_per_second)} samples/s: a global batch of {p.global_batch:,} samples every "
-               f"{duration(p.step_s)}")]
-    if not math.isfinite(p.step_s):
-        lines.append("the prediction is not finite: check the machine's rates")
-    return "\n".join(lines)

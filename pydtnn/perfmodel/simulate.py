@@ -161,7 +161,8 @@ def simulate(args, defaults, say=print):
     value (pydtnn-train's parser), against which REFUSED flags are checked."""
     refuse_unmodelled(args, defaults)
     from pydtnn.perfmodel import machine as machines
-    from pydtnn.perfmodel.predict import duration, predict_plan, rate, table, update_passes
+    from pydtnn.perfmodel.predict import predict_plan, update_passes
+    from pydtnn.perfmodel.table import duration, rate, table
 
     machine = machines.DEFAULT if args.machine is None else machines.load(args.machine)
     plan = RunPlan.from_args(args, args.np)

@@ -152,7 +152,10 @@ class Tracer:
 
         paths = [path] if world_size is None else trace_paths(path, world_size)
         meta = [{"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": self.name}}]
-        data = json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}).encode()
+        # ts: microseconds from t0_ns on the machine's monotonic clock (perf_counter_ns), which every process
+        # of a machine shares: the ranks' traces line up by it
+        data = json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms",
+                           "otherData": {"clock": "perf_counter_ns", "t0_ns": self.t0}}).encode()
         write_atomic(paths[0 if world_size is None else self.pid], data, make_folder=True)
         return paths
 
