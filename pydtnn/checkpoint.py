@@ -223,11 +223,11 @@ def load(directory, model, optimizer=None, check_meta=None, extras=None):
             _check_values(name, t, t.dtype, opt_where)
         if extras is not None:
             extras.update(extra)
-        if model.sharding is not None:  # whole in the file; this rank holds its slices
-            arrays = {k: model.sharding.cut(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
         if model.pipeline is not None:  # whole in the file; this stage takes the slots of its own parameters
             others = set(model.pipeline.param_names) - {name for name, _, _ in model.parameters()}
             arrays = {k: v for k, v in arrays.items() if k.rsplit(".", 1)[0] not in others}
+        if model.sharding is not None:  # whole in the file; this rank holds its slices
+            arrays = {k: model.sharding.cut(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
         own_arrays = optimizer.state_dict()["arrays"]
         for name, t in arrays.items():
             if name in own_arrays:  # names the optimizer lacks: its load_state_dict says which

@@ -225,8 +225,10 @@ class Model:
         """{name: NumPy array} of parameters and buffers, whole: gathered from every rank of a model-parallel
         group (a collective there: every rank of the group calls it), from every stage of a pipeline onto its
         first (every stage calls it; None on the others), copies of the own arrays otherwise."""
-        if self.pipeline is not None:
-            return self.pipeline.gather({k: self.backend.to_numpy(v) for k, v in self.named_state()})
+        if self.pipeline is not None:  # each array whole within the stage's group first, where it is split
+            cut = self.sharding
+            return self.pipeline.gather({k: self.backend.to_numpy(v) if cut is None else cut.gather(k, v)
+                                         for k, v in self.named_state()})
         if self.sharding is None:
             return {k: np.array(self.backend.to_numpy(v)) for k, v in self.named_state()}
         return {k: self.sharding.gather(k, v) for k, v in self.named_state()}
@@ -256,10 +258,10 @@ class Model:
         either way, since they mean a different architecture.
         """
         own = self.state_dict()
-        if self.sharding is not None:  # whole arrays (a checkpoint, another layout) are cut to this rank's slices
-            state = {k: self.sharding.cut(k, v) for k, v in state.items()}
         if self.pipeline is not None:  # whole arrays: a stage takes its own, and leaves the other stages' alone
             state = {k: v for k, v in state.items() if k in own or k not in self.pipeline.layout}
+        if self.sharding is not None:  # whole arrays (a checkpoint, another layout) are cut to this rank's slices
+            state = {k: self.sharding.cut(k, v) for k, v in state.items()}
         extra = sorted(set(state) - set(own))
         missing = sorted(set(own) - set(state))
         if extra or (strict and missing):
@@ -274,9 +276,10 @@ class Model:
             own[k][...] = self.backend.asarray(v, dtype=own[k].dtype)
 
     def count_params(self):
-        """Number of trainable scalars (of the whole model, when it is split over ranks)."""
+        """Number of trainable scalars (of the whole model, when it is split over ranks or cut into stages)."""
         layout = self.state_layout()
-        return sum(int(np.prod(layout[name][0])) for name, _, _ in self.parameters())
+        names = self.pipeline.param_names if self.pipeline is not None else [n for n, _, _ in self.parameters()]
+        return sum(int(np.prod(layout[name][0])) for name in names)
 
     def flops(self):
         """Forward FLOPs per sample."""

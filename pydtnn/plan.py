@@ -58,7 +58,8 @@ def layout(parallel, world_size, model_parallel_size=None, flags=False, pipeline
     `pipeline_stages` (S), or a ConfigError naming the flag (flags=True) or parameter at fault. The one rule:
     data and sequential take no M (or 1); model takes all processes (M = world_size); hybrid needs an M that
     divides world_size; pipeline takes S stages, one per process (S = world_size), and no M; hybrid with S
-    takes R = world_size / S data-parallel replicas of an S-stage pipeline."""
+    takes R = world_size / (S x M) data-parallel replicas of an S-stage pipeline whose stages are each split
+    over M processes (M = 1: one process a stage)."""
     if parallel not in (None,) + PARALLEL:
         raise ConfigError(f"{_named('parallel', parallel, flags)}: expected one of {', '.join(PARALLEL)}")
     s = pipeline_stages
@@ -106,19 +107,22 @@ def _pipeline_layout(parallel, world_size, m, s, flags):
     if s < 2:
         raise ConfigError(f"{_named('pipeline_stages', s, flags)} is the whole model on each process; expected 2 or "
                           f"more stages, or no {'--' if flags else ''}pipeline_stages")
-    if m not in (None, 1):
-        raise ConfigError(f"{_named('model_parallel_size', m, flags)} with {_named('pipeline_stages', s, flags)}: "
-                          f"stages split over model-parallel groups are not written yet; expected no "
-                          f"{'--' if flags else ''}model_parallel_size")
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ConfigError(f"{_named('model_parallel_size', m, flags)}; expected a positive integer")
+    m = m or 1
+    if m > 1 and parallel != "hybrid":
+        raise ConfigError(f"{_named('model_parallel_size', m, flags)} with {_named('parallel', 'pipeline', flags)}: "
+                          f"stages split over model-parallel groups take {_named('parallel', 'hybrid', flags)}")
     where = f"{world_size} processes were launched" if flags else f"np={world_size}"
     if parallel == "pipeline" and s != world_size:
         raise ConfigError(f"{_named('pipeline_stages', s, flags)} runs one stage per process, but {where}; launch "
                           f"{s} processes, or use {_named('parallel', 'hybrid', flags)} for data-parallel replicas of "
                           f"the pipeline")
-    if world_size % s:
-        raise ConfigError(f"{_named('pipeline_stages', s, flags)} does not divide the processes ({where}); expected a "
-                          f"divisor of {world_size}, one stage per process in each replica")
-    return Layout(parallel, world_size, 1, s)
+    if world_size % (s * m):
+        per = f"{s} stages x {m} processes each" if m > 1 else f"{s} stages, one per process"
+        raise ConfigError(f"{_named('pipeline_stages', s, flags)} does not divide the processes ({where}) into "
+                          f"pipelines of {per}; expected a multiple of {s * m} processes")
+    return Layout(parallel, world_size, m, s)
 
 
 @dataclass(frozen=True)

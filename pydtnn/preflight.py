@@ -32,11 +32,8 @@ def check_combinations(args):
                           f"--evaluate_only, or --weights_and_bias_filename DIR)")
     if "model_checkpoint" in chosen_schedulers(args) and not args.checkpoint_dir:
         raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
-    if args.parallel == "pipeline" or args.pipeline_stages is not None:
-        if args.sync_batchnorm:
-            raise ConfigError("--sync_batchnorm with --parallel pipeline is not written yet (statistics across the "
-                              "pipelines' replicas); drop --sync_batchnorm, or train with --parallel data or model")
-    elif args.stage_boundaries is not None or "pipeline_schedule" in args.explicit:
+    pipelined = args.parallel == "pipeline" or args.pipeline_stages is not None
+    if not pipelined and (args.stage_boundaries is not None or "pipeline_schedule" in args.explicit):
         flag = "--stage_boundaries" if args.stage_boundaries is not None else "--pipeline_schedule"
         raise ConfigError(f"{flag} applies to --parallel pipeline (or hybrid with --pipeline_stages); got --parallel "
                           f"{args.parallel or 'data'}")
@@ -149,7 +146,8 @@ def check_agreement(comm, model, datasets, start_epoch):
     facts = {}
     for name, ds in zip(("train", "validation", "test"), datasets):
         facts[f"{name} set"] = None if ds is None else sample_digest(ds)
-    facts["model"] = f"{model.name}, {model.count_params():,} parameters, state {checkpoint.fingerprint(model)}"
+    facts["model"] = (f"{model.whole_name}, {model.count_params():,} parameters, state "
+                      f"{checkpoint.fingerprint(model)}")
     facts["epoch to start from"] = start_epoch
     agree(comm, facts)
 

@@ -40,11 +40,16 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
     dataset = "synthetic" if args.use_synthetic_data else args.dataset
     yield (f"pydtnn: data {dataset}: {len(train):,} train, {len(val) if val else 0:,} validation, "
            f"{len(test) if test else 0:,} test; {'x'.join(map(str, data_shape))} images, {train.num_classes} classes")
+    per_stage = ("one per process" if eff["model_parallel_size"] == 1 else
+                 f"each split over {eff['model_parallel_size']} processes by output channels")
     if eff.get("pipeline_stages", 1) > 1 and eff["replicas"] > 1:
         yield (f"pydtnn: {eff['processes']} processes, hybrid parallel: {eff['replicas']} replicas of a pipeline of "
-               f"{eff['pipeline_stages']} stages, one per process; {eff['reduction']} gradient reduction, batch "
+               f"{eff['pipeline_stages']} stages, {per_stage}; {eff['reduction']} gradient reduction, batch "
                f"{args.batch_size} per replica ({eff['global_batch_size']} global) in {args.accumulation_steps} "
                f"micro-batches")
+    elif eff.get("pipeline_stages", 1) > 1 and eff["model_parallel_size"] > 1:
+        yield (f"pydtnn: {eff['processes']} processes, hybrid parallel: the layers cut into {eff['pipeline_stages']} "
+               f"stages, {per_stage}; batch {args.batch_size} in {args.accumulation_steps} micro-batches")
     elif eff.get("pipeline_stages", 1) > 1:
         yield (f"pydtnn: {eff['processes']} processes, pipeline parallel: the layers cut into {eff['pipeline_stages']} "
                f"stages, one per process; batch {args.batch_size} in {args.accumulation_steps} micro-batches")

@@ -49,7 +49,7 @@ def run(args):
     if args.list_models:
         print(models_table())
         return None
-    comm, say, (group, replicas, mp_size), plan = start(args)
+    comm, say, (group, replicas, mp_size, pipe), plan = start(args)
     world = replicas.size  # model replicas: the batch, the learning rate and the reduction follow them
     # the flags as given (None: "the default for this model and optimizer"), saved as the run's
     # configuration; the values they resolve to are saved next to them as "effective"
@@ -60,11 +60,11 @@ def run(args):
     fill_defaults(args, family)
     if args.weights_and_bias_filename and not args.resume:  # a resumed run takes every weight from its checkpoint
         checkpoint.load_weights(args.weights_and_bias_filename, model)
-    if group is not None and not plan.layout.pipelined:
-        model_parallel.partition(model, group)
     whole = model
-    if plan.layout.pipelined:  # from here on, this rank's stage; `group` is its pipeline
-        model, cut = pipeline_stage(args, model, group)
+    if plan.layout.pipelined:  # from here on, this rank's stage (split over its group, where it has one)
+        model, cut = pipeline_stage(args, model, pipe)
+    if group is not None:
+        model_parallel.partition(model, group)
     comm, replicas, grad_comm = device_communicators(args, comm, replicas, backend, say)
     options, lr_note = scaled_optimizer_options(args, family, world, mp_size)
     strategy = plan.reduction.name
@@ -79,9 +79,11 @@ def run(args):
     tracer = new_tracer(model, comm) if args.tracing else None
     if plan.layout.pipelined:  # the Trainer attaches the reducer to the stage before the first step
         from pydtnn.distributed.pipeline import PipelineStep
+        from pydtnn.step import BatchNormSync
 
-        step = PipelineStep(model, loss, optimizer, group, cut, args.accumulation_steps, args.pipeline_schedule,
-                            reducer=reducer, tracer=tracer, recompute=args.recompute)
+        step = PipelineStep(model, loss, optimizer, pipe, cut, args.accumulation_steps, args.pipeline_schedule,
+                            reducer=reducer, tracer=tracer, recompute=args.recompute,
+                            batchnorm_sync=BatchNormSync(replicas) if args.sync_batchnorm else None)
     effective = effective_values(args, choice, options, plan, schedules)
     effective["data_shape"] = list(data_shape)  # the images before any padding: what an exported graph takes
     if corrected:
@@ -97,12 +99,12 @@ def run(args):
     if args.resume:
         start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,
                              scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
-    check_agreement(comm, whole, datasets, start_epoch)
+    check_agreement(comm, model, datasets, start_epoch)  # a stage's state layout and name are the whole model's
     broadcast_state(replicas, model, optimizer)
     for line in header(args, choice, whole, datasets, effective, lr_note, data_shape):
         say(line)
     if step is not None:
-        say(f"pydtnn: pipeline of {group.size} stages ({args.pipeline_schedule}, {args.accumulation_steps} "
+        say(f"pydtnn: pipeline of {pipe.size} stages ({args.pipeline_schedule}, {args.accumulation_steps} "
             f"micro-batches a step): {cut.describe()}")
     if args.summary and comm.rank == 0:
         whole.summary(file=sys.stderr)
@@ -116,7 +118,7 @@ def run(args):
 
 
 def start(args):
-    """(comm, say, (group, replicas, M)): MPI up, flags agreed before any split, the layout made, the batch per
+    """(comm, say, (group, replicas, M, pipeline)): MPI up, flags agreed before any split, the layout made, the batch per
     replica set, every output checked. say prints on rank 0 only."""
     check_combinations(args)
     if args.conv_autotune is None:  # before the ranks compare their flags: all must time, or none
@@ -130,12 +132,14 @@ def start(args):
     if args.parallel in ("data", "model") and comm.size == 1:
         say(f"pydtnn: --parallel {args.parallel} with one process trains sequentially")
     plan = RunPlan.from_args(args, comm.size)
-    if plan.layout.pipelined:  # (this rank's pipeline, the replicas of its stage, 1)
+    if plan.layout.pipelined:  # (its stage's group, the replicas of its place, M, this rank's pipeline)
         from pydtnn.distributed import pipeline
 
-        layout = (*pipeline.groups(comm, plan.layout.pipeline_stages), 1)
+        lay = plan.layout
+        pipe, replicas, group = pipeline.groups(comm, lay.pipeline_stages, lay.model_parallel_size)
+        layout = (group, replicas, lay.model_parallel_size, pipe)
     else:
-        layout = model_parallel.layout(comm, args.parallel, args.model_parallel_size)
+        layout = (*model_parallel.layout(comm, args.parallel, args.model_parallel_size), None)
     args.batch_size = plan.batch_size
     check_outputs(args, comm)
     return comm, say, layout, plan

@@ -33,6 +33,7 @@ from pydtnn.backends import CPUBackend
 from pydtnn.distributed import launch, pipeline, reducers
 from pydtnn.losses import SoftmaxCrossEntropy
 from pydtnn.optim import SGD
+from pydtnn.step import BatchNormSync
 from pydtnn.trainer import Trainer
 
 
@@ -65,6 +66,7 @@ def main():
     p.add_argument("--boundaries", default="", help="comma-separated unit paths where stages 1.. begin")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel pipelines")
     p.add_argument("--recompute", default="none")
+    p.add_argument("--sync_batchnorm", action="store_true", help="BatchNorm statistics over the replicas")
     p.add_argument("--misbehave", choices=("stall", "kill", "shape"), default=None)
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--rank", type=int, default=0)
@@ -83,12 +85,12 @@ def main():
         reducer = reducers.create("bucketed", world) if world.size > 1 else None
         trainer = Trainer(model, loss, optimizer, progress=False, accumulation_steps=args.micro_batches,
                           comm=world if world.size > 1 else None, reducer=reducer, is_root=world.rank == 0,
-                          recompute=args.recompute)
+                          recompute=args.recompute, sync_batchnorm=args.sync_batchnorm)
         trainer.fit(train, epochs=1, batch_size=args.batch // args.replicas)
         state, bounds = model.whole_state_dict(), None
     else:
         stages = world.size // args.replicas
-        pipe, replicas = pipeline.groups(world, stages)
+        pipe, replicas, _ = pipeline.groups(world, stages)
         cut = pipeline.Cut.of(model, stages, args.boundaries.split(",") if args.boundaries else None)
         bounds = cut.bounds
         stage = cut.stage(pipe.rank)
@@ -96,7 +98,8 @@ def main():
         optimizer = SGD(stage.parameters(), lr=0.05, momentum=0.9, backend=stage.backend)
         reducer = reducers.create("bucketed", replicas) if replicas.size > 1 else None
         step = pipeline.PipelineStep(stage, loss, optimizer, pipe, cut, args.micro_batches, args.schedule,
-                                     reducer=reducer, recompute=args.recompute)
+                                     reducer=reducer, recompute=args.recompute,
+                                     batchnorm_sync=BatchNormSync(replicas) if args.sync_batchnorm else None)
         trainer = Trainer(stage, loss, optimizer, progress=False, is_root=world.rank == 0, step=step,
                           comm=replicas if replicas.size > 1 else None, reducer=reducer, callbacks=callbacks)
         trainer.fit(train, epochs=1, batch_size=args.batch // args.replicas)

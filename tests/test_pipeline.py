@@ -287,8 +287,10 @@ def test_pydtnn_train_hybrid_pipelines_equal_data_parallelism(tmp_path):
 
 @pytest.mark.parametrize("n,flags,words", [
     (4, ["--parallel", "hybrid", "--pipeline_stages", "3"], "--pipeline_stages 3 does not divide the processes"),
-    (4, ["--parallel", "hybrid", "--pipeline_stages", "2", "--model_parallel_size", "2"],
-     "--model_parallel_size 2 with --pipeline_stages 2: stages split over model-parallel groups are not written"),
+    (2, ["--parallel", "pipeline", "--pipeline_stages", "2", "--model_parallel_size", "2"],
+     "--model_parallel_size 2 with --parallel pipeline: stages split over model-parallel groups take --parallel hybrid"),
+    (4, ["--parallel", "hybrid", "--pipeline_stages", "3", "--model_parallel_size", "2"],
+     "--pipeline_stages 3 does not divide the processes (4 processes were launched) into pipelines of 3 stages x 2"),
     (2, ["--parallel", "pipeline", "--pipeline_stages", "3"], "--pipeline_stages 3 runs one stage per process, but 2"),
     (2, ["--pipeline_stages", "2"], "--pipeline_stages 2 needs --parallel pipeline"),
     (2, ["--parallel", "pipeline"], "--parallel pipeline needs --pipeline_stages S"),
@@ -296,8 +298,8 @@ def test_pydtnn_train_hybrid_pipelines_equal_data_parallelism(tmp_path):
      "--stage_boundaries: '7.weight' is not a layer a stage can begin at"),
     (2, ["--parallel", "pipeline", "--pipeline_stages", "2", "--stage_boundaries", "3,5"],
      "--stage_boundaries names 2 layers, but 2 stages begin at 1"),
-    (1, ["--parallel", "pipeline", "--pipeline_stages", "1", "--sync_batchnorm", "true", "--checkpoint_dir", "CKPT"],
-     "--sync_batchnorm with --parallel pipeline is not written yet"),
+    (1, ["--parallel", "pipeline", "--pipeline_stages", "1", "--checkpoint_dir", "CKPT"],
+     "--pipeline_stages 1 is the whole model on each process"),
     (1, ["--pipeline_schedule", "gpipe"], "--pipeline_schedule applies to --parallel pipeline"),
 ])
 def test_pipeline_mistakes_are_one_line_and_exit_2(tmp_path, n, flags, words):
@@ -369,6 +371,54 @@ def test_a_checkpoint_resumes_as_a_pipeline_and_a_pipelines_as_data_parallelism(
     assert got["world_size"] == 2 and got["params_sha256"] == want["params_sha256"]
 
 
+def assert_close_files(a, b, rtol, names=("model.safetensors", "optimizer.safetensors")):
+    """Every tensor of checkpoint a's files within rtol of checkpoint b's (relative to each tensor's largest)."""
+    for name in names:
+        x, y = load_file(str(a / name)), load_file(str(b / name))
+        assert list(x) == list(y), name
+        for k in x:
+            scale = max(np.abs(y[k]).max(), 1e-300)
+            err = np.abs(x[k] - y[k]).max() / scale
+            assert err <= rtol, f"{name}: {k} differs by {err:.3g}"
+
+
+def test_stages_split_over_model_parallel_groups_equal_one_process(one_process_checkpoints, tmp_path):
+    """--parallel hybrid --pipeline_stages 2 --model_parallel_size 2 on 4 processes: each stage split over 2
+    processes by output channels, each sending its stage's whole output to its counterpart in the next; the
+    checkpoint (gathered within the groups, then across the stages) is one process's with the same micro-batches,
+    to float64 rounding (the groups' sums add in another order)."""
+    r = train(4, tmp_path / "mp.jsonl", "--micro_batches", "4", "--parallel", "hybrid", "--pipeline_stages", "2",
+              "--model_parallel_size", "2", "--checkpoint_dir", str(tmp_path / "mp"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_close_files(tmp_path / "mp", one_process_checkpoints / "one1", 1e-12)
+    record = final(tmp_path / "mp.jsonl")
+    assert (record["world_size"], record["replicas"], record["model_parallel_size"], record["pipeline_stages"]) == (
+        4, 1, 2, 2)
+    assert "cut into 2 stages, each split over 2 processes by output channels" in r.stderr
+
+
+class _Splits:
+    """A world of `size` at `rank` whose split records (color, key) instead of communicating."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def split(self, color, key):
+        return (color, key)
+
+
+def test_a_stage_split_over_a_group_takes_consecutive_ranks_and_pipelines_join_counterparts():
+    """np 8 as 2 replicas of 2 stages x 2 processes: rank r S M + s M + m. Group: the same (r, s); pipeline: the
+    same (r, m), ordered by stage; replicas: the same (s, m), ordered by r."""
+    seen = {rank: pipeline.groups(_Splits(rank, 8), 2, 2) for rank in range(8)}
+    members = lambda part: {c: sorted((key, r) for r, g in seen.items() for (cc, key) in [g[part]] if cc == c)
+                            for c in {g[part][0] for g in seen.values()}}
+    assert sorted(tuple(r for _, r in v) for v in members(2).values()) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert sorted(tuple(r for _, r in v) for v in members(0).values()) == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert sorted(tuple(r for _, r in v) for v in members(1).values()) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert seen[3][0][1] == 1 and seen[6][1][1] == 1  # rank 3 is stage 1 of its pipeline, rank 6 replica 1
+
+
 def test_a_resumed_run_takes_the_saved_layout_whole_or_not_at_all(monkeypatch, tmp_path):
     from pydtnn import resume
 
@@ -381,6 +431,19 @@ def test_a_resumed_run_takes_the_saved_layout_whole_or_not_at_all(monkeypatch, t
         config = resume.resumed_config(str(tmp_path), given)
         assert not set(resume.LAYOUT) & set(config), given
         assert config["model"] == "simplecnn" and config["accumulation_steps"] == 4
+
+
+@pytest.mark.slow
+def test_hybrid_pipelines_with_synchronized_batchnorm_equal_data_parallelism_with_it(tmp_path):
+    """--sync_batchnorm: each stage's BatchNorm statistics over its replicas' micro-batch, as data parallelism's
+    accumulation takes them over its replicas': 2 x 2 (the worker's network: BatchNorm, dropout, flips, crops)
+    ends with the parameters of 2 such processes, to the bit, and elsewhere than without synchronization."""
+    for n, name, flags in ((2, "dp", ["--sync_batchnorm"]), (4, "hybrid", ["--sync_batchnorm"]), (4, "plain", [])):
+        r = launch(n, tmp_path / f"{name}.st", "--replicas", "2", "--micro_batches", "2", *flags)
+        assert r.returncode == 0, r.stderr[-3000:]
+    dp, hybrid, plain = (load_file(str(tmp_path / f"{name}.st")) for name in ("dp", "hybrid", "plain"))
+    assert all(np.array_equal(dp[k], hybrid[k]) for k in dp)
+    assert not all(np.array_equal(dp[k], plain[k]) for k in dp)
 
 
 @pytest.mark.slow

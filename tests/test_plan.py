@@ -44,7 +44,10 @@ def test_a_bad_layout_names_the_flag_or_the_parameter(parallel, world, m, flag_m
 @pytest.mark.parametrize("parallel,world,m,stages,message", [
     ("pipeline", 4, None, 2, "--pipeline_stages 2 runs one stage per process, but 4 processes were launched; launch "
                              "2 processes, or use --parallel hybrid"),
-    ("pipeline", 2, 2, 2, "--model_parallel_size 2 with --pipeline_stages 2: stages split over model-parallel"),
+    ("pipeline", 2, 2, 2, "--model_parallel_size 2 with --parallel pipeline: stages split over model-parallel groups "
+                          "take --parallel hybrid"),
+    ("hybrid", 6, 2, 2, r"--pipeline_stages 2 does not divide the processes \(6 processes were launched\) into "
+                        "pipelines of 2 stages x 2 processes each; expected a multiple of 4"),
     ("hybrid", 6, None, 4, "--pipeline_stages 4 does not divide the processes"),
     ("data", 2, None, 2, r"--pipeline_stages 2 needs --parallel pipeline \(or hybrid\); got --parallel data"),
     ("pipeline", 2, None, 0, "--pipeline_stages 0; expected a positive integer"),
@@ -62,6 +65,8 @@ def test_a_pipeline_layout_has_one_stage_per_process_and_one_replica():
     lay = layout("hybrid", 6, None, pipeline_stages=3)
     assert lay == Layout("hybrid", 6, 1, 3) and lay.replicas == 2 and lay.pipelined
     assert not layout("hybrid", 6, 3).pipelined
+    lay = layout("hybrid", 8, 2, pipeline_stages=2)  # stages split over groups of 2: 2 replicas of 2 x 2
+    assert lay == Layout("hybrid", 8, 2, 2) and lay.replicas == 2 and lay.pipelined
 
 
 def test_the_plan_of_the_flags():

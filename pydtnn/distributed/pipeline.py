@@ -199,15 +199,22 @@ class Cut:
         return "; ".join(parts)
 
 
-def groups(comm, stages):
-    """(this rank's pipeline, the replicas of its stage): a pipeline is `stages` consecutive ranks (0..S-1,
-    S..2S-1, ...), one replica of the model, whose neighbours launchers place on one node; the ranks holding
-    the same stage in every pipeline reduce that stage's gradients (data parallelism across pipelines)."""
+def groups(comm, stages, model_parallel_size=1):
+    """(this rank's pipeline, the replicas of its stage, its stage's model-parallel group or None). With M =
+    model_parallel_size, rank r S M + s M + m is process m of stage s of pipeline replica r: a stage's M
+    processes are consecutive ranks (the most frequent collectives on the fastest links), a pipeline is the
+    S processes with the same m (each sends its stage's whole output to its counterpart in the next stage),
+    and the ranks holding the same place in every replica reduce its gradients (data parallelism)."""
     from pydtnn.distributed.comm import SingleProcess
 
-    if comm.size == stages:
-        return comm, SingleProcess()
-    return comm.split(comm.rank // stages, comm.rank), comm.split(comm.rank % stages, comm.rank)
+    m = model_parallel_size
+    if comm.size == stages and m == 1:
+        return comm, SingleProcess(), None
+    rank, per_replica = comm.rank, stages * m
+    pipe = comm.split((rank // per_replica) * m + rank % m, (rank // m) % stages)
+    replicas = comm.split(rank % per_replica, rank // per_replica) if comm.size > per_replica else SingleProcess()
+    group = comm.split(rank // m, rank) if m > 1 else None
+    return pipe, replicas, group
 
 
 # -- the step ------------------------------------------------------------------------------------
@@ -232,10 +239,11 @@ class PipelineStep:
     s holding stage s; cut: the Cut the stage comes from (the whole model's shapes and state layout);
     reducer: the gradient reducer across the replicas of this stage (groups()), which the Trainer attaches
     to the stage (reducer.attach(stage_model) for a hand-written loop), or None: the summed micro-batches' gradients are reduced once per step, as Step's accumulation does;
-    recompute: "none", "segments" or "all" (pydtnn.recompute), within the stage."""
+    recompute: "none", "segments" or "all" (pydtnn.recompute), within the stage; batchnorm_sync: a
+    step.BatchNormSync over the replicas of this stage (--sync_batchnorm), or None."""
 
     def __init__(self, stage_model, loss, optimizer, comm, cut, micro_batches, schedule="1f1b", reducer=None,
-                 tracer=None, recompute="none"):
+                 tracer=None, recompute="none", batchnorm_sync=None):
         if int(micro_batches) != micro_batches or micro_batches < 1:
             raise ConfigError(f"--micro_batches must be a positive integer, got {micro_batches!r}")
         if schedule not in SCHEDULES:
@@ -255,6 +263,10 @@ class PipelineStep:
         self._layers = [layer for _, layer in stage_model.layers()] + ([self.passes] if recompute != "none" else [])
         self._acc = None
         self.cut = cut
+        self.batchnorm_sync = batchnorm_sync
+        if batchnorm_sync is not None:  # statistics over the replicas' micro-batch i, as Step's accumulation does
+            for _, layer in stage_model.layers():
+                layer.synchronize(batchnorm_sync)
         stage_model.pipeline = StageOf(cut, comm)  # its checkpoints, weights and digests are the whole model's
 
     # the MPI communicator under pydtnn's (point-to-point is not part of the collective contract)
@@ -271,7 +283,7 @@ class PipelineStep:
             self._acc = [xp.zeros_like(g) for _, _, g in params]
         messages = _Messages(self, rows)
         with nullcontext() if self.reducer is None else self.reducer.no_sync():  # one reduction, after the loop
-            losses, outs = self._micro_batches(x, y, streams, rows, messages)
+            losses, outs = self._micro_batches(x, y, streams, rows, messages, weight)
         messages.finish()
         total, outputs = self._results(losses, outs, rows, n)
         if not np.isfinite(total):  # every stage knows it: the update is skipped on all of them
@@ -283,7 +295,7 @@ class PipelineStep:
         reduce_and_update(self.optimizer, self.reducer, self.tracer, replay=True)
         return (total if read else xp.asarray(total, dtype=xp.float64)), outputs
 
-    def _micro_batches(self, x, y, streams, rows, messages):
+    def _micro_batches(self, x, y, streams, rows, messages, weight=1.0):
         """The schedule's forwards and backwards on this stage, the gradients summed into self._acc in
         micro-batch order; ({i: loss}, {i: outputs}) on the last stage, empty elsewhere."""
         xp, params, n = self.backend.xp, self._params, x.shape[0]
@@ -296,6 +308,8 @@ class PipelineStep:
             micro_streams = streams.rows(None, a, b) if own_rows else streams
             if op == "F":
                 h = x[a:b] if self.first else messages.activation(i)
+                if self.batchnorm_sync is not None:  # the micro-batch's share of the replicas' micro-batch
+                    self.batchnorm_sync.weight = weight * (b - a) / n
                 with self.backend.sample_streams_for(micro_streams), span(self.tracer, "forward"):
                     out = self.passes.forward(h, training=True)
                 if self.last:  # the loss now: its saved state is the next micro-batch's after this
@@ -309,6 +323,8 @@ class PipelineStep:
             for layer, state in zip(self._layers, saved.pop(i)):
                 layer.__dict__.update(state)
             dy = dys.pop(i) if self.last else messages.gradient(i)
+            if self.batchnorm_sync is not None:  # a recomputed forward synchronizes again
+                self.batchnorm_sync.weight = weight * (b - a) / n
             with self.backend.sample_streams_for(micro_streams), span(self.tracer, "backward"):
                 dx = self.passes.backward(dy)
             if not self.first:

@@ -366,7 +366,8 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     included); each activation and its gradient cross to the neighbouring stage as one message (latency +
     bytes / bandwidth) on the intra-node link where both stages share a node (processes_per_node
     consecutive ranks), else the inter-node one, overlapping computation. The timeline (schedule.py)
-    places every stage's ops as the stages run them. After the last op: the last stage broadcasts the
+    places every stage's ops as the stages run them. Oversubscribed cores slow the ops by the crowding
+    of the stages that are busy, not of every process (_pipeline_parts): a waiting stage sleeps. After the last op: the last stage broadcasts the
     loss and outputs to the stages; each stage's gradients are reduced across the replicas (its share of
     the bytes, as the reducer lays it out; after the micro-batches, so exposed) and updated. The step is
     the slowest stage's end plus those; compute_s, memory_s and overhead_s are the busiest stage's and
@@ -376,13 +377,13 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     if schedule not in pipeline.SCHEDULES:
         raise ConfigError(f"schedule={schedule!r}; expected one of {', '.join(pipeline.SCHEDULES)}")
     if (model_parallel_size or 1) > 1:
-        raise ConfigError(f"model_parallel_size={model_parallel_size} with pipeline_stages={stages}: stages split "
-                          "over model-parallel groups are not written; expected model_parallel_size 1")
+        raise ConfigError(f"model_parallel_size={model_parallel_size} with pipeline_stages={stages}: the model does "
+                          "not cost stages split over model-parallel groups yet; expected model_parallel_size 1")
     if np % stages:
         raise ConfigError(f"pipeline_stages={stages} does not divide np={np}; expected a divisor")
     replicas = np // stages
     cut, stage_of, sizes, crowding, fwd, bwd, busy, first_times, msg, line = _pipeline_parts(
-        model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute)
+        model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute, np)
     itemsize = model.backend.dtype.itemsize
     outputs = batch_size * int(math_prod(model.output_shape)) * itemsize
     bcast = sum(collectives.seconds("broadcast", "binomial_tree", n, stages, machine) for n in (outputs, 8))
@@ -414,27 +415,36 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     )
 
 
-def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute):
+def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute,
+                    processes=None):
     """(cut, {layer path: stage}, micro-batch sizes, crowding, forward[s][i], backward[s][i], busy per stage, the
-    first micro-batch's LayerTimes, messages[s][i], the Timeline) of a pipeline's micro-batches."""
+    first micro-batch's LayerTimes, messages[s][i], the Timeline) of a pipeline's micro-batches. processes: the
+    job's (default one pipeline's), which fill nodes in turn; where a node's processes x threads exceed its cores,
+    each op slows by that ratio times the stages' busy share, the layout repeated until that share settles."""
     from pydtnn.distributed import pipeline
 
     cut = pipeline.Cut.of(model, stages, stage_starts)
     of_stage = pipeline.layer_stages(cut.units, cut.bounds)
     stage_of = {path: of_stage[id(layer)] for path, layer in model.root.named_layers() if id(layer) in of_stage}
     itemsize = model.backend.dtype.itemsize
-    per_node = min(stages, machine.processes_per_node)  # a pipeline's stages fill nodes in turn
-    crowding = max(1.0, per_node * threads / machine.cores)
+    full = max(1.0, min(processes or stages, machine.processes_per_node) * threads / machine.cores)
     sizes = micro_sizes(batch_size, micro_batches)
     again = frozenset().union(*(recomputed(model, recompute, slice(a, b))
                                 for a, b in zip(cut.bounds[:-1], cut.bounds[1:])))
-    fwd, bwd, busy, first_times = _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again)
     out_shapes = [cut.units[cut.bounds[s + 1] - 1][1].output_shape for s in range(stages - 1)]
     levels = ["intra" if s // machine.processes_per_node == (s + 1) // machine.processes_per_node else "inter"
               for s in range(stages - 1)]
     msg = [[message_seconds(b * int(math_prod(out_shapes[s])) * itemsize, machine, levels[s]) for b in sizes]
            for s in range(stages - 1)] + [[0.0] * len(sizes)]
-    return cut, stage_of, sizes, crowding, fwd, bwd, busy, first_times, msg, timeline(fwd, bwd, msg, msg, schedule)
+    crowding = 1.0
+    for _ in range(8):  # a waiting stage sleeps and leaves its core: the cores are crowded by the busy share only
+        fwd, bwd, busy, first_times = _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again)
+        line = timeline(fwd, bwd, msg, msg, schedule)
+        settled = max(1.0, full * sum(line.busy) / (stages * line.end)) if line.end > 0 else 1.0
+        if abs(settled - crowding) <= 1e-3 * crowding:
+            break
+        crowding = settled
+    return cut, stage_of, sizes, crowding, fwd, bwd, busy, first_times, msg, line
 
 
 def predict_pipeline_timeline(model, batch_size, stages, machine, micro_batches=1, schedule="1f1b", stage_starts=None,
