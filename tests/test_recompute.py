@@ -124,3 +124,20 @@ def test_pydtnn_train_recompute_changes_no_bit(tmp_path):
         with open(out, encoding="utf-8") as f:
             shas.append([json.loads(line) for line in f][-1]["params_sha256"])
     assert shas[0] == shas[1]
+
+
+@pytest.mark.parametrize("layout", [("--parallel", "data"), ("--parallel", "model")])
+def test_recomputation_changes_no_bit_in_data_and_model_parallelism(tmp_path, layout):
+    """Two processes, data parallel (the reducer's hooks fire in the recomputing backward) or model parallel
+    (the gathers and dx sums are layers of the segments, run again): the bits of no recomputation."""
+    train = [MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--num_epochs", "1", "--steps_per_epoch", "4",
+             "--dtype", "float64", "--flip_images", "true", "--progress", "false", *layout]
+    shas = []
+    for mode in ("none", "segments"):
+        out = tmp_path / f"{mode}.jsonl"
+        r = subprocess.run([*train, "--recompute", mode, "--metrics_file", str(out)], capture_output=True, text=True,
+                           timeout=180, env=ENV, check=False)
+        assert r.returncode == 0, r.stderr[-3000:]
+        with open(out, encoding="utf-8") as f:
+            shas.append([json.loads(line) for line in f][-1]["params_sha256"])
+    assert shas[0] == shas[1]
