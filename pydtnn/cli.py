@@ -192,7 +192,7 @@ def _parallel_flags(p):
            "once the pipe is full (1f1b, the default: fewer micro-batches' activations held); same results")
     f(g, "stage_boundaries", default=None,
       help="--parallel pipeline: the layers (dotted paths, comma-separated) where stages 2.. begin, in place of "
-           "the cut that balances the stages' FLOPs")
+           "the cut that balances the stages' predicted time")
     f(g, "non_blocking_mpi", type=parse_bool, default=False, help="overlap gradient allreduces with backward")
     f(g, "reduction", choices=reducers.NAMES, default=None,
       help="gradient reduction: one allreduce after backward, one per gradient as layers finish "
@@ -252,8 +252,9 @@ def _device_and_output_flags(p):
     f(g, "simulate", type=parse_bool, default=False,
       help="print the performance model's prediction of this run (per layer, compute, communication) and exit "
            "without training or MPI (docs/perfmodel.md)")
-    f(g, "machine", default=None, help="--simulate: machine description from pydtnn-perfmodel calibrate "
-                                       "(default: built-in 2-core VM values)")
+    f(g, "machine", default=None, help="machine description from pydtnn-perfmodel calibrate, which --simulate "
+                                       "predicts with and a pipeline's cut balances by (default: built-in 2-core VM "
+                                       "values)")
     f(g, "np", type=positive_int, default=1, help="--simulate: processes of the simulated run (default 1)")
 
     g = p.add_argument_group("GPU")

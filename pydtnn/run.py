@@ -183,10 +183,17 @@ def device_communicators(args, comm, replicas, backend, say):
 
 def pipeline_stage(args, model, comm):
     """(this rank's stage Model, the pipeline.Cut): the model cut where --stage_boundaries says, else into
-    stages of balanced FLOPs; comm: this rank's pipeline."""
+    stages of balanced predicted time (the performance model's, on --machine: the built-in one without it, a
+    micro-batch's forward and backward of each unit); comm: this rank's pipeline."""
     from pydtnn.distributed import pipeline
 
-    cut = pipeline.Cut.of(model, comm.size, args.stage_boundaries.split(",") if args.stage_boundaries else None)
+    from pydtnn.perfmodel import machine as machines
+    from pydtnn.perfmodel.predict import unit_seconds
+
+    machine = machines.DEFAULT if args.machine is None else machines.load(args.machine)
+    costs = unit_seconds(model, max(1, args.batch_size // args.accumulation_steps), machine)
+    cut = pipeline.Cut.of(model, comm.size, args.stage_boundaries.split(",") if args.stage_boundaries else None,
+                          costs=costs)
     return cut.stage(comm.rank), cut
 
 

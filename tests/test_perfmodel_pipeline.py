@@ -11,7 +11,7 @@ from pydtnn.backends import CPUBackend
 from pydtnn.distributed import pipeline
 from pydtnn.perfmodel import machine as machines
 from pydtnn.perfmodel.machine import Link
-from pydtnn.perfmodel.predict import micro_sizes, predict, recomputed
+from pydtnn.perfmodel.predict import micro_sizes, predict, recomputed, unit_seconds
 from pydtnn.perfmodel.schedule import timeline
 from pydtnn.perfmodel.table import table
 
@@ -101,7 +101,8 @@ def test_messages_pay_the_link_between_the_stages_nodes(resnet):
     inside = predict(resnet, 64, 2, machine(links=slow, processes_per_node=2), parallel="pipeline", micro_batches=4)
     across = predict(resnet, 64, 2, machine(links=slow, processes_per_node=1), parallel="pipeline", micro_batches=4)
     assert across.p2p_s > 100 * inside.p2p_s and across.step_s > inside.step_s
-    cut = pipeline.Cut.of(resnet, 2)  # the message: stage 0's last unit's output, for each of 4 micro-batches of 16
+    # the message: stage 0's last unit's output, for each of 4 micro-batches of 16, cut as the prediction cuts
+    cut = pipeline.Cut.of(resnet, 2, costs=unit_seconds(resnet, 16, machine(links=slow, processes_per_node=1)))
     shape = cut.units[cut.bounds[1] - 1][1].output_shape
     assert across.stages[0]["message_s"] == pytest.approx(4 * (1e-3 + 16 * np.prod(shape) * 4 / 1e7))
 
@@ -127,3 +128,17 @@ def test_recomputation_costs_the_second_forward_of_every_segment_but_the_last(re
         extra = sum(t.forward_s for t in base.layers if t.name in again)
         assert p.step_s - base.step_s == pytest.approx(extra, rel=1e-9)
         assert p.recompute == mode and f"recompute {mode}" in table(p)
+
+
+def test_the_cut_balances_the_units_predicted_seconds(resnet):
+    """pydtnn-train and the prediction cut by each unit's predicted forward and backward (unit_seconds), which
+    add up to the layers' and weigh what FLOPs leave out (memory-bound layers, the skipped first dx)."""
+    m = machine()
+    costs = unit_seconds(resnet, 16, m)
+    assert len(costs) == len(pipeline.units(resnet)) and min(costs) > 0
+    assert sum(costs) == pytest.approx(sum(t.total_s for t in predict(resnet, 16, 1, m).layers), rel=1e-9)
+    cut = pipeline.Cut.of(resnet, 3, costs=costs)
+    assert cut.bounds == pipeline.balanced_cuts(costs, 3) and "% of the predicted time" in cut.describe()
+    assert "% of the FLOPs" in pipeline.Cut.of(resnet, 3).describe()
+    with pytest.raises(ValueError, match="unit costs"):
+        pipeline.Cut.of(resnet, 3, costs=costs[:-1])

@@ -160,26 +160,33 @@ class Cut:
     """A model cut into stages: the stages' bounds among its units, which stage holds each array, and the
     whole model's input and output shapes. stage(s) builds a stage and lets go of the whole model."""
 
-    def __init__(self, model, unit_list, bounds):
+    def __init__(self, model, unit_list, bounds, costs=None, cost_name="FLOPs"):
         self.model, self.units, self.bounds = model, unit_list, list(bounds)
         self.layout = state_layout(model, unit_list, bounds)
         self.param_names = [name for name, _, _ in model.parameters()]
         self.input_shape, self.output_shape = tuple(model.input_shape), tuple(model.output_shape)
         self.name = model.name
-        self.unit_names, self.costs = [p for p, _ in unit_list], unit_costs(unit_list)
+        self.unit_names = [p for p, _ in unit_list]
+        self.costs = list(costs) if costs is not None else unit_costs(unit_list)
+        self.cost_name = cost_name if costs is not None else "FLOPs"
 
     @classmethod
-    def of(cls, model, stages, starts=None):
+    def of(cls, model, stages, starts=None, costs=None, cost_name="predicted time"):
         """The cut of `model` into `stages` stages: at the units named `starts` (--stage_boundaries, which must
-        name stages - 1 of them), else balanced by the units' FLOPs."""
+        name stages - 1 of them), else balanced by `costs` (one per unit of units(model): the performance
+        model's predicted seconds, pydtnn.perfmodel.predict.unit_seconds, as pydtnn-train cuts), else by the
+        units' forward FLOPs."""
         unit_list = units(model)
         check_stages(stages, len(unit_list))
+        if costs is not None and len(costs) != len(unit_list):
+            raise ValueError(f"{len(costs)} unit costs for the {len(unit_list)} units of {model.name}; expected one each")
         if starts:
             if len(starts) != stages - 1:
                 raise ConfigError(f"--stage_boundaries names {len(starts)} layers, but {stages} stages begin at "
                                   f"{stages - 1}; expected {stages - 1} comma-separated layer paths")
-            return cls(model, unit_list, cuts_at(unit_list, starts))
-        return cls(model, unit_list, balanced_cuts(unit_costs(unit_list), stages))
+            return cls(model, unit_list, cuts_at(unit_list, starts), costs, cost_name)
+        weights = costs if costs is not None else unit_costs(unit_list)
+        return cls(model, unit_list, balanced_cuts(weights, stages), costs, cost_name)
 
     def stage(self, s):
         """Stage s's Model; the Cut then holds no layer of the whole model (a process keeps its stage only)."""
@@ -188,14 +195,14 @@ class Cut:
         return built
 
     def describe(self):
-        """One phrase per stage: its first and last layers and its share of the forward FLOPs."""
+        """One phrase per stage: its first and last layers and its share of the costs the cut weighed."""
         costs = self.costs
         total = sum(costs)
         parts = []
         for s, (a, b) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
             first, last = self.unit_names[a], self.unit_names[b - 1]
             span = first if a == b - 1 else f"{first}..{last}"
-            parts.append(f"stage {s} {span} ({100 * sum(costs[a:b]) / total:.0f}% of the FLOPs)")
+            parts.append(f"stage {s} {span} ({100 * sum(costs[a:b]) / total:.0f}% of the {self.cost_name})")
         return "; ".join(parts)
 
 

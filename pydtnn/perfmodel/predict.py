@@ -359,7 +359,7 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
                      bucket_mb=None, first_bucket_mb=None, name=None, model_parallel_size=None, density=None,
                      compression="none", update_passes=None, recompute="none"):
     """The Prediction of a pipeline's step: np / stages pipelines of `stages` consecutive processes, the
-    model cut as pydtnn-train cuts it (pipeline.Cut.of: balanced FLOPs, or at stage_starts), batch_size
+    model cut as pydtnn-train cuts it (pipeline.Cut.of: balanced unit_seconds, or at stage_starts), batch_size
     samples per pipeline in micro_batches micro-batches run by `schedule` (gpipe or 1f1b).
 
     Each stage's forward and backward of each micro-batch are its layers' (layer_times, recomputation
@@ -415,6 +415,21 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     )
 
 
+def unit_seconds(model, batch_size, machine, threads=1):
+    """Predicted seconds of a training forward and backward of each unit of pipeline.units(model) (its layers'
+    LayerTimes at batch_size, one process on `machine`): the costs pydtnn-train balances a pipeline's cut by."""
+    from pydtnn.distributed import pipeline
+
+    unit_list = pipeline.units(model)
+    of_unit = pipeline.layer_stages(unit_list, range(len(unit_list) + 1))
+    unit_of = {path: of_unit[id(layer)] for path, layer in model.root.named_layers() if id(layer) in of_unit}
+    times = layer_times(layer_costs(model, batch_size), parameter_bytes(model), machine, threads, 1.0)[0]
+    out = [0.0] * len(unit_list)
+    for t in times:
+        out[unit_of[t.name]] += t.total_s
+    return out
+
+
 def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute,
                     processes=None):
     """(cut, {layer path: stage}, micro-batch sizes, crowding, forward[s][i], backward[s][i], busy per stage, the
@@ -423,7 +438,8 @@ def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule,
     each op slows by that ratio times the stages' busy share, the layout repeated until that share settles."""
     from pydtnn.distributed import pipeline
 
-    cut = pipeline.Cut.of(model, stages, stage_starts)
+    cut = pipeline.Cut.of(model, stages, stage_starts,
+                          costs=unit_seconds(model, max(1, batch_size // micro_batches), machine, threads))
     of_stage = pipeline.layer_stages(cut.units, cut.bounds)
     stage_of = {path: of_stage[id(layer)] for path, layer in model.root.named_layers() if id(layer) in of_stage}
     itemsize = model.backend.dtype.itemsize
