@@ -120,14 +120,30 @@ def run_collective(args):
 
 
 def add_predict(subparsers):
+    p = subparsers.add_parser("predict", allow_abbrev=False, help="predicted time of one training step",
+                              description="Predicted time of one training step, per layer and in total (with "
+                                          "--json, the per-process memory too).")
+    add_step_flags(p)
+    p.set_defaults(run=run_predict)
+
+
+def add_memory(subparsers):
+    p = subparsers.add_parser("memory", allow_abbrev=False, help="predicted memory of one process at a step's peak",
+                              description="Predicted bytes one process holds at a training step's peak: "
+                                          "parameters, gradients, optimizer state, activations kept for backward, "
+                                          "workspace, buffers (docs/perfmodel.md).")
+    add_step_flags(p)
+    p.set_defaults(run=run_memory)
+
+
+def add_step_flags(p):
+    """The flags of a training step's layout, model and data, which predict and memory share."""
     from pydtnn.argtypes import positive_int, share
     from pydtnn.distributed.pipeline import SCHEDULES
     from pydtnn.perfmodel.collectives import algorithms
     from pydtnn.perfmodel.predict import PARALLEL, PROGRESS, REDUCTIONS, UPDATE_PASSES
     from pydtnn.recompute import MODES
 
-    p = subparsers.add_parser("predict", allow_abbrev=False, help="predicted time of one training step",
-                              description="Predicted time of one training step, per layer and in total.")
     p.add_argument("--model", required=True, help="a model of the zoo (pydtnn-train --list_models)")
     p.add_argument("--batch_size", required=True, type=positive_int,
                    help="samples per model replica and step (per process with data parallelism)")
@@ -161,13 +177,36 @@ def add_predict(subparsers):
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--machine", help="machine description, YAML or JSON (default: built-in 2-core VM values)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(run=run_predict)
 
 
 def run_predict(args):
     from pydtnn.perfmodel.predict import UPDATE_PASSES, predict_plan
-    from pydtnn.perfmodel.simulate import build_model
     from pydtnn.perfmodel.table import table
+
+    machine, plan, name, model = _step_plan(args)
+    p = predict_plan(model, plan, machine, update_passes=UPDATE_PASSES[args.optimizer], algorithm=args.algorithm,
+                     name=name, recompute=args.recompute, schedule=args.pipeline_schedule,
+                     stage_starts=args.stage_boundaries.split(",") if args.stage_boundaries else None)
+    if args.json:
+        memory = _memory(args, plan, model, machine)
+        print(json.dumps({**p.to_dict(), "memory": None if memory is None else memory.to_dict()}))
+    else:
+        print(table(p))
+    return 0
+
+
+def run_memory(args):
+    from pydtnn.perfmodel.memory import memory_table
+
+    machine, plan, name, model = _step_plan(args)
+    memory = _memory(args, plan, model, machine, refuse=True)
+    print(json.dumps({"model": name, **memory.to_dict()}) if args.json else memory_table(memory, name))
+    return 0
+
+
+def _step_plan(args):
+    """(machine, RunPlan, model name, built model) of predict's and memory's flags."""
+    from pydtnn.perfmodel.simulate import build_model
     from pydtnn.plan import Reduction, RunPlan, layout
 
     machine = machine_from(args)
@@ -177,11 +216,15 @@ def run_predict(args):
                    Reduction(args.reduction, "none", args.progress, {"density": args.density}),
                    accumulation_steps=args.micro_batches, threads=args.threads, dtype=args.dtype)
     name, model = build_model(args.model, data_from(args, args.model), args.num_classes, args.dtype, say)
-    p = predict_plan(model, plan, machine, update_passes=UPDATE_PASSES[args.optimizer], algorithm=args.algorithm,
-                     name=name, recompute=args.recompute, schedule=args.pipeline_schedule,
-                     stage_starts=args.stage_boundaries.split(",") if args.stage_boundaries else None)
-    print(json.dumps(p.to_dict()) if args.json else table(p))
-    return 0
+    return machine, plan, name, model
+
+
+def _memory(args, plan, model, machine, refuse=False):
+    """The plan's memory.Memory; None (or, refuse: a ConfigError) where the memory model has no such layout."""
+    from pydtnn.perfmodel.memory import OPTIMIZERS, plan_memory
+
+    return plan_memory(model, plan, OPTIMIZERS[args.optimizer], args.recompute, args.pipeline_schedule,
+                       args.stage_boundaries.split(",") if args.stage_boundaries else None, machine, refuse=refuse)
 
 
 def thread_list(text):
@@ -359,6 +402,7 @@ def build_parser():
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_collective(subparsers)
     add_predict(subparsers)
+    add_memory(subparsers)
     add_calibrate(subparsers)
     add_sweep(subparsers)
     return parser

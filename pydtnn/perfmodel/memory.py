@@ -1,0 +1,193 @@
+"""Per-process memory of a training step, predicted from the real model: what one process holds at its peak.
+
+    m = predict_memory(model, batch_size=64, optimizer=("sgd", {"momentum": 0.9}), micro_batches=4)
+    m.total, m.parts       # bytes: {"parameters", "gradients", "optimizer", "activations", "workspace", "buffers"}
+
+The parts, for the busiest process (the first stage of a pipeline, whose activations wait longest):
+  parameters   the parameters this process holds (a pipeline stage: its own layers')
+  gradients    the flat gradient buffer, one gradient per parameter
+  optimizer    the optimizer's state and its update's scratch, measured on the real optimizer built over them
+  activations  what the layers keep from forward for backward, for every micro-batch in flight (and what the
+               step before left in them, until it is replaced): one without
+               micro-batches; in a pipeline, M under GPipe and min(S - s, M) under 1F1B on stage s
+  workspace    what the step adds above that at its peak: backward's gradients of activations, im2col and
+               temporaries, or the update's temporaries
+  buffers      micro-batches' gradient sum (one more gradient per parameter) and, in a pipeline, the
+               receive buffers of every micro-batch's activation and gradient, posted when the step starts
+
+Activations and workspace are measured, not derived: a copy of the model (or of each stage) runs a training
+forward and backward under tracemalloc (NumPy reports its arrays to it) at two batch sizes, and both are
+taken to grow linearly with the batch between and beyond them. So they follow what the code keeps, with
+--recompute too (a Recompute keeps only its segments' inputs and holds one segment's activations at a time).
+The interpreter, the libraries and the dataset are not counted: this is the training state above them.
+"""
+
+import copy
+import math
+import tracemalloc
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pydtnn import optim
+from pydtnn.backends import CPUBackend
+from pydtnn.errors import ConfigError
+
+PARTS = ("parameters", "gradients", "optimizer", "activations", "workspace", "buffers")
+# pydtnn-perfmodel's --optimizer choices (predict.UPDATE_PASSES) as optim.create takes them
+OPTIMIZERS = {"sgd": ("sgd", {}), "sgd_momentum": ("sgd", {"momentum": 0.9}), "adam": ("adam", {})}
+PROBES = (4, 8)  # batch sizes the activations and workspace are measured at
+
+
+@dataclass
+class Memory:
+    """Predicted bytes per process at the step's peak, by part (PARTS); stages: a pipeline's, each a dict."""
+
+    parts: dict
+    batch_size: int
+    micro_batches: int = 1
+    recompute: str = "none"
+    pipeline_stages: int = 1
+    schedule: str | None = None
+    stages: list = field(default_factory=list)
+
+    @property
+    def total(self):
+        return sum(self.parts.values())
+
+    def to_dict(self):
+        return {"total": self.total, **self.parts, "batch_size": self.batch_size, "micro_batches": self.micro_batches,
+                "recompute": self.recompute, "pipeline_stages": self.pipeline_stages, "schedule": self.schedule,
+                "stages": self.stages}
+
+
+def probe(model, optimizer, recompute="none", sizes=PROBES):
+    """(optimizer state bytes, activations(b), workspace(b)) of a fresh copy of `model` (on a new backend, so
+    no buffer of an earlier run is reused) taking two training steps under tracemalloc: the state its
+    optimizer holds, what is held after the second forward (the layers' saved arrays, and what the first
+    step left), and what the second step adds above that at its peak (backward's temporaries, the
+    update's), each a line through its values at the batch sizes `sizes`. A first copy's untraced steps
+    make what a process makes once (compiled kernels, plans)."""
+    from pydtnn.recompute import passes
+
+    name, hyper = optimizer
+    state, kept, extra = 0, [], []
+    for i, n in enumerate((sizes[0],) + tuple(sizes)):
+        fresh = CPUBackend(model.backend.dtype, seed=0)  # no buffer an earlier run made is reused
+        clone = copy.deepcopy(model, {id(model.backend): fresh})
+        clone.reindex()  # its index of layers by identity, made again for the copies
+        run = passes(clone, recompute)
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((n, *clone.input_shape)).astype(clone.backend.dtype)
+        dy = rng.standard_normal((n, *clone.output_shape)).astype(clone.backend.dtype)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            opt = optim.create(name, clone.parameters(), backend=clone.backend, **hyper)  # its state and scratch
+            base = tracemalloc.get_traced_memory()[0]
+            made = base - before
+            for _ in range(2):  # the second step's peak: it starts with what the first left in the layers
+                tracemalloc.reset_peak()
+                out = run.forward(x, training=True)
+                held = tracemalloc.get_traced_memory()[0] - base
+                run.backward(dy)
+                del out
+                opt.step()
+                peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        lazy = sum(int(a.nbytes) for a in opt.state_dict()["arrays"].values()) - made  # state made by the steps
+        state = max(state, made + max(lazy, 0))
+        if i:
+            kept.append(max(held, 0))
+            extra.append(max(peak - held, 0))
+
+    def line(values):
+        (b1, b2), (v1, v2) = sizes, values
+        slope = (v2 - v1) / (b2 - b1)
+        return lambda b: max(0.0, v1 + slope * (b - b1))
+
+    return state, line(kept), line(extra)
+
+
+def predict_memory(model, batch_size, optimizer=("sgd", {"momentum": 0.9}), micro_batches=1, recompute="none",
+                   pipeline_stages=1, schedule="1f1b", stage_starts=None, machine=None):
+    """The Memory of one process training `model` (built on a CPU backend) on batch_size samples per replica
+    (per process in data parallelism, per pipeline in a pipeline), in micro_batches micro-batches; with
+    pipeline_stages > 1, each stage's, cut as pydtnn-train cuts it (on `machine`), the busiest reported."""
+    if pipeline_stages > 1:
+        return _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, pipeline_stages, schedule,
+                                stage_starts, machine)
+    micro = math.ceil(batch_size / micro_batches)
+    parts = _held(model, optimizer, micro_batches, recompute, micro, in_flight=1)
+    return Memory(parts, batch_size, micro_batches, recompute)
+
+
+def _held(stage, optimizer, micro_batches, recompute, micro, in_flight, messages=0):
+    """The PARTS of a process that holds `stage` (a Model) with `in_flight` micro-batches of `micro` samples."""
+    nbytes = sum(int(p.nbytes) for _, p, _ in stage.parameters())
+    state, activations, workspace = probe(stage, optimizer, recompute)
+    return {"parameters": nbytes, "gradients": nbytes, "optimizer": state,
+            "activations": int(in_flight * activations(micro)), "workspace": int(workspace(micro)),
+            "buffers": (nbytes if micro_batches > 1 else 0) + int(messages)}
+
+
+def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, stages, schedule, starts, machine):
+    from pydtnn.distributed import pipeline
+    from pydtnn.perfmodel import machine as machines
+    from pydtnn.perfmodel.predict import unit_seconds
+
+    if schedule not in pipeline.SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r}; expected one of {', '.join(pipeline.SCHEDULES)}")
+    machine = machine or machines.DEFAULT
+    micro = math.ceil(batch_size / micro_batches)
+    cut = pipeline.Cut.of(model, stages, starts, costs=unit_seconds(model, micro, machine))
+    itemsize = model.backend.dtype.itemsize
+    rows = []
+    for s in range(stages):
+        held = pipeline.stage_model(model, cut.units, cut.bounds, s)
+        in_flight = micro_batches if schedule == "gpipe" else min(stages - s, micro_batches)
+        received = 0  # every receive of the step is posted when it starts: the activations in, the gradients back
+        if s > 0:
+            received += batch_size * math.prod(held.input_shape) * itemsize
+        if s < stages - 1:
+            received += batch_size * math.prod(held.output_shape) * itemsize
+        parts = _held(held, optimizer, micro_batches, recompute, micro, in_flight, received)
+        rows.append({"stage": s, "in_flight": in_flight, "total": sum(parts.values()), **parts})
+    busiest = max(rows, key=lambda r: r["total"])
+    return Memory({k: busiest[k] for k in PARTS}, batch_size, micro_batches, recompute, stages, schedule, rows)
+
+
+def plan_memory(model, plan, optimizer, recompute="none", schedule="1f1b", stage_starts=None, machine=None,
+                refuse=False):
+    """The Memory of run plan `plan` (pydtnn.plan.RunPlan): data parallelism (any process count: each process
+    holds a whole replica) or pipelines; None for model-parallel layouts, which it does not model yet (refuse:
+    a ConfigError naming the layout instead)."""
+    lay = plan.layout
+    if lay.model_parallel_size > 1:
+        if refuse:
+            raise ConfigError(f"the memory model does not cover layers split over model-parallel groups yet "
+                              f"(model_parallel_size {lay.model_parallel_size}); expected data or pipeline parallelism")
+        return None
+    return predict_memory(model, plan.batch_size, optimizer, plan.accumulation_steps, recompute, lay.pipeline_stages,
+                          schedule, stage_starts, machine)
+
+
+def mib(nbytes):
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def memory_table(m, name="model"):
+    """The Memory as text: the parts of the busiest process, and a pipeline's stages."""
+    how = (f"batch {m.batch_size}" + (f" in {m.micro_batches} micro-batches" if m.micro_batches > 1 else "")
+           + (f", recompute {m.recompute}" if m.recompute != "none" else "")
+           + (f", {m.pipeline_stages} stages ({m.schedule})" if m.pipeline_stages > 1 else ""))
+    lines = [f"{name}: memory of one process at a step's peak ({how})"]
+    lines += [f"  {part:<12} {mib(m.parts[part]):>14}" for part in PARTS]
+    lines.append(f"  {'total':<12} {mib(m.total):>14}")
+    if m.stages:
+        lines += ["", f"  {'stage':<6} {'in flight':>9} {'activations':>14} {'total':>14}"]
+        lines += [f"  {r['stage']:<6} {r['in_flight']:>9} {mib(r['activations']):>14} {mib(r['total']):>14}"
+                  for r in m.stages]
+    lines.append("  (the training state above the interpreter, its libraries and the data)")
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""The memory model: each part follows the configuration as the code does, and the total is a measured step's peak."""
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from pydtnn import losses, models, optim
+from pydtnn.backends import CPUBackend
+from pydtnn.perfmodel.cli import main
+from pydtnn.perfmodel.memory import PARTS, predict_memory
+from pydtnn.step import Step
+
+SGD = ("sgd", {"momentum": 0.9})
+
+
+def build(name="resnet20_cifar10"):
+    return models.create(name, backend=CPUBackend(np.float32, seed=0))
+
+
+def measured_peak(name, batch, optimizer, micro_batches=1, recompute="none"):
+    """The traced peak of a step's state, as benchmarks/memory_validation.py measures it (kernels compiled first)."""
+    shape, classes = models.defaults(name)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    y = np.eye(classes, dtype=np.float32)[rng.integers(0, classes, batch)]
+
+    def step():
+        model = models.create(name, backend=CPUBackend(np.float32, seed=0))
+        return Step(model, losses.create("categorical_cross_entropy"),
+                    optim.create(optimizer[0], model.parameters(), backend=model.backend, **optimizer[1]),
+                    accumulation_steps=micro_batches, recompute=recompute)
+
+    step().run(x[:4], y[:4])
+    tracemalloc.start()
+    s = step()
+    tracemalloc.reset_peak()
+    for _ in range(2):
+        s.run(x, y)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+@pytest.mark.parametrize("name,batch,optimizer,micro_batches,recompute", [
+    ("simplecnn", 32, SGD, 1, "none"), ("resnet20_cifar10", 32, ("adam", {}), 2, "none"),
+    ("resnet20_cifar10", 24, SGD, 1, "segments")])
+def test_the_total_is_a_measured_steps_peak(name, batch, optimizer, micro_batches, recompute):
+    predicted = predict_memory(build(name), batch, optimizer, micro_batches, recompute).total
+    measured = measured_peak(name, batch, optimizer, micro_batches, recompute)
+    assert abs(predicted / measured - 1) <= 0.1, (predicted, measured)
+
+
+def test_each_part_follows_the_configuration():
+    model = build()
+    nbytes = sum(p.nbytes for _, p, _ in model.parameters())
+    plain = predict_memory(model, 32, SGD)
+    assert plain.parts["parameters"] == plain.parts["gradients"] == nbytes and plain.parts["buffers"] == 0
+    assert plain.parts["optimizer"] >= nbytes  # the momentum, and the update's scratch
+    adam = predict_memory(model, 32, ("adam", {}))
+    assert adam.parts["optimizer"] - plain.parts["optimizer"] >= nbytes  # a second moment
+    assert predict_memory(model, 32, ("sgd", {})).parts["optimizer"] < plain.parts["optimizer"]
+    double = predict_memory(model, 64, SGD)
+    assert double.parts["activations"] == pytest.approx(2 * plain.parts["activations"], rel=0.05)
+    micro = predict_memory(model, 32, SGD, micro_batches=4)
+    assert micro.parts["buffers"] == nbytes  # the gradients' sum
+    assert micro.parts["activations"] == pytest.approx(plain.parts["activations"] / 4, rel=0.1)
+    assert predict_memory(model, 32, SGD, recompute="segments").parts["activations"] < plain.parts["activations"]
+    assert set(plain.parts) == set(PARTS) and plain.total == sum(plain.parts.values())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipelines_stages_hold_their_micro_batches_in_flight(schedule):
+    model = build()
+    m = predict_memory(model, 32, SGD, micro_batches=8, pipeline_stages=3, schedule=schedule)
+    assert [r["stage"] for r in m.stages] == [0, 1, 2]
+    assert [r["in_flight"] for r in m.stages] == ([8, 8, 8] if schedule == "gpipe" else [3, 2, 1])
+    whole = sum(p.nbytes for _, p, _ in model.parameters())
+    assert sum(r["parameters"] for r in m.stages) == whole  # each stage holds its own layers' only
+    assert all(r["buffers"] > r["parameters"] for r in m.stages[:2])  # the receive buffers of every micro-batch
+    assert m.total == max(r["total"] for r in m.stages)
+
+
+def test_the_command_and_the_predictions_json_carry_the_memory(capsys):
+    assert main(["memory", "--model", "simplecnn", "--batch_size", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["total"] == sum(out[p] for p in PARTS) and out["model"] == "simplecnn"
+    assert main(["predict", "--model", "simplecnn", "--batch_size", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["total"] == pytest.approx(out["total"], rel=1e-3)  # measured
+    assert main(["memory", "--model", "simplecnn", "--batch_size", "16", "--np", "2", "--parallel", "model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model_parallel_size 2" in err
