@@ -141,9 +141,10 @@ def main(argv=None):
               f"{pred.total / 2**20:.1f} MiB ({100 * rows[-1]['error']:+.1f}%)", flush=True)
     errors = [abs(r["error"]) for r in rows]
     host = validation.host()
-    lines = [f"{host}; float32, one thread, {len(rows)} configurations", "",
-             "| model | batch | optimizer | micro-batches | recompute | measured MiB | predicted MiB | error | "
-             "activations MiB | workspace MiB |", "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    header = ("| model | batch | optimizer | micro-batches | recompute | measured MiB | predicted MiB | error | "
+              "activations MiB | workspace MiB |")
+    lines = [f"{host}; float32, one thread, {len(rows)} configurations", "", header,
+             "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['model']} | {r['batch']} | {r['optimizer']} | {r['micro_batches']} | {r['recompute']} | "
               f"{r['measured_mib']:.1f} | {r['predicted_mib']:.1f} | {100 * r['error']:+.1f}% | "
               f"{r['parts_mib']['activations']:.1f} | {r['parts_mib']['workspace']:.1f} |" for r in rows]
