@@ -182,10 +182,12 @@ def _parallel_flags(p):
            "parallel across groups) or pipeline (the layers cut into --pipeline_stages stages, one per process); "
            "docs/parallelism.md")
     f(g, "model_parallel_size", type=positive_int, default=None,
-      help="--parallel hybrid: processes per model replica (a divisor of the process count)")
+      help="--parallel hybrid: processes per model replica (a divisor of the process count); with "
+           "--pipeline_stages, processes per stage")
     f(g, "pipeline_stages", type=positive_int, default=None,
       help="--parallel pipeline: the consecutive stages the model is cut into, one per process (S = the process "
-           "count); --parallel hybrid: stages per pipeline, np / S pipelines data parallel; each step runs "
+           "count); --parallel hybrid: stages per pipeline, np / (S x M) pipelines data parallel (M: "
+           "--model_parallel_size, default 1); each step runs "
            "--micro_batches micro-batches through them")
     f(g, "pipeline_schedule", choices=SCHEDULES, default="1f1b",
       help="--parallel pipeline: all forwards then all backwards (gpipe), or one forward and one backward in turn "

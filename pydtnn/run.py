@@ -66,7 +66,7 @@ def run(args):
     if group is not None:
         model_parallel.partition(model, group)
     comm, replicas, grad_comm = device_communicators(args, comm, replicas, backend, say)
-    options, lr_note = scaled_optimizer_options(args, family, world, mp_size)
+    options, lr_note = scaled_optimizer_options(args, family, world, mp_size * plan.layout.pipeline_stages)
     strategy = plan.reduction.name
     corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
     check_topk_flags(args, strategy)
@@ -183,23 +183,21 @@ def device_communicators(args, comm, replicas, backend, say):
 
 def pipeline_stage(args, model, comm):
     """(this rank's stage Model, the pipeline.Cut): the model cut where --stage_boundaries says, else into
-    stages of balanced predicted time (the performance model's, on --machine: the built-in one without it, a
-    micro-batch's forward and backward of each unit); comm: this rank's pipeline."""
-    from pydtnn.distributed import pipeline
-
+    stages of balanced predicted time (perfmodel.predict.stage_cut, on --machine: the built-in one without it);
+    comm: this rank's pipeline."""
     from pydtnn.perfmodel import machine as machines
-    from pydtnn.perfmodel.predict import unit_seconds
+    from pydtnn.perfmodel.predict import stage_cut
 
     machine = machines.DEFAULT if args.machine is None else machines.load(args.machine)
-    costs = unit_seconds(model, max(1, args.batch_size // args.accumulation_steps), machine)
-    cut = pipeline.Cut.of(model, comm.size, args.stage_boundaries.split(",") if args.stage_boundaries else None,
-                          costs=costs)
+    cut = stage_cut(model, comm.size, args.batch_size, args.accumulation_steps, machine, args.threads_per_process,
+                    args.stage_boundaries.split(",") if args.stage_boundaries else None)
     return cut.stage(comm.rank), cut
 
 
 def scaled_optimizer_options(args, family, world, mp_size):
     """(optimizer keyword arguments, the header's note on the learning rate): the rate scaled by the model
-    replicas where the batch per process grows the global batch (Goyal et al. 2017)."""
+    replicas where the batch per process grows the global batch (Goyal et al. 2017). mp_size: processes per
+    replica (model-parallel group x pipeline stages)."""
     options = optimizer_options(args, family)
     if world == 1 or not args.learning_rate_scaling or args.global_batch_size is not None:
         return options, ""

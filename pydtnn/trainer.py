@@ -151,7 +151,7 @@ class Trainer:
         """
         if batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer, got {batch_size}")
-        self._check_data(train, val, test, batch_size, drop_last)
+        self._check_data(train, val, test, batch_size, drop_last, steps_per_epoch)
         self.epochs, self.stop_training = epochs, False
         self._callback("on_train_begin")
         writer = MetricsFile(self.report.metrics_file) if self.report.metrics_file else None
@@ -192,7 +192,7 @@ class Trainer:
             if writer:
                 writer.close()
 
-    def _check_data(self, train, val, test, batch_size, drop_last):
+    def _check_data(self, train, val, test, batch_size, drop_last, steps_per_epoch=None):
         """Refuse, before an epoch is spent, data that would train on nothing or fail at the end."""
         if len(train) == 0:
             raise DataError(f"the training set {getattr(train, 'name', '')} is empty; expected at least one sample")
@@ -200,12 +200,31 @@ class Trainer:
             raise ConfigError(f"drop_last with a global batch of {batch_size * self.world_size} samples "
                               f"({batch_size} per process x {self.world_size}) leaves no batch of the {len(train)} "
                               f"training samples; use a smaller batch or drop_last false")
+        self._check_synchronized_micro_batches(len(train), batch_size, drop_last, steps_per_epoch)
         want = tuple(self.step.input_shape)
         for what, data in (("training", train), ("validation", val), ("test", test)):
             shape = getattr(data, "input_shape", None)
             if shape is not None and tuple(shape) != want:
                 raise DataError(f"the {what} set {getattr(data, 'name', '')} has samples of shape "
                                 f"{tuple(shape)}; the model takes {want}")
+
+    def _check_synchronized_micro_batches(self, n, batch_size, drop_last, steps_per_epoch=None):
+        """ConfigError where synchronized BatchNorm would hang: its statistics are a collective per micro-batch,
+        so every replica must run every micro-batch, and a replica's share of a global batch (the last, smaller
+        one) must hold at least one sample per micro-batch."""
+        m = self.step.accumulation_steps
+        if getattr(self.step, "batchnorm_sync", None) is None or m == 1 or self.world_size == 1:
+            return
+        from pydtnn.distributed.sampler import shard_bounds
+
+        for a, b in batch_slices(n, batch_size * self.world_size, drop_last)[:steps_per_epoch]:
+            bounds = shard_bounds(b - a, self.world_size)
+            least = min(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:]))
+            if least < m:
+                raise ConfigError(f"--sync_batchnorm with --micro_batches {m}: the global batch of {b - a} samples "
+                                  f"(the last of {n}) leaves a replica {least}, fewer than one a micro-batch, and "
+                                  f"every replica must run every micro-batch; use --drop_last true, or a batch or "
+                                  f"micro-batch count that leaves each replica at least {m}")
 
     def _train_epoch(self, train, epoch, epochs, batch_size, steps_per_epoch, drop_last=False):
         """One pass over the epoch's global batches; returns ({"epoch", "loss", metrics...}, samples seen).

@@ -92,6 +92,23 @@ def test_a_dataset_without_out_is_copied_in_share_by_share():
     assert_same_for_any_workers(dataset, np.arange(29, 3, -1))
 
 
+class FloatTargets(NoOut):
+    """Regression targets: float, two per sample."""
+
+    def get_batch(self, idx, dtype=np.float32, rng=None):
+        x, _ = super().get_batch(idx, dtype, rng)
+        return x, np.stack([np.asarray(idx) * 0.25, np.asarray(idx) * -1.5], axis=1)
+
+
+def test_targets_keep_their_dtype_and_shape():
+    dataset = FloatTargets()
+    x1, y1 = batches(dataset, np.arange(20), 1)
+    x3, y3 = batches(dataset, np.arange(20), 3)
+    assert y3.dtype == y1.dtype == np.float64 and y3.shape == (20, 2)
+    np.testing.assert_array_equal(y3, y1)
+    np.testing.assert_array_equal(x3, x1)
+
+
 def test_a_plain_generator_is_not_split():
     """One Generator for the whole batch draws in order: splitting it would change the batch."""
     dataset = NoOut()

@@ -37,8 +37,9 @@ def test_writes_a_png_and_every_point_as_json(swept):
     with open(out / f"perfmodel_{MODEL}.png", "rb") as f:
         assert f.read(8) == PNG
     assert {p["axis"] for p in data["points"]} == set(AXES)
-    assert all(len(line(data, a, s)) == 3 for a in AXES for s in ("data", "hybrid"))
-    assert data["baseline"] == {"nodes": NODES, "batch_size": BATCH} and data["schemes"] == ["data", "model", "hybrid"]
+    assert all(len(line(data, a, s)) == 3 for a in AXES for s in ("data", "hybrid", "pipeline"))
+    assert data["baseline"] == {"nodes": NODES, "batch_size": BATCH}
+    assert data["schemes"] == ["data", "model", "hybrid", "pipeline"] and data["pipeline_micro_batches"] == 8
     # simplecnn's classifier has 10 outputs: model parallelism over the 16 processes of 8 nodes cannot run
     assert [p["nodes"] for p in line(data, "nodes", "model")] == [1, 4]
     for p in data["points"]:
@@ -53,6 +54,17 @@ def test_throughput_rises_with_the_node_rate_and_the_link(swept):
         ys = [p["throughput"] for p in line(data, axis)]
         assert ys[-1] > ys[0], axis
         assert all(b >= a for a, b in itertools.pairwise(ys)), f"{axis}: {ys}"
+
+
+def test_the_pipeline_scheme_is_a_pipeline_per_node_on_the_same_global_batch(swept):
+    """2 processes a node: a pipeline of 2 stages per node, 8 micro-batches of the node's 2 x BATCH samples, data
+    parallel across the nodes; its baseline point is that plan's direct prediction."""
+    data, _ = swept
+    _, model = build_model(MODEL)
+    np_ = NODES * machines.DEFAULT.processes_per_node
+    direct = predict(model, 2 * BATCH, np_, machines.DEFAULT, parallel="hybrid", pipeline_stages=2, micro_batches=8)
+    (point,) = [p for p in line(data, "nodes", "pipeline") if p["value"] == NODES]
+    assert point["step_s"] == direct.step_s and direct.global_batch == BATCH * np_
 
 
 def test_the_baseline_of_every_axis_is_a_direct_prediction(swept):

@@ -225,6 +225,7 @@ def test_a_stage_killed_mid_run_ends_the_job(tmp_path):
     assert r.returncode != 0 and not (tmp_path / "k.st").exists()
 
 
+@pytest.mark.slow
 def test_a_message_of_the_wrong_size_is_an_error_naming_it(tmp_path):
     r = launch(3, tmp_path / "m.st", "--misbehave", "shape", "--at", "2", "--rank", "1", timeout=90)
     assert r.returncode != 0, r.stderr[-2000:]
@@ -301,6 +302,8 @@ def test_pydtnn_train_hybrid_pipelines_equal_data_parallelism(tmp_path):
     (1, ["--parallel", "pipeline", "--pipeline_stages", "1", "--checkpoint_dir", "CKPT"],
      "--pipeline_stages 1 is the whole model on each process"),
     (1, ["--pipeline_schedule", "gpipe"], "--pipeline_schedule applies to --parallel pipeline"),
+    (4, ["--parallel", "hybrid", "--pipeline_stages", "2", "--reduction", "topk", "--checkpoint_dir", "CKPT"],
+     "--checkpoint_dir with --reduction topk and --pipeline_stages: the checkpoint of every stage's unsent"),
 ])
 def test_pipeline_mistakes_are_one_line_and_exit_2(tmp_path, n, flags, words):
     flags = [str(tmp_path / "ckpt") if f == "CKPT" else f for f in flags]
@@ -346,6 +349,7 @@ def test_a_pipelines_checkpoint_is_the_whole_model_and_resumes_on_one_process(on
     same_files(tmp_path / "pipe", d / "one2")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_as_a_pipeline_and_a_pipelines_as_data_parallelism(one_process_checkpoints, tmp_path):
     """One process's checkpoint resumed by 3 stages ends where one process ends; a pipeline's checkpoint resumed
     by 2 data-parallel processes ends where they end from one process's checkpoint."""
@@ -454,6 +458,19 @@ def test_hybrid_pipelines_save_what_data_parallelism_saves(tmp_path):
         r = train(n, tmp_path / f"{n}.jsonl", "--micro_batches", "2", *flags, "--checkpoint_dir", str(tmp_path / str(n)))
         assert r.returncode == 0, r.stderr[-3000:]
     same_files(tmp_path / "4", tmp_path / "2")
+
+
+def test_synchronized_batchnorm_refuses_a_replica_short_of_micro_batches(tmp_path):
+    """Every replica must run every micro-batch for the statistics' collectives to match: a last global batch of
+    4 samples over 2 replicas with 8 micro-batches is refused before training, in one line, not hung on."""
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--sync_batchnorm", "true",
+                        "--micro_batches", "8", "--global_batch_size", "54", "--num_epochs", "1", "--progress", "false",
+                        "--metrics_file", str(tmp_path / "m.jsonl")], capture_output=True, text=True, timeout=120,
+                       env=ENV, check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert lines and "--sync_batchnorm with --micro_batches 8: the global batch of 4 samples" in lines[0]
+    assert not (tmp_path / "m.jsonl").exists()
 
 
 def test_simulate_predicts_a_pipeline():

@@ -68,19 +68,20 @@ class BatchWorkers:
         parts = min(self.n, len(idx) // MIN_ROWS)
         if self.pool is None or parts < 2 or not splittable(rng):
             return dataset.get_batch(idx, dtype, rng=rng)
+        shape = getattr(dataset, "input_shape", None)
+        if shape is None:  # a dataset that does not say its sample shape is read in one piece
+            return dataset.get_batch(idx, dtype, rng=rng)
         bounds = shard_bounds(len(idx), parts)
-        x = np.empty((len(idx),) + tuple(dataset.input_shape), dtype)
-        y = np.empty(len(idx), np.int64)
+        x = np.empty((len(idx),) + tuple(shape), dtype)
         direct = takes_out(dataset)
 
         def share(k):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
             r = None if rng is None else rng.rows(lo=lo, hi=hi)
             if direct:
-                _, y[lo:hi] = dataset.get_batch(idx[lo:hi], dtype, rng=r, out=x[lo:hi])
-            else:
-                x[lo:hi], y[lo:hi] = dataset.get_batch(idx[lo:hi], dtype, rng=r)
+                return dataset.get_batch(idx[lo:hi], dtype, rng=r, out=x[lo:hi])[1]
+            x[lo:hi], y = dataset.get_batch(idx[lo:hi], dtype, rng=r)
+            return y
 
-        for f in [self.pool.submit(share, k) for k in range(parts)]:
-            f.result()  # the first share's error, raised here
-        return x, y
+        ys = [f.result() for f in [self.pool.submit(share, k) for k in range(parts)]]  # a share's error, raised here
+        return x, np.concatenate([np.asarray(y) for y in ys])  # the targets as the dataset gives them

@@ -158,7 +158,7 @@ def add_step_flags(p):
                    help="--parallel pipeline (default --np) or hybrid: stages per pipeline, one process each")
     p.add_argument("--pipeline_schedule", choices=SCHEDULES, default="1f1b", help="a pipeline's schedule (default 1f1b)")
     p.add_argument("--stage_boundaries", default=None,
-                   help="comma-separated layer paths where stages 2.. begin (default: balanced FLOPs)")
+                   help="comma-separated layer paths where stages 2.. begin (default: balanced predicted time)")
     p.add_argument("--micro_batches", type=positive_int, default=1,
                    help="micro-batches per step, their gradients summed and reduced once (default 1)")
     p.add_argument("--recompute", choices=MODES, default="none",
@@ -301,6 +301,7 @@ def add_sweep(subparsers):
     from pydtnn.perfmodel.collectives import algorithms
     from pydtnn.perfmodel.predict import PROGRESS, REDUCTIONS
     from pydtnn.perfmodel.sweep import AXES
+    from pydtnn.recompute import MODES
 
     p = subparsers.add_parser("sweep", allow_abbrev=False, help="throughput along the five axes, as PNGs",
                               description="Predicted training throughput and exposed communication along batch size, "
@@ -325,6 +326,11 @@ def add_sweep(subparsers):
                         "(all the time: the reducers' progress thread, or a library that progresses on its own)")
     p.add_argument("--density", type=share, default=0.01,
                    help="--reduction topk: the share of gradient entries sent, in (0, 1] (default 0.01)")
+    p.add_argument("--micro_batches", type=positive_int, default=1,
+                   help="micro-batches per step of the data, model and hybrid schemes (default 1)")
+    p.add_argument("--pipeline_micro_batches", type=positive_int, default=8,
+                   help="micro-batches per step of the pipeline scheme (default 8)")
+    p.add_argument("--recompute", choices=MODES, default="none", help="activation recomputation in every scheme")
     add_data_flags(p)
     p.add_argument("--json", help="file to write every point to, as JSON")
     p.set_defaults(run=run_sweep)
@@ -381,14 +387,17 @@ def run_sweep(args):
             name, model = build_model(given, data_from(args, given), args.num_classes,
                                       say=lambda line: bar.write(f"{PROG}: {line}", file=sys.stderr))
             mine = sweep.sweep(model, name, machine, baseline, axes, points=args.points, on_point=bar.update,
-                               density=args.density, **options)
+                               density=args.density, micro_batches=args.micro_batches, recompute=args.recompute,
+                               pipeline_micro_batches=args.pipeline_micro_batches, **options)
             del model
             bar.write(f"wrote {sweep.plot(mine, figure, machine, baseline, **options)}", file=sys.stdout)
             points += mine
     print("\n".join(sweep.summary(points)))
     if args.json:
         data = {"machine": to_dict(machine), "baseline": dataclasses.asdict(baseline), "schemes": list(sweep.SCHEMES),
-                **options, "density": args.density, "points": [p.to_dict() for p in points]}
+                **options, "density": args.density, "micro_batches": args.micro_batches,
+                "pipeline_micro_batches": args.pipeline_micro_batches, "recompute": args.recompute,
+                "points": [p.to_dict() for p in points]}
         write_atomic(args.json, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
         print(f"wrote {args.json}")
     return 0

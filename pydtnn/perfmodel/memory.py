@@ -3,7 +3,7 @@
     m = predict_memory(model, batch_size=64, optimizer=("sgd", {"momentum": 0.9}), micro_batches=4)
     m.total, m.parts       # bytes: {"parameters", "gradients", "optimizer", "activations", "workspace", "buffers"}
 
-The parts, for the busiest process (the first stage of a pipeline, whose activations wait longest):
+The parts, for the process that holds the most (in a pipeline, the stage with the largest total):
   parameters   the parameters this process holds (a pipeline stage: its own layers')
   gradients    the flat gradient buffer, one gradient per parameter
   optimizer    the optimizer's state and its update's scratch, measured on the real optimizer built over them
@@ -12,8 +12,9 @@ The parts, for the busiest process (the first stage of a pipeline, whose activat
                micro-batches; in a pipeline, M under GPipe and min(S - s, M) under 1F1B on stage s
   workspace    what the step adds above that at its peak: backward's gradients of activations, im2col and
                temporaries, or the update's temporaries
-  buffers      micro-batches' gradient sum (one more gradient per parameter) and, in a pipeline, the
-               receive buffers of every micro-batch's activation and gradient, posted when the step starts
+  buffers      micro-batches' gradient sum (one more gradient per parameter; a pipeline's stage always keeps
+               one) and, in a pipeline, the receive buffers of every micro-batch's activation and gradient,
+               posted when the step starts
 
 Activations and workspace are measured, not derived: a copy of the model (or of each stage) runs a training
 forward and backward under tracemalloc (NumPy reports its arrays to it) at two batch sizes, and both are
@@ -111,13 +112,13 @@ def probe(model, optimizer, recompute="none", sizes=PROBES):
 
 
 def predict_memory(model, batch_size, optimizer=("sgd", {"momentum": 0.9}), micro_batches=1, recompute="none",
-                   pipeline_stages=1, schedule="1f1b", stage_starts=None, machine=None):
+                   pipeline_stages=1, schedule="1f1b", stage_starts=None, machine=None, threads=1):
     """The Memory of one process training `model` (built on a CPU backend) on batch_size samples per replica
     (per process in data parallelism, per pipeline in a pipeline), in micro_batches micro-batches; with
     pipeline_stages > 1, each stage's, cut as pydtnn-train cuts it (on `machine`), the busiest reported."""
     if pipeline_stages > 1:
         return _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, pipeline_stages, schedule,
-                                stage_starts, machine)
+                                stage_starts, machine, threads)
     micro = math.ceil(batch_size / micro_batches)
     parts = _held(model, optimizer, micro_batches, recompute, micro, in_flight=1)
     return Memory(parts, batch_size, micro_batches, recompute)
@@ -132,16 +133,17 @@ def _held(stage, optimizer, micro_batches, recompute, micro, in_flight, messages
             "buffers": (nbytes if micro_batches > 1 else 0) + int(messages)}
 
 
-def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, stages, schedule, starts, machine):
+def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, stages, schedule, starts, machine,
+                     threads=1):
     from pydtnn.distributed import pipeline
     from pydtnn.perfmodel import machine as machines
-    from pydtnn.perfmodel.predict import unit_seconds
+    from pydtnn.perfmodel.predict import stage_cut
 
     if schedule not in pipeline.SCHEDULES:
         raise ConfigError(f"schedule={schedule!r}; expected one of {', '.join(pipeline.SCHEDULES)}")
     machine = machine or machines.DEFAULT
-    micro = math.ceil(batch_size / micro_batches)
-    cut = pipeline.Cut.of(model, stages, starts, costs=unit_seconds(model, micro, machine))
+    micro = math.ceil(batch_size / micro_batches)  # the largest micro-batch's samples
+    cut = stage_cut(model, stages, batch_size, micro_batches, machine, threads, starts)
     itemsize = model.backend.dtype.itemsize
     rows = []
     for s in range(stages):
@@ -152,7 +154,7 @@ def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, sta
             received += batch_size * math.prod(held.input_shape) * itemsize
         if s < stages - 1:
             received += batch_size * math.prod(held.output_shape) * itemsize
-        parts = _held(held, optimizer, micro_batches, recompute, micro, in_flight, received)
+        parts = _held(held, optimizer, max(micro_batches, 2), recompute, micro, in_flight, received)  # it sums always
         rows.append({"stage": s, "in_flight": in_flight, "total": sum(parts.values()), **parts})
     busiest = max(rows, key=lambda r: r["total"])
     return Memory({k: busiest[k] for k in PARTS}, batch_size, micro_batches, recompute, stages, schedule, rows)
@@ -170,7 +172,7 @@ def plan_memory(model, plan, optimizer, recompute="none", schedule="1f1b", stage
                               f"(model_parallel_size {lay.model_parallel_size}); expected data or pipeline parallelism")
         return None
     return predict_memory(model, plan.batch_size, optimizer, plan.accumulation_steps, recompute, lay.pipeline_stages,
-                          schedule, stage_starts, machine)
+                          schedule, stage_starts, machine, plan.threads or 1)
 
 
 def mib(nbytes):

@@ -370,8 +370,9 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     of the stages that are busy, not of every process (_pipeline_parts): a waiting stage sleeps. After the last op: the last stage broadcasts the
     loss and outputs to the stages; each stage's gradients are reduced across the replicas (its share of
     the bytes, as the reducer lays it out; after the micro-batches, so exposed) and updated. The step is
-    the slowest stage's end plus those; compute_s, memory_s and overhead_s are the busiest stage's and
-    bubble_s is what is left of its step: the fill and drain, and waits for messages."""
+    the slowest stage's end plus those; compute_s, memory_s and overhead_s are the busiest stage's,
+    exposed_comm_s the broadcasts and the reduction of the stage whose reduction and update end the step,
+    and bubble_s is what is left: the busiest stage's fill and drain, and its waits for messages."""
     from pydtnn.distributed import pipeline
 
     if schedule not in pipeline.SCHEDULES:
@@ -394,11 +395,12 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
              for s in range(stages)]
     tail = max(red + upd + fix for red, _, upd, fix in after)
     step_s = line.end + bcast + tail
-    critical = max(range(stages), key=lambda s: line.busy[s] + sum(after[s][::2]) + after[s][3])
+    critical = max(range(stages), key=lambda s: line.busy[s] + sum(after[s][::2]) + after[s][3])  # the busiest
     red, n_sent, upd, fix = after[critical]
     compute_s, memory_s = busy[critical]["compute_s"], busy[critical]["memory_s"] + upd
     overhead_s = busy[critical]["calls_s"] + fix
-    exposed = bcast + red
+    last = max(range(stages), key=lambda s: after[s][0] + after[s][2] + after[s][3])  # whose tail ends the step
+    exposed = bcast + after[last][0]
     stage_rows = [{"stage": s, "first": cut.unit_names[a], "last": cut.unit_names[b - 1],
                    "forward_s": sum(fwd[s]), "backward_s": sum(bwd[s]), "message_s": sum(msg[s]),
                    "busy_s": line.busy[s], "idle_s": line.idle[s], "reduce_s": after[s][0], "update_s": after[s][2]}
@@ -430,6 +432,16 @@ def unit_seconds(model, batch_size, machine, threads=1):
     return out
 
 
+def stage_cut(model, stages, batch_size, micro_batches, machine, threads=1, starts=None):
+    """The pipeline.Cut of `model` into `stages` as pydtnn-train, predict and the memory model all take it: at
+    `starts` (--stage_boundaries), else balancing unit_seconds of a micro-batch (batch_size // micro_batches
+    samples, at least 1) at `threads` threads on `machine`."""
+    from pydtnn.distributed import pipeline
+
+    costs = unit_seconds(model, max(1, batch_size // micro_batches), machine, threads)
+    return pipeline.Cut.of(model, stages, starts, costs=costs)
+
+
 def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute,
                     processes=None):
     """(cut, {layer path: stage}, micro-batch sizes, crowding, forward[s][i], backward[s][i], busy per stage, the
@@ -438,8 +450,7 @@ def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule,
     each op slows by that ratio times the stages' busy share, the layout repeated until that share settles."""
     from pydtnn.distributed import pipeline
 
-    cut = pipeline.Cut.of(model, stages, stage_starts,
-                          costs=unit_seconds(model, max(1, batch_size // micro_batches), machine, threads))
+    cut = stage_cut(model, stages, batch_size, micro_batches, machine, threads, stage_starts)
     of_stage = pipeline.layer_stages(cut.units, cut.bounds)
     stage_of = {path: of_stage[id(layer)] for path, layer in model.root.named_layers() if id(layer) in of_stage}
     itemsize = model.backend.dtype.itemsize
@@ -453,12 +464,12 @@ def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule,
     msg = [[message_seconds(b * int(math_prod(out_shapes[s])) * itemsize, machine, levels[s]) for b in sizes]
            for s in range(stages - 1)] + [[0.0] * len(sizes)]
     crowding = 1.0
-    for _ in range(8):  # a waiting stage sleeps and leaves its core: the cores are crowded by the busy share only
+    for attempt in range(8):  # a waiting stage sleeps and leaves its core: the cores are crowded by the busy share
         fwd, bwd, busy, first_times = _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again)
         line = timeline(fwd, bwd, msg, msg, schedule)
         settled = max(1.0, full * sum(line.busy) / (stages * line.end)) if line.end > 0 else 1.0
-        if abs(settled - crowding) <= 1e-3 * crowding:
-            break
+        if abs(settled - crowding) <= 1e-3 * crowding or attempt == 7:
+            break  # the layout is the one computed at `crowding`
         crowding = settled
     return cut, stage_of, sizes, crowding, fwd, bwd, busy, first_times, msg, line
 

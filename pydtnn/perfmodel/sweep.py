@@ -25,7 +25,11 @@ Schemes, compared on the same processes and the same global batch (batch_size x 
   data    every process a replica with batch_size samples;
   model   every layer split over all the processes, one replica with the whole global batch;
   hybrid  every layer split over the processes of a node (processes_per_node), one replica per node with
-          batch_size x processes_per_node samples, data parallel across nodes.
+          batch_size x processes_per_node samples, data parallel across nodes;
+  pipeline  the layers cut into a stage per process of a node (at least 2), one pipeline per node with
+          batch_size x processes_per_node samples in micro_batches micro-batches (1F1B), data parallel across
+          nodes.
+Every scheme takes micro_batches and recompute alike (the pipeline's micro-batches are its own).
 Model parallelism cannot split a layer over more processes than it has output channels (the trainer
 refuses it): such points are left out, and summary() says from how many processes on.
 """
@@ -39,10 +43,10 @@ from pydtnn.errors import ConfigError
 from pydtnn.perfmodel.predict import predict_plan
 from pydtnn.plan import Reduction, RunPlan, layout
 
-SCHEMES = ("data", "model", "hybrid")
+SCHEMES = ("data", "model", "hybrid", "pipeline")
 SCHEME_LABELS = {"data": "data parallelism", "model": "model parallelism",
-                 "hybrid": "hybrid (model in a node, data across)"}
-SCHEME_COLORS = {"data": "tab:blue", "model": "tab:orange", "hybrid": "tab:green"}
+                 "hybrid": "hybrid (model in a node, data across)", "pipeline": "pipeline (stages in a node, data across)"}
+SCHEME_COLORS = {"data": "tab:blue", "model": "tab:orange", "hybrid": "tab:green", "pipeline": "tab:purple"}
 AXES = ("batch", "rate", "bandwidth", "link", "nodes")
 AXIS_LABELS = {"batch": "batch size per process", "rate": "node arithmetic rate (x machine's)",
                "bandwidth": "node memory bandwidth (x machine's)", "link": "inter-node link bandwidth (bit/s)",
@@ -163,10 +167,10 @@ def setting(axis, value, machine, baseline):
 
 
 def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algorithm="ring", progress="test",
-          points=None, on_point=None, density=None):
+          points=None, on_point=None, density=None, micro_batches=1, recompute="none", pipeline_micro_batches=8):
     """[Point] of `model` (built once, on a CPU backend) for every scheme and every value of every axis.
-    reduction, algorithm, progress, density: each point's plan's (predict.predict_plan); on_point: called once per
-    point computed."""
+    reduction, algorithm, progress, density, micro_batches, recompute: each point's plan's (predict.predict_plan;
+    pipeline_micro_batches: the pipeline scheme's); on_point: called once per point computed."""
     points_out = []
     for scheme in SCHEMES:
         for axis in check_axes(axes):
@@ -174,7 +178,8 @@ def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algor
                 m, nodes, batch = setting(axis, value, machine, baseline)
                 np_ = nodes * m.processes_per_node
                 p = scheme_step(model, name, scheme, batch, np_, m, reduction=reduction, algorithm=algorithm,
-                                progress=progress, density=density)
+                                progress=progress, density=density, recompute=recompute,
+                                micro_batches=pipeline_micro_batches if scheme == "pipeline" else micro_batches)
                 if on_point is not None:
                     on_point()
                 if p is None:
@@ -189,18 +194,24 @@ def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algor
 
 
 def scheme_step(model, name, scheme, batch, np_, machine, reduction="bucketed", algorithm="ring", progress="test",
-                density=None):
+                density=None, micro_batches=1, recompute="none"):
     """The prediction of one scheme's run plan at `batch` samples per process over np_ processes (the same global
     batch for every scheme; predict.predict_plan); None where the scheme cannot run (a layer with fewer
-    channels than its group)."""
+    channels than its group, a pipeline of fewer than 2 stages or more stages than layers, fewer samples than
+    micro-batches)."""
     group = 1 if scheme == "data" else np_ if scheme == "model" else min(machine.processes_per_node, np_)
-    parallel = "data" if group == 1 else "hybrid"
-    plan = RunPlan(layout(parallel, np_, group if group > 1 else None), batch * group, None,
-                   Reduction(reduction, "none", progress, {"density": density}))
+    if scheme == "pipeline":
+        if group < 2 or batch * group < micro_batches:
+            return None
+        lay = layout("hybrid" if np_ > group else "pipeline", np_, pipeline_stages=group)
+    else:
+        lay = layout("data" if group == 1 else "hybrid", np_, group if group > 1 else None)
+    plan = RunPlan(lay, batch * group, None, Reduction(reduction, "none", progress, {"density": density}),
+                   accumulation_steps=min(micro_batches, batch * group))
     try:
-        return predict_plan(model, plan, machine, algorithm=algorithm, name=name)
+        return predict_plan(model, plan, machine, algorithm=algorithm, name=name, recompute=recompute)
     except ConfigError as e:
-        if "fewer than the" in str(e):
+        if "fewer than the" in str(e) or "more than the model's" in str(e):
             return None
         raise
 
