@@ -4,7 +4,7 @@
                                      [--warmup 2] [--steps 5] [--only TEXT]        # 70 runs, about 10 minutes
     python benchmarks/parallelism.py --quick          # 3 small configurations, about 10 s (smoke test)
     python benchmarks/parallelism.py --from_json docs/parallelism_benchmark.json   # table and plot again, re-predicted
-    python benchmarks/parallelism.py --pipelines [--out docs/pipeline_benchmark.json]  # pipelines beside data, 32 runs
+    python benchmarks/parallelism.py --pipelines [--out docs/pipeline_benchmark.json]  # pipelines beside data, 54 runs
 
 A configuration is a model, a global batch (samples per step over all processes), a process count, a
 layout and a network. Layouts: `data` (each process a replica on global/np samples), `model` (every
@@ -36,8 +36,8 @@ saved ones).
 
 --pipelines: pipelines (`--parallel pipeline`, one stage per process: S = 2 with M = 1, 4, 8 micro-batches
 under 1F1B and M = 8 under GPipe; S = 4 with M = 4, 8 under 1F1B and M = 8 under GPipe) beside data
-parallelism at np 2 and 4 on the same global batch (128), for the VGG and ResNet-20, on shared memory and at
-1 Gbit/s. Each run's peak resident memory per process (the largest over its ranks; GNU time's maximum
+parallelism at np 2 and 4 on the same global batch (128), for the VGG and ResNet-20, on shared memory, at
+1 Gbit/s and at 200 Mbit/s. Each run's peak resident memory per process (the largest over its ranks; GNU time's maximum
 resident set size) is measured too. The predictions are predict()'s for the same cut, schedule and
 micro-batches.
 
@@ -115,7 +115,7 @@ PIPELINES = ((2, 1, "1f1b"), (2, 4, "1f1b"), (2, 8, "1f1b"), (2, 8, "gpipe"), (4
              (4, 8, "gpipe"))  # (stages, micro-batches, schedule)
 
 
-def pipeline_configs(models=("vgg11bn_cifar10", "resnet20_cifar10"), batch=128, networks=("unlimited", "1gbit")):
+def pipeline_configs(models=("vgg11bn_cifar10", "resnet20_cifar10"), batch=128, networks=NETWORKS):
     """Data parallelism at np 2 and 4 and every PIPELINES layout, for each model and network, on one global batch."""
     out = []
     for network in networks:

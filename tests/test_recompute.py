@@ -113,8 +113,10 @@ def test_training_with_recomputation_ends_with_the_same_bits(tmp_path):
         assert _same_bits(tmp_path / "none.st", tmp_path / f"{other}.st"), other
 
 
-def test_pydtnn_train_recompute_changes_no_bit(tmp_path):
-    train = [sys.executable, "-m", "pydtnn", "--num_epochs", "1", "--steps_per_epoch", "4", "--progress", "false"]
+def _final_shas(tmp_path, launcher, *flags):
+    """The parameters' SHA-256 of pydtnn-train (under `launcher`) without recomputation and with segments."""
+    train = [*launcher, sys.executable, "-m", "pydtnn", "--num_epochs", "1", "--steps_per_epoch", "4", "--progress",
+             "false", *flags]
     shas = []
     for mode in ("none", "segments"):
         out = tmp_path / f"{mode}.jsonl"
@@ -123,6 +125,11 @@ def test_pydtnn_train_recompute_changes_no_bit(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         with open(out, encoding="utf-8") as f:
             shas.append([json.loads(line) for line in f][-1]["params_sha256"])
+    return shas
+
+
+def test_pydtnn_train_recompute_changes_no_bit(tmp_path):
+    shas = _final_shas(tmp_path, [])
     assert shas[0] == shas[1]
 
 
@@ -130,14 +137,5 @@ def test_pydtnn_train_recompute_changes_no_bit(tmp_path):
 def test_recomputation_changes_no_bit_in_data_and_model_parallelism(tmp_path, layout):
     """Two processes, data parallel (the reducer's hooks fire in the recomputing backward) or model parallel
     (the gathers and dx sums are layers of the segments, run again): the bits of no recomputation."""
-    train = [MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--num_epochs", "1", "--steps_per_epoch", "4",
-             "--dtype", "float64", "--flip_images", "true", "--progress", "false", *layout]
-    shas = []
-    for mode in ("none", "segments"):
-        out = tmp_path / f"{mode}.jsonl"
-        r = subprocess.run([*train, "--recompute", mode, "--metrics_file", str(out)], capture_output=True, text=True,
-                           timeout=180, env=ENV, check=False)
-        assert r.returncode == 0, r.stderr[-3000:]
-        with open(out, encoding="utf-8") as f:
-            shas.append([json.loads(line) for line in f][-1]["params_sha256"])
+    shas = _final_shas(tmp_path, [MPIEXEC, "-n", "2"], "--dtype", "float64", "--flip_images", "true", *layout)
     assert shas[0] == shas[1]
