@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from test_datasets import write_imagenet
 
 from pydtnn import data
 from pydtnn.data.augment import Augmentation, AugmentedDataset
@@ -17,7 +18,6 @@ from pydtnn.data.synthetic import SyntheticDataset
 from pydtnn.data.workers import BatchWorkers, check_workers, takes_out
 from pydtnn.errors import ConfigError, DataError
 from pydtnn.randomness import SampleStreams
-from tests.test_datasets import write_imagenet
 
 
 def batches(dataset, idx, workers, rng_of=lambda idx: SampleStreams(3, 1, idx), dtype=np.float32):
