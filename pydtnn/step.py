@@ -51,6 +51,13 @@ def reduce_and_update(optimizer, reducer=None, tracer=None, replay=False):
         optimizer.step()
 
 
+def micro_bounds(n, micro_batches):
+    """[(a, b)]: rows [a, b) of each of a batch of n samples' micro-batches (bounds n i // M), as every step cuts
+    it (Step's accumulation, a pipeline's micro-batches, the performance model); empty ones where M > n."""
+    bounds = [n * i // micro_batches for i in range(micro_batches + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 class BatchNormSync:
     """What a synchronized BatchNorm needs: a sum over ranks, and this rank's share of the batch in flight."""
 
@@ -143,13 +150,12 @@ class Step:
     def _accumulated(self, x, y, weight, streams, read):
         """run() over `accumulation_steps` micro-batches: rows [a, b) each, with the streams of their rows."""
         n, xp, params = x.shape[0], self.backend.xp, self._params
-        bounds = [n * i // self.accumulation_steps for i in range(self.accumulation_steps + 1)]
         if self._acc is None:
             self._acc = [xp.zeros_like(g) for _, _, g in params]
         own_rows = streams is not None and len(streams) == n
         total, outs = 0.0, []
         with nullcontext() if self.reducer is None else self.reducer.no_sync():  # one reduction, after the loop
-            for a, b in zip(bounds[:-1], bounds[1:]):
+            for a, b in micro_bounds(n, self.accumulation_steps):
                 if a == b:
                     continue
                 loss, out = self.micro_step(x[a:b], y[a:b], weight * (b - a) / n,

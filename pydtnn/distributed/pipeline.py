@@ -39,7 +39,7 @@ from pydtnn.errors import ConfigError, PydtnnError, TrainingDiverged
 from pydtnn.layers.base import Layer, _join
 from pydtnn.layers.blocks import Sequential
 from pydtnn.recompute import passes as recompute_passes
-from pydtnn.step import reduce_and_update, span
+from pydtnn.step import micro_bounds, reduce_and_update, span
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -283,9 +283,7 @@ class PipelineStep:
 
     def run(self, x, y, weight=1.0, streams=None, read=True):
         n, xp, params = x.shape[0], self.backend.xp, self._params
-        m = self.micro_batches
-        bounds = [n * i // m for i in range(m + 1)]
-        rows = list(zip(bounds[:-1], bounds[1:]))
+        rows = micro_bounds(n, self.micro_batches)
         if self._acc is None:
             self._acc = [xp.zeros_like(g) for _, _, g in params]
         messages = _Messages(self, rows)

@@ -282,10 +282,11 @@ def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algo
 
 
 def micro_sizes(batch_size, micro_batches):
-    """Samples of each micro-batch of a step, as Step and PipelineStep cut a batch (bounds n i // M); the
-    empty ones (more micro-batches than samples) left out, as the steps skip them."""
-    bounds = [batch_size * i // micro_batches for i in range(micro_batches + 1)]
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    """Samples of each micro-batch of a step, as the steps cut a batch (step.micro_bounds); the empty ones
+    (more micro-batches than samples) left out, as the steps skip them."""
+    from pydtnn.step import micro_bounds
+
+    return [b - a for a, b in micro_bounds(batch_size, micro_batches) if b > a]
 
 
 def recomputed(model, mode, unit_slice=slice(None)):
@@ -463,9 +464,11 @@ def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule,
               for s in range(stages - 1)]
     msg = [[message_seconds(b * int(math_prod(out_shapes[s])) * itemsize, machine, levels[s]) for b in sizes]
            for s in range(stages - 1)] + [[0.0] * len(sizes)]
+    costs = {b: layer_costs(model, b) for b in set(sizes)}  # what crowding does not change, once
     crowding = 1.0
     for attempt in range(8):  # a waiting stage sleeps and leaves its core: the cores are crowded by the busy share
-        fwd, bwd, busy, first_times = _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again)
+        fwd, bwd, busy, first_times = _stage_times(model, stage_of, stages, sizes, costs, machine, threads, crowding,
+                                                   again)
         line = timeline(fwd, bwd, msg, msg, schedule)
         settled = max(1.0, full * sum(line.busy) / (stages * line.end)) if line.end > 0 else 1.0
         if abs(settled - crowding) <= 1e-3 * crowding or attempt == 7:
@@ -481,15 +484,15 @@ def predict_pipeline_timeline(model, batch_size, stages, machine, micro_batches=
                            recompute)[-1]
 
 
-def _stage_times(model, stage_of, stages, sizes, machine, threads, crowding, again):
+def _stage_times(model, stage_of, stages, sizes, costs, machine, threads, crowding, again):
     """(forward[s][i], backward[s][i] seconds, each stage's busy {"compute_s", "memory_s", "calls_s"}, the first
-    micro-batch's LayerTimes) of the pipeline's stages (stage_of: layer path -> stage) at micro-batches of `sizes`."""
+    micro-batch's LayerTimes) of the pipeline's stages (stage_of: layer path -> stage) at micro-batches of `sizes`;
+    costs: {micro-batch size: costs.layer_costs of the model}."""
     grads = parameter_bytes(model)
     fwd = [[0.0] * len(sizes) for _ in range(stages)]
     bwd = [[0.0] * len(sizes) for _ in range(stages)]
     busy = [{"compute_s": 0.0, "memory_s": 0.0, "calls_s": 0.0} for _ in range(stages)]
-    per_size = {b: (layer_costs(model, b),) for b in set(sizes)}
-    per_size = {b: (c, layer_times(c, grads, machine, threads, crowding, again)[0]) for b, (c,) in per_size.items()}
+    per_size = {b: (costs[b], layer_times(costs[b], grads, machine, threads, crowding, again)[0]) for b in costs}
     for i, b in enumerate(sizes):
         costs, times = per_size[b]
         for c, t in zip(costs, times):
