@@ -1,4 +1,4 @@
-"""The memory model (pydtnn/perfmodel/memory.py) against the measured peak of real training steps, one process.
+"""The memory model (pydtnn/perfmodel/memory.py) against the measured peak of real training steps, per process.
 
     python benchmarks/memory_validation.py [--out table.md] [--json docs/memory_validation.json]
                                            [--plot docs/perfmodel_memory.png] [--quick]
@@ -10,6 +10,10 @@ random images in the model's input shape); the measured peak is the largest trac
 Predicted: predict_memory's total for the same configuration, its activations and workspace probed at
 batches 4 and 8 and extrapolated. Both count the training state above the interpreter, the libraries
 and the batch itself.
+
+Layouts of several processes (layers split over model-parallel groups, pipeline stages, both) run under the
+venv's mpiexec (benchmarks/memory_worker.py), each process measured the same way; the busiest process's
+measured peak is set against the prediction, which is of the process that holds the most.
 """
 
 import argparse
@@ -27,7 +31,7 @@ OPTIMIZERS = {"sgd_momentum": ("sgd", {"momentum": 0.9}), "adam": ("adam", {}), 
 
 
 def configs(quick=False):
-    """(model, batch, optimizer, micro-batches, recompute): 24 of them (3 with --quick)."""
+    """One process's (model, batch, optimizer, micro-batches, recompute): 24 of them (3 with --quick)."""
     if quick:
         return [("simplecnn", 32, "sgd_momentum", 1, "none"), ("resnet20_cifar10", 16, "adam", 2, "none"),
                 ("resnet20_cifar10", 16, "sgd", 1, "segments")]
@@ -37,6 +41,38 @@ def configs(quick=False):
                 (model, 64, "adam", 1, "none"), (model, 64, "sgd", 4, "none"),
                 (model, 64, "sgd_momentum", 1, "segments"), (model, 128, "sgd_momentum", 2, "all")]
     return out
+
+
+def parallel_configs(quick=False):
+    """(model, batch, optimizer, micro-batches, model_parallel_size, stages, schedule): 12 (2 with --quick)."""
+    if quick:
+        return [("resnet20_cifar10", 32, "sgd_momentum", 1, 2, 1, "1f1b"),
+                ("resnet20_cifar10", 32, "sgd_momentum", 4, 2, 2, "1f1b")]
+    return [("simplecnn", 64, "sgd_momentum", 1, 2, 1, "1f1b"), ("simplecnn", 64, "adam", 4, 1, 2, "gpipe"),
+            ("resnet20_cifar10", 32, "sgd_momentum", 1, 2, 1, "1f1b"),
+            ("resnet20_cifar10", 32, "sgd_momentum", 4, 1, 2, "1f1b"),
+            ("resnet20_cifar10", 32, "sgd_momentum", 4, 1, 2, "gpipe"),
+            ("resnet20_cifar10", 64, "sgd_momentum", 8, 1, 4, "1f1b"),
+            ("resnet20_cifar10", 32, "adam", 4, 2, 2, "1f1b"),
+            ("vgg11bn_cifar10", 32, "sgd_momentum", 1, 2, 1, "1f1b"),
+            ("vgg11bn_cifar10", 32, "sgd_momentum", 4, 1, 2, "1f1b"),
+            ("vgg11bn_cifar10", 32, "sgd_momentum", 4, 2, 2, "gpipe"),
+            ("mobilenetv1_cifar10", 32, "adam", 1, 2, 1, "1f1b"),
+            ("mobilenetv1_cifar10", 32, "adam", 4, 1, 2, "1f1b")]
+
+
+def measure_parallel(model, batch, optimizer, micro_batches, m, stages, schedule, env):
+    """[each process's measured peak bytes] of a layout of m x stages processes (benchmarks/memory_worker.py)."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    r = subprocess.run([mpiexec, "-n", str(m * stages), sys.executable, os.path.join(HERE, "memory_worker.py"),
+                        model, str(batch), "--optimizer", optimizer, "--micro_batches", str(micro_batches),
+                        "--model_parallel_size", str(m), "--stages", str(stages), "--schedule", schedule],
+                       capture_output=True, text=True, env=env, timeout=900, check=True)
+    peaks = {}
+    for line in r.stdout.split("peak ")[1:]:  # ranks' lines may interleave
+        rank, nbytes = line.split()[:2]
+        peaks[int(rank)] = int(nbytes)
+    return [peaks[r] for r in range(m * stages)]
 
 
 def measure(model_name, batch, optimizer, micro_batches, recompute):
@@ -73,7 +109,7 @@ def measure(model_name, batch, optimizer, micro_batches, recompute):
     return peak
 
 
-def predicted(model_name, batch, optimizer, micro_batches, recompute):
+def predicted(model_name, batch, optimizer, micro_batches, recompute, m=1, stages=1, schedule="1f1b"):
     import numpy as np
 
     from pydtnn import models
@@ -82,7 +118,8 @@ def predicted(model_name, batch, optimizer, micro_batches, recompute):
 
     shape, classes = models.defaults(model_name)
     model = models.create(model_name, input_shape=shape, num_classes=classes, backend=CPUBackend(np.float32, seed=0))
-    return predict_memory(model, batch, OPTIMIZERS[optimizer], micro_batches, recompute)
+    return predict_memory(model, batch, OPTIMIZERS[optimizer], micro_batches, recompute, pipeline_stages=stages,
+                          schedule=schedule, model_parallel_size=m)
 
 
 def plot(rows, path, host):
@@ -107,14 +144,33 @@ def plot(rows, path, host):
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured peak of a training step (MiB, traced)")
     ax.set_ylabel("predicted (MiB)")
-    ax.set_title(f"Memory model, one process ({host})", fontsize=10)
+    ax.set_title(f"Memory model, the busiest process of each layout ({host})", fontsize=10)
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=100)
 
 
+def layout_name(m, stages, schedule):
+    """'one process', 'model 2', 'pipeline 2 (1f1b)', 'pipeline 2 x model 2 (gpipe)'."""
+    parts = ([f"pipeline {stages} ({schedule})"] if stages > 1 else []) + ([f"model {m}"] if m > 1 else [])
+    return " x ".join(parts) or "one process"
+
+
+def row(model, batch, opt, k, rc, m, stages, schedule, peaks, pred):
+    """One configuration's JSON row (peaks: each process's measured bytes), printed as it is made."""
+    meas = max(peaks)
+    out = {"model": model, "batch": batch, "optimizer": opt, "micro_batches": k, "recompute": rc, "np": m * stages,
+           "model_parallel_size": m, "pipeline_stages": stages, "schedule": schedule,
+           "layout": layout_name(m, stages, schedule), "measured_mib": meas / 2**20,
+           "per_process_mib": [v / 2**20 for v in peaks], "predicted_mib": pred.total / 2**20,
+           "error": pred.total / meas - 1, "parts_mib": {n: v / 2**20 for n, v in pred.parts.items()}}
+    print(f"{model} b{batch} {opt} M{k} {rc} {out['layout']}: measured {meas / 2**20:.1f} MiB, predicted "
+          f"{pred.total / 2**20:.1f} MiB ({100 * out['error']:+.1f}%)", flush=True)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="3 configurations")
+    p.add_argument("--quick", action="store_true", help="5 configurations")
     p.add_argument("--out", help="the markdown table")
     p.add_argument("--json", help="every configuration, as JSON")
     p.add_argument("--plot", help="predicted against measured, a PNG")
@@ -132,23 +188,25 @@ def main(argv=None):
         pred = predicted(*config)
         r = subprocess.run([sys.executable, __file__, "--measure", *map(str, config)], capture_output=True, text=True,
                            env=env, timeout=600, check=True)
-        meas = int(r.stdout.strip().splitlines()[-1])
         model, batch, opt, k, rc = config
-        rows.append({"model": model, "batch": batch, "optimizer": opt, "micro_batches": k, "recompute": rc,
-                     "measured_mib": meas / 2**20, "predicted_mib": pred.total / 2**20,
-                     "error": pred.total / meas - 1, "parts_mib": {n: v / 2**20 for n, v in pred.parts.items()}})
-        print(f"{model} b{batch} {opt} M{k} {rc}: measured {meas / 2**20:.1f} MiB, predicted "
-              f"{pred.total / 2**20:.1f} MiB ({100 * rows[-1]['error']:+.1f}%)", flush=True)
+        rows.append(row(model, batch, opt, k, rc, 1, 1, None, [int(r.stdout.strip().splitlines()[-1])], pred))
+    for model, batch, opt, k, m, stages, schedule in parallel_configs(args.quick):
+        pred = predicted(model, batch, opt, k, "none", m, stages, schedule)
+        peaks = measure_parallel(model, batch, opt, k, m, stages, schedule, env)
+        rows.append(row(model, batch, opt, k, "none", m, stages, schedule if stages > 1 else None, peaks, pred))
     errors = [abs(r["error"]) for r in rows]
     host = validation.host()
-    header = ("| model | batch | optimizer | micro-batches | recompute | measured MiB | predicted MiB | error | "
+    header = ("| model | batch | optimizer | micro-batches | recompute | layout | measured MiB | predicted MiB | error | "
               "activations MiB | workspace MiB |")
-    lines = [f"{host}; float32, one thread, {len(rows)} configurations", "", header,
-             "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"{host}; float32, one thread per process, {len(rows)} configurations (measured: the busiest process)",
+             "", header, "| --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['model']} | {r['batch']} | {r['optimizer']} | {r['micro_batches']} | {r['recompute']} | "
-              f"{r['measured_mib']:.1f} | {r['predicted_mib']:.1f} | {100 * r['error']:+.1f}% | "
+              f"{r['layout']} | {r['measured_mib']:.1f} | {r['predicted_mib']:.1f} | {100 * r['error']:+.1f}% | "
               f"{r['parts_mib']['activations']:.1f} | {r['parts_mib']['workspace']:.1f} |" for r in rows]
-    lines += ["", f"median |error| {100 * statistics.median(errors):.1f}%, worst {100 * max(errors):.1f}%"]
+    several = [abs(r["error"]) for r in rows if r["np"] > 1]
+    lines += ["", f"median |error| {100 * statistics.median(errors):.1f}%, worst {100 * max(errors):.1f}%"
+              + (f"; {len(several)} layouts of several processes: median {100 * statistics.median(several):.1f}%, "
+                 f"worst {100 * max(several):.1f}%" if several else "")]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -80,7 +80,8 @@ def predicted(model_name, stages, micro_batches, batch, kind, machine_file):
     from pydtnn import models
     from pydtnn.backends import CPUBackend
     from pydtnn.perfmodel import machine
-    from pydtnn.perfmodel.predict import predict, predict_pipeline_timeline
+    from pydtnn.perfmodel.pipelined import predict_pipeline_timeline
+    from pydtnn.perfmodel.predict import predict
 
     model = models.create(model_name, backend=CPUBackend(seed=0))
     m = machine.load(machine_file)

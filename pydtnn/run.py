@@ -8,6 +8,7 @@ anything runs live in preflight.py, what a run says in report.py, resuming and c
 
 import csv
 import io
+import gc
 import os
 import sys
 import time
@@ -114,6 +115,7 @@ def run(args):
     if isinstance(backend, CPUBackend):  # every rank takes rank 0's measured choices (docs/performance.md)
         backend.tune_convolutions(comm, say, conv_shapes(whole))  # a pipeline: every stage's shapes
     whole = None  # a pipeline stage keeps its own layers only
+    gc.collect()  # the layers it let go of (a stage's others, a split's whole ones) hold cycles: freed now
     return execute(args, trainer, datasets, start_epoch, comm, say)
 
 
@@ -183,10 +185,10 @@ def device_communicators(args, comm, replicas, backend, say):
 
 def pipeline_stage(args, model, comm):
     """(this rank's stage Model, the pipeline.Cut): the model cut where --stage_boundaries says, else into
-    stages of balanced predicted time (perfmodel.predict.stage_cut, on --machine: the built-in one without it);
+    stages of balanced predicted time (perfmodel.pipelined.stage_cut, on --machine: the built-in one without it);
     comm: this rank's pipeline."""
     from pydtnn.perfmodel import machine as machines
-    from pydtnn.perfmodel.predict import stage_cut
+    from pydtnn.perfmodel.pipelined import stage_cut
 
     machine = machines.DEFAULT if args.machine is None else machines.load(args.machine)
     cut = stage_cut(model, comm.size, args.batch_size, args.accumulation_steps, machine, args.threads_per_process,

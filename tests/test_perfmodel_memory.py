@@ -1,6 +1,8 @@
 """The memory model: each part follows the configuration as the code does, and the total is a measured step's peak."""
 
 import json
+import os
+import sys
 import tracemalloc
 
 import numpy as np
@@ -88,6 +90,45 @@ def test_the_command_and_the_predictions_json_carry_the_memory(capsys):
     assert out["total"] == sum(out[p] for p in PARTS) and out["model"] == "simplecnn"
     assert main(["predict", "--model", "simplecnn", "--batch_size", "16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["memory"]["total"] == pytest.approx(out["total"], rel=1e-3)  # measured
-    assert main(["memory", "--model", "simplecnn", "--batch_size", "16", "--np", "2", "--parallel", "model"]) == 2
+    assert main(["memory", "--model", "simplecnn", "--batch_size", "16", "--np", "2", "--parallel", "model",
+                 "--json"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert split["model_parallel_size"] == 2 and split["parameters"] < out["parameters"]
+    assert main(["memory", "--model", "simplecnn", "--batch_size", "16", "--np", "4", "--parallel", "hybrid",
+                 "--model_parallel_size", "3"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "model_parallel_size 2" in err
+    assert err.count("\n") == 1 and "3" in err
+
+
+def test_split_layers_hold_rank_0s_slices_and_whole_gathered_tensors():
+    """Model parallelism of 2: the process holds its slices of the parameters (rank 0: the larger half of
+    every split layer), and its activations include the whole tensors its gathers make."""
+    from pydtnn.perfmodel.split import split_model
+
+    model = build()
+    plain = predict_memory(model, 32, SGD)
+    split = predict_memory(model, 32, SGD, model_parallel_size=2)
+    held = sum(p.nbytes for _, p, _ in split_model(model, 2).parameters())
+    assert split.parts["parameters"] == split.parts["gradients"] == held
+    assert plain.parts["parameters"] / 2 <= held < 0.6 * plain.parts["parameters"]
+    assert plain.parts["activations"] / 2 < split.parts["activations"] < plain.parts["activations"]
+    both = predict_memory(model, 32, SGD, micro_batches=4, pipeline_stages=2, model_parallel_size=2)
+    assert both.model_parallel_size == 2 and [r["stage"] for r in both.stages] == [0, 1]
+    assert sum(r["parameters"] for r in both.stages) == held  # rank 0 of each stage's group
+
+
+@pytest.mark.parametrize("model,batch,k,m,stages", [("resnet20_cifar10", 32, 1, 2, 1),
+                                                     ("resnet20_cifar10", 32, 4, 2, 2)])
+def test_each_process_of_a_layout_measures_what_the_model_predicts(model, batch, k, m, stages):
+    """A real run under mpiexec (benchmarks/memory_worker.py): the busiest process's traced peak is within 10%
+    of the prediction, and so is every stage's busiest process's of its stage's row."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    import memory_validation
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    peaks = memory_validation.measure_parallel(model, batch, "sgd_momentum", k, m, stages, "1f1b", env)
+    pred = predict_memory(build(model), batch, SGD, k, pipeline_stages=stages, model_parallel_size=m)
+    assert abs(pred.total / max(peaks) - 1) <= 0.1, (pred.total, peaks)
+    for row in pred.stages:
+        stage_peak = max(peaks[row["stage"] * m:(row["stage"] + 1) * m])
+        assert abs(row["total"] / stage_peak - 1) <= 0.1, (row, peaks)

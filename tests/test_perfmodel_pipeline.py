@@ -9,9 +9,11 @@ import pytest
 from pydtnn import models
 from pydtnn.backends import CPUBackend
 from pydtnn.distributed import pipeline
+from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import machine as machines
 from pydtnn.perfmodel.machine import Link
-from pydtnn.perfmodel.predict import micro_sizes, predict, recomputed, unit_seconds
+from pydtnn.perfmodel.pipelined import unit_seconds
+from pydtnn.perfmodel.predict import micro_sizes, predict, recomputed
 from pydtnn.perfmodel.schedule import timeline
 from pydtnn.perfmodel.table import table
 
@@ -142,3 +144,37 @@ def test_the_cut_balances_the_units_predicted_seconds(resnet):
     assert "% of the FLOPs" in pipeline.Cut.of(resnet, 3).describe()
     with pytest.raises(ValueError, match="unit costs"):
         pipeline.Cut.of(resnet, 3, costs=costs[:-1])
+
+
+def test_a_split_stage_costs_its_groups_layers_and_collectives(resnet):
+    """Model x pipeline: a stage of M processes computes its layers as rank 0 of the group holds them, with the
+    group's collectives on the path of its ops. One stage of 2 is model parallelism of 2, whose prediction
+    has the same compute and the same collectives."""
+    from pydtnn.perfmodel.pipelined import predict_pipeline
+
+    m = machine(links={"intra": Link(1e-5, 1e9), "inter": Link(1e-5, 1e9)})
+    split_one = predict_pipeline(resnet, 32, 2, m, stages=1, micro_batches=2, model_parallel_size=2)
+    model = predict(resnet, 32, 2, m, parallel="model", micro_batches=2)
+    assert split_one.compute_s == pytest.approx(model.compute_s, rel=1e-9)
+    assert split_one.group_comm_s == pytest.approx(model.group_comm_s, rel=1e-9) and model.group_comm_s > 0
+    whole = predict(resnet, 32, 2, m, parallel="pipeline", micro_batches=4)
+    both = predict(resnet, 32, 4, m, parallel="hybrid", pipeline_stages=2, model_parallel_size=2, micro_batches=4)
+    assert both.model_parallel_size == 2 and both.pipeline_stages == 2 and both.global_batch == 32
+    assert both.compute_s < whole.compute_s and both.group_comm_s > 0
+    assert all(r["group_s"] > 0 for r in both.stages) and not any(r["group_s"] for r in whole.stages)
+    assert both.exposed_comm_s >= both.group_comm_s
+    replicated = predict(resnet, 32, 8, m, parallel="hybrid", pipeline_stages=2, model_parallel_size=2,
+                         micro_batches=4)
+    assert all(r["reduce_s"] > 0 for r in replicated.stages) and replicated.global_batch == 64
+    with pytest.raises(ConfigError, match="does not divide np=6"):
+        predict(resnet, 32, 6, m, parallel="hybrid", pipeline_stages=2, model_parallel_size=2)
+
+
+def test_a_split_stage_sends_on_the_link_its_peers_share(resnet):
+    """Process j of stage s sends its whole activation to process j of stage s + 1 (M ranks further): with 2
+    processes a node, stages of 2 sit on different nodes, stages of 1 on one."""
+    slow = {"intra": Link(1e-5, 1e10), "inter": Link(1e-3, 1e7)}
+    m = machine(links=slow, processes_per_node=2)
+    inside = predict(resnet, 64, 2, m, parallel="pipeline", micro_batches=4)
+    across = predict(resnet, 64, 4, m, parallel="hybrid", pipeline_stages=2, model_parallel_size=2, micro_batches=4)
+    assert across.p2p_s > 100 * inside.p2p_s

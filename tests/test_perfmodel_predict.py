@@ -235,7 +235,7 @@ def test_processes_beyond_a_node_pay_the_inter_node_link():
                                        ({"micro_batches": 0}, "micro_batches=0"),
                                        ({"recompute": "half"}, "recompute='half'"),
                                        ({"parallel": "hybrid", "pipeline_stages": 2, "model_parallel_size": 2},
-                                        "does not cost stages split over model-parallel groups"),
+                                        r"pipeline_stages=2 x model_parallel_size=2 does not divide np=2"),
                                        ({"parallel": "hybrid"}, "needs model_parallel_size"),
                                        ({"parallel": "hybrid", "model_parallel_size": 3}, "does not divide np"),
                                        ({"reduction": "tree"}, "reduction='tree'"),

@@ -174,7 +174,7 @@ class Cut:
     def of(cls, model, stages, starts=None, costs=None, cost_name="predicted time"):
         """The cut of `model` into `stages` stages: at the units named `starts` (--stage_boundaries, which must
         name stages - 1 of them), else balanced by `costs` (one per unit of units(model): the performance
-        model's predicted seconds, pydtnn.perfmodel.predict.unit_seconds, as pydtnn-train cuts), else by the
+        model's predicted seconds, pydtnn.perfmodel.pipelined.unit_seconds, as pydtnn-train cuts), else by the
         units' forward FLOPs."""
         unit_list = units(model)
         check_stages(stages, len(unit_list))

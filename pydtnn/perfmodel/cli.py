@@ -188,8 +188,7 @@ def run_predict(args):
                      name=name, recompute=args.recompute, schedule=args.pipeline_schedule,
                      stage_starts=args.stage_boundaries.split(",") if args.stage_boundaries else None)
     if args.json:
-        memory = _memory(args, plan, model, machine)
-        print(json.dumps({**p.to_dict(), "memory": None if memory is None else memory.to_dict()}))
+        print(json.dumps({**p.to_dict(), "memory": _memory(args, plan, model, machine).to_dict()}))
     else:
         print(table(p))
     return 0
@@ -199,7 +198,7 @@ def run_memory(args):
     from pydtnn.perfmodel.memory import memory_table
 
     machine, plan, name, model = _step_plan(args)
-    memory = _memory(args, plan, model, machine, refuse=True)
+    memory = _memory(args, plan, model, machine)
     print(json.dumps({"model": name, **memory.to_dict()}) if args.json else memory_table(memory, name))
     return 0
 
@@ -219,12 +218,12 @@ def _step_plan(args):
     return machine, plan, name, model
 
 
-def _memory(args, plan, model, machine, refuse=False):
-    """The plan's memory.Memory; None (or, refuse: a ConfigError) where the memory model has no such layout."""
+def _memory(args, plan, model, machine):
+    """The plan's memory.Memory."""
     from pydtnn.perfmodel.memory import OPTIMIZERS, plan_memory
 
     return plan_memory(model, plan, OPTIMIZERS[args.optimizer], args.recompute, args.pipeline_schedule,
-                       args.stage_boundaries.split(",") if args.stage_boundaries else None, machine, refuse=refuse)
+                       args.stage_boundaries.split(",") if args.stage_boundaries else None, machine)
 
 
 def thread_list(text):

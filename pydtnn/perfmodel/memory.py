@@ -8,8 +8,9 @@ The parts, for the process that holds the most (in a pipeline, the stage with th
   gradients    the flat gradient buffer, one gradient per parameter
   optimizer    the optimizer's state and its update's scratch, measured on the real optimizer built over them
   activations  what the layers keep from forward for backward, for every micro-batch in flight (and what the
-               step before left in them, until it is replaced): one without
-               micro-batches; in a pipeline, M under GPipe and min(S - s, M) under 1F1B on stage s
+               step before left in them, until it is replaced): one without micro-batches; in a pipeline,
+               M under GPipe and min(S - s, M) under 1F1B on stage s, each one after the first adding what
+               a forward adds while the one before is put aside
   workspace    what the step adds above that at its peak: backward's gradients of activations, im2col and
                temporaries, or the update's temporaries
   buffers      micro-batches' gradient sum (one more gradient per parameter; a pipeline's stage always keeps
@@ -33,6 +34,7 @@ import numpy as np
 from pydtnn import optim
 from pydtnn.backends import CPUBackend
 from pydtnn.errors import ConfigError
+from pydtnn.perfmodel import split
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "workspace", "buffers")
 # pydtnn-perfmodel's --optimizer choices (predict.UPDATE_PASSES) as optim.create takes them
@@ -51,6 +53,7 @@ class Memory:
     pipeline_stages: int = 1
     schedule: str | None = None
     stages: list = field(default_factory=list)
+    model_parallel_size: int = 1
 
     @property
     def total(self):
@@ -59,20 +62,22 @@ class Memory:
     def to_dict(self):
         return {"total": self.total, **self.parts, "batch_size": self.batch_size, "micro_batches": self.micro_batches,
                 "recompute": self.recompute, "pipeline_stages": self.pipeline_stages, "schedule": self.schedule,
-                "stages": self.stages}
+                "stages": self.stages, "model_parallel_size": self.model_parallel_size}
 
 
 def probe(model, optimizer, recompute="none", sizes=PROBES):
-    """(optimizer state bytes, activations(b), workspace(b)) of a fresh copy of `model` (on a new backend, so
-    no buffer of an earlier run is reused) taking two training steps under tracemalloc: the state its
-    optimizer holds, what is held after the second forward (the layers' saved arrays, and what the first
-    step left), and what the second step adds above that at its peak (backward's temporaries, the
-    update's), each a line through its values at the batch sizes `sizes`. A first copy's untraced steps
-    make what a process makes once (compiled kernels, plans)."""
+    """(optimizer state bytes, activations(b), workspace(b), in_flight(b)) of a fresh copy of `model` (on a new
+    backend, so no buffer of an earlier run is reused) taking two training steps under tracemalloc: the state
+    its optimizer holds, what is held after the second forward (the layers' saved arrays, and what the first
+    step left), what the second step adds above that at its peak (backward's temporaries, the update's),
+    and what one more forward adds while the state of the one before is put aside, as a pipeline stage keeps
+    its micro-batches in flight (the scratch that forwards share counted once), each a line through its
+    values at the batch sizes `sizes`. A first copy's untraced steps make what a process makes once
+    (compiled kernels, plans)."""
     from pydtnn.recompute import passes
 
     name, hyper = optimizer
-    state, kept, extra = 0, [], []
+    state, kept, extra, more = 0, [], [], []
     for i, n in enumerate((sizes[0],) + tuple(sizes)):
         fresh = CPUBackend(model.backend.dtype, seed=0)  # no buffer an earlier run made is reused
         clone = copy.deepcopy(model, {id(model.backend): fresh})
@@ -95,6 +100,13 @@ def probe(model, optimizer, recompute="none", sizes=PROBES):
                 del out
                 opt.step()
                 peak = tracemalloc.get_traced_memory()[1] - base
+            layers = [layer for _, layer in clone.layers()] + ([run] if run is not clone else [])
+            out = run.forward(x, training=True)  # a micro-batch in flight, its state put aside as a pipeline does
+            first = tracemalloc.get_traced_memory()[0]
+            saved = [dict(layer.__dict__) for layer in layers]
+            out2 = run.forward(x, training=True)
+            second = tracemalloc.get_traced_memory()[0] - first
+            del out, out2, saved
         finally:
             tracemalloc.stop()
         lazy = sum(int(a.nbytes) for a in opt.state_dict()["arrays"].values()) - made  # state made by the steps
@@ -102,42 +114,47 @@ def probe(model, optimizer, recompute="none", sizes=PROBES):
         if i:
             kept.append(max(held, 0))
             extra.append(max(peak - held, 0))
+            more.append(max(second, 0))
 
     def line(values):
         (b1, b2), (v1, v2) = sizes, values
         slope = (v2 - v1) / (b2 - b1)
         return lambda b: max(0.0, v1 + slope * (b - b1))
 
-    return state, line(kept), line(extra)
+    return state, line(kept), line(extra), line(more)
 
 
 def predict_memory(model, batch_size, optimizer=("sgd", {"momentum": 0.9}), micro_batches=1, recompute="none",
-                   pipeline_stages=1, schedule="1f1b", stage_starts=None, machine=None, threads=1):
+                   pipeline_stages=1, schedule="1f1b", stage_starts=None, machine=None, threads=1,
+                   model_parallel_size=1):
     """The Memory of one process training `model` (built on a CPU backend) on batch_size samples per replica
     (per process in data parallelism, per pipeline in a pipeline), in micro_batches micro-batches; with
-    pipeline_stages > 1, each stage's, cut as pydtnn-train cuts it (on `machine`), the busiest reported."""
+    pipeline_stages > 1, each stage's, cut as pydtnn-train cuts it (on `machine`), the busiest reported;
+    with model_parallel_size M > 1, the layers (of each stage) split over M processes as rank 0 of them holds
+    them (perfmodel/split.py: the most loaded), its gathers' and sums' buffers measured with the rest."""
     if pipeline_stages > 1:
         return _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, pipeline_stages, schedule,
-                                stage_starts, machine, threads)
+                                stage_starts, machine, threads, model_parallel_size)
     micro = math.ceil(batch_size / micro_batches)
-    parts = _held(model, optimizer, micro_batches, recompute, micro, in_flight=1)
-    return Memory(parts, batch_size, micro_batches, recompute)
+    held = split.split_model(model, model_parallel_size) if model_parallel_size > 1 else model
+    parts = _held(held, optimizer, micro_batches, recompute, micro, in_flight=1)
+    return Memory(parts, batch_size, micro_batches, recompute, model_parallel_size=model_parallel_size)
 
 
 def _held(stage, optimizer, micro_batches, recompute, micro, in_flight, messages=0):
     """The PARTS of a process that holds `stage` (a Model) with `in_flight` micro-batches of `micro` samples."""
     nbytes = sum(int(p.nbytes) for _, p, _ in stage.parameters())
-    state, activations, workspace = probe(stage, optimizer, recompute)
+    state, activations, workspace, more = probe(stage, optimizer, recompute)
     return {"parameters": nbytes, "gradients": nbytes, "optimizer": state,
-            "activations": int(in_flight * activations(micro)), "workspace": int(workspace(micro)),
+            "activations": int(activations(micro) + (in_flight - 1) * more(micro)), "workspace": int(workspace(micro)),
             "buffers": (nbytes if micro_batches > 1 else 0) + int(messages)}
 
 
 def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, stages, schedule, starts, machine,
-                     threads=1):
+                     threads=1, m=1):
     from pydtnn.distributed import pipeline
     from pydtnn.perfmodel import machine as machines
-    from pydtnn.perfmodel.predict import stage_cut
+    from pydtnn.perfmodel.pipelined import stage_cut, stage_models
 
     if schedule not in pipeline.SCHEDULES:
         raise ConfigError(f"schedule={schedule!r}; expected one of {', '.join(pipeline.SCHEDULES)}")
@@ -146,8 +163,7 @@ def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, sta
     cut = stage_cut(model, stages, batch_size, micro_batches, machine, threads, starts)
     itemsize = model.backend.dtype.itemsize
     rows = []
-    for s in range(stages):
-        held = pipeline.stage_model(model, cut.units, cut.bounds, s)
+    for s, (held, _) in enumerate(stage_models(model, cut, m)):
         in_flight = micro_batches if schedule == "gpipe" else min(stages - s, micro_batches)
         received = 0  # every receive of the step is posted when it starts: the activations in, the gradients back
         if s > 0:
@@ -157,22 +173,15 @@ def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, sta
         parts = _held(held, optimizer, max(micro_batches, 2), recompute, micro, in_flight, received)  # it sums always
         rows.append({"stage": s, "in_flight": in_flight, "total": sum(parts.values()), **parts})
     busiest = max(rows, key=lambda r: r["total"])
-    return Memory({k: busiest[k] for k in PARTS}, batch_size, micro_batches, recompute, stages, schedule, rows)
+    return Memory({k: busiest[k] for k in PARTS}, batch_size, micro_batches, recompute, stages, schedule, rows, m)
 
 
-def plan_memory(model, plan, optimizer, recompute="none", schedule="1f1b", stage_starts=None, machine=None,
-                refuse=False):
-    """The Memory of run plan `plan` (pydtnn.plan.RunPlan): data parallelism (any process count: each process
-    holds a whole replica) or pipelines; None for model-parallel layouts, which it does not model yet (refuse:
-    a ConfigError naming the layout instead)."""
+def plan_memory(model, plan, optimizer, recompute="none", schedule="1f1b", stage_starts=None, machine=None):
+    """The Memory of run plan `plan` (pydtnn.plan.RunPlan), any layout: data parallelism (each process holds a
+    whole replica), model-parallel groups, pipelines, and their hybrids."""
     lay = plan.layout
-    if lay.model_parallel_size > 1:
-        if refuse:
-            raise ConfigError(f"the memory model does not cover layers split over model-parallel groups yet "
-                              f"(model_parallel_size {lay.model_parallel_size}); expected data or pipeline parallelism")
-        return None
     return predict_memory(model, plan.batch_size, optimizer, plan.accumulation_steps, recompute, lay.pipeline_stages,
-                          schedule, stage_starts, machine, plan.threads or 1)
+                          schedule, stage_starts, machine, plan.threads or 1, lay.model_parallel_size)
 
 
 def mib(nbytes):
@@ -183,7 +192,8 @@ def memory_table(m, name="model"):
     """The Memory as text: the parts of the busiest process, and a pipeline's stages."""
     how = (f"batch {m.batch_size}" + (f" in {m.micro_batches} micro-batches" if m.micro_batches > 1 else "")
            + (f", recompute {m.recompute}" if m.recompute != "none" else "")
-           + (f", {m.pipeline_stages} stages ({m.schedule})" if m.pipeline_stages > 1 else ""))
+           + (f", {m.pipeline_stages} stages ({m.schedule})" if m.pipeline_stages > 1 else "")
+           + (f", layers split over {m.model_parallel_size} processes" if m.model_parallel_size > 1 else ""))
     lines = [f"{name}: memory of one process at a step's peak ({how})"]
     lines += [f"  {part:<12} {mib(m.parts[part]):>14}" for part in PARTS]
     lines.append(f"  {'total':<12} {mib(m.total):>14}")

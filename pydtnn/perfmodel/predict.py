@@ -48,7 +48,6 @@ backward; exposed communication is what remains after it. The progress modes are
 
 import math
 from dataclasses import asdict, dataclass, field
-from math import prod as math_prod
 
 from pydtnn import plan as plan_module
 from pydtnn import recompute as recompute_module
@@ -57,7 +56,6 @@ from pydtnn.distributed.model_parallel import plan
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
-from pydtnn.perfmodel.schedule import timeline
 
 # one process of "data" is sequential
 PARALLEL = tuple(p for p in plan_module.PARALLEL if p != "sequential")
@@ -202,6 +200,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     if recompute not in RECOMPUTE:
         raise ConfigError(f"recompute={recompute!r}; expected one of {', '.join(RECOMPUTE)}")
     if parallel == "pipeline" or (pipeline_stages or 1) > 1:
+        from pydtnn.perfmodel.pipelined import predict_pipeline
+
         return predict_pipeline(model, batch_size, np, machine, pipeline_stages or np, micro_batches, schedule,
                                 stage_starts, reduction=reduction, threads=threads, algorithm=algorithm,
                                 progress=progress, optimizer=optimizer, bucket_mb=bucket_mb,
@@ -347,181 +347,6 @@ def accumulation_s(param_bytes, micro_batches, machine, threads, crowding):
         return 0.0
     passes = 2 + 4 * (micro_batches - 1) + 2
     return passes * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
-
-
-def message_seconds(nbytes, machine, level):
-    """One point-to-point message of nbytes on link `level`: latency + bytes / bandwidth."""
-    link = machine.link(level)
-    return link.latency_s + nbytes * link.beta if nbytes else 0.0
-
-
-def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, schedule="1f1b", stage_starts=None,
-                     reduction="bucketed", threads=1, algorithm="ring", progress="test", optimizer="sgd_momentum",
-                     bucket_mb=None, first_bucket_mb=None, name=None, model_parallel_size=None, density=None,
-                     compression="none", update_passes=None, recompute="none"):
-    """The Prediction of a pipeline's step: np / stages pipelines of `stages` consecutive processes, the
-    model cut as pydtnn-train cuts it (pipeline.Cut.of: balanced unit_seconds, or at stage_starts), batch_size
-    samples per pipeline in micro_batches micro-batches run by `schedule` (gpipe or 1f1b).
-
-    Each stage's forward and backward of each micro-batch are its layers' (layer_times, recomputation
-    included); each activation and its gradient cross to the neighbouring stage as one message (latency +
-    bytes / bandwidth) on the intra-node link where both stages share a node (processes_per_node
-    consecutive ranks), else the inter-node one, overlapping computation. The timeline (schedule.py)
-    places every stage's ops as the stages run them. Oversubscribed cores slow the ops by the crowding
-    of the stages that are busy, not of every process (_pipeline_parts): a waiting stage sleeps. After the last op: the last stage broadcasts the
-    loss and outputs to the stages; each stage's gradients are reduced across the replicas (its share of
-    the bytes, as the reducer lays it out; after the micro-batches, so exposed) and updated. The step is
-    the slowest stage's end plus those; compute_s, memory_s and overhead_s are the busiest stage's,
-    exposed_comm_s the broadcasts and the reduction of the stage whose reduction and update end the step,
-    and bubble_s is what is left: the busiest stage's fill and drain, and its waits for messages."""
-    from pydtnn.distributed import pipeline
-
-    if schedule not in pipeline.SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r}; expected one of {', '.join(pipeline.SCHEDULES)}")
-    if (model_parallel_size or 1) > 1:
-        raise ConfigError(f"model_parallel_size={model_parallel_size} with pipeline_stages={stages}: the model does "
-                          "not cost stages split over model-parallel groups yet; expected model_parallel_size 1")
-    if np % stages:
-        raise ConfigError(f"pipeline_stages={stages} does not divide np={np}; expected a divisor")
-    replicas = np // stages
-    cut, stage_of, sizes, crowding, fwd, bwd, busy, first_times, msg, line = _pipeline_parts(
-        model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute, np)
-    itemsize = model.backend.dtype.itemsize
-    outputs = batch_size * int(math_prod(model.output_shape)) * itemsize
-    bcast = sum(collectives.seconds("broadcast", "binomial_tree", n, stages, machine) for n in (outputs, 8))
-    passes = update_passes or UPDATE_PASSES[optimizer]
-    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density}
-    after = [_stage_after(model, stage_of, s, replicas, len(sizes), machine, threads, crowding, passes, reduction,
-                          algorithm, compression, collectives.default_level(np, machine), shaping)
-             for s in range(stages)]
-    tail = max(red + upd + fix for red, _, upd, fix in after)
-    step_s = line.end + bcast + tail
-    critical = max(range(stages), key=lambda s: line.busy[s] + sum(after[s][::2]) + after[s][3])  # the busiest
-    red, n_sent, upd, fix = after[critical]
-    compute_s, memory_s = busy[critical]["compute_s"], busy[critical]["memory_s"] + upd
-    overhead_s = busy[critical]["calls_s"] + fix
-    last = max(range(stages), key=lambda s: after[s][0] + after[s][2] + after[s][3])  # whose tail ends the step
-    exposed = bcast + after[last][0]
-    stage_rows = [{"stage": s, "first": cut.unit_names[a], "last": cut.unit_names[b - 1],
-                   "forward_s": sum(fwd[s]), "backward_s": sum(bwd[s]), "message_s": sum(msg[s]),
-                   "busy_s": line.busy[s], "idle_s": line.idle[s], "reduce_s": after[s][0], "update_s": after[s][2]}
-                  for s, (a, b) in enumerate(zip(cut.bounds[:-1], cut.bounds[1:]))]
-    return Prediction(
-        model=name or model.name, batch_size=batch_size, np=np, threads=threads,
-        parallel="pipeline" if replicas == 1 else "hybrid", reduction=reduction, algorithm=algorithm,
-        progress=progress, machine=machine.name, step_s=step_s, compute_s=compute_s, memory_s=memory_s,
-        update_s=upd, comm_s=red + bcast + sum(sum(r) for r in msg), exposed_comm_s=exposed,
-        messages=n_sent + 2, overhead_s=overhead_s, layers=first_times, micro_batches=micro_batches,
-        recompute=recompute, pipeline_stages=stages, schedule=schedule,
-        bubble_s=step_s - (compute_s + memory_s + overhead_s + exposed), p2p_s=sum(sum(r) for r in msg),
-        stages=stage_rows,
-    )
-
-
-def unit_seconds(model, batch_size, machine, threads=1):
-    """Predicted seconds of a training forward and backward of each unit of pipeline.units(model) (its layers'
-    LayerTimes at batch_size, one process on `machine`): the costs pydtnn-train balances a pipeline's cut by."""
-    from pydtnn.distributed import pipeline
-
-    unit_list = pipeline.units(model)
-    of_unit = pipeline.layer_stages(unit_list, range(len(unit_list) + 1))
-    unit_of = {path: of_unit[id(layer)] for path, layer in model.root.named_layers() if id(layer) in of_unit}
-    times = layer_times(layer_costs(model, batch_size), parameter_bytes(model), machine, threads, 1.0)[0]
-    out = [0.0] * len(unit_list)
-    for t in times:
-        out[unit_of[t.name]] += t.total_s
-    return out
-
-
-def stage_cut(model, stages, batch_size, micro_batches, machine, threads=1, starts=None):
-    """The pipeline.Cut of `model` into `stages` as pydtnn-train, predict and the memory model all take it: at
-    `starts` (--stage_boundaries), else balancing unit_seconds of a micro-batch (batch_size // micro_batches
-    samples, at least 1) at `threads` threads on `machine`."""
-    from pydtnn.distributed import pipeline
-
-    costs = unit_seconds(model, max(1, batch_size // micro_batches), machine, threads)
-    return pipeline.Cut.of(model, stages, starts, costs=costs)
-
-
-def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute,
-                    processes=None):
-    """(cut, {layer path: stage}, micro-batch sizes, crowding, forward[s][i], backward[s][i], busy per stage, the
-    first micro-batch's LayerTimes, messages[s][i], the Timeline) of a pipeline's micro-batches. processes: the
-    job's (default one pipeline's), which fill nodes in turn; where a node's processes x threads exceed its cores,
-    each op slows by that ratio times the stages' busy share, the layout repeated until that share settles."""
-    from pydtnn.distributed import pipeline
-
-    cut = stage_cut(model, stages, batch_size, micro_batches, machine, threads, stage_starts)
-    of_stage = pipeline.layer_stages(cut.units, cut.bounds)
-    stage_of = {path: of_stage[id(layer)] for path, layer in model.root.named_layers() if id(layer) in of_stage}
-    itemsize = model.backend.dtype.itemsize
-    full = max(1.0, min(processes or stages, machine.processes_per_node) * threads / machine.cores)
-    sizes = micro_sizes(batch_size, micro_batches)
-    again = frozenset().union(*(recomputed(model, recompute, slice(a, b))
-                                for a, b in zip(cut.bounds[:-1], cut.bounds[1:])))
-    out_shapes = [cut.units[cut.bounds[s + 1] - 1][1].output_shape for s in range(stages - 1)]
-    levels = ["intra" if s // machine.processes_per_node == (s + 1) // machine.processes_per_node else "inter"
-              for s in range(stages - 1)]
-    msg = [[message_seconds(b * int(math_prod(out_shapes[s])) * itemsize, machine, levels[s]) for b in sizes]
-           for s in range(stages - 1)] + [[0.0] * len(sizes)]
-    costs = {b: layer_costs(model, b) for b in set(sizes)}  # what crowding does not change, once
-    crowding = 1.0
-    for attempt in range(8):  # a waiting stage sleeps and leaves its core: the cores are crowded by the busy share
-        fwd, bwd, busy, first_times = _stage_times(model, stage_of, stages, sizes, costs, machine, threads, crowding,
-                                                   again)
-        line = timeline(fwd, bwd, msg, msg, schedule)
-        settled = max(1.0, full * sum(line.busy) / (stages * line.end)) if line.end > 0 else 1.0
-        if abs(settled - crowding) <= 1e-3 * crowding or attempt == 7:
-            break  # the layout is the one computed at `crowding`
-        crowding = settled
-    return cut, stage_of, sizes, crowding, fwd, bwd, busy, first_times, msg, line
-
-
-def predict_pipeline_timeline(model, batch_size, stages, machine, micro_batches=1, schedule="1f1b", stage_starts=None,
-                              threads=1, recompute="none"):
-    """The schedule.Timeline of one pipeline's micro-batches as predict_pipeline lays them out (its ops per stage)."""
-    return _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads,
-                           recompute)[-1]
-
-
-def _stage_times(model, stage_of, stages, sizes, costs, machine, threads, crowding, again):
-    """(forward[s][i], backward[s][i] seconds, each stage's busy {"compute_s", "memory_s", "calls_s"}, the first
-    micro-batch's LayerTimes) of the pipeline's stages (stage_of: layer path -> stage) at micro-batches of `sizes`;
-    costs: {micro-batch size: costs.layer_costs of the model}."""
-    grads = parameter_bytes(model)
-    fwd = [[0.0] * len(sizes) for _ in range(stages)]
-    bwd = [[0.0] * len(sizes) for _ in range(stages)]
-    busy = [{"compute_s": 0.0, "memory_s": 0.0, "calls_s": 0.0} for _ in range(stages)]
-    per_size = {b: (costs[b], layer_times(costs[b], grads, machine, threads, crowding, again)[0]) for b in costs}
-    for i, b in enumerate(sizes):
-        costs, times = per_size[b]
-        for c, t in zip(costs, times):
-            s = stage_of[t.name]
-            fwd[s][i] += t.forward_s
-            bwd[s][i] += t.backward_data_s + t.backward_weights_s
-            parts = [phase_seconds(ph, c.kernel_class, machine, threads, crowding)
-                     for ph in (c.forward, c.backward_data, c.backward_weights)]
-            parts += [parts[0]] if t.name in again else []
-            for sec, bound in parts:
-                busy[s]["compute_s" if bound == "compute" else "memory_s"] += sec
-            busy[s]["calls_s"] += t.total_s - sum(sec for sec, _ in parts)
-    return fwd, bwd, busy, per_size[sizes[0]][1]
-
-
-def _stage_after(model, stage_of, s, replicas, micro_batches, machine, threads, crowding, passes, reduction, algorithm,
-                 compression, level, shaping):
-    """(reduction seconds, its collectives, update seconds, per-parameter and per-step costs) of stage s after
-    its micro-batches: its gradients reduced across the replicas (all at once), summed and updated."""
-    itemsize = model.backend.dtype.itemsize
-    own = [(n, g.nbytes) for n, _, g in model.parameters() if stage_of.get(n.rsplit(".", 1)[0]) == s]
-    sent = _messages(own, [], 0.0, reduction, itemsize, compression, after=True,
-                     **shaping) if own and replicas > 1 else []
-    red = sum(_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in sent)
-    nbytes = sum(nb for _, nb in own)
-    upd = passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
-    upd += accumulation_s(nbytes, micro_batches, machine, threads, crowding)
-    fixed = machine.overheads
-    return red, len(sent), upd, (len(own) * fixed.parameter_s + fixed.step_s) * crowding
 
 
 def update_passes(optimizer, hyper):

@@ -179,8 +179,7 @@ def simulate(args, defaults, say=print):
     memory = plan_memory(model, dataclasses.replace(plan, batch_size=p.batch_size),
                          (args.optimizer, optimizer_options(args, name)), args.recompute, args.pipeline_schedule,
                          args.stage_boundaries.split(",") if args.stage_boundaries else None, machine)
-    say(memory_table(memory, name) if memory is not None else
-        "memory: not predicted for layers split over model-parallel groups yet")
+    say(memory_table(memory, name))
     if args.conv_autotune is not False:  # None: the run's default, env.conv_autotune(), measures
         print(f"pydtnn: --simulate: {NOTED['conv_autotune']}", file=sys.stderr, flush=True)
     say(f"pydtnn: simulated, nothing trained: {duration(p.step_s)} a step, {rate(p.samples_per_second)} samples/s "
