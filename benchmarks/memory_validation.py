@@ -11,8 +11,8 @@ Predicted: predict_memory's total for the same configuration, its activations an
 batches 4 and 8 and extrapolated. Both count the training state above the interpreter, the libraries
 and the batch itself.
 
-Layouts of several processes (layers split over model-parallel groups, pipeline stages, both) run under the
-venv's mpiexec (benchmarks/memory_worker.py), each process measured the same way; the busiest process's
+Layouts of several processes (layers split over model-parallel groups, pipeline stages, both, and ZeRO's
+sharded data parallelism) run under the venv's mpiexec (benchmarks/memory_worker.py), each process measured the same way; the busiest process's
 measured peak is set against the prediction, which is of the process that holds the most.
 """
 
@@ -61,18 +61,30 @@ def parallel_configs(quick=False):
             ("mobilenetv1_cifar10", 32, "adam", 4, 1, 2, "1f1b")]
 
 
-def measure_parallel(model, batch, optimizer, micro_batches, m, stages, schedule, env):
-    """[each process's measured peak bytes] of a layout of m x stages processes (benchmarks/memory_worker.py)."""
+def zero_configs(quick=False):
+    """(model, batch per replica, optimizer, micro-batches, ZeRO stage, replicas): 6 (1 with --quick)."""
+    if quick:
+        return [("resnet20_cifar10", 32, "adam", 1, 2, 2)]
+    return [("resnet20_cifar10", 32, "adam", 1, 1, 4), ("resnet20_cifar10", 32, "adam", 2, 2, 2),
+            ("vgg11bn_cifar10", 32, "adam", 1, 1, 2), ("vgg11bn_cifar10", 32, "adam", 1, 1, 4),
+            ("vgg11bn_cifar10", 32, "adam", 1, 2, 4), ("mobilenetv1_cifar10", 32, "sgd_momentum", 1, 2, 4)]
+
+
+def measure_parallel(model, batch, optimizer, micro_batches, m, stages, schedule, env, zero=0, replicas=1):
+    """[each process's measured peak bytes] of a layout of m x stages processes, or of `replicas` data-parallel
+    ones sharded by ZeRO stage `zero` (benchmarks/memory_worker.py)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    r = subprocess.run([mpiexec, "-n", str(m * stages), sys.executable, os.path.join(HERE, "memory_worker.py"),
+    n = replicas if zero else m * stages
+    r = subprocess.run([mpiexec, "-n", str(n), sys.executable, os.path.join(HERE, "memory_worker.py"),
                         model, str(batch), "--optimizer", optimizer, "--micro_batches", str(micro_batches),
-                        "--model_parallel_size", str(m), "--stages", str(stages), "--schedule", schedule],
+                        "--model_parallel_size", str(m), "--stages", str(stages), "--schedule", schedule,
+                        "--zero", str(zero)],
                        capture_output=True, text=True, env=env, timeout=900, check=True)
     peaks = {}
     for line in r.stdout.split("peak ")[1:]:  # ranks' lines may interleave
         rank, nbytes = line.split()[:2]
         peaks[int(rank)] = int(nbytes)
-    return [peaks[r] for r in range(m * stages)]
+    return [peaks[r] for r in range(n)]
 
 
 def measure(model_name, batch, optimizer, micro_batches, recompute):
@@ -109,7 +121,8 @@ def measure(model_name, batch, optimizer, micro_batches, recompute):
     return peak
 
 
-def predicted(model_name, batch, optimizer, micro_batches, recompute, m=1, stages=1, schedule="1f1b"):
+def predicted(model_name, batch, optimizer, micro_batches, recompute, m=1, stages=1, schedule="1f1b", zero=0,
+              replicas=1):
     import numpy as np
 
     from pydtnn import models
@@ -119,7 +132,7 @@ def predicted(model_name, batch, optimizer, micro_batches, recompute, m=1, stage
     shape, classes = models.defaults(model_name)
     model = models.create(model_name, input_shape=shape, num_classes=classes, backend=CPUBackend(np.float32, seed=0))
     return predict_memory(model, batch, OPTIMIZERS[optimizer], micro_batches, recompute, pipeline_stages=stages,
-                          schedule=schedule, model_parallel_size=m)
+                          schedule=schedule, model_parallel_size=m, zero=zero, replicas=replicas)
 
 
 def plot(rows, path, host):
@@ -149,18 +162,20 @@ def plot(rows, path, host):
     fig.savefig(path, dpi=100)
 
 
-def layout_name(m, stages, schedule):
-    """'one process', 'model 2', 'pipeline 2 (1f1b)', 'pipeline 2 x model 2 (gpipe)'."""
+def layout_name(m, stages, schedule, zero=0, replicas=1):
+    """'one process', 'model 2', 'pipeline 2 (1f1b)', 'pipeline 2 (gpipe) x model 2', 'data 4, ZeRO 2'."""
+    if zero:
+        return f"data {replicas}, ZeRO {zero}"
     parts = ([f"pipeline {stages} ({schedule})"] if stages > 1 else []) + ([f"model {m}"] if m > 1 else [])
     return " x ".join(parts) or "one process"
 
 
-def row(model, batch, opt, k, rc, m, stages, schedule, peaks, pred):
+def row(model, batch, opt, k, rc, m, stages, schedule, peaks, pred, zero=0):
     """One configuration's JSON row (peaks: each process's measured bytes), printed as it is made."""
     meas = max(peaks)
-    out = {"model": model, "batch": batch, "optimizer": opt, "micro_batches": k, "recompute": rc, "np": m * stages,
-           "model_parallel_size": m, "pipeline_stages": stages, "schedule": schedule,
-           "layout": layout_name(m, stages, schedule), "measured_mib": meas / 2**20,
+    out = {"model": model, "batch": batch, "optimizer": opt, "micro_batches": k, "recompute": rc,
+           "np": len(peaks), "model_parallel_size": m, "pipeline_stages": stages, "schedule": schedule, "zero": zero,
+           "layout": layout_name(m, stages, schedule, zero, len(peaks)), "measured_mib": meas / 2**20,
            "per_process_mib": [v / 2**20 for v in peaks], "predicted_mib": pred.total / 2**20,
            "error": pred.total / meas - 1, "parts_mib": {n: v / 2**20 for n, v in pred.parts.items()}}
     print(f"{model} b{batch} {opt} M{k} {rc} {out['layout']}: measured {meas / 2**20:.1f} MiB, predicted "
@@ -170,7 +185,7 @@ def row(model, batch, opt, k, rc, m, stages, schedule, peaks, pred):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="5 configurations")
+    p.add_argument("--quick", action="store_true", help="6 configurations")
     p.add_argument("--out", help="the markdown table")
     p.add_argument("--json", help="every configuration, as JSON")
     p.add_argument("--plot", help="predicted against measured, a PNG")
@@ -194,6 +209,10 @@ def main(argv=None):
         pred = predicted(model, batch, opt, k, "none", m, stages, schedule)
         peaks = measure_parallel(model, batch, opt, k, m, stages, schedule, env)
         rows.append(row(model, batch, opt, k, "none", m, stages, schedule if stages > 1 else None, peaks, pred))
+    for model, batch, opt, k, z, replicas in zero_configs(args.quick):
+        pred = predicted(model, batch, opt, k, "none", zero=z, replicas=replicas)
+        peaks = measure_parallel(model, batch, opt, k, 1, 1, "1f1b", env, z, replicas)
+        rows.append(row(model, batch, opt, k, "none", 1, 1, None, peaks, pred, z))
     errors = [abs(r["error"]) for r in rows]
     host = validation.host()
     header = ("| model | batch | optimizer | micro-batches | recompute | layout | measured MiB | predicted MiB | error | "

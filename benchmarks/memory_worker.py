@@ -5,8 +5,10 @@ so kernels are compiled; then, under tracemalloc, the model built, split and cut
 
     mpiexec -n P python benchmarks/memory_worker.py MODEL BATCH [--model_parallel_size M] [--stages S]
                                                [--micro_batches K] [--schedule 1f1b|gpipe] [--optimizer adam]
+                                               [--zero 1|2]
 
-P = S x M (one pipeline; S = 1: model parallelism only). Each rank prints one line, "peak RANK BYTES".
+P = S x M (one pipeline; S = 1: model parallelism only), or with --zero, P data-parallel replicas of BATCH
+samples each, sharded (bucketed reduction at stage 1). Each rank prints one line, "peak RANK BYTES".
 """
 
 import argparse
@@ -30,6 +32,8 @@ from pydtnn.step import Step
 
 def build(args, world, pipe, group):
     """This rank's step (Step or PipelineStep) over its part of a freshly built model."""
+    if args.zero:
+        return build_sharded(args, world)
     shape, classes = models.defaults(args.model)
     model = models.create(args.model, input_shape=shape, num_classes=classes, backend=CPUBackend(np.float32, seed=0))
     name, hyper = OPTIMIZERS[args.optimizer]
@@ -47,6 +51,21 @@ def build(args, world, pipe, group):
     return Step(model, loss, opt, accumulation_steps=args.micro_batches)
 
 
+def build_sharded(args, world):
+    """A data-parallel replica's Step with ZeRO's sharded optimizer and its reduction over `world`."""
+    from pydtnn.distributed import reducers, zero
+
+    shape, classes = models.defaults(args.model)
+    model = models.create(args.model, input_shape=shape, num_classes=classes, backend=CPUBackend(np.float32, seed=0))
+    name, hyper = OPTIMIZERS[args.optimizer]
+    opt = zero.ShardedOptimizer(lambda params: optim.create(name, params, backend=model.backend, **hyper), model,
+                                world, args.zero)
+    reducer = zero.ShardedReducer(world, opt) if args.zero == 2 else reducers.create("bucketed", world)
+    reducer.attach(model)
+    return Step(model, losses.create("categorical_cross_entropy"), opt, reducer,
+                accumulation_steps=args.micro_batches)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -56,6 +75,7 @@ def main():
     p.add_argument("--micro_batches", type=int, default=1)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--optimizer", default="sgd_momentum", choices=tuple(OPTIMIZERS))
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2))
     args = p.parse_args()
     world = launch.init()
     launch.install_abort_handler(world)

@@ -74,7 +74,8 @@ def save(directory, model, optimizer=None, meta=None, write=True, extra=None):
     directory = os.fspath(directory)
     to_numpy = model.backend.to_numpy
     state = model.whole_state_dict()
-    arrays = optimizer.state_dict()["arrays"] if optimizer is not None else {}
+    whole = optimizer.state_dict() if optimizer is not None else None  # a collective where it is sharded (ZeRO)
+    arrays = whole["arrays"] if optimizer is not None else {}
     if model.sharding is not None:
         arrays = {k: model.sharding.gather(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
     if model.pipeline is not None:  # every stage's slots, onto the first stage
@@ -103,8 +104,7 @@ def save(directory, model, optimizer=None, meta=None, write=True, extra=None):
             "state": fingerprint(model),
             "params_sha256": model.params_sha256(whole=state),
         },
-        "optimizer": None if optimizer is None else {"kind": optimizer.kind,
-                                                     "scalars": optimizer.state_dict()["scalars"]},
+        "optimizer": None if optimizer is None else {"kind": optimizer.kind, "scalars": whole["scalars"]},
         "meta": {} if meta is None else meta,
     }
     try:  # before anything touches the disk: a bad meta leaves the directory as it was

@@ -158,7 +158,8 @@ class Reduction:
 class RunPlan:
     """One run: its `layout`, `batch_size` per replica and step (None: the model family's recipe decides,
     once the model is known), `global_batch_size` as given, `accumulation_steps` micro-batches per step,
-    its `reduction`, `optimizer` name, `threads` per process, `dtype` and `device` ("cpu", "gpu")."""
+    its `reduction`, `optimizer` name, `threads` per process, `dtype`, `device` ("cpu", "gpu") and `zero`, the
+    ZeRO stage of its data parallelism (0: none)."""
 
     layout: Layout
     batch_size: int | None
@@ -169,6 +170,7 @@ class RunPlan:
     threads: int = 1
     dtype: str = "float32"
     device: str = "cpu"
+    zero: int = 0  # ZeRO's stage over the replicas (pydtnn.distributed.zero)
 
     @classmethod
     def from_args(cls, args, world_size):
@@ -182,9 +184,14 @@ class RunPlan:
         if args.enable_gpu and lay.model_parallel_size > 1:
             raise ConfigError(f"--parallel {lay.parallel} splits layers over CPU processes; with --enable_gpu use "
                               f"--parallel data (model parallelism runs on the CPU backend)")
+        zero = getattr(args, "zero", 0)
+        if zero:
+            from pydtnn.distributed.zero import check_stage
+
+            check_stage(zero, args.reduction)
         return cls(lay, batch_per_replica(args.batch_size, args.global_batch_size, lay), args.global_batch_size,
                    Reduction.from_args(args, lay.replicas), args.optimizer, args.accumulation_steps,
-                   args.threads_per_process, args.dtype, "gpu" if args.enable_gpu else "cpu")
+                   args.threads_per_process, args.dtype, "gpu" if args.enable_gpu else "cpu", zero)
 
 
 def batch_per_replica(batch_size, global_batch_size, lay):

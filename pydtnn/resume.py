@@ -115,12 +115,12 @@ def save_checkpoint(directory, trainer, epoch, config, effective=None):
 
     Every rank's checkpoint callback calls it. Rank 0 writes; the parameters are identical on every rank, or
     (model parallelism, a pipeline's stages) gathered from every rank of its group, which all take part, as
-    every rank does where the reducer keeps state of its own (topk's residuals); any other rank has nothing
-    to add and returns.
+    every rank does where the reducer keeps state of its own (topk's residuals) or the optimizer's state is
+    sharded over the replicas (ZeRO); any other rank has nothing to add and returns.
     """
     model = trainer.model
     if not (trainer.is_root or model.sharding is not None or model.pipeline is not None
-            or reducer_keeps_state(trainer.reducer)):
+            or reducer_keeps_state(trainer.reducer) or getattr(trainer.optimizer, "pieces", None) is not None):
         return
     meta = {
         "epoch": epoch + 1,

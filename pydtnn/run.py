@@ -71,12 +71,10 @@ def run(args):
     strategy = plan.reduction.name
     corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
     check_topk_flags(args, strategy)
-    optimizer = optim.create(args.optimizer, model.parameters(), backend=model.backend, **options)
+    optimizer, reducer = optimizer_and_reducer(args, plan, model, options, grad_comm, corrected)
     loss = losses.create(args.loss_func)
     step = None
     schedules = build_schedules(args, plan.layout.replicas)
-    reducer = None if strategy is None else reducers.create(strategy, grad_comm,
-                                                            **plan.reduction.create_options(**topk_momentum(corrected)))
     tracer = new_tracer(model, comm) if args.tracing else None
     if plan.layout.pipelined:  # the Trainer attaches the reducer to the stage before the first step
         from pydtnn.distributed.pipeline import PipelineStep
@@ -117,6 +115,27 @@ def run(args):
     whole = None  # a pipeline stage keeps its own layers only
     gc.collect()  # the layers it let go of (a stage's others, a split's whole ones) hold cycles: freed now
     return execute(args, trainer, datasets, start_epoch, comm, say)
+
+
+def optimizer_and_reducer(args, plan, model, options, grad_comm, corrected):
+    """(optimizer, reducer or None) of this rank: the optimizer over every parameter it holds, or (--zero 1 and
+    2) over its shard of them (pydtnn.distributed.zero); the reducer --reduction names, or (--zero 2) the
+    reduce-scatter of the gradients into that shard."""
+    def make(params):
+        return optim.create(args.optimizer, params, backend=model.backend, **options)
+
+    strategy = plan.reduction.name
+    if not plan.zero:
+        reducer = None if strategy is None else reducers.create(
+            strategy, grad_comm, **plan.reduction.create_options(**topk_momentum(corrected)))
+        return make(model.parameters()), reducer
+    from pydtnn.distributed import zero
+
+    optimizer = zero.ShardedOptimizer(make, model, grad_comm, plan.zero)
+    if plan.zero == 2:
+        return optimizer, zero.ShardedReducer(grad_comm, optimizer) if strategy is not None else None
+    return optimizer, None if strategy is None else reducers.create(strategy, grad_comm,
+                                                                    **plan.reduction.create_options())
 
 
 def start(args):
@@ -243,6 +262,8 @@ def attach_tracer(trainer):
         model.sharding.group.tracer = trainer.tracer
     if trainer.reducer is not None:
         trainer.reducer.tracer = trainer.tracer
+    if hasattr(trainer.optimizer, "tracer"):  # ZeRO's allgathers of the shards
+        trainer.optimizer.tracer = trainer.tracer
 
 
 def execute(args, trainer, datasets, start_epoch, comm, say):

@@ -10,13 +10,15 @@ with their micro-batches, ZeRO's sharded update) is another class with the same 
     stages: the processes the model is cut over in a pipeline (1 here).
     predict(x) -> outputs: the model's in evaluation mode (every stage takes part in a pipeline).
     params_sha256() -> the whole model's (every process takes part where it is split).
-    run(x, y, weight=1.0, streams=None, read=True) -> (loss, outputs)
+    run(x, y, weight=1.0, streams=None, read=True, rows=None) -> (loss, outputs)
         x (n, ...), y (n, ...): this rank's share of the global batch, on the device (n >= 1).
         weight: that share, n / global batch (its gradients count that much in the average).
         streams: the share's randomness.SampleStreams (one per row), which dropout draws from, or None.
         read: the loss as a Python float, checked to be finite before the update (TrainingDiverged naming
             the value, the parameters untouched); read=False leaves it a 0-d array on the device,
             unchecked, for pydtnn.readings to read later.
+        rows: [(a, b)] the rows of x each micro-batch takes (the Trainer's: this rank's part of each of the
+            global batch's micro-batches, sampler.micro_shares); None: micro_bounds(n, micro-batches).
         outputs: the model's outputs (n, ...), for the metrics.
 
 Gradient accumulation is a loop over the same micro_step; reduce_and_update is the one place where
@@ -112,10 +114,10 @@ class Step:
         """The whole model's Model.params_sha256 (a collective where the model is split)."""
         return self.model.params_sha256()
 
-    def run(self, x, y, weight=1.0, streams=None, read=True):
+    def run(self, x, y, weight=1.0, streams=None, read=True, rows=None):
         """(loss, outputs) of one step on x (n, ...) against y; see the module docstring."""
         if self.accumulation_steps > 1:
-            return self._accumulated(x, y, weight, streams, read)
+            return self._accumulated(x, y, weight, streams, read, rows)
         if self.reducer is not None:
             self.reducer.begin_step(weight)  # before backward, which starts the reductions
         loss, out = self.micro_step(x, y, weight, streams, read)
@@ -147,15 +149,16 @@ class Step:
             return loss
         return self.loss.value(out, y)
 
-    def _accumulated(self, x, y, weight, streams, read):
-        """run() over `accumulation_steps` micro-batches: rows [a, b) each, with the streams of their rows."""
+    def _accumulated(self, x, y, weight, streams, read, rows=None):
+        """run() over `accumulation_steps` micro-batches: rows [a, b) each (`rows`, else micro_bounds), with the
+        streams of their rows."""
         n, xp, params = x.shape[0], self.backend.xp, self._params
         if self._acc is None:
             self._acc = [xp.zeros_like(g) for _, _, g in params]
         own_rows = streams is not None and len(streams) == n
         total, outs = 0.0, []
         with nullcontext() if self.reducer is None else self.reducer.no_sync():  # one reduction, after the loop
-            for a, b in micro_bounds(n, self.accumulation_steps):
+            for a, b in rows or micro_bounds(n, self.accumulation_steps):
                 if a == b:
                     continue
                 loss, out = self.micro_step(x[a:b], y[a:b], weight * (b - a) / n,

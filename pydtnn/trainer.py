@@ -215,16 +215,16 @@ class Trainer:
         m = self.step.accumulation_steps
         if getattr(self.step, "batchnorm_sync", None) is None or m == 1 or self.world_size == 1:
             return
-        from pydtnn.distributed.sampler import shard_bounds
+        from pydtnn.distributed.sampler import micro_shares
 
         for a, b in batch_slices(n, batch_size * self.world_size, drop_last)[:steps_per_epoch]:
-            bounds = shard_bounds(b - a, self.world_size)
-            least = min(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:]))
-            if least < m:
+            least = min(hi - lo for lo, hi in micro_shares(b - a, m, self.world_size, self.world_size - 1))
+            if least < 1:
                 raise ConfigError(f"--sync_batchnorm with --micro_batches {m}: the global batch of {b - a} samples "
-                                  f"(the last of {n}) leaves a replica {least}, fewer than one a micro-batch, and "
-                                  f"every replica must run every micro-batch; use --drop_last true, or a batch or "
-                                  f"micro-batch count that leaves each replica at least {m}")
+                                  f"(the last of {n}) leaves a replica no sample of a micro-batch, and every "
+                                  f"replica must run every micro-batch; use --drop_last true, or a batch or "
+                                  f"micro-batch count that gives each micro-batch at least {self.world_size} "
+                                  f"samples (a global batch of at least {m * self.world_size})")
 
     def _train_epoch(self, train, epoch, epochs, batch_size, steps_per_epoch, drop_last=False):
         """One pass over the epoch's global batches; returns ({"epoch", "loss", metrics...}, samples seen).
@@ -233,16 +233,16 @@ class Trainer:
         takes its own share of each, so all ranks issue the same collectives even when the last
         batch is smaller than the world; an empty share computes on one sample with weight 0.
         """
-        from pydtnn.distributed.sampler import shard_bounds
+        from pydtnn.distributed.sampler import local_rows, micro_shares
 
         backend, rank, size = self.model.backend, self.comm.rank, self.world_size
         order = epoch_order(len(train), self.seed, epoch)
         slices = batch_slices(len(train), batch_size * size, drop_last)[:steps_per_epoch]
-        shares = []  # (indices of this rank's samples, n) per step
-        for a, b in slices:
-            bounds = shard_bounds(b - a, size)
-            lo, hi = a + bounds[rank], a + bounds[rank + 1]
-            shares.append((np.sort(order[lo:hi]) if hi > lo else order[a : a + 1], hi - lo))
+        shares = []  # (indices of this rank's samples, n, the rows of its micro-batches) per step
+        for a, b in slices:  # the global batch by sample index; this rank's part of each of its micro-batches
+            batch, parts = np.sort(order[a:b]), micro_shares(b - a, self.step.accumulation_steps, size, rank)
+            idx = np.concatenate([batch[lo:hi] for lo, hi in parts])
+            shares.append((idx, len(idx), local_rows(parts)) if len(idx) else (order[a : a + 1], 0, None))
 
         def load(step):
             idx = shares[step][0]
@@ -256,8 +256,8 @@ class Trainer:
         readings = Readings(self.metric_fns, backend, every, self.reducer, epoch, *self._last_and_rank())
         with BatchWorkers(self.data_workers) as workers, _Prefetcher(load, len(slices), self.prefetch) as batches:
             for step, (a, b) in enumerate(bar):
-                indices, n = shares[step]
-                loss, out, y = self._train_batch(batches, step, epoch, indices, n / (b - a), read=every == 1)
+                indices, n, rows = shares[step]
+                loss, out, y = self._train_batch(batches, step, epoch, indices, n / (b - a), rows, read=every == 1)
                 if readings.add(loss, out, y, n, step, last=step == len(slices) - 1) and readings.seen:
                     bar.set_postfix({k: f"{v / readings.seen:.4f}" for k, v in readings.sums.items()}, refresh=False)
                 if lines is not None:
@@ -282,9 +282,9 @@ class Trainer:
         this rank (None on one process)."""
         return (self.history[-1] if self.history else None), (self.comm.rank if self.world_size > 1 else None)
 
-    def _train_batch(self, batches, step, epoch, indices, weight, read=True):
+    def _train_batch(self, batches, step, epoch, indices, weight, rows=None, read=True):
         """One step of _train_epoch: batch `step`, this rank's dataset rows `indices`, `weight` of the global
-        batch. Returns (loss, outputs, targets). read=False leaves the loss on the device (a 0-d array, for
+        batch, its micro-batches' `rows` (None: the step's own cut). Returns (loss, outputs, targets). read=False leaves the loss on the device (a 0-d array, for
         Readings); the labels are then checked on the host here, before they are copied."""
         backend = self.model.backend
         if self.schedules:
@@ -302,7 +302,7 @@ class Trainer:
             settle(self.reducer)  # the last step's reductions, before this step reads its loss
         try:
             with nullcontext() if read else targets_checked_on_host():
-                loss, out = self.step.run(x, y, weight, SampleStreams(self.seed, epoch, indices), read)
+                loss, out = self.step.run(x, y, weight, SampleStreams(self.seed, epoch, indices), read, rows)
         except TrainingDiverged as e:
             raise diverged(str(e), epoch, step, "parameters keep the values of the step before",
                            *self._last_and_rank()) from None

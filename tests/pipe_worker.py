@@ -8,9 +8,10 @@ flips and crops of the images) for --steps steps of SGD with momentum. One proce
 accumulation_steps = --micro_batches, the reference. Several: one pipeline stage per process (cut by the
 units' costs, or where --boundaries says), PipelineStep; with --replicas R, R data-parallel pipelines of
 np / R stages, each stage's gradients reduced across them (bucketed), and with np = R plain data
-parallelism (Step's micro-batches), their reference. (Data parallelism takes each replica's share of a
-batch sorted by sample index, so its micro-batches hold other samples than one process's: with
-BatchNorm it equals data parallelism, not one process, unless the statistics are synchronized.) Rank 0 saves the whole state to OUT_FILE
+parallelism (Step's micro-batches), their reference. (Each replica takes its part of every micro-batch of
+the global batch, so with --sync_batchnorm R replicas equal one process; without, each replica's BatchNorm
+sees its part of a micro-batch only, and they equal R data-parallel processes.) Rank 0 saves the whole
+state to OUT_FILE
 (safetensors) and prints the stage bounds. --misbehave: after step --at, rank --rank sleeps 120 s, kills
 itself (SIGKILL: no word to anyone), or sends its activations with half their values from then on.
 """

@@ -15,7 +15,7 @@ import pytest
 from safetensors import safe_open
 
 from pydtnn.distributed.comm import SingleProcess
-from pydtnn.distributed.sampler import shard_bounds
+from pydtnn.distributed.sampler import local_rows, micro_shares, shard_bounds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -747,6 +747,23 @@ def test_shard_bounds():
     assert shard_bounds(10, 3) == [0, 4, 7, 10]
     assert shard_bounds(2, 3) == [0, 1, 2, 2]
     assert shard_bounds(9, 3) == [0, 3, 6, 9]
+
+
+@pytest.mark.parametrize("n,m,size", [(12, 4, 2), (10, 4, 3), (7, 3, 2), (5, 4, 3), (9, 1, 2)])
+def test_the_ranks_parts_of_each_micro_batch_make_one_process_micro_batch(n, m, size):
+    """Rank r takes its shard of micro-batch i of the global batch: the ranks' i-th parts, in rank order, are
+    one process's i-th micro-batch (step.micro_bounds), every position is taken once, and a rank's local rows
+    cut its own batch into those parts."""
+    from pydtnn.step import micro_bounds
+
+    parts = [micro_shares(n, m, size, r) for r in range(size)]
+    for i, (a, b) in enumerate(micro_bounds(n, m)):
+        assert [p for r in range(size) for p in range(*parts[r][i])] == list(range(a, b))
+    for r in range(size):
+        rows = local_rows(parts[r])
+        assert [hi - lo for lo, hi in rows] == [hi - lo for lo, hi in parts[r]] and rows[0][0] == 0
+        assert all(x[1] == y[0] for x, y in zip(rows, rows[1:]))
+    assert micro_shares(9, 1, 2, 1) == [(5, 9)]  # one micro-batch: a contiguous share
 
 
 def test_resume_at_another_world_size_and_trace_per_rank(tmp_path):

@@ -450,6 +450,16 @@ def test_hybrid_pipelines_with_synchronized_batchnorm_equal_data_parallelism_wit
     assert not all(np.array_equal(dp[k], plain[k]) for k in dp)
 
 
+def test_data_x_pipeline_with_synchronized_batchnorm_equals_one_process(single, tmp_path):
+    """Each replica takes its part of every micro-batch of the global batch (sampler.micro_shares), so with
+    BatchNorm's statistics synchronized over the replicas 2 data-parallel processes and 2 replicas x 2 stages
+    (np 4) end, after 10 steps with 4 micro-batches, where one process ends (float64, 1e-12)."""
+    for n, name in ((2, "dp"), (4, "hybrid")):
+        r = launch(n, tmp_path / f"{name}.st", "--replicas", "2", "--sync_batchnorm")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert_close(single, tmp_path / f"{name}.st", 1e-12)
+
+
 @pytest.mark.slow
 def test_hybrid_pipelines_save_what_data_parallelism_saves(tmp_path):
     """2 replicas of a 2-stage pipeline: each pipeline gathers its stages, the first one's first stage writes;

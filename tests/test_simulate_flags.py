@@ -43,6 +43,7 @@ CHANGES = {
                           ["--pipeline_schedule", "gpipe"]),
     "stage_boundaries": (["--parallel", "pipeline", "--pipeline_stages", "2", "--np", "2"],
                          ["--stage_boundaries", "6"]),
+    "zero": (["--np", "4", "--optimizer", "adam"], ["--zero", "1"]),
 }
 REFUSED_VALUES = {
     "enable_gpu": ["--enable_gpu", "true"],

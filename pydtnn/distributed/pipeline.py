@@ -281,9 +281,9 @@ class PipelineStep:
     def _mpi(self):
         return self.comm.comm
 
-    def run(self, x, y, weight=1.0, streams=None, read=True):
+    def run(self, x, y, weight=1.0, streams=None, read=True, rows=None):
         n, xp, params = x.shape[0], self.backend.xp, self._params
-        rows = micro_bounds(n, self.micro_batches)
+        rows = rows or micro_bounds(n, self.micro_batches)
         if self._acc is None:
             self._acc = [xp.zeros_like(g) for _, _, g in params]
         messages = _Messages(self, rows)

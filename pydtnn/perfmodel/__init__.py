@@ -6,6 +6,7 @@ phase_cost.py     PhaseCost (FLOPs and bytes of one phase)
 machine.py        Machine, Link: a machine description (rates, bandwidths, links), read and written as YAML/JSON
 collectives.py    alpha-beta-gamma costs of allreduce, allgather, reduce-scatter and broadcast, by algorithm
 predict.py        one training step predicted: the layers' costs on a machine plus the reducer's messages
+step_parts.py     what a predicted step is made of: Prediction, a layer's phases, micro-batches, the reducer's messages
 pipelined.py      a pipeline's step: the trainer's cut, each stage's ops (split where it is), the stages' tails
 schedule.py       a pipeline step's timeline, every stage's ops in its schedule's order
 split.py          model and hybrid parallelism: one process's split layers and its group's collectives

@@ -161,6 +161,9 @@ def add_step_flags(p):
                    help="comma-separated layer paths where stages 2.. begin (default: balanced predicted time)")
     p.add_argument("--micro_batches", type=positive_int, default=1,
                    help="micro-batches per step, their gradients summed and reduced once (default 1)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+                   help="ZeRO's stage over the model replicas: 1 shards the optimizer state, 2 the reduced "
+                        "gradients too (default 0: neither)")
     p.add_argument("--recompute", choices=MODES, default="none",
                    help="activation recomputation: none (default), segments or all")
     p.add_argument("--density", type=share, default=0.01,
@@ -213,7 +216,7 @@ def _step_plan(args):
     lay = layout(args.parallel, args.np, args.model_parallel_size, pipeline_stages=stages)
     plan = RunPlan(lay, args.batch_size, None,
                    Reduction(args.reduction, "none", args.progress, {"density": args.density}),
-                   accumulation_steps=args.micro_batches, threads=args.threads, dtype=args.dtype)
+                   accumulation_steps=args.micro_batches, threads=args.threads, dtype=args.dtype, zero=args.zero)
     name, model = build_model(args.model, data_from(args, args.model), args.num_classes, args.dtype, say)
     return machine, plan, name, model
 

@@ -54,6 +54,7 @@ class Memory:
     schedule: str | None = None
     stages: list = field(default_factory=list)
     model_parallel_size: int = 1
+    zero: int = 0
 
     @property
     def total(self):
@@ -62,10 +63,10 @@ class Memory:
     def to_dict(self):
         return {"total": self.total, **self.parts, "batch_size": self.batch_size, "micro_batches": self.micro_batches,
                 "recompute": self.recompute, "pipeline_stages": self.pipeline_stages, "schedule": self.schedule,
-                "stages": self.stages, "model_parallel_size": self.model_parallel_size}
+                "stages": self.stages, "model_parallel_size": self.model_parallel_size, "zero": self.zero}
 
 
-def probe(model, optimizer, recompute="none", sizes=PROBES):
+def probe(model, optimizer, recompute="none", sizes=PROBES, zero=0, replicas=1):
     """(optimizer state bytes, activations(b), workspace(b), in_flight(b)) of a fresh copy of `model` (on a new
     backend, so no buffer of an earlier run is reused) taking two training steps under tracemalloc: the state
     its optimizer holds, what is held after the second forward (the layers' saved arrays, and what the first
@@ -73,7 +74,9 @@ def probe(model, optimizer, recompute="none", sizes=PROBES):
     and what one more forward adds while the state of the one before is put aside, as a pipeline stage keeps
     its micro-batches in flight (the scratch that forwards share counted once), each a line through its
     values at the batch sizes `sizes`. A first copy's untraced steps make what a process makes once
-    (compiled kernels, plans)."""
+    (compiled kernels, plans). zero: ZeRO's stage over `replicas`: the optimizer is the first replica's
+    ShardedOptimizer (its shard's state, its shard of the reduced gradients at stage 2, its allgather's
+    buffers), its collectives run locally (split.LocalRank0)."""
     from pydtnn.recompute import passes
 
     name, hyper = optimizer
@@ -89,7 +92,7 @@ def probe(model, optimizer, recompute="none", sizes=PROBES):
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
-            opt = optim.create(name, clone.parameters(), backend=clone.backend, **hyper)  # its state and scratch
+            opt = _optimizer(clone, name, hyper, zero, replicas)  # its state and scratch
             base = tracemalloc.get_traced_memory()[0]
             made = base - before
             for _ in range(2):  # the second step's peak: it starts with what the first left in the layers
@@ -109,7 +112,8 @@ def probe(model, optimizer, recompute="none", sizes=PROBES):
             del out, out2, saved
         finally:
             tracemalloc.stop()
-        lazy = sum(int(a.nbytes) for a in opt.state_dict()["arrays"].values()) - made  # state made by the steps
+        own = getattr(opt, "inner", opt)  # a sharded one's own shard, not the whole state it gathers
+        lazy = sum(int(a.nbytes) for a in own.state_dict()["arrays"].values()) - made  # state made by the steps
         state = max(state, made + max(lazy, 0))
         if i:
             kept.append(max(held, 0))
@@ -124,34 +128,46 @@ def probe(model, optimizer, recompute="none", sizes=PROBES):
     return state, line(kept), line(extra), line(more)
 
 
+def _optimizer(model, name, hyper, zero, replicas):
+    """The optimizer a process builds over `model`: optim.create's, or ZeRO's first replica's sharded one."""
+    if not zero:
+        return optim.create(name, model.parameters(), backend=model.backend, **hyper)
+    from pydtnn.distributed.zero import ShardedOptimizer
+
+    return ShardedOptimizer(lambda params: optim.create(name, params, backend=model.backend, **hyper), model,
+                            split.LocalRank0(replicas), zero)
+
+
 def predict_memory(model, batch_size, optimizer=("sgd", {"momentum": 0.9}), micro_batches=1, recompute="none",
                    pipeline_stages=1, schedule="1f1b", stage_starts=None, machine=None, threads=1,
-                   model_parallel_size=1):
+                   model_parallel_size=1, zero=0, replicas=1):
     """The Memory of one process training `model` (built on a CPU backend) on batch_size samples per replica
     (per process in data parallelism, per pipeline in a pipeline), in micro_batches micro-batches; with
     pipeline_stages > 1, each stage's, cut as pydtnn-train cuts it (on `machine`), the busiest reported;
     with model_parallel_size M > 1, the layers (of each stage) split over M processes as rank 0 of them holds
-    them (perfmodel/split.py: the most loaded), its gathers' and sums' buffers measured with the rest."""
+    them (perfmodel/split.py: the most loaded), its gathers' and sums' buffers measured with the rest; zero:
+    ZeRO's stage over `replicas` model replicas (the optimizer state of the first replica's shard)."""
     if pipeline_stages > 1:
         return _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, pipeline_stages, schedule,
-                                stage_starts, machine, threads, model_parallel_size)
+                                stage_starts, machine, threads, model_parallel_size, zero, replicas)
     micro = math.ceil(batch_size / micro_batches)
     held = split.split_model(model, model_parallel_size) if model_parallel_size > 1 else model
-    parts = _held(held, optimizer, micro_batches, recompute, micro, in_flight=1)
-    return Memory(parts, batch_size, micro_batches, recompute, model_parallel_size=model_parallel_size)
+    parts = _held(held, optimizer, micro_batches, recompute, micro, in_flight=1, zero=(zero, replicas))
+    return Memory(parts, batch_size, micro_batches, recompute, model_parallel_size=model_parallel_size, zero=zero)
 
 
-def _held(stage, optimizer, micro_batches, recompute, micro, in_flight, messages=0):
-    """The PARTS of a process that holds `stage` (a Model) with `in_flight` micro-batches of `micro` samples."""
+def _held(stage, optimizer, micro_batches, recompute, micro, in_flight, messages=0, zero=(0, 1)):
+    """The PARTS of a process that holds `stage` (a Model) with `in_flight` micro-batches of `micro` samples;
+    zero: (ZeRO's stage, replicas)."""
     nbytes = sum(int(p.nbytes) for _, p, _ in stage.parameters())
-    state, activations, workspace, more = probe(stage, optimizer, recompute)
+    state, activations, workspace, more = probe(stage, optimizer, recompute, zero=zero[0], replicas=zero[1])
     return {"parameters": nbytes, "gradients": nbytes, "optimizer": state,
             "activations": int(activations(micro) + (in_flight - 1) * more(micro)), "workspace": int(workspace(micro)),
             "buffers": (nbytes if micro_batches > 1 else 0) + int(messages)}
 
 
 def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, stages, schedule, starts, machine,
-                     threads=1, m=1):
+                     threads=1, m=1, zero=0, replicas=1):
     from pydtnn.distributed import pipeline
     from pydtnn.perfmodel import machine as machines
     from pydtnn.perfmodel.pipelined import stage_cut, stage_models
@@ -170,18 +186,21 @@ def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, sta
             received += batch_size * math.prod(held.input_shape) * itemsize
         if s < stages - 1:
             received += batch_size * math.prod(held.output_shape) * itemsize
-        parts = _held(held, optimizer, max(micro_batches, 2), recompute, micro, in_flight, received)  # it sums always
+        parts = _held(held, optimizer, max(micro_batches, 2), recompute, micro, in_flight, received,  # it sums always
+                      (zero, replicas))
         rows.append({"stage": s, "in_flight": in_flight, "total": sum(parts.values()), **parts})
     busiest = max(rows, key=lambda r: r["total"])
-    return Memory({k: busiest[k] for k in PARTS}, batch_size, micro_batches, recompute, stages, schedule, rows, m)
+    return Memory({k: busiest[k] for k in PARTS}, batch_size, micro_batches, recompute, stages, schedule, rows, m,
+                  zero)
 
 
 def plan_memory(model, plan, optimizer, recompute="none", schedule="1f1b", stage_starts=None, machine=None):
     """The Memory of run plan `plan` (pydtnn.plan.RunPlan), any layout: data parallelism (each process holds a
-    whole replica), model-parallel groups, pipelines, and their hybrids."""
+    whole replica), model-parallel groups, pipelines, their hybrids, and ZeRO's sharding over the replicas."""
     lay = plan.layout
     return predict_memory(model, plan.batch_size, optimizer, plan.accumulation_steps, recompute, lay.pipeline_stages,
-                          schedule, stage_starts, machine, plan.threads or 1, lay.model_parallel_size)
+                          schedule, stage_starts, machine, plan.threads or 1, lay.model_parallel_size, plan.zero,
+                          lay.replicas)
 
 
 def mib(nbytes):
@@ -193,7 +212,8 @@ def memory_table(m, name="model"):
     how = (f"batch {m.batch_size}" + (f" in {m.micro_batches} micro-batches" if m.micro_batches > 1 else "")
            + (f", recompute {m.recompute}" if m.recompute != "none" else "")
            + (f", {m.pipeline_stages} stages ({m.schedule})" if m.pipeline_stages > 1 else "")
-           + (f", layers split over {m.model_parallel_size} processes" if m.model_parallel_size > 1 else ""))
+           + (f", layers split over {m.model_parallel_size} processes" if m.model_parallel_size > 1 else "")
+           + (f", ZeRO {m.zero}" if m.zero else ""))
     lines = [f"{name}: memory of one process at a step's peak ({how})"]
     lines += [f"  {part:<12} {mib(m.parts[part]):>14}" for part in PARTS]
     lines.append(f"  {'total':<12} {mib(m.total):>14}")

@@ -13,9 +13,20 @@ from pydtnn.distributed.model_parallel import plan
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
-from pydtnn.perfmodel.predict import (UPDATE_PASSES, Prediction, _messages, _seconds, accumulation_s, layer_times,
-                                      micro_sizes, phase_seconds, recomputed, thread_speedup)
 from pydtnn.perfmodel.schedule import timeline
+from pydtnn.perfmodel.step_parts import (
+    UPDATE_PASSES,
+    Prediction,
+    accumulation_s,
+    layer_times,
+    micro_sizes,
+    phase_seconds,
+    recomputed,
+    reducer_messages,
+    reduction_seconds,
+    thread_speedup,
+    zero_costs,
+)
 
 
 def message_seconds(nbytes, machine, level):
@@ -27,7 +38,7 @@ def message_seconds(nbytes, machine, level):
 def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, schedule="1f1b", stage_starts=None,
                      reduction="bucketed", threads=1, algorithm="ring", progress="test", optimizer="sgd_momentum",
                      bucket_mb=None, first_bucket_mb=None, name=None, model_parallel_size=None, density=None,
-                     compression="none", update_passes=None, recompute="none"):
+                     compression="none", update_passes=None, recompute="none", zero=0):
     """The Prediction of a pipeline's step: np / (stages x M) pipelines of `stages` stages, each stage's layers
     split over M = model_parallel_size consecutive processes (default 1), the model cut as pydtnn-train cuts it
     (pipeline.Cut.of: balanced unit_seconds, or at stage_starts), batch_size samples per pipeline in
@@ -63,7 +74,7 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     passes = update_passes or UPDATE_PASSES[optimizer]
     shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density}
     after = [_stage_after(stage, replicas, len(sizes), machine, threads, crowding, passes, reduction, algorithm,
-                          compression, collectives.default_level(np, machine), shaping) for stage, _ in held]
+                          compression, collectives.default_level(np, machine), shaping, zero) for stage, _ in held]
     tail = max(red + upd + fix for red, _, upd, fix in after)
     step_s = line.end + bcast + tail
     critical = max(range(stages), key=lambda s: line.busy[s] + sum(after[s][::2]) + after[s][3])  # the busiest
@@ -85,7 +96,7 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
         update_s=upd, comm_s=red + bcast + group_s + sum(sum(r) for r in msg), exposed_comm_s=exposed,
         messages=n_sent + 2 + busy[critical]["collectives"], overhead_s=overhead_s, model_parallel_size=m,
         group_comm_s=group_s, layers=first_times, micro_batches=micro_batches,
-        recompute=recompute, pipeline_stages=stages, schedule=schedule,
+        recompute=recompute, pipeline_stages=stages, schedule=schedule, zero=zero,
         bubble_s=step_s - (compute_s + memory_s + overhead_s + exposed), p2p_s=sum(sum(r) for r in msg),
         stages=stage_rows,
     )
@@ -202,17 +213,24 @@ def _stage_times(held, sizes, costs, group, machine, threads, crowding, again):
 
 
 def _stage_after(stage, replicas, micro_batches, machine, threads, crowding, passes, reduction, algorithm,
-                 compression, level, shaping):
+                 compression, level, shaping, zero=0):
     """(reduction seconds, its collectives, update seconds, per-parameter and per-step costs) of a stage (its Model
     as one process holds it) after its micro-batches: its gradients reduced across the replicas (all at once),
-    summed and updated."""
+    summed and updated; with ZeRO (step_parts.zero_costs) its shard updated, reduce-scattered at stage 2, and
+    the shards allgathered (counted in the reduction)."""
     itemsize = stage.backend.dtype.itemsize
     own = [(n, g.nbytes) for n, _, g in stage.parameters()]
-    sent = _messages(own, [], 0.0, reduction, itemsize, compression, after=True,
+    sent = reducer_messages(own, [], 0.0, reduction, itemsize, compression, after=True,
                      **shaping) if own and replicas > 1 else []
-    red = sum(_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in sent)
+    red = sum(reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in sent)
     nbytes = sum(nb for _, nb in own)
-    upd = passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
-    upd += accumulation_s(nbytes, micro_batches, machine, threads, crowding)
+    share, passes_s, gather_s, scatter_s = zero_costs(zero, nbytes, itemsize, replicas, machine, threads, crowding,
+                                                      algorithm, level)
+    if scatter_s is not None:
+        red, sent = scatter_s, [None] * (replicas > 1)
+    red += gather_s
+    sent = sent + [None] * (gather_s > 0)
+    upd = share * passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
+    upd += accumulation_s(nbytes, micro_batches, machine, threads, crowding) + passes_s
     fixed = machine.overheads
     return red, len(sent), upd, (len(own) * fixed.parameter_s + fixed.step_s) * crowding

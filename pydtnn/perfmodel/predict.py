@@ -46,9 +46,6 @@ backward; exposed communication is what remains after it. The progress modes are
 (reducers.PROGRESS), and so are the reductions (reducers.NAMES).
 """
 
-import math
-from dataclasses import asdict, dataclass, field
-
 from pydtnn import plan as plan_module
 from pydtnn import recompute as recompute_module
 from pydtnn.distributed import reducers
@@ -56,114 +53,31 @@ from pydtnn.distributed.model_parallel import plan
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
+from pydtnn.perfmodel.step_parts import (  # noqa: F401
+    UPDATE_PASSES,
+    LayerTime,
+    Prediction,
+    accumulation_s,
+    allreduce_seconds,
+    layer_times,
+    micro_sizes,
+    phase_seconds,
+    recomputed,
+    reducer_messages,
+    reduction_seconds,
+    thread_speedup,
+    zero_costs,
+)
 
 # one process of "data" is sequential
 PARALLEL = tuple(p for p in plan_module.PARALLEL if p != "sequential")
 REDUCTIONS = reducers.NAMES
 PROGRESS = reducers.PROGRESS
-UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
 RECOMPUTE = recompute_module.MODES
 MEASURED_CROWDING = 2.0  # ranks per core at which calibrate measures overheads.oversubscribed_collective_s
 
 
-@dataclass(frozen=True)
-class LayerTime:
-    """One layer's predicted seconds per phase and what bounds each (compute or memory)."""
-
-    name: str
-    kind: str
-    algorithm: str | None
-    forward_s: float
-    backward_data_s: float
-    backward_weights_s: float
-    bound: str
-    grad_bytes: int
-
-    @property
-    def total_s(self):
-        return self.forward_s + self.backward_data_s + self.backward_weights_s
-
-
-@dataclass
-class Prediction:
-    """A predicted training step. step_s = compute_s + memory_s + overhead_s + exposed_comm_s (the update is in
-    memory_s; the layers' fixed costs, the per-parameter and the per-step ones in overhead_s)."""
-
-    model: str
-    batch_size: int
-    np: int
-    threads: int
-    parallel: str
-    reduction: str
-    algorithm: str
-    progress: str
-    machine: str
-    step_s: float
-    compute_s: float
-    memory_s: float
-    update_s: float
-    comm_s: float
-    exposed_comm_s: float
-    messages: int
-    overhead_s: float = 0.0
-    layers: list = field(default_factory=list)
-    model_parallel_size: int = 1
-    group_comm_s: float = 0.0
-    sync_s: float = 0.0  # waits at the collectives for ranks off oversubscribed cores (in exposed_comm_s)
-    micro_batches: int = 1
-    recompute: str = "none"
-    pipeline_stages: int = 1
-    schedule: str | None = None  # a pipeline's
-    bubble_s: float = 0.0  # a pipeline's busiest stage waiting: the fill and drain, and for messages
-    p2p_s: float = 0.0  # a pipeline's point-to-point messages of a step, all of them (they overlap computing)
-    stages: list = field(default_factory=list)  # a pipeline's per stage: {"first", "last", "forward_s", ...}
-
-    @property
-    def global_batch(self):
-        """Samples per step over all processes: batch_size per model replica times the replicas."""
-        return self.batch_size * (self.np // (self.model_parallel_size * self.pipeline_stages))
-
-    @property
-    def samples_per_second(self):
-        """Training throughput: the global batch over the step's seconds."""
-        return self.global_batch / self.step_s if self.step_s > 0 else math.inf
-
-    def to_dict(self):
-        d = asdict(self)
-        d["layers"] = [{**asdict(t), "total_s": t.total_s} for t in self.layers]
-        d["global_batch"], d["samples_per_second"] = self.global_batch, self.samples_per_second
-        return d
-
-
-def thread_speedup(machine, threads, kernel_class=None):
-    """The machine's speed-up at `threads` threads over one (of `kernel_class` where it has its own);
-    see Machine.thread_speedup."""
-    return machine.thread_speedup(threads, kernel_class)
-
-
-def phase_seconds(phase, kernel_class, machine, threads=1, crowding=1.0):
-    """(seconds, bound) of one phase: the longer of its FLOPs at its class's rate and its bytes at the
-    memory bandwidth on one thread, at `threads` threads by Machine.threaded_seconds (the class's
-    speed-up beyond the machine's serial part of a call), times `crowding` (oversubscribed cores)."""
-    if phase.flops == 0 and phase.bytes == 0:
-        return 0.0, "compute"
-    compute = phase.flops / machine.rates[kernel_class]
-    memory = phase.bytes / machine.memory_bandwidth
-    one, bound = (compute, "compute") if compute >= memory else (memory, "memory")
-    return machine.threaded_seconds(one, threads, kernel_class) * crowding, bound
-
-
-def allreduce_seconds(nbytes, p, machine, algorithm, level=None):
-    if p <= 1 or nbytes == 0:
-        return 0.0
-    if algorithm == "best":
-        return collectives.best("allreduce", nbytes, p, machine, level=level)[1]
-    if algorithm == collectives.HIERARCHICAL:
-        level = None
-    return collectives.seconds("allreduce", algorithm, nbytes, p, machine, level=level)
-
-
-def _check_arguments(parallel, reduction, progress, optimizer, algorithm, **counts):
+def _check_arguments(parallel, reduction, progress, optimizer, algorithm, recompute="none", zero=0, **counts):
     """ConfigError naming the first of predict's arguments that is not one of its choices, or, among counts,
     not a positive integer."""
     if parallel not in PARALLEL:
@@ -178,12 +92,18 @@ def _check_arguments(parallel, reduction, progress, optimizer, algorithm, **coun
     for what, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{what}={value!r}; expected a positive integer")
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute={recompute!r}; expected one of {', '.join(RECOMPUTE)}")
+    if zero:
+        from pydtnn.distributed.zero import check_stage
+
+        check_stage(zero, reduction)
 
 
 def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
             optimizer="sgd_momentum", bucket_mb=None, first_bucket_mb=None, parallel="data", name=None,
             model_parallel_size=None, density=None, compression="none", update_passes=None, micro_batches=1,
-            recompute="none", pipeline_stages=None, schedule="1f1b", stage_starts=None):
+            recompute="none", pipeline_stages=None, schedule="1f1b", stage_starts=None, zero=0):
     """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
     model replica (per process with data parallelism) over np processes, each with `threads` threads, on
     `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
@@ -194,11 +114,11 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     given) is the reducer's own default (reducers.defaults). micro_batches: the batch cut into that many, their
     gradients summed, reduced once (--micro_batches); recompute: "none", "segments" or "all" (the layers whose
     forward runs again in backward are costed twice). parallel "pipeline" (pipeline_stages = np), or "hybrid"
-    with pipeline_stages S (np / S pipelines): see predict_pipeline."""
-    _check_arguments(parallel, reduction, progress, optimizer, algorithm, batch_size=batch_size, np=np, threads=threads,
-                     micro_batches=micro_batches)
-    if recompute not in RECOMPUTE:
-        raise ConfigError(f"recompute={recompute!r}; expected one of {', '.join(RECOMPUTE)}")
+    with pipeline_stages S (np / S pipelines): see predict_pipeline. zero: ZeRO's stage over the replicas
+    (step_parts.zero_costs): the update of the largest shard, the allgather of the updated shards after it,
+    and at stage 2 one reduce-scatter after backward in place of the reducer's messages, all exposed."""
+    _check_arguments(parallel, reduction, progress, optimizer, algorithm, recompute, zero, batch_size=batch_size,
+                     np=np, threads=threads, micro_batches=micro_batches)
     if parallel == "pipeline" or (pipeline_stages or 1) > 1:
         from pydtnn.perfmodel.pipelined import predict_pipeline
 
@@ -207,7 +127,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                                 progress=progress, optimizer=optimizer, bucket_mb=bucket_mb,
                                 first_bucket_mb=first_bucket_mb, name=name, model_parallel_size=model_parallel_size,
                                 density=density, compression=compression, update_passes=update_passes,
-                                recompute=recompute)
+                                recompute=recompute, zero=zero)
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
     replicas = np // m
     steps = plan(model, m) if m > 1 else []
@@ -224,6 +144,11 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     update_s = (update_passes or UPDATE_PASSES[optimizer]) * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
                                                          / crowding)
     memory_s += accumulation_s(param_bytes, len(sizes), machine, threads, crowding)
+    level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
+    itemsize = model.backend.dtype.itemsize
+    share, zero_passes_s, gather_s, scatter_s = zero_costs(zero, param_bytes, itemsize, replicas, machine, threads,
+                                                           crowding, algorithm, level)
+    update_s, memory_s = update_s * share, memory_s + zero_passes_s
     group = [g for b in sizes for g in split.group_messages(steps, b, model.backend.dtype.itemsize, m, machine,
                                                             algorithm)]
     group_s = sum(seconds for *_, seconds in group)  # blocking, on the critical path
@@ -232,24 +157,20 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                   + fixed.step_s * crowding)
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
-    level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
-    messages = _messages(params, times, forward_s, reduction, model.backend.dtype.itemsize, compression,
-                         bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, density=density,
-                         after=len(sizes) > 1)
-    durations = [_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
+    messages = reducer_messages(params, times, forward_s, reduction, itemsize, compression, bucket_mb=bucket_mb,
+                                first_bucket_mb=first_bucket_mb, density=density, after=len(sizes) > 1)
+    durations = [reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
+    if scatter_s is not None:  # ZeRO 2: one reduce-scatter of the whole buffer after backward, blocking
+        messages, durations = [(forward_s + backward_s, "reduce_scatter", param_bytes)], [scatter_s]
     comm_s = sum(durations)
-    collectives_per_step = (len(messages) if replicas > 1 else 0) + len(group)
+    collectives_per_step = (len(messages) + bool(zero) if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
-    if progress == "test" or reduction == "blocking":
-        exposed = comm_s
-    else:
-        done = 0.0
-        for (ready, _, _), d in zip(messages, durations):
-            done = max(done, ready) + d
-        exposed = max(0.0, done - end_of_backward)
+    exposed = _exposed(messages, durations, end_of_backward,
+                       progress == "test" or reduction == "blocking" or scatter_s is not None)
+    comm_s, exposed = comm_s + gather_s, exposed + gather_s  # ZeRO's allgather of the shards, after the update
     return Prediction(
         model=name or model.name, batch_size=batch_size, np=np, threads=threads, parallel=parallel,
         reduction=reduction, algorithm=algorithm, progress=progress, machine=machine.name,
@@ -257,8 +178,19 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         memory_s=memory_s + update_s, update_s=update_s, comm_s=comm_s + group_s + sync_s,
         exposed_comm_s=exposed + group_s + sync_s, messages=collectives_per_step, overhead_s=overhead_s,
         layers=times, model_parallel_size=m, group_comm_s=group_s, sync_s=sync_s, micro_batches=micro_batches,
-        recompute=recompute,
+        recompute=recompute, zero=zero,
     )
+
+
+def _exposed(messages, durations, end_of_backward, blocking):
+    """Seconds of the reduction's messages after backward ends: all of them where they do not progress during
+    backward (blocking), else what is left of them run one after another from when each is ready."""
+    if blocking:
+        return sum(durations)
+    done = 0.0
+    for (ready, _, _), d in zip(messages, durations):
+        done = max(done, ready) + d
+    return max(0.0, done - end_of_backward)
 
 
 def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algorithm="ring", name=None,
@@ -278,49 +210,7 @@ def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algo
                    update_passes=update_passes, parallel="data" if lay.parallel == "sequential" else lay.parallel,
                    model_parallel_size=lay.model_parallel_size if lay.parallel == "hybrid" else None, name=name,
                    micro_batches=plan.accumulation_steps, recompute=recompute, pipeline_stages=lay.pipeline_stages,
-                   schedule=schedule, stage_starts=stage_starts, **shaping)
-
-
-def micro_sizes(batch_size, micro_batches):
-    """Samples of each micro-batch of a step, as the steps cut a batch (step.micro_bounds); the empty ones
-    (more micro-batches than samples) left out, as the steps skip them."""
-    from pydtnn.step import micro_bounds
-
-    return [b - a for a, b in micro_bounds(batch_size, micro_batches) if b > a]
-
-
-def recomputed(model, mode, unit_slice=slice(None)):
-    """Paths of the layers whose forward runs again in backward under recompute `mode` (pydtnn.recompute):
-    those of every segment of the units but the last; unit_slice: the units of a pipeline stage."""
-    if mode == "none":
-        return frozenset()
-    units = [(path, layer) for path, layer, _ in model.units()][unit_slice]
-    bounds = recompute_module.segments(len(units), mode)
-    return frozenset(p for path, unit in units[:bounds[-2]] for p, _ in unit.named_layers(path))
-
-
-def layer_times(costs, grads, machine, threads, crowding, again=frozenset()):
-    """([LayerTime], compute_s, memory_s, calls_s) of one forward and backward of `costs` (costs.layer_costs);
-    the layers named in `again` run their forward twice, the second time in backward (recomputation)."""
-    fixed = machine.overheads
-    times, compute_s, memory_s, calls_s = [], 0.0, 0.0, 0.0
-    for c in costs:
-        call_fwd, call_bwd = (s * crowding for s in fixed.call_s(c.kind))
-        parts = [phase_seconds(ph, c.kernel_class, machine, threads, crowding)
-                 for ph in (c.forward, c.backward_data, c.backward_weights)]
-        repeat = parts[0][0] if c.name in again else 0.0
-        if c.name in again:
-            parts.append(parts[0])
-            call_bwd += call_fwd
-        calls_s += call_fwd + call_bwd
-        for s, bound in parts:
-            compute_s += s if bound == "compute" else 0.0
-            memory_s += s if bound == "memory" else 0.0
-        heavier = max(parts[:3], key=lambda t: t[0])[1]
-        (fwd, _), (bwd_data, _), (bwd_weights, _) = parts[:3]
-        times.append(LayerTime(c.name, c.kind, c.algorithm, fwd + call_fwd, bwd_data + repeat + call_bwd, bwd_weights,
-                               heavier, grads.get(c.name, 0)))
-    return times, compute_s, memory_s, calls_s
+                   schedule=schedule, stage_starts=stage_starts, zero=plan.zero, **shaping)
 
 
 def step_layers(held, sizes, grads, machine, threads, crowding, again=frozenset()):
@@ -338,15 +228,6 @@ def step_layers(held, sizes, grads, machine, threads, crowding, again=frozenset(
                  for a, t in zip(total[0], part[0])]
         total = (times, *(x + y for x, y in zip(total[1:], part[1:])))
     return total
-
-
-def accumulation_s(param_bytes, micro_batches, machine, threads, crowding):
-    """Seconds summing micro-batches' gradients (Step._accumulated): the first written into the sum (2
-    passes over the gradients' bytes), each later one scaled and added (4), the sum copied back (2)."""
-    if micro_batches <= 1:
-        return 0.0
-    passes = 2 + 4 * (micro_batches - 1) + 2
-    return passes * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
 
 
 def update_passes(optimizer, hyper):
@@ -372,32 +253,3 @@ def oversubscribed_wait(machine, crowding):
         return 0.0
     return machine.overheads.oversubscribed_collective_s * (crowding - 1.0) / (MEASURED_CROWDING - 1.0)
 
-
-def _seconds(collective, nbytes, p, machine, algorithm, level):
-    """Seconds of one reducer message of nbytes per replica over p replicas: an allreduce, or an allgather (topk)
-    of every replica's nbytes."""
-    if collective == "allreduce":
-        return allreduce_seconds(nbytes, p, machine, algorithm, level)
-    if p <= 1:
-        return 0.0
-    if algorithm in ("best", collectives.HIERARCHICAL):
-        return collectives.best("allgather", p * nbytes, p, machine, level=level)[1]
-    return collectives.seconds("allgather", algorithm if algorithm in collectives.algorithms("allgather") else "ring",
-                               p * nbytes, p, machine, level=level)
-
-
-def _messages(params, times, forward_s, reduction, itemsize, compression="none", after=False, **options):
-    """[(seconds into the step when the message can start, collective, bytes per replica)] in the order the
-    reducer starts them (reducers.messages); params: [(parameter name, gradient bytes)] in state-dict order;
-    options: the reducer's own that shape its messages (those it does not take are left out). after: every
-    gradient is reported at the end of backward (micro-batches: the reducer replays them after the last)."""
-    ready, t = {}, forward_s
-    for lt in reversed(times):  # backward runs the layers in reverse order
-        t += lt.backward_data_s + lt.backward_weights_s
-        ready[lt.name] = t
-    when = [t if after else ready.get(name.rsplit(".", 1)[0], t) for name, _ in params]
-    own = reducers.defaults(reduction)
-    sent = reducers.messages(reduction, [n // itemsize for _, n in params], itemsize, compression,
-                             **{k: v for k, v in options.items() if k in own})
-    starts = [t if m.params is None else max(when[i] for i in m.params) for m in sent]
-    return sorted(((s, m.collective, m.nbytes) for s, m in zip(starts, sent)), key=lambda x: x[0])

@@ -69,15 +69,15 @@ def split_model(model, m):
     held = _CLONES.setdefault(model, {})
     if m not in held:
         clone = copy.deepcopy(model, {id(model.backend): model.backend})
-        model_parallel.partition(clone, _Rank0(m))
+        model_parallel.partition(clone, LocalRank0(m))
         held[m] = clone
     return held[m]
 
 
-class _Rank0:
+class LocalRank0:
     """Rank 0 of a group of `size`: all partition() asks of a communicator, and collectives that write what
-    the real ones write into (the values aside: nothing is sent), so the split model runs a step as rank 0
-    would and the memory model can measure what it holds (perfmodel/memory.py)."""
+    the real ones write into (the values aside: nothing is sent), so the split model (or ZeRO's sharded
+    optimizer) runs a step as rank 0 would and the memory model can measure what it holds (perfmodel/memory.py)."""
 
     def __init__(self, size):
         self.rank, self.size = 0, size

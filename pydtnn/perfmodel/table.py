@@ -37,6 +37,8 @@ def table(p):
         how += f" in {p.micro_batches} micro-batches"
     if p.recompute != "none":
         how += f", recompute {p.recompute}"
+    if p.zero:
+        how += f", ZeRO {p.zero} (" + ("the reduced gradients and " if p.zero == 2 else "") + "optimizer state sharded)"
     per = " (first micro-batch)" if p.micro_batches > 1 and p.pipeline_stages > 1 else ""
     lines = [(f"{p.model}: {how} x {p.threads} thread(s), {p.parallel} "
              f"parallel, {p.reduction} reduction ({p.algorithm}, progress {p.progress}) on {p.machine}"),

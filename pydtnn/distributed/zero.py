@@ -1,0 +1,207 @@
+"""Sharded data parallelism (ZeRO, Rajbhandari et al. 2020): each replica keeps and updates only its shard.
+
+    optimizer = zero.ShardedOptimizer(lambda params: optim.create("adam", params, backend=b), model, replicas, 1)
+    reducer = zero.ShardedReducer(replicas, optimizer).attach(model) if stage 2 else any dense reducer
+
+The shards follow the model's flat gradient buffer (Model.grad_buffer, reverse parameter order): replica r of
+P owns its elements [o_r, o_r+1) (sampler.shard_bounds of the buffer's length), which may begin or end inside a
+parameter, so uneven sizes work. shard_map() is that map, a pure function of the buffer's layout and P, which
+the optimizer, the reducer and the performance model all take.
+
+- Stage 1: the gradients are reduced as in data parallelism (every replica holds their average); each replica's
+  optimizer holds the state of its shard only (the pieces of parameters it owns, as flat views) and updates
+  them; the updated shards are then allgathered into every replica's parameters.
+- Stage 2: the gradients are reduce-scattered instead (ShardedReducer, after backward): each replica receives
+  the average of its shard only, into a buffer of the shard's size, which its optimizer reads. Backward still
+  writes each replica's own gradients into the whole buffer.
+
+Every optimizer of pydtnn.optim updates element by element, so a shard's update is the whole update's, to the
+bit. state_dict() and load_state_dict() speak the whole optimizer's state (every parameter's slots, gathered:
+a collective), so checkpoints hold what one process's hold and resume at any process count or layout.
+"""
+
+import time
+
+import numpy as np
+
+from pydtnn.distributed.reducers.base import PIECE_BYTES, Reducer
+from pydtnn.distributed.reducers.layout import piece_bounds
+from pydtnn.distributed.sampler import shard_bounds
+from pydtnn.errors import ConfigError
+
+STAGES = (0, 1, 2)  # --zero: 0 is plain data parallelism
+CHUNK_BYTES = PIECE_BYTES  # the largest allgather of shards: its buffers are all a replica adds
+
+
+def shard_map(offsets, size):
+    """(bounds, pieces): bounds[r]:bounds[r + 1] the elements of the flat gradient buffer replica r owns, and
+    pieces[r] = [(name, lo, hi, at)]: of parameter `name` (offsets[name] = (start, stop) in the buffer) the flat
+    elements [lo, hi) are r's, at [at, at + hi - lo) of its shard, in buffer order."""
+    total = max((b for _, b in offsets.values()), default=0)
+    bounds = shard_bounds(total, size)
+    pieces = [[] for _ in range(size)]
+    for name, (a, b) in sorted(offsets.items(), key=lambda kv: kv[1]):
+        for r in range(size):
+            lo, hi = max(a, bounds[r]), min(b, bounds[r + 1])
+            if hi > lo:
+                pieces[r].append((name, lo - a, hi - a, lo - bounds[r]))
+    return bounds, pieces
+
+
+def check_stage(stage, reduction=None):
+    """ConfigError where --zero is not 0, 1 or 2, or its stage cannot take the run's reduction."""
+    if stage not in STAGES:
+        raise ConfigError(f"--zero {stage!r}: expected one of {', '.join(map(str, STAGES))} (stage 3, the "
+                          f"parameters sharded too, is not available yet)")
+    if stage and reduction == "topk":
+        raise ConfigError(f"--zero {stage} with --reduction topk: topk leaves each replica its own residual, not "
+                          f"an average to shard; expected a dense --reduction (bucketed, blocking, per_layer, "
+                          f"hierarchical) or --zero 0")
+
+
+class ShardedOptimizer:
+    """An optimizer (make(params) builds it) over this replica's shard of `model`'s parameters, whose step()
+    then allgathers the updated shards over `comm`; the Optimizer contract otherwise (lr, t, kind,
+    state_dict of the whole state, load_state_dict of a whole state). stage 2: the gradients it reads are
+    `shard_grad` (the reduced shard ShardedReducer writes), else the model's own gradient buffer."""
+
+    def __init__(self, make, model, comm, stage=1):
+        check_stage(stage)
+        if model.grad_buffer is None:
+            raise ConfigError(f"--zero {stage}: the model's gradients are not in one buffer (parameters of "
+                              f"several dtypes); expected one dtype")
+        self.model, self.comm, self.stage, self.tracer = model, comm, stage, None
+        self.params = {name: p for name, p, _ in model.parameters()}
+        for name, p in self.params.items():
+            if not p.flags.c_contiguous:
+                raise ConfigError(f"--zero {stage}: parameter {name} is not contiguous; expected contiguous arrays")
+        self.bounds, pieces = shard_map(model.grad_offsets, comm.size)
+        self.pieces = pieces[comm.rank]
+        self.counts = [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+        xp, dtype = model.backend.xp, model.grad_buffer.dtype
+        # one replica: its shard is the whole buffer, and no reducer runs to fill another
+        self.shard_grad = xp.zeros(self.counts[comm.rank], dtype) if stage == 2 and comm.size > 1 else None
+        own = []
+        for name, lo, hi, at in self.pieces:
+            if self.shard_grad is not None:
+                g = self.shard_grad[at : at + hi - lo]
+            else:
+                a = model.grad_offsets[name][0]
+                g = model.grad_buffer[a + lo : a + hi]
+            own.append((name, self.params[name].reshape(-1)[lo:hi], g))
+        self.inner = make(own)
+        self.own = {name: (lo, hi) for name, lo, hi, _ in self.pieces}
+        self.chunks = piece_bounds(sum(self.counts), np.dtype(dtype).itemsize, CHUNK_BYTES)
+        width = max(b - a for a, b in self.chunks)
+        self._send, self._recv = xp.empty(min(width, self.counts[comm.rank]), dtype), xp.empty(width, dtype)
+        self._spans = sorted(model.grad_offsets.items(), key=lambda kv: kv[1])
+
+    # -- the Optimizer contract ------------------------------------------------------------
+    @property
+    def kind(self):
+        return self.inner.kind
+
+    @property
+    def lr(self):
+        return self.inner.lr
+
+    @lr.setter
+    def lr(self, value):
+        self.inner.lr = value
+
+    @property
+    def t(self):
+        return self.inner.t
+
+    def hyperparameters(self):
+        return self.inner.hyperparameters()
+
+    def step(self):
+        """Update this replica's shard, then every replica's parameters from every shard (an allgather)."""
+        self.inner.step()
+        self._gather(lambda name, lo, hi: self.params[name].reshape(-1)[lo:hi],
+                     lambda name, lo, hi, flat: self.params[name].reshape(-1).__setitem__(slice(lo, hi), flat),
+                     "zero parameters")
+
+    def state_dict(self):
+        """The whole optimizer's state dict, every parameter's slots gathered from their shards (a collective:
+        every replica calls it)."""
+        arrays, to_numpy = {}, self.model.backend.to_numpy
+        for slot in self.inner.active_slots():
+            whole = {name: np.empty(p.shape, p.dtype) for name, p in self.params.items()}
+            self._gather(lambda name, lo, hi, s=slot: self.inner.state[name][s][lo - self.own[name][0]:
+                                                                                 hi - self.own[name][0]],
+                         lambda name, lo, hi, flat, w=whole: w[name].reshape(-1).__setitem__(slice(lo, hi),
+                                                                                              to_numpy(flat)),
+                         f"zero {slot}")
+            arrays.update({f"{name}.{slot}": w for name, w in whole.items()})
+        return {"arrays": arrays, "scalars": self.inner.state_dict()["scalars"]}
+
+    def load_state_dict(self, d):
+        """Take this replica's shard of a whole optimizer state dict (as state_dict() gives, or one process's)."""
+        if not isinstance(d, dict) or set(d) != {"arrays", "scalars"}:
+            got = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ConfigError(f"{self.kind}: optimizer state dict has keys {got}; expected ['arrays', 'scalars']")
+        want = {f"{name}.{s}": p.shape for name, p in self.params.items() for s in self.inner.active_slots()}
+        extra, missing = sorted(set(d["arrays"]) - set(want)), sorted(set(want) - set(d["arrays"]))
+        if extra or missing:
+            what = "; ".join([f"unexpected {extra[:5]}"] * bool(extra) + [f"missing {missing[:5]}"] * bool(missing))
+            raise ConfigError(f"{self.kind}: optimizer state arrays do not fit this optimizer: {what}")
+        for k, v in d["arrays"].items():
+            if tuple(v.shape) != tuple(want[k]):
+                raise ConfigError(f"{self.kind}: optimizer state {k!r} has shape {tuple(v.shape)}, expected "
+                                  f"{tuple(want[k])}")
+        mine = {}
+        for name, lo, hi, _ in self.pieces:
+            for s in self.inner.active_slots():
+                mine[f"{name}.{s}"] = np.asarray(d["arrays"][f"{name}.{s}"]).reshape(-1)[lo:hi]
+        self.inner.load_state_dict({"arrays": mine, "scalars": d["scalars"]})
+
+    # -- the allgather of shards -----------------------------------------------------------
+    def _set_params(self, name, flat):
+        self.params[name].reshape(-1)[...] = flat
+
+    def _gather(self, piece, put, label):
+        """Whole per-parameter arrays from every replica's shard, chunk by chunk of the flat buffer (at most
+        CHUNK_BYTES, so no whole copy is ever made): piece(name, lo, hi) gives this replica's flat elements
+        [lo, hi) of parameter `name`'s array, put(name, lo, hi, flat) takes every replica's."""
+        o, rank = self.bounds, self.comm.rank
+        for c0, c1 in self.chunks:
+            counts = [max(0, min(c1, o[r + 1]) - max(c0, o[r])) for r in range(self.comm.size)]
+            m0 = max(c0, o[rank])
+            send, recv = self._send[: counts[rank]], self._recv[: c1 - c0]
+            for name, (a, b) in self._spans:  # this replica's part of the chunk
+                x0, x1 = max(a, m0), min(b, m0 + counts[rank])
+                if x1 > x0:
+                    send[x0 - m0 : x1 - m0] = piece(name, x0 - a, x1 - a)
+            start = time.perf_counter_ns()
+            self.comm.allgatherv(send, recv, counts, label)
+            if self.tracer is not None:
+                self.tracer.add(label, "allgather", start, time.perf_counter_ns(), tid=2, bytes=int(recv.nbytes))
+            for name, (a, b) in self._spans:
+                x0, x1 = max(a, c0), min(b, c1)
+                if x1 > x0:
+                    put(name, x0 - a, x1 - a, recv[x0 - c0 : x1 - c0])
+
+
+class ShardedReducer(Reducer):
+    """ZeRO stage 2's reduction: after backward (or replay), the gradient buffer scaled by this replica's weight
+    and reduce-scattered, each replica receiving the sum of its shard into optimizer.shard_grad."""
+
+    name = "zero2"
+
+    def __init__(self, comm, optimizer):
+        super().__init__(comm)
+        self.optimizer = optimizer
+
+    def finish(self):
+        self.order_done = True
+        buf = self.optimizer.model.grad_buffer
+        self._scale(buf)
+        start = time.perf_counter_ns()
+        self.comm.reduce_scatterv(buf, self.optimizer.shard_grad, self.optimizer.counts, "zero gradients")
+        self.bytes_reduced += buf.nbytes
+        if self.tracer is not None:
+            end = time.perf_counter_ns()
+            self.tracer.add("zero gradients", "reduce_scatter", start, end, tid=2, bytes=int(buf.nbytes))
+            self.tracer.add("zero gradients", "blocking", start, end, tid=1)

@@ -1,0 +1,219 @@
+"""The parts a predicted step is made of, shared by predict.py (one replica's step) and pipelined.py (a
+pipeline's): the Prediction and LayerTime records, a layer's phases on a machine (a roofline per phase, threads,
+crowded cores), micro-batches and recomputation, and the reducer's messages with their seconds. predict.py's
+docstring says how each is modelled."""
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from pydtnn import recompute as recompute_module
+from pydtnn.distributed import reducers
+from pydtnn.perfmodel import collectives
+
+UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer's predicted seconds per phase and what bounds each (compute or memory)."""
+
+    name: str
+    kind: str
+    algorithm: str | None
+    forward_s: float
+    backward_data_s: float
+    backward_weights_s: float
+    bound: str
+    grad_bytes: int
+
+    @property
+    def total_s(self):
+        return self.forward_s + self.backward_data_s + self.backward_weights_s
+
+
+@dataclass
+class Prediction:
+    """A predicted training step. step_s = compute_s + memory_s + overhead_s + exposed_comm_s (the update is in
+    memory_s; the layers' fixed costs, the per-parameter and the per-step ones in overhead_s)."""
+
+    model: str
+    batch_size: int
+    np: int
+    threads: int
+    parallel: str
+    reduction: str
+    algorithm: str
+    progress: str
+    machine: str
+    step_s: float
+    compute_s: float
+    memory_s: float
+    update_s: float
+    comm_s: float
+    exposed_comm_s: float
+    messages: int
+    overhead_s: float = 0.0
+    layers: list = field(default_factory=list)
+    model_parallel_size: int = 1
+    group_comm_s: float = 0.0
+    sync_s: float = 0.0  # waits at the collectives for ranks off oversubscribed cores (in exposed_comm_s)
+    micro_batches: int = 1
+    recompute: str = "none"
+    pipeline_stages: int = 1
+    schedule: str | None = None  # a pipeline's
+    bubble_s: float = 0.0  # a pipeline's busiest stage waiting: the fill and drain, and for messages
+    p2p_s: float = 0.0  # a pipeline's point-to-point messages of a step, all of them (they overlap computing)
+    stages: list = field(default_factory=list)  # a pipeline's per stage: {"first", "last", "forward_s", ...}
+    zero: int = 0  # ZeRO's stage over the replicas
+
+    @property
+    def global_batch(self):
+        """Samples per step over all processes: batch_size per model replica times the replicas."""
+        return self.batch_size * (self.np // (self.model_parallel_size * self.pipeline_stages))
+
+    @property
+    def samples_per_second(self):
+        """Training throughput: the global batch over the step's seconds."""
+        return self.global_batch / self.step_s if self.step_s > 0 else math.inf
+
+    def to_dict(self):
+        d = asdict(self)
+        d["layers"] = [{**asdict(t), "total_s": t.total_s} for t in self.layers]
+        d["global_batch"], d["samples_per_second"] = self.global_batch, self.samples_per_second
+        return d
+
+
+def thread_speedup(machine, threads, kernel_class=None):
+    """The machine's speed-up at `threads` threads over one (of `kernel_class` where it has its own);
+    see Machine.thread_speedup."""
+    return machine.thread_speedup(threads, kernel_class)
+
+
+def phase_seconds(phase, kernel_class, machine, threads=1, crowding=1.0):
+    """(seconds, bound) of one phase: the longer of its FLOPs at its class's rate and its bytes at the
+    memory bandwidth on one thread, at `threads` threads by Machine.threaded_seconds (the class's
+    speed-up beyond the machine's serial part of a call), times `crowding` (oversubscribed cores)."""
+    if phase.flops == 0 and phase.bytes == 0:
+        return 0.0, "compute"
+    compute = phase.flops / machine.rates[kernel_class]
+    memory = phase.bytes / machine.memory_bandwidth
+    one, bound = (compute, "compute") if compute >= memory else (memory, "memory")
+    return machine.threaded_seconds(one, threads, kernel_class) * crowding, bound
+
+
+def allreduce_seconds(nbytes, p, machine, algorithm, level=None):
+    if p <= 1 or nbytes == 0:
+        return 0.0
+    if algorithm == "best":
+        return collectives.best("allreduce", nbytes, p, machine, level=level)[1]
+    if algorithm == collectives.HIERARCHICAL:
+        level = None
+    return collectives.seconds("allreduce", algorithm, nbytes, p, machine, level=level)
+
+
+def micro_sizes(batch_size, micro_batches):
+    """Samples of each micro-batch of a step, as the steps cut a batch (step.micro_bounds); the empty ones
+    (more micro-batches than samples) left out, as the steps skip them."""
+    from pydtnn.step import micro_bounds
+
+    return [b - a for a, b in micro_bounds(batch_size, micro_batches) if b > a]
+
+
+def recomputed(model, mode, unit_slice=slice(None)):
+    """Paths of the layers whose forward runs again in backward under recompute `mode` (pydtnn.recompute):
+    those of every segment of the units but the last; unit_slice: the units of a pipeline stage."""
+    if mode == "none":
+        return frozenset()
+    units = [(path, layer) for path, layer, _ in model.units()][unit_slice]
+    bounds = recompute_module.segments(len(units), mode)
+    return frozenset(p for path, unit in units[:bounds[-2]] for p, _ in unit.named_layers(path))
+
+
+def layer_times(costs, grads, machine, threads, crowding, again=frozenset()):
+    """([LayerTime], compute_s, memory_s, calls_s) of one forward and backward of `costs` (costs.layer_costs);
+    the layers named in `again` run their forward twice, the second time in backward (recomputation)."""
+    fixed = machine.overheads
+    times, compute_s, memory_s, calls_s = [], 0.0, 0.0, 0.0
+    for c in costs:
+        call_fwd, call_bwd = (s * crowding for s in fixed.call_s(c.kind))
+        parts = [phase_seconds(ph, c.kernel_class, machine, threads, crowding)
+                 for ph in (c.forward, c.backward_data, c.backward_weights)]
+        repeat = parts[0][0] if c.name in again else 0.0
+        if c.name in again:
+            parts.append(parts[0])
+            call_bwd += call_fwd
+        calls_s += call_fwd + call_bwd
+        for s, bound in parts:
+            compute_s += s if bound == "compute" else 0.0
+            memory_s += s if bound == "memory" else 0.0
+        heavier = max(parts[:3], key=lambda t: t[0])[1]
+        (fwd, _), (bwd_data, _), (bwd_weights, _) = parts[:3]
+        times.append(LayerTime(c.name, c.kind, c.algorithm, fwd + call_fwd, bwd_data + repeat + call_bwd, bwd_weights,
+                               heavier, grads.get(c.name, 0)))
+    return times, compute_s, memory_s, calls_s
+
+
+def accumulation_s(param_bytes, micro_batches, machine, threads, crowding):
+    """Seconds summing micro-batches' gradients (Step._accumulated): the first written into the sum (2
+    passes over the gradients' bytes), each later one scaled and added (4), the sum copied back (2)."""
+    if micro_batches <= 1:
+        return 0.0
+    passes = 2 + 4 * (micro_batches - 1) + 2
+    return passes * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
+
+
+def reduction_seconds(collective, nbytes, p, machine, algorithm, level):
+    """Seconds of one reducer message of nbytes per replica over p replicas: an allreduce, or an allgather (topk)
+    of every replica's nbytes."""
+    if collective == "allreduce":
+        return allreduce_seconds(nbytes, p, machine, algorithm, level)
+    if p <= 1:
+        return 0.0
+    if algorithm in ("best", collectives.HIERARCHICAL):
+        return collectives.best("allgather", p * nbytes, p, machine, level=level)[1]
+    return collectives.seconds("allgather", algorithm if algorithm in collectives.algorithms("allgather") else "ring",
+                               p * nbytes, p, machine, level=level)
+
+
+def reducer_messages(params, times, forward_s, reduction, itemsize, compression="none", after=False, **options):
+    """[(seconds into the step when the message can start, collective, bytes per replica)] in the order the
+    reducer starts them (reducers.messages); params: [(parameter name, gradient bytes)] in state-dict order;
+    options: the reducer's own that shape its messages (those it does not take are left out). after: every
+    gradient is reported at the end of backward (micro-batches: the reducer replays them after the last)."""
+    ready, t = {}, forward_s
+    for lt in reversed(times):  # backward runs the layers in reverse order
+        t += lt.backward_data_s + lt.backward_weights_s
+        ready[lt.name] = t
+    when = [t if after else ready.get(name.rsplit(".", 1)[0], t) for name, _ in params]
+    own = reducers.defaults(reduction)
+    sent = reducers.messages(reduction, [n // itemsize for _, n in params], itemsize, compression,
+                             **{k: v for k, v in options.items() if k in own})
+    starts = [t if m.params is None else max(when[i] for i in m.params) for m in sent]
+    return sorted(((s, m.collective, m.nbytes) for s, m in zip(starts, sent)), key=lambda x: x[0])
+
+
+def zero_costs(stage, nbytes, itemsize, replicas, machine, threads, crowding, algorithm, level):
+    """(share, memory-pass seconds, allgather seconds, reduce-scatter seconds or None) of ZeRO stage `stage`
+    (pydtnn.distributed.zero) on a replica holding nbytes of parameters: the largest shard's share of them
+    (its update's share), packing its shard and copying the gathered whole back (2 x share + 2 passes), the
+    allgather of the updated shards, and at stage 2 the reduce-scatter that replaces the reducer's messages."""
+    from pydtnn.distributed.sampler import shard_bounds
+
+    if not stage:
+        return 1.0, 0.0, 0.0, None
+    elements = nbytes // itemsize
+    bounds = shard_bounds(elements, replicas)
+    share = max(b - a for a, b in zip(bounds[:-1], bounds[1:])) / elements if elements else 0.0
+    passes_s = (2 * share + 2) * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
+    if replicas <= 1:
+        return share, passes_s, 0.0, (0.0 if stage == 2 else None)
+    gather = _collective("allgather", nbytes, replicas, machine, algorithm, level)
+    scatter = _collective("reduce_scatter", nbytes, replicas, machine, algorithm, level) if stage == 2 else None
+    return share, passes_s, gather, scatter
+
+
+def _collective(op, nbytes, p, machine, algorithm, level):
+    """Seconds of collective `op` of nbytes in all over p processes: `algorithm` where op has it, else the best."""
+    if algorithm in collectives.algorithms(op):
+        return collectives.seconds(op, algorithm, nbytes, p, machine, level=level)
+    return collectives.best(op, nbytes, p, machine, level=level)[1]

@@ -1,0 +1,219 @@
+"""Sharded data parallelism (--zero 1, 2): each replica holds and updates its shard of the optimizer state, and
+N processes end where plain data parallelism ends, to the bit; checkpoints are one process's files.
+
+Multi-process runs use the mpiexec next to the Python in use, as subprocesses with a timeout.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_pipeline import final, same_files
+
+from pydtnn import models, optim
+from pydtnn.backends import CPUBackend
+from pydtnn.distributed import zero
+from pydtnn.distributed.sampler import shard_bounds
+from pydtnn.errors import ConfigError
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+TRAIN = [sys.executable, "-m", "pydtnn", "--num_epochs", "1", "--steps_per_epoch", "6", "--dtype", "float64",
+         "--flip_images", "true", "--progress", "false"]
+
+
+def train(n, out, *flags, timeout=180):
+    cmd = ([MPIEXEC, "-n", str(n)] if n > 1 else []) + [*TRAIN, "--metrics_file", str(out), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, check=False)
+
+
+# -- the shard map ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
+def test_the_shards_cover_the_buffer_once_cutting_parameters_where_they_fall(size):
+    offsets = {"a": (0, 5), "b": (5, 6), "c": (6, 20), "d": (20, 23)}
+    bounds, pieces = zero.shard_map(offsets, size)
+    assert bounds == shard_bounds(23, size)
+    seen = []
+    for r in range(size):
+        at = 0
+        for name, lo, hi, where in pieces[r]:
+            assert where == at and 0 <= lo < hi <= offsets[name][1] - offsets[name][0]
+            seen += list(range(offsets[name][0] + lo, offsets[name][0] + hi))
+            at += hi - lo
+        assert at == bounds[r + 1] - bounds[r]
+    assert seen == list(range(23))
+
+
+class Ranks:
+    """Rank `rank` of `size`: all a ShardedOptimizer asks of a communicator before its first step."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+@pytest.mark.parametrize("name,hyper", [("adam", {}), ("sgd", {"momentum": 0.9})])
+def test_the_optimizer_state_of_4_replicas_is_a_quarter_each(name, hyper):
+    """The bytes of each replica's optimizer state at np 4 are a quarter of one process's (to an element per
+    slot), and the four shards hold every element once."""
+    model = models.create("simplecnn", backend=CPUBackend(np.float32))
+    whole = optim.create(name, model.parameters(), backend=model.backend, lr=0.01, **hyper)
+    one = sum(a.nbytes for a in whole.state_dict()["arrays"].values())
+    slots = len(whole.active_slots())
+    shards = []
+    for r in range(4):
+        sharded = zero.ShardedOptimizer(lambda params: optim.create(name, params, backend=model.backend, lr=0.01,
+                                                                    **hyper), model, Ranks(r, 4), stage=1)
+        shards.append(sum(a.nbytes for slots_ in sharded.inner.state.values() for a in slots_.values()))
+    assert sum(shards) == one
+    assert all(abs(s - one / 4) <= slots * 4 * 2 for s in shards), (shards, one)
+
+
+def test_a_stage_it_cannot_serve_is_a_config_error():
+    with pytest.raises(ConfigError, match="--zero 3: expected one of 0, 1, 2"):
+        zero.check_stage(3)
+    with pytest.raises(ConfigError, match="--zero 2 with --reduction topk"):
+        zero.check_stage(2, "topk")
+
+
+# -- N processes equal plain data parallelism ---------------------------------------------------------
+def assert_close(a, b, rtol=1e-12):
+    """Every tensor of checkpoint a's model file equals checkpoint b's within rtol of its largest magnitude."""
+    from safetensors.numpy import load_file
+
+    x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert list(x) == list(y)
+    for k in x:
+        scale = np.abs(y[k]).max()
+        assert scale > 0, k
+        err = np.abs(x[k] - y[k]).max() / scale
+        assert err <= rtol, f"{k}: relative difference {err:.3g} > {rtol}"
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Plain data parallelism at np 2 and 3 with SGD with momentum and Adam: each run's record and checkpoint."""
+    d = tmp_path_factory.mktemp("dp")
+    for n in (2, 3):
+        for opt in ("sgd", "adam"):
+            r = train(n, d / f"{opt}{n}.jsonl", "--optimizer", opt, "--checkpoint_dir", str(d / f"{opt}{n}"))
+            assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_sharded_replicas_end_where_data_parallelism_ends(plain, tmp_path, n, stage, opt):
+    """6 steps, float64, with flips, at np 2 and 3 (uneven shards, cut inside parameters): stage 1 ends with
+    plain data parallelism's parameters to the bit (the same allreduce, each element's update the same);
+    stage 2 within 1e-12 (a reduce-scatter sums the replicas in another order than an allreduce)."""
+    r = train(n, tmp_path / "z.jsonl", "--optimizer", opt, "--zero", str(stage), "--checkpoint_dir",
+              str(tmp_path / "z"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = final(tmp_path / "z.jsonl"), final(plain / f"{opt}{n}.jsonl")
+    if stage == 1:
+        assert got["params_sha256"] == want["params_sha256"]
+    assert_close(tmp_path / "z", plain / f"{opt}{n}")
+    assert got["test_accuracy"] == want["test_accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt,flags", [
+    ("sgd", ["--momentum", "0"]), ("sgd", ["--nesterov", "true", "--decay", "1e-3"]), ("adamw", []),
+    ("rmsprop", ["--decay", "1e-3"]), ("nadam", []), ("adam", ["--accumulation_steps", "3"]),
+    ("sgd", ["--lr_schedulers", "warm_up", "--warm_up_epochs", "1"])])
+def test_every_optimizer_sharded_ends_where_data_parallelism_ends(tmp_path, opt, flags):
+    """Every optimizer, weight decay, Nesterov, gradient accumulation and a learning-rate schedule: --zero 2 at
+    np 3 ends with plain data parallelism's parameters (within 1e-12)."""
+    for z in ("0", "2"):
+        r = train(3, tmp_path / f"{z}.jsonl", "--optimizer", opt, *flags, "--zero", z, "--checkpoint_dir",
+                  str(tmp_path / z))
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert_close(tmp_path / "2", tmp_path / "0")
+
+
+# -- checkpoints --------------------------------------------------------------------------------------
+def test_a_sharded_checkpoint_is_data_parallelisms_and_resumes_on_one_process(tmp_path):
+    """--zero 2 at np 2 writes the files plain data parallelism writes (the optimizer state gathered whole, bit
+    for bit); one process resuming it ends where one process resuming data parallelism's ends."""
+    for z in ("0", "2"):
+        r = train(2, tmp_path / f"z{z}.jsonl", "--optimizer", "adam", "--zero", z, "--checkpoint_dir",
+                  str(tmp_path / f"ck{z}"))
+        assert r.returncode == 0, r.stderr[-3000:]
+    same_files(tmp_path / "ck2", tmp_path / "ck0")
+    for z in ("0", "2"):
+        r = train(1, tmp_path / f"r{z}.jsonl", "--resume", str(tmp_path / f"ck{z}"), "--num_epochs", "2",
+                  "--zero", "0")
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert final(tmp_path / "r2.jsonl")["params_sha256"] == final(tmp_path / "r0.jsonl")["params_sha256"]
+
+
+@pytest.mark.slow
+def test_one_process_resumes_as_sharded_replicas_and_sharded_as_model_parallelism(tmp_path):
+    """One process's checkpoint resumed by --zero 2 at np 3 ends where plain data parallelism at np 3 ends from
+    it (within 1e-12); a --zero 1 checkpoint at np 2 resumed by model parallelism of 2 ends where a plain one does."""
+    r = train(1, tmp_path / "one.jsonl", "--optimizer", "adam", "--checkpoint_dir", str(tmp_path / "one"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    import shutil
+
+    for z in ("0", "2"):
+        shutil.copytree(tmp_path / "one", tmp_path / f"one{z}")
+        r = train(3, tmp_path / f"a{z}.jsonl", "--resume", str(tmp_path / f"one{z}"), "--num_epochs", "2",
+                  "--zero", z, "--checkpoint_dir", str(tmp_path / f"a{z}"))
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert_close(tmp_path / "a2", tmp_path / "a0")
+    for z in ("0", "1"):
+        r = train(2, tmp_path / f"b{z}.jsonl", "--optimizer", "adam", "--zero", z, "--checkpoint_dir",
+                  str(tmp_path / f"b{z}"))
+        assert r.returncode == 0, r.stderr[-3000:]
+        r = train(2, tmp_path / f"m{z}.jsonl", "--resume", str(tmp_path / f"b{z}"), "--num_epochs", "2",
+                  "--parallel", "model", "--zero", "0")
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert final(tmp_path / "m1.jsonl")["params_sha256"] == final(tmp_path / "m0.jsonl")["params_sha256"]
+
+
+def test_zero_with_topk_is_one_line_and_exit_2(tmp_path):
+    r = train(2, tmp_path / "m.jsonl", "--zero", "2", "--reduction", "topk", timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert lines and "--zero 2 with --reduction topk" in lines[0], r.stderr[-3000:]
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+@pytest.mark.parametrize("layout", [["--parallel", "hybrid", "--model_parallel_size", "2"],
+                                    ["--parallel", "hybrid", "--pipeline_stages", "2", "--micro_batches", "2"]],
+                         ids=["model-parallel groups", "pipelines"])
+def test_replicas_of_split_models_shard_across_the_replicas(tmp_path, layout):
+    """np 4 as 2 replicas of a model split over 2 processes, or of a 2-stage pipeline: --zero 2 shards each
+    process's part over its replicas and ends with the parameters and the checkpoint files of --zero 0."""
+    for z in ("0", "2"):
+        r = train(4, tmp_path / f"{z}.jsonl", "--optimizer", "adam", *layout, "--zero", z, "--checkpoint_dir",
+                  str(tmp_path / z))
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert final(tmp_path / "2.jsonl")["params_sha256"] == final(tmp_path / "0.jsonl")["params_sha256"]
+    same_files(tmp_path / "2", tmp_path / "0")
+
+
+# -- the performance model ----------------------------------------------------------------------------
+def test_the_time_model_prices_the_shards_update_and_their_allgather():
+    """At 4 replicas the update is the largest shard's (a quarter), an allgather of the parameters follows it,
+    and stage 2 sends one reduce-scatter in place of the reducer's messages."""
+    import dataclasses
+
+    from pydtnn.perfmodel import collectives, machine
+    from pydtnn.perfmodel.predict import predict
+
+    m = dataclasses.replace(machine.DEFAULT, cores=8, processes_per_node=8)
+    model = models.create("simplecnn", backend=CPUBackend(np.float32))
+    nbytes = sum(p.nbytes for _, p, _ in model.parameters())
+    plain, one, two = (predict(model, 32, 4, m, optimizer="adam", zero=z) for z in (0, 1, 2))
+    assert one.update_s == pytest.approx(plain.update_s / 4, rel=1e-3) and one.zero == 1
+    gather = collectives.seconds("allgather", "ring", nbytes, 4, m, level="intra")
+    assert one.comm_s - plain.comm_s == pytest.approx(gather, rel=1e-9)
+    scatter = collectives.seconds("reduce_scatter", "ring", nbytes, 4, m, level="intra")
+    assert two.comm_s == pytest.approx(scatter + gather, rel=1e-9) and two.messages == 2
+    assert two.exposed_comm_s == pytest.approx(two.comm_s)
+    with pytest.raises(ConfigError, match="--zero 1 with --reduction topk"):
+        predict(model, 32, 4, m, reduction="topk", zero=1)
