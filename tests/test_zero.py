@@ -217,3 +217,62 @@ def test_the_time_model_prices_the_shards_update_and_their_allgather():
     assert two.exposed_comm_s == pytest.approx(two.comm_s)
     with pytest.raises(ConfigError, match="--zero 1 with --reduction topk"):
         predict(model, 32, 4, m, reduction="topk", zero=1)
+
+
+class ThreadComm:
+    """Rank `rank` of `size` threads: the allgatherv a ShardedOptimizer calls, through shared memory."""
+
+    def __init__(self, rank, size, shared):
+        self.rank, self.size, self.shared = rank, size, shared
+
+    def allgatherv(self, send, recv, counts, label=""):
+        self.shared["sends"][self.rank] = send.copy()
+        self.shared["barrier"].wait()
+        recv[...] = np.concatenate(self.shared["sends"])
+        self.shared["barrier"].wait()
+        return recv
+
+
+@pytest.mark.parametrize("size,chunk", [(3, 64), (4, 1000), (2, 1 << 30)])
+def test_shards_gathered_in_many_chunks_give_the_whole_update_and_state(monkeypatch, size, chunk):
+    """Replicas (threads here) whose shards are cut inside parameters and gathered in allgathers of a few
+    elements each: every replica ends with the parameters one Adam step over the whole model gives, to the
+    bit, and state_dict() gives the whole optimizer's state."""
+    import threading
+
+    monkeypatch.setattr(zero, "CHUNK_BYTES", chunk)
+
+    def build():  # the same parameters and gradients every time
+        m = models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
+        m.grad_buffer[...] = np.random.default_rng(0).standard_normal(m.grad_buffer.size)
+        return m
+
+    whole = build()
+    ref = optim.create("adam", whole.parameters(), backend=whole.backend, lr=0.1)
+    ref.step()
+    ref.step()
+    shared = {"sends": [None] * size, "barrier": threading.Barrier(size)}
+    replicas = [build() for _ in range(size)]
+    opts = [zero.ShardedOptimizer(lambda params, m=m: optim.create("adam", params, backend=m.backend, lr=0.1), m,
+                                  ThreadComm(r, size, shared), 1) for r, m in enumerate(replicas)]
+    states = [None] * size
+
+    def run(r):
+        opts[r].step()
+        opts[r].step()
+        states[r] = opts[r].state_dict()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert chunk > 1000 or opts[0].chunks > 3
+    want = whole.state_dict()
+    for m, state in zip(replicas, states):
+        got = m.state_dict()
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+        ref_state = ref.state_dict()
+        assert state["arrays"].keys() == ref_state["arrays"].keys()
+        assert all(np.array_equal(state["arrays"][k], ref_state["arrays"][k]) for k in ref_state["arrays"])
+        assert state["scalars"] == ref_state["scalars"]

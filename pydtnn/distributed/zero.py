@@ -25,7 +25,6 @@ import time
 import numpy as np
 
 from pydtnn.distributed.reducers.base import PIECE_BYTES, Reducer
-from pydtnn.distributed.reducers.layout import piece_bounds
 from pydtnn.distributed.sampler import shard_bounds
 from pydtnn.errors import ConfigError
 
@@ -91,9 +90,12 @@ class ShardedOptimizer:
             own.append((name, self.params[name].reshape(-1)[lo:hi], g))
         self.inner = make(own)
         self.own = {name: (lo, hi) for name, lo, hi, _ in self.pieces}
-        self.chunks = piece_bounds(sum(self.counts), np.dtype(dtype).itemsize, CHUNK_BYTES)
-        width = max(b - a for a, b in self.chunks)
-        self._send, self._recv = xp.empty(min(width, self.counts[comm.rank]), dtype), xp.empty(width, dtype)
+        # the allgathers: in each, every replica sends the next 1/K of its shard (never nothing: MPICH's
+        # non-blocking Allgatherv, which the stall watch polls, takes hundreds of times longer when one sends 0)
+        chunks = -(-max(self.counts) * np.dtype(dtype).itemsize // CHUNK_BYTES) or 1
+        self.steps = [-(-c // chunks) for c in self.counts]
+        self.chunks = chunks
+        self._send, self._recv = xp.empty(self.steps[comm.rank], dtype), xp.empty(sum(self.steps), dtype)
         self._spans = sorted(model.grad_offsets.items(), key=lambda kv: kv[1])
 
     # -- the Optimizer contract ------------------------------------------------------------
@@ -162,26 +164,32 @@ class ShardedOptimizer:
         self.params[name].reshape(-1)[...] = flat
 
     def _gather(self, piece, put, label):
-        """Whole per-parameter arrays from every replica's shard, chunk by chunk of the flat buffer (at most
-        CHUNK_BYTES, so no whole copy is ever made): piece(name, lo, hi) gives this replica's flat elements
-        [lo, hi) of parameter `name`'s array, put(name, lo, hi, flat) takes every replica's."""
+        """Whole per-parameter arrays from every replica's shard, in `chunks` allgathers of at most CHUNK_BYTES
+        from each replica (so no whole copy is ever made): piece(name, lo, hi) gives this replica's flat
+        elements [lo, hi) of parameter `name`'s array, put(name, lo, hi, flat) takes every replica's."""
         o, rank = self.bounds, self.comm.rank
-        for c0, c1 in self.chunks:
-            counts = [max(0, min(c1, o[r + 1]) - max(c0, o[r])) for r in range(self.comm.size)]
-            m0 = max(c0, o[rank])
-            send, recv = self._send[: counts[rank]], self._recv[: c1 - c0]
-            for name, (a, b) in self._spans:  # this replica's part of the chunk
-                x0, x1 = max(a, m0), min(b, m0 + counts[rank])
-                if x1 > x0:
-                    send[x0 - m0 : x1 - m0] = piece(name, x0 - a, x1 - a)
+        for k in range(self.chunks):
+            parts = [(o[r] + min(k * s, c), o[r] + min((k + 1) * s, c)) for r, (s, c) in
+                     enumerate(zip(self.steps, self.counts))]  # each replica's flat elements in this allgather
+            counts = [b - a for a, b in parts]
+            m0, m1 = parts[rank]
+            send, recv = self._send[: m1 - m0], self._recv[: sum(counts)]
+            for name, a, b in self._overlapping(m0, m1):
+                send[max(a, m0) - m0 : min(b, m1) - m0] = piece(name, max(a, m0) - a, min(b, m1) - a)
             start = time.perf_counter_ns()
             self.comm.allgatherv(send, recv, counts, label)
             if self.tracer is not None:
                 self.tracer.add(label, "allgather", start, time.perf_counter_ns(), tid=2, bytes=int(recv.nbytes))
-            for name, (a, b) in self._spans:
-                x0, x1 = max(a, c0), min(b, c1)
-                if x1 > x0:
-                    put(name, x0 - a, x1 - a, recv[x0 - c0 : x1 - c0])
+            at = 0
+            for p0, p1 in parts:
+                for name, a, b in self._overlapping(p0, p1):
+                    x0, x1 = max(a, p0), min(b, p1)
+                    put(name, x0 - a, x1 - a, recv[at + x0 - p0 : at + x1 - p0])
+                at += p1 - p0
+
+    def _overlapping(self, lo, hi):
+        """(name, start, stop) of the parameters whose flat buffer range meets [lo, hi)."""
+        return [(name, a, b) for name, (a, b) in self._spans if a < hi and b > lo]
 
 
 class ShardedReducer(Reducer):

@@ -1,0 +1,232 @@
+"""ZeRO's stages against plain data parallelism: per-process peak memory and step time, with the models'
+predictions beside them.
+
+    python benchmarks/sharding.py [--out docs/sharding_benchmark.json] [--plot docs/benchmarks_sharding.png]
+                                  [--machine docs/machine_xeon_avx512.yaml] [--quick] [--only TEXT]
+
+For each model (vgg16_cifar10, 15 M parameters, 32 samples per process; resnet50_imagenet, 25.6 M, 2 per
+process; resnet20_cifar10, 0.27 M, 32 per process), Adam, np 1 and --zero 0, 1, 2 at np 2 and 4, on shared
+memory and on the emulated 1 Gbit/s link (benchmarks/netem.py):
+
+- step: pydtnn-train on random images (--use_synthetic_data), traced; the median over the timed steps of
+  the slowest rank's step (perfmodel_validation.run_traced), predicted by pydtnn.perfmodel.predict on
+  --machine (the emulated link from a probe of it, shared by the processes);
+- memory: each process's traced peak over training steps (benchmarks/memory_worker.py, network-independent,
+  measured once per model, stage and np), the busiest process's, predicted by
+  pydtnn.perfmodel.memory.predict_memory; and pydtnn-train's peak resident set (GNU time), which adds the
+  interpreter, the libraries and the data.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import memory_validation  # noqa: E402
+import perfmodel_validation as validation  # noqa: E402
+
+from pydtnn.perfmodel.mpi_links import mpiexec_path  # noqa: E402
+
+MODELS = {"vgg16_cifar10": 32, "resnet50_imagenet": 2, "resnet20_cifar10": 32}  # batch per process
+NETWORKS = ("unlimited", "1gbit")
+RUN_TIMEOUT_S = 1800
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: str
+    batch: int  # per process
+    np: int
+    zero: int
+    network: str = "unlimited"
+
+    @property
+    def label(self):
+        return f"{self.model} B{self.batch} np{self.np} zero{self.zero} {self.network}"
+
+
+def configs(quick=False):
+    if quick:
+        return [Config("resnet20_cifar10", 16, 2, z) for z in (0, 1, 2)]
+    out = []
+    for network in NETWORKS:
+        for model, batch in MODELS.items():
+            out.append(Config(model, batch, 1, 0, network))
+            out += [Config(model, batch, n, z, network) for n in (2, 4) for z in (0, 1, 2)]
+    return [c for c in out if not (c.np == 1 and c.network != "unlimited")]
+
+
+def command(config, trace, warmup, steps, rss):
+    train = [sys.executable, "-m", "pydtnn", "--model", config.model, "--batch_size", str(config.batch),
+             "--use_synthetic_data", "true", "--optimizer", "adam", "--zero", str(config.zero),
+             "--steps_per_epoch", str(warmup + steps), "--num_epochs", "1", "--tracing", "--tracer_output", trace,
+             "--progress", "false", "--threads_per_process", "1", "--learning_rate_scaling", "false"]
+    if os.path.exists("/usr/bin/time"):
+        train = ["/usr/bin/time", "-f", "%M", "-a", "-o", rss, *train]
+    train = [mpiexec_path(), "-n", str(config.np), *train]
+    if config.network != "unlimited":
+        train = [sys.executable, validation.NETEM, "--rate", config.network, "--", *train]
+    return train
+
+
+def measure_step(config, warmup, steps, wait_s, tmp):
+    trace, rss = os.path.join(tmp, "trace.json"), os.path.join(tmp, "rss.txt")
+    if os.path.exists(rss):
+        os.remove(rss)
+    m, wall, foreign = validation.run_traced(command(config, trace, warmup, steps, rss), validation.thread_env(1),
+                                             tmp, trace, config.np, warmup, wait_s, config.label, RUN_TIMEOUT_S)
+    peak = None
+    if os.path.exists(rss):
+        with open(rss, encoding="utf-8") as f:
+            peak = max(int(line) for line in f if line.strip().isdigit()) / 1024
+    return {"step_s": m["step_s"], "phases_s": m["phases_s"], "wall_s": wall, "foreign_cores": foreign,
+            "peak_rss_mb": peak}
+
+
+def predicted(config, model, base, link):
+    from pydtnn.perfmodel.memory import predict_memory
+    from pydtnn.perfmodel.predict import predict
+
+    machine = validation.machine_for(base, config.np, link)
+    p = predict(model, config.batch, config.np, machine, reduction="bucketed", algorithm="best", optimizer="adam",
+                zero=config.zero)
+    mem = predict_memory(model, config.batch, ("adam", {}), zero=config.zero, replicas=config.np)
+    return {"step_s": p.step_s, "exposed_comm_s": p.exposed_comm_s, "update_s": p.update_s,
+            "memory_mib": mem.total / 2**20, "memory_parts_mib": {k: v / 2**20 for k, v in mem.parts.items()}}
+
+
+def drive(args):
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.perfmodel import machine
+
+    t_start = time.perf_counter()
+    base = machine.load(args.machine)
+    refusal = validation.netem_refusal()
+    if refusal:
+        print(f"sharding: the emulated network skipped: {refusal}", file=sys.stderr)
+    todo = [c for c in configs(args.quick) if (refusal is None or c.network == "unlimited")
+            and (not args.only or args.only in c.label)]
+    links = {rate: validation.probe_link(rate, nps=(2,)) for rate in {c.network for c in todo} - {"unlimited"}}
+    env = validation.thread_env(1)
+    memory, built, points = {}, {}, []
+    with tempfile.TemporaryDirectory(prefix="sharding-") as tmp:
+        for i, c in enumerate(todo):
+            key = (c.model, c.batch, c.np, c.zero)
+            if key not in memory:
+                memory[key] = memory_validation.measure_parallel(c.model, c.batch, "adam", 1, 1, 1, "1f1b", env,
+                                                                 c.zero, c.np) if c.np > 1 else [
+                    _one_process_peak(c.model, c.batch, env)]
+            meas = measure_step(c, args.warmup, args.steps, args.wait_idle, tmp)
+            meas["memory_mib"] = max(memory[key]) / 2**20
+            meas["per_process_mib"] = [v / 2**20 for v in memory[key]]
+            if c.model not in built:
+                built[c.model] = models.create(c.model, backend=CPUBackend(seed=0))
+            pred = predicted(c, built[c.model], base, links.get(c.network))
+            points.append({"label": c.label, "config": dataclasses.asdict(c), "measured": meas, "predicted": pred})
+            print(f"[{i + 1}/{len(todo)}] {c.label}: step {1e3 * meas['step_s']:.0f} ms (predicted "
+                  f"{1e3 * pred['step_s']:.0f}), memory {meas['memory_mib']:.1f} MiB (predicted "
+                  f"{pred['memory_mib']:.1f}), RSS {meas['peak_rss_mb'] or 0:.0f} MB", file=sys.stderr, flush=True)
+    return {"host": validation.host(), "commit": validation.commit(),
+            "machine_file": os.path.relpath(os.path.abspath(args.machine), ROOT), "netem": refusal or "used",
+            "links": links, "points": points, "wall_s": time.perf_counter() - t_start,
+            "settings": {"warmup": args.warmup, "steps": args.steps, "threads": 1, "optimizer": "adam",
+                         "data": "random images (--use_synthetic_data)", "reduction": "bucketed (default)"}}
+
+
+def _one_process_peak(model, batch, env):
+    """One process's traced peak (memory_validation's one-process measurement), for np 1."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, os.path.join(HERE, "memory_validation.py"), "--measure", model, str(batch),
+                        "adam", "1", "none"], capture_output=True, text=True, env=env, timeout=900, check=True)
+    return int(r.stdout.strip().splitlines()[-1])
+
+
+def table(run):
+    ms = lambda v: f"{1e3 * v:.0f}"
+    lines = ["| model | network | np | ZeRO | step ms | predicted ms | peak MiB (traced) | predicted MiB | "
+             "optimizer MiB (predicted) | peak RSS MB |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for p in run["points"]:
+        c, m, pr = p["config"], p["measured"], p["predicted"]
+        rss = "" if m["peak_rss_mb"] is None else f"{m['peak_rss_mb']:.0f}"
+        lines.append(f"| {c['model']} | {c['network']} | {c['np']} | {c['zero']} | {ms(m['step_s'])} | "
+                     f"{ms(pr['step_s'])} | {m['memory_mib']:.1f} | {pr['memory_mib']:.1f} | "
+                     f"{pr['memory_parts_mib']['optimizer']:.1f} | {rss} |")
+    return "\n".join(lines)
+
+
+def plot(run, path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    models = list(dict.fromkeys(p["config"]["model"] for p in run["points"]))
+    fig = Figure(figsize=(4.2 * len(models), 6.4), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, len(models), squeeze=False)
+    for j, model in enumerate(models):
+        mine = [p for p in run["points"] if p["config"]["model"] == model]
+        for z, marker in zip((0, 1, 2), "osD"):
+            pts = sorted((p for p in mine if p["config"]["zero"] == z or p["config"]["np"] == 1),
+                         key=lambda p: p["config"]["np"])
+            mem = [(p["config"]["np"], p["measured"]["memory_mib"], p["predicted"]["memory_mib"]) for p in pts
+                   if p["config"]["network"] == "unlimited"]
+            ax = axes[0][j]
+            ax.plot([a for a, _, _ in mem], [b for _, b, _ in mem], marker=marker, color=f"C{z}", label=f"ZeRO {z}")
+            ax.plot([a for a, _, _ in mem], [c for _, _, c in mem], ls="--", color=f"C{z}", lw=0.8)
+            for k, network in enumerate(NETWORKS):
+                steps = [(p["config"]["np"], p["measured"]["step_s"]) for p in pts
+                         if p["config"]["network"] == network or p["config"]["np"] == 1]
+                axes[1][j].plot([a for a, _ in steps], [1e3 * b for _, b in steps], marker=marker, color=f"C{z}",
+                                ls="-" if k == 0 else ":", label=f"ZeRO {z}, {network}")
+        axes[0][j].set_title(model, fontsize=10)
+        axes[0][j].set_ylabel("peak per process (MiB, traced)")
+        axes[1][j].set_ylabel("step (ms)")
+        for ax in axes[:, j]:
+            ax.set_xlabel("processes")
+            ax.set_xticks([1, 2, 4])
+    axes[0][0].legend(fontsize=8, title="measured (dashed: predicted)", title_fontsize=8)
+    axes[1][0].legend(fontsize=7)
+    fig.suptitle(f"ZeRO stages, Adam ({run['host']}, one thread per process)", fontsize=11)
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "sharding_benchmark.json"))
+    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "benchmarks_sharding.png"))
+    p.add_argument("--machine", default=os.path.join(ROOT, "docs", "machine_xeon_avx512.yaml"))
+    p.add_argument("--quick", action="store_true", help="3 small configurations, nothing written")
+    p.add_argument("--only", help="only the configurations whose label contains this text")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--wait_idle", type=float, default=0.0, help="seconds to wait for a quiet machine before a run")
+    p.add_argument("--from_json", help="the table and plot of a saved run")
+    args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            run = json.load(f)
+    else:
+        run = drive(args)
+        if not args.quick:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(run, f, indent=1)
+    print(f"{run['host']}; pydtnn {run['commit']}; {len(run['points'])} configurations, "
+          f"{run['settings']['warmup']} warm-up + {run['settings']['steps']} timed steps; {run['wall_s']:.0f} s")
+    print(table(run))
+    if not args.quick and args.plot:
+        plot(run, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
