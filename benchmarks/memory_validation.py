@@ -72,13 +72,13 @@ def zero_configs(quick=False):
 
 def measure_parallel(model, batch, optimizer, micro_batches, m, stages, schedule, env, zero=0, replicas=1):
     """[each process's measured peak bytes] of a layout of m x stages processes, or of `replicas` data-parallel
-    ones sharded by ZeRO stage `zero` (benchmarks/memory_worker.py)."""
+    ones (sharded by ZeRO stage `zero`, where given) (benchmarks/memory_worker.py)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    n = replicas if zero else m * stages
+    n = replicas if zero or replicas > 1 else m * stages
     r = subprocess.run([mpiexec, "-n", str(n), sys.executable, os.path.join(HERE, "memory_worker.py"),
                         model, str(batch), "--optimizer", optimizer, "--micro_batches", str(micro_batches),
                         "--model_parallel_size", str(m), "--stages", str(stages), "--schedule", schedule,
-                        "--zero", str(zero)],
+                        "--zero", str(zero), "--replicas", str(replicas)],
                        capture_output=True, text=True, env=env, timeout=900, check=True)
     peaks = {}
     for line in r.stdout.split("peak ")[1:]:  # ranks' lines may interleave

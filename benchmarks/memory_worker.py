@@ -7,8 +7,8 @@ so kernels are compiled; then, under tracemalloc, the model built, split and cut
                                                [--micro_batches K] [--schedule 1f1b|gpipe] [--optimizer adam]
                                                [--zero 1|2]
 
-P = S x M (one pipeline; S = 1: model parallelism only), or with --zero, P data-parallel replicas of BATCH
-samples each, sharded (bucketed reduction at stage 1). Each rank prints one line, "peak RANK BYTES".
+P = S x M (one pipeline; S = 1: model parallelism only), or with --zero or --replicas P, P data-parallel
+replicas of BATCH samples each (bucketed reduction; at stage 2 ZeRO's reduce-scatter). Each rank prints one line, "peak RANK BYTES".
 """
 
 import argparse
@@ -32,7 +32,7 @@ from pydtnn.step import Step
 
 def build(args, world, pipe, group):
     """This rank's step (Step or PipelineStep) over its part of a freshly built model."""
-    if args.zero:
+    if args.zero or args.replicas > 1:
         return build_sharded(args, world)
     shape, classes = models.defaults(args.model)
     model = models.create(args.model, input_shape=shape, num_classes=classes, backend=CPUBackend(np.float32, seed=0))
@@ -52,14 +52,17 @@ def build(args, world, pipe, group):
 
 
 def build_sharded(args, world):
-    """A data-parallel replica's Step with ZeRO's sharded optimizer and its reduction over `world`."""
+    """A data-parallel replica's Step with ZeRO's sharded optimizer and its reduction over `world` (--zero 0:
+    the plain optimizer and the bucketed reducer)."""
     from pydtnn.distributed import reducers, zero
 
     shape, classes = models.defaults(args.model)
     model = models.create(args.model, input_shape=shape, num_classes=classes, backend=CPUBackend(np.float32, seed=0))
     name, hyper = OPTIMIZERS[args.optimizer]
-    opt = zero.ShardedOptimizer(lambda params: optim.create(name, params, backend=model.backend, **hyper), model,
-                                world, args.zero)
+    def make(params):
+        return optim.create(name, params, backend=model.backend, **hyper)
+
+    opt = zero.ShardedOptimizer(make, model, world, args.zero) if args.zero else make(model.parameters())
     reducer = zero.ShardedReducer(world, opt) if args.zero == 2 else reducers.create("bucketed", world)
     reducer.attach(model)
     return Step(model, losses.create("categorical_cross_entropy"), opt, reducer,
@@ -76,6 +79,7 @@ def main():
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--optimizer", default="sgd_momentum", choices=tuple(OPTIMIZERS))
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2))
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (the world), with or without --zero")
     args = p.parse_args()
     world = launch.init()
     launch.install_abort_handler(world)

@@ -6,7 +6,8 @@ predictions beside them.
 
 For each model (vgg16_cifar10, 15 M parameters, 32 samples per process; resnet50_imagenet, 25.6 M, 2 per
 process; resnet20_cifar10, 0.27 M, 32 per process), Adam, np 1 and --zero 0, 1, 2 at np 2 and 4, on shared
-memory and on the emulated 1 Gbit/s link (benchmarks/netem.py):
+memory, and VGG-16 and ResNet-20 at np 2 and 4 on the emulated 1 Gbit/s link too (benchmarks/netem.py),
+every convolution with its threshold algorithm (--conv_autotune false, as the model costs it):
 
 - step: pydtnn-train on random images (--use_synthetic_data), traced; the median over the timed steps of
   the slowest rank's step (perfmodel_validation.run_traced), predicted by pydtnn.perfmodel.predict on
@@ -37,6 +38,7 @@ from pydtnn.perfmodel.mpi_links import mpiexec_path  # noqa: E402
 
 MODELS = {"vgg16_cifar10": 32, "resnet50_imagenet": 2, "resnet20_cifar10": 32}  # batch per process
 NETWORKS = ("unlimited", "1gbit")
+EMULATED = ("vgg16_cifar10", "resnet20_cifar10")
 RUN_TIMEOUT_S = 1800
 
 
@@ -61,14 +63,16 @@ def configs(quick=False):
         for model, batch in MODELS.items():
             out.append(Config(model, batch, 1, 0, network))
             out += [Config(model, batch, n, z, network) for n in (2, 4) for z in (0, 1, 2)]
-    return [c for c in out if not (c.np == 1 and c.network != "unlimited")]
+    # the emulated link: the models whose steps there take seconds, not tens of seconds
+    return [c for c in out if c.network == "unlimited" or (c.np > 1 and c.model in EMULATED)]
 
 
 def command(config, trace, warmup, steps, rss):
     train = [sys.executable, "-m", "pydtnn", "--model", config.model, "--batch_size", str(config.batch),
              "--use_synthetic_data", "true", "--optimizer", "adam", "--zero", str(config.zero),
              "--steps_per_epoch", str(warmup + steps), "--num_epochs", "1", "--tracing", "--tracer_output", trace,
-             "--progress", "false", "--threads_per_process", "1", "--learning_rate_scaling", "false"]
+             "--progress", "false", "--threads_per_process", "1", "--learning_rate_scaling", "false",
+             "--conv_autotune", "false"]
     if os.path.exists("/usr/bin/time"):
         train = ["/usr/bin/time", "-f", "%M", "-a", "-o", rss, *train]
     train = [mpiexec_path(), "-n", str(config.np), *train]
@@ -118,13 +122,24 @@ def drive(args):
     links = {rate: validation.probe_link(rate, nps=(2,)) for rate in {c.network for c in todo} - {"unlimited"}}
     env = validation.thread_env(1)
     memory, built, points = {}, {}, []
+    done = {}
+    if args.resume and os.path.exists(args.out):  # a run cut short goes on where it stopped
+        with open(args.out, encoding="utf-8") as f:
+            done = {p["label"]: p for p in json.load(f)["points"]}
+    run = {"host": validation.host(), "commit": validation.commit(),
+           "machine_file": os.path.relpath(os.path.abspath(args.machine), ROOT), "netem": refusal or "used",
+           "links": links, "points": points, "wall_s": 0.0,
+           "settings": {"warmup": args.warmup, "steps": args.steps, "threads": 1, "optimizer": "adam",
+                        "data": "random images (--use_synthetic_data)", "reduction": "bucketed (default)",
+                        "conv_autotune": False}}
     with tempfile.TemporaryDirectory(prefix="sharding-") as tmp:
         for i, c in enumerate(todo):
+            if c.label in done:
+                points.append(done[c.label])
+                continue
             key = (c.model, c.batch, c.np, c.zero)
             if key not in memory:
-                memory[key] = memory_validation.measure_parallel(c.model, c.batch, "adam", 1, 1, 1, "1f1b", env,
-                                                                 c.zero, c.np) if c.np > 1 else [
-                    _one_process_peak(c.model, c.batch, env)]
+                memory[key] = _peaks(c, env)
             meas = measure_step(c, args.warmup, args.steps, args.wait_idle, tmp)
             meas["memory_mib"] = max(memory[key]) / 2**20
             meas["per_process_mib"] = [v / 2**20 for v in memory[key]]
@@ -132,14 +147,47 @@ def drive(args):
                 built[c.model] = models.create(c.model, backend=CPUBackend(seed=0))
             pred = predicted(c, built[c.model], base, links.get(c.network))
             points.append({"label": c.label, "config": dataclasses.asdict(c), "measured": meas, "predicted": pred})
+            run["wall_s"] = time.perf_counter() - t_start
+            if not args.quick:  # every point saved as it is measured
+                with open(args.out, "w", encoding="utf-8") as f:
+                    json.dump(run, f, indent=1)
             print(f"[{i + 1}/{len(todo)}] {c.label}: step {1e3 * meas['step_s']:.0f} ms (predicted "
                   f"{1e3 * pred['step_s']:.0f}), memory {meas['memory_mib']:.1f} MiB (predicted "
                   f"{pred['memory_mib']:.1f}), RSS {meas['peak_rss_mb'] or 0:.0f} MB", file=sys.stderr, flush=True)
-    return {"host": validation.host(), "commit": validation.commit(),
-            "machine_file": os.path.relpath(os.path.abspath(args.machine), ROOT), "netem": refusal or "used",
-            "links": links, "points": points, "wall_s": time.perf_counter() - t_start,
-            "settings": {"warmup": args.warmup, "steps": args.steps, "threads": 1, "optimizer": "adam",
-                         "data": "random images (--use_synthetic_data)", "reduction": "bucketed (default)"}}
+    run["wall_s"] = time.perf_counter() - t_start
+    if not args.quick:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(run, f, indent=1)
+    return run
+
+
+def _peaks(c, env):
+    """Each process's traced peak bytes of configuration c (benchmarks/memory_worker.py; one process:
+    memory_validation's one-process measurement)."""
+    if c.np > 1:
+        return memory_validation.measure_parallel(c.model, c.batch, "adam", 1, 1, 1, "1f1b", env, c.zero, c.np)
+    return [_one_process_peak(c.model, c.batch, env)]
+
+
+def remeasure_memory(path):
+    """Measure again the memory of the points of the run saved at `path` that lack a peak per process (the steps
+    kept), and save it."""
+    with open(path, encoding="utf-8") as f:
+        run = json.load(f)
+    env, cache = validation.thread_env(1), {}
+    for p in run["points"]:
+        c = Config(**p["config"])
+        key = (c.model, c.batch, c.np, c.zero)
+        if len(p["measured"].get("per_process_mib", [])) == c.np:
+            continue
+        if key not in cache:
+            cache[key] = _peaks(c, env)
+            print(f"{c.label}: {max(cache[key]) / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+        p["measured"]["memory_mib"] = max(cache[key]) / 2**20
+        p["measured"]["per_process_mib"] = [v / 2**20 for v in cache[key]]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(run, f, indent=1)
+    return run
 
 
 def _one_process_peak(model, batch, env):
@@ -211,15 +259,16 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--wait_idle", type=float, default=0.0, help="seconds to wait for a quiet machine before a run")
     p.add_argument("--from_json", help="the table and plot of a saved run")
+    p.add_argument("--resume", action="store_true", help="keep the points --out already holds, measure the rest")
+    p.add_argument("--memory_only", action="store_true", help="measure the memory of --out's points again, and save")
     args = p.parse_args(argv)
-    if args.from_json:
+    if args.memory_only:
+        run = remeasure_memory(args.out)
+    elif args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             run = json.load(f)
     else:
         run = drive(args)
-        if not args.quick:
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump(run, f, indent=1)
     print(f"{run['host']}; pydtnn {run['commit']}; {len(run['points'])} configurations, "
           f"{run['settings']['warmup']} warm-up + {run['settings']['steps']} timed steps; {run['wall_s']:.0f} s")
     print(table(run))

@@ -228,10 +228,10 @@ def load(directory, model, optimizer=None, check_meta=None, extras=None):
             arrays = {k: v for k, v in arrays.items() if k.rsplit(".", 1)[0] not in others}
         if model.sharding is not None:  # whole in the file; this rank holds its slices
             arrays = {k: model.sharding.cut(model.sharding.param_of_slot(k), v) for k, v in arrays.items()}
-        own_arrays = optimizer.state_dict()["arrays"]
+        own_dtypes = optimizer.state_dtypes()
         for name, t in arrays.items():
-            if name in own_arrays:  # names the optimizer lacks: its load_state_dict says which
-                _check_values(name, t, own_arrays[name].dtype, opt_where)
+            if name in own_dtypes:  # names the optimizer lacks: its load_state_dict says which
+                _check_values(name, t, own_dtypes[name], opt_where)
     if check_meta is not None:
         check_meta(manifest["meta"], meta_path)
     if optimizer is not None:

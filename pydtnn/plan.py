@@ -184,13 +184,14 @@ class RunPlan:
         if args.enable_gpu and lay.model_parallel_size > 1:
             raise ConfigError(f"--parallel {lay.parallel} splits layers over CPU processes; with --enable_gpu use "
                               f"--parallel data (model parallelism runs on the CPU backend)")
-        zero = getattr(args, "zero", 0)
+        zero, reduction = getattr(args, "zero", 0), Reduction.from_args(args, lay.replicas)
         if zero:
             from pydtnn.distributed.zero import check_stage
 
-            check_stage(zero, args.reduction)
+            check_stage(zero, reduction.name if lay.replicas > 1 else args.reduction, args.gradient_compression,
+                        args.reduction_progress, args.enable_nccl)
         return cls(lay, batch_per_replica(args.batch_size, args.global_batch_size, lay), args.global_batch_size,
-                   Reduction.from_args(args, lay.replicas), args.optimizer, args.accumulation_steps,
+                   reduction, args.optimizer, args.accumulation_steps,
                    args.threads_per_process, args.dtype, "gpu" if args.enable_gpu else "cpu", zero)
 
 

@@ -120,7 +120,7 @@ def save_checkpoint(directory, trainer, epoch, config, effective=None):
     """
     model = trainer.model
     if not (trainer.is_root or model.sharding is not None or model.pipeline is not None
-            or reducer_keeps_state(trainer.reducer) or getattr(trainer.optimizer, "pieces", None) is not None):
+            or reducer_keeps_state(trainer.reducer) or trainer.optimizer.sharded):
         return
     meta = {
         "epoch": epoch + 1,

@@ -218,7 +218,8 @@ class Trainer:
         from pydtnn.distributed.sampler import micro_shares
 
         for a, b in batch_slices(n, batch_size * self.world_size, drop_last)[:steps_per_epoch]:
-            least = min(hi - lo for lo, hi in micro_shares(b - a, m, self.world_size, self.world_size - 1))
+            least = min(hi - lo for r in range(self.world_size) for *_, lo, hi in micro_shares(b - a, m,
+                                                                                               self.world_size, r))
             if least < 1:
                 raise ConfigError(f"--sync_batchnorm with --micro_batches {m}: the global batch of {b - a} samples "
                                   f"(the last of {n}) leaves a replica no sample of a micro-batch, and every "
@@ -239,9 +240,12 @@ class Trainer:
         order = epoch_order(len(train), self.seed, epoch)
         slices = batch_slices(len(train), batch_size * size, drop_last)[:steps_per_epoch]
         shares = []  # (indices of this rank's samples, n, the rows of its micro-batches) per step
-        for a, b in slices:  # the global batch by sample index; this rank's part of each of its micro-batches
-            batch, parts = np.sort(order[a:b]), micro_shares(b - a, self.step.accumulation_steps, size, rank)
-            idx = np.concatenate([batch[lo:hi] for lo, hi in parts])
+        for a, b in slices:  # the global batch by sample index, cut into micro-batches; this rank's part of each
+            taken, parts = order[a:b], micro_shares(b - a, self.step.accumulation_steps, size, rank)
+            rank_of = np.empty(b - a, np.int64)
+            rank_of[np.argsort(taken, kind="stable")] = np.arange(b - a)  # each sample's row in the sorted batch
+            idx = np.concatenate([np.sort(taken[(rank_of >= mb0) & (rank_of < mb1)][lo:hi])
+                                  for mb0, mb1, lo, hi in parts])  # its part, the micro-batch in the epoch's order
             shares.append((idx, len(idx), local_rows(parts)) if len(idx) else (order[a : a + 1], 0, None))
 
         def load(step):

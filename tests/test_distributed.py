@@ -749,21 +749,25 @@ def test_shard_bounds():
     assert shard_bounds(9, 3) == [0, 3, 6, 9]
 
 
-@pytest.mark.parametrize("n,m,size", [(12, 4, 2), (10, 4, 3), (7, 3, 2), (5, 4, 3), (9, 1, 2)])
+@pytest.mark.parametrize("n,m,size", [(12, 4, 2), (10, 4, 3), (7, 3, 2), (5, 4, 3), (9, 1, 2), (32, 3, 4)])
 def test_the_ranks_parts_of_each_micro_batch_make_one_process_micro_batch(n, m, size):
-    """Rank r takes its shard of micro-batch i of the global batch: the ranks' i-th parts, in rank order, are
-    one process's i-th micro-batch (step.micro_bounds), every position is taken once, and a rank's local rows
+    """Rank r takes its part of micro-batch i of the global batch: the ranks' i-th parts, in rank order, are
+    one process's i-th micro-batch (step.micro_bounds), every element is taken once, the remainders rotate
+    (no rank takes more than one sample above another over a step, where M <= P), and a rank's local rows
     cut its own batch into those parts."""
     from pydtnn.step import micro_bounds
 
     parts = [micro_shares(n, m, size, r) for r in range(size)]
     for i, (a, b) in enumerate(micro_bounds(n, m)):
-        assert [p for r in range(size) for p in range(*parts[r][i])] == list(range(a, b))
+        assert all(parts[r][i][:2] == (a, b) for r in range(size))
+        assert [p for r in range(size) for p in range(*parts[r][i][2:])] == list(range(b - a))
+    totals = [sum(hi - lo for *_, lo, hi in parts[r]) for r in range(size)]
+    assert sum(totals) == n and (m > size or max(totals) - min(totals) <= 1), totals
     for r in range(size):
         rows = local_rows(parts[r])
-        assert [hi - lo for lo, hi in rows] == [hi - lo for lo, hi in parts[r]] and rows[0][0] == 0
+        assert [hi - lo for lo, hi in rows] == [hi - lo for *_, lo, hi in parts[r]] and rows[0][0] == 0
         assert all(x[1] == y[0] for x, y in zip(rows, rows[1:]))
-    assert micro_shares(9, 1, 2, 1) == [(5, 9)]  # one micro-batch: a contiguous share
+    assert micro_shares(9, 1, 2, 1) == [(0, 9, 5, 9)]  # one micro-batch: the shard_bounds share
 
 
 def test_resume_at_another_world_size_and_trace_per_rank(tmp_path):

@@ -75,6 +75,28 @@ def test_a_stage_it_cannot_serve_is_a_config_error():
         zero.check_stage(3)
     with pytest.raises(ConfigError, match="--zero 2 with --reduction topk"):
         zero.check_stage(2, "topk")
+    for kwargs, what in (({"reduction": "per_layer"}, "--reduction per_layer"),
+                         ({"compression": "fp16"}, "--gradient_compression fp16"),
+                         ({"progress": "thread"}, "--reduction_progress thread"), ({"nccl": True}, "--enable_nccl")):
+        with pytest.raises(ConfigError, match=f"--zero 2 reduce-scatters the gradients itself.*{what}"):
+            zero.check_stage(2, **kwargs)
+        zero.check_stage(1, **kwargs)  # stage 1 reduces with the run's reducer
+
+
+def test_one_replica_reads_its_gradients_where_backward_wrote_them():
+    """With one replica, stage 2's reduction only scales the buffer, and the update is the whole model's."""
+    from pydtnn.distributed.comm import SingleProcess
+
+    model = models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
+    model.grad_buffer[...] = 1.0
+    opt = zero.ShardedOptimizer(lambda params: optim.create("sgd", params, backend=model.backend, lr=0.5), model,
+                                SingleProcess(), 2)
+    reducer = zero.ShardedReducer(SingleProcess(), opt).attach(model)
+    before = {n: p.copy() for n, p, _ in model.parameters()}
+    reducer.begin_step(0.5)
+    reducer.finish()
+    opt.step()
+    assert opt.shard_grad is None and all(np.allclose(p, before[n] - 0.25) for n, p, _ in model.parameters())
 
 
 # -- N processes equal plain data parallelism ---------------------------------------------------------

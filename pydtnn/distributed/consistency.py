@@ -14,7 +14,9 @@ def broadcast_state(comm, model, optimizer=None):
         return
     for _, arr in model.named_state():
         comm.bcast(arr, root=0)
-    if optimizer is not None:
+    if optimizer is not None and optimizer.sharded:  # each holds its own shard: only the scalars are shared
+        optimizer.load_scalars(comm.bcast_obj(optimizer.scalars(), root=0))
+    elif optimizer is not None:
         state = optimizer.state_dict()
         for name in sorted(state["arrays"]):
             comm.bcast(state["arrays"][name], root=0)

@@ -16,23 +16,27 @@ def shard_bounds(n, size):
 
 
 def micro_shares(n, micro_batches, size, rank):
-    """[(lo, hi)]: the positions, in a global batch of n samples cut into micro_batches micro-batches as a step
-    cuts it (step.micro_bounds), that rank `rank` of `size` takes: its shard_bounds share of each micro-batch.
-    So the ranks' i-th parts make one process's i-th micro-batch, and statistics synchronized over the ranks
-    per micro-batch (BatchNorm) are one process's. With one micro-batch, a contiguous share of the batch."""
+    """[(a, b, lo, hi)]: for each micro-batch of a global batch of n samples (rows [a, b) of it, as a step cuts
+    it: step.micro_bounds), the part rank `rank` of `size` takes: elements [lo, hi) of the micro-batch's
+    samples in the epoch's order. The ranks' parts of micro-batch i make one process's micro-batch i, so
+    statistics synchronized over the ranks per micro-batch (BatchNorm) are one process's; each micro-batch's
+    remainder goes to the ranks after the last one's (rotating), so no rank is always the one with more.
+    With one micro-batch, rank r's part is its shard_bounds share of the batch in the epoch's order."""
     from pydtnn.step import micro_bounds
 
     out = []
-    for a, b in micro_bounds(n, micro_batches):
-        bounds = shard_bounds(b - a, size)
-        out.append((a + bounds[rank], a + bounds[rank + 1]))
+    for i, (a, b) in enumerate(micro_bounds(n, micro_batches)):
+        base, extra = divmod(b - a, size)
+        sizes = [base + ((r - i) % size < extra) for r in range(size)]
+        lo = sum(sizes[:rank])
+        out.append((a, b, lo, lo + sizes[rank]))
     return out
 
 
 def local_rows(shares):
-    """[(a, b)]: the rows of a rank's batch (its micro_shares put one after another) that each micro-batch takes."""
+    """[(a, b)]: the rows of a rank's batch (its micro_shares' parts put one after another) each micro-batch takes."""
     out, at = [], 0
-    for lo, hi in shares:
+    for *_, lo, hi in shares:
         out.append((at, at + hi - lo))
         at += hi - lo
     return out

@@ -29,7 +29,7 @@ from pydtnn.distributed.sampler import shard_bounds
 from pydtnn.errors import ConfigError
 
 STAGES = (0, 1, 2)  # --zero: 0 is plain data parallelism
-CHUNK_BYTES = PIECE_BYTES  # the largest allgather of shards: its buffers are all a replica adds
+CHUNK_BYTES = PIECE_BYTES  # an allgather of shards, about: its buffers are all a replica adds
 
 
 def shard_map(offsets, size):
@@ -47,8 +47,10 @@ def shard_map(offsets, size):
     return bounds, pieces
 
 
-def check_stage(stage, reduction=None):
-    """ConfigError where --zero is not 0, 1 or 2, or its stage cannot take the run's reduction."""
+def check_stage(stage, reduction=None, compression="none", progress="test", nccl=False):
+    """ConfigError where --zero is not 0, 1 or 2, or its stage cannot take the run's reduction: topk at any
+    stage; at stage 2, which reduce-scatters through MPI after backward itself, another --reduction than
+    bucketed or blocking, a compressed wire format, a progress thread or NCCL."""
     if stage not in STAGES:
         raise ConfigError(f"--zero {stage!r}: expected one of {', '.join(map(str, STAGES))} (stage 3, the "
                           f"parameters sharded too, is not available yet)")
@@ -56,6 +58,16 @@ def check_stage(stage, reduction=None):
         raise ConfigError(f"--zero {stage} with --reduction topk: topk leaves each replica its own residual, not "
                           f"an average to shard; expected a dense --reduction (bucketed, blocking, per_layer, "
                           f"hierarchical) or --zero 0")
+    if stage != 2:
+        return
+    for given, what, want in ((reduction not in (None, "bucketed", "blocking"), f"--reduction {reduction}",
+                               "bucketed (the default) or blocking"),
+                              (compression != "none", f"--gradient_compression {compression}", "none"),
+                              (progress != "test", f"--reduction_progress {progress}", "test"),
+                              (nccl, "--enable_nccl", "MPI (no --enable_nccl)")):
+        if given:
+            raise ConfigError(f"--zero 2 reduce-scatters the gradients itself, through MPI after backward: {what} "
+                              f"does not apply; expected {want}, or --zero 1")
 
 
 class ShardedOptimizer:
@@ -92,9 +104,9 @@ class ShardedOptimizer:
         self.own = {name: (lo, hi) for name, lo, hi, _ in self.pieces}
         # the allgathers: in each, every replica sends the next 1/K of its shard (never nothing: MPICH's
         # non-blocking Allgatherv, which the stall watch polls, takes hundreds of times longer when one sends 0)
-        chunks = -(-max(self.counts) * np.dtype(dtype).itemsize // CHUNK_BYTES) or 1
+        chunks = -(-sum(self.counts) * np.dtype(dtype).itemsize // CHUNK_BYTES) or 1
         self.steps = [-(-c // chunks) for c in self.counts]
-        self.chunks = chunks
+        self.chunks = max((-(-c // s) for c, s in zip(self.counts, self.steps) if s), default=1)  # none empty
         self._send, self._recv = xp.empty(self.steps[comm.rank], dtype), xp.empty(sum(self.steps), dtype)
         self._spans = sorted(model.grad_offsets.items(), key=lambda kv: kv[1])
 
@@ -115,8 +127,22 @@ class ShardedOptimizer:
     def t(self):
         return self.inner.t
 
+    sharded = True  # state_dict() is a collective; broadcast_state shares the scalars only
+
     def hyperparameters(self):
         return self.inner.hyperparameters()
+
+    def scalars(self):
+        """The step count, scalar state and hyperparameters (every replica's alike)."""
+        return self.inner.state_dict()["scalars"]
+
+    def load_scalars(self, scalars):
+        """Take `scalars` (another replica's scalars()), this replica's shard of the slots unchanged."""
+        self.inner.load_state_dict({"arrays": self.inner.state_dict()["arrays"], "scalars": scalars})
+
+    def state_dtypes(self):
+        """{"<param>.<slot>": dtype} of the whole state's arrays, as state_dict() names them (nothing gathered)."""
+        return {f"{name}.{s}": p.dtype for name, p in self.params.items() for s in self.inner.active_slots()}
 
     def step(self):
         """Update this replica's shard, then every replica's parameters from every shard (an allgather)."""
@@ -156,7 +182,8 @@ class ShardedOptimizer:
         mine = {}
         for name, lo, hi, _ in self.pieces:
             for s in self.inner.active_slots():
-                mine[f"{name}.{s}"] = np.asarray(d["arrays"][f"{name}.{s}"]).reshape(-1)[lo:hi]
+                whole = d["arrays"][f"{name}.{s}"]
+                mine[f"{name}.{s}"] = self.model.backend.to_numpy(whole).reshape(-1)[lo:hi]
         self.inner.load_state_dict({"arrays": mine, "scalars": d["scalars"]})
 
     # -- the allgather of shards -----------------------------------------------------------
@@ -164,8 +191,8 @@ class ShardedOptimizer:
         self.params[name].reshape(-1)[...] = flat
 
     def _gather(self, piece, put, label):
-        """Whole per-parameter arrays from every replica's shard, in `chunks` allgathers of at most CHUNK_BYTES
-        from each replica (so no whole copy is ever made): piece(name, lo, hi) gives this replica's flat
+        """Whole per-parameter arrays from every replica's shard, in `chunks` allgathers of about CHUNK_BYTES in
+        all (so no whole copy is ever made): piece(name, lo, hi) gives this replica's flat
         elements [lo, hi) of parameter `name`'s array, put(name, lo, hi, flat) takes every replica's."""
         o, rank = self.bounds, self.comm.rank
         for k in range(self.chunks):
@@ -206,6 +233,8 @@ class ShardedReducer(Reducer):
         self.order_done = True
         buf = self.optimizer.model.grad_buffer
         self._scale(buf)
+        if self.optimizer.shard_grad is None:  # one replica: its optimizer reads the buffer itself
+            return
         start = time.perf_counter_ns()
         self.comm.reduce_scatterv(buf, self.optimizer.shard_grad, self.optimizer.counts, "zero gradients")
         self.bytes_reduced += buf.nbytes

@@ -28,6 +28,7 @@ class Optimizer:
     """
 
     slots = ()  # names of per-parameter state arrays
+    sharded = False  # its state over several processes (ZeRO's ShardedOptimizer): state_dict() is then a collective
 
     def __init__(self, params, backend=None, **hyper):
         self.params = [tuple(t) for t in params]
@@ -114,6 +115,10 @@ class Optimizer:
         """
         arrays = {f"{name}.{s}": a for name, slots in self.state.items() for s, a in slots.items()}
         return {"arrays": arrays, "scalars": {"step": self.t, **self.scalar_state(), **self.hyperparameters()}}
+
+    def state_dtypes(self):
+        """{"<param>.<slot>": dtype} of every state array, as state_dict() names them (no array is made)."""
+        return {f"{name}.{s}": a.dtype for name, slots in self.state.items() for s, a in slots.items()}
 
     def load_state_dict(self, d):
         """Restore a state_dict(): copy arrays into this optimizer's own, set step, state and hyperparameters.

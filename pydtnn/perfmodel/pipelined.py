@@ -224,12 +224,12 @@ def _stage_after(stage, replicas, micro_batches, machine, threads, crowding, pas
                      **shaping) if own and replicas > 1 else []
     red = sum(reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in sent)
     nbytes = sum(nb for _, nb in own)
-    share, passes_s, gather_s, scatter_s = zero_costs(zero, nbytes, itemsize, replicas, machine, threads, crowding,
-                                                      algorithm, level)
+    share, passes_s, gather_s, scatter_s, gathers = zero_costs(zero, nbytes, itemsize, replicas, machine, threads,
+                                                               crowding, algorithm, level)
     if scatter_s is not None:
         red, sent = scatter_s, [None] * (replicas > 1)
     red += gather_s
-    sent = sent + [None] * (gather_s > 0)
+    sent = sent + [None] * gathers
     upd = share * passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
     upd += accumulation_s(nbytes, micro_batches, machine, threads, crowding) + passes_s
     fixed = machine.overheads

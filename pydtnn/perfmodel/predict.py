@@ -146,8 +146,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     memory_s += accumulation_s(param_bytes, len(sizes), machine, threads, crowding)
     level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
     itemsize = model.backend.dtype.itemsize
-    share, zero_passes_s, gather_s, scatter_s = zero_costs(zero, param_bytes, itemsize, replicas, machine, threads,
-                                                           crowding, algorithm, level)
+    share, zero_passes_s, gather_s, scatter_s, gathers = zero_costs(zero, param_bytes, itemsize, replicas, machine,
+                                                                    threads, crowding, algorithm, level)
     update_s, memory_s = update_s * share, memory_s + zero_passes_s
     group = [g for b in sizes for g in split.group_messages(steps, b, model.backend.dtype.itemsize, m, machine,
                                                             algorithm)]
@@ -165,7 +165,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     if scatter_s is not None:  # ZeRO 2: one reduce-scatter of the whole buffer after backward, blocking
         messages, durations = [(forward_s + backward_s, "reduce_scatter", param_bytes)], [scatter_s]
     comm_s = sum(durations)
-    collectives_per_step = (len(messages) + bool(zero) if replicas > 1 else 0) + len(group)
+    collectives_per_step = (len(messages) + gathers if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
     exposed = _exposed(messages, durations, end_of_backward,

@@ -193,23 +193,26 @@ def reducer_messages(params, times, forward_s, reduction, itemsize, compression=
 
 
 def zero_costs(stage, nbytes, itemsize, replicas, machine, threads, crowding, algorithm, level):
-    """(share, memory-pass seconds, allgather seconds, reduce-scatter seconds or None) of ZeRO stage `stage`
-    (pydtnn.distributed.zero) on a replica holding nbytes of parameters: the largest shard's share of them
-    (its update's share), packing its shard and copying the gathered whole back (2 x share + 2 passes), the
-    allgather of the updated shards, and at stage 2 the reduce-scatter that replaces the reducer's messages."""
+    """(share, memory-pass seconds, allgather seconds, reduce-scatter seconds or None, allgathers) of ZeRO stage
+    `stage` (pydtnn.distributed.zero) on a replica holding nbytes of parameters: the largest shard's share of
+    them (its update's share), packing its shard and copying the gathered whole back (2 x share + 2 passes),
+    the allgathers of the updated shards (zero.CHUNK_BYTES at a time), and at stage 2 the reduce-scatter that
+    replaces the reducer's messages."""
+    from pydtnn.distributed import zero
     from pydtnn.distributed.sampler import shard_bounds
 
     if not stage:
-        return 1.0, 0.0, 0.0, None
+        return 1.0, 0.0, 0.0, None, 0
     elements = nbytes // itemsize
     bounds = shard_bounds(elements, replicas)
     share = max(b - a for a, b in zip(bounds[:-1], bounds[1:])) / elements if elements else 0.0
     passes_s = (2 * share + 2) * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
     if replicas <= 1:
-        return share, passes_s, 0.0, (0.0 if stage == 2 else None)
-    gather = _collective("allgather", nbytes, replicas, machine, algorithm, level)
+        return share, passes_s, 0.0, (0.0 if stage == 2 else None), 0
+    chunks = max(1, -(-nbytes // zero.CHUNK_BYTES))
+    gather = chunks * _collective("allgather", nbytes / chunks, replicas, machine, algorithm, level)
     scatter = _collective("reduce_scatter", nbytes, replicas, machine, algorithm, level) if stage == 2 else None
-    return share, passes_s, gather, scatter
+    return share, passes_s, gather, scatter, chunks
 
 
 def _collective(op, nbytes, p, machine, algorithm, level):
