@@ -298,3 +298,31 @@ def test_shards_gathered_in_many_chunks_give_the_whole_update_and_state(monkeypa
         assert state["arrays"].keys() == ref_state["arrays"].keys()
         assert all(np.array_equal(state["arrays"][k], ref_state["arrays"][k]) for k in ref_state["arrays"])
         assert state["scalars"] == ref_state["scalars"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process in /proc")
+def test_a_killed_replica_ends_a_sharded_job_within_30_s(tmp_path):
+    """SIGKILL to one replica of --zero 2 (no word to anyone): the other, waiting in a collective, is ended by
+    mpiexec within 30 s."""
+    import signal
+    import time
+
+    from test_distributed import _rank_pid
+
+    p = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--num_epochs", "50", "--zero", "2",
+                          "--optimizer", "adam", "--progress", "false", "--metrics_file", str(tmp_path / "m.jsonl")],
+                         stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        for line in p.stderr:  # rank 0 prints the header once every rank has built its model
+            if line.startswith("pydtnn: adam, learning rate"):
+                break
+        time.sleep(1.0)
+        pid = _rank_pid(1, p.pid)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        p.communicate(timeout=30)
+        assert time.monotonic() - start < 30
+    finally:
+        p.kill()
+    assert p.returncode != 0
