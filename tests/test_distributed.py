@@ -854,6 +854,18 @@ def _rank_pid(rank, parent):
     return None
 
 
+def signal_rank(p, header, rank, sig):
+    """Once mpiexec's job `p` (stderr piped) has printed the line starting with `header` (rank 0 prints the
+    run's header once every rank has built its model), and a second later, send `sig` to rank `rank`."""
+    for line in p.stderr:
+        if line.startswith(header):
+            break
+    time.sleep(1.0)
+    pid = _rank_pid(rank, p.pid)
+    assert pid is not None
+    os.kill(pid, sig)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process in /proc")
 def test_sigint_to_one_rank_ends_the_job_at_once(tmp_path):
     import signal
@@ -862,13 +874,7 @@ def test_sigint_to_one_rank_ends_the_job_at_once(tmp_path):
                           "--progress", "false", "--metrics_file", str(tmp_path / "m.jsonl")],
                          stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        for line in p.stderr:  # rank 0 prints the header once every rank has built its model
-            if line.startswith("pydtnn: sgd, learning rate"):
-                break
-        time.sleep(1.0)
-        pid = _rank_pid(1, p.pid)
-        assert pid is not None
-        os.kill(pid, signal.SIGINT)
+        signal_rank(p, "pydtnn: sgd, learning rate", 1, signal.SIGINT)
         err = p.communicate(timeout=60)[1]  # rank 0's stall timeout (300 s) is longer: only the abort ends it
     finally:
         p.kill()

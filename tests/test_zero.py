@@ -307,19 +307,13 @@ def test_a_killed_replica_ends_a_sharded_job_within_30_s(tmp_path):
     import signal
     import time
 
-    from test_distributed import _rank_pid
+    from test_distributed import signal_rank
 
     p = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--num_epochs", "50", "--zero", "2",
                           "--optimizer", "adam", "--progress", "false", "--metrics_file", str(tmp_path / "m.jsonl")],
                          stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        for line in p.stderr:  # rank 0 prints the header once every rank has built its model
-            if line.startswith("pydtnn: adam, learning rate"):
-                break
-        time.sleep(1.0)
-        pid = _rank_pid(1, p.pid)
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        signal_rank(p, "pydtnn: adam, learning rate", 1, signal.SIGKILL)
         start = time.monotonic()
         p.communicate(timeout=30)
         assert time.monotonic() - start < 30
