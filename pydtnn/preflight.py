@@ -33,10 +33,6 @@ def check_combinations(args):
     if "model_checkpoint" in chosen_schedulers(args) and not args.checkpoint_dir:
         raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
     pipelined = args.parallel == "pipeline" or args.pipeline_stages is not None
-    if pipelined and args.reduction == "topk" and (args.checkpoint_dir or args.resume):
-        flag = "--checkpoint_dir" if args.checkpoint_dir else "--resume"
-        raise ConfigError(f"{flag} with --reduction topk and --pipeline_stages: the checkpoint of every stage's unsent "
-                          f"gradients is not written yet; use another --reduction, or train without {flag}")
     if not pipelined and (args.stage_boundaries is not None or "pipeline_schedule" in args.explicit):
         flag = "--stage_boundaries" if args.stage_boundaries is not None else "--pipeline_schedule"
         raise ConfigError(f"{flag} applies to --parallel pipeline (or hybrid with --pipeline_stages); got --parallel "

@@ -149,16 +149,52 @@ def reducer_keeps_state(reducer):
 
 
 def reducer_state(trainer):
-    """{"@reducer.<name>": every rank's array, stacked (ranks, ...)} of a reducer with state of its own (topk's
-    residuals): a collective over the replicas, so every rank's checkpoint callback calls it."""
-    reducer = trainer.reducer
+    """{"@reducer.<name>": every replica's array, stacked (replicas, N)} of a reducer with state of its own (topk's
+    residuals), in the whole model's layout (whole_columns), whatever the layout that ran: a collective over the
+    replicas, and over the model-parallel group and the pipeline where the model is split, so every rank's
+    checkpoint callback calls it. Only the rank that writes gets the arrays."""
+    reducer, model = trainer.reducer, trainer.model
     own = reducer.state_dict() if reducer is not None else {}
     out = {}
     for name, a in sorted(own.items()):
-        a = np.ascontiguousarray(trainer.model.backend.to_numpy(a))
-        every = np.empty((trainer.comm.size,) + a.shape, a.dtype)
-        trainer.comm.allgatherv(a.reshape(-1), every.reshape(-1), [a.size] * trainer.comm.size, "reducer state")
-        out[f"{checkpoint.EXTRA}reducer.{name}"] = every
+        a = np.ascontiguousarray(model.backend.to_numpy(a))
+        rows = trainer.comm.size
+        every = np.empty((rows,) + a.shape, a.dtype)
+        trainer.comm.allgatherv(a.reshape(-1), every.reshape(-1), [a.size] * rows, "reducer state")
+        shapes = {n: tuple(g.shape) for n, _, g in model.parameters()}
+        pieces = {n: np.moveaxis(every[:, lo:hi].reshape((rows,) + shapes[n]), 0, -1)  # a parameter's rows first
+                  for n, (lo, hi) in reducer.param_spans().items()}
+        if model.sharding is not None:
+            pieces = {n: model.sharding.gather(n, v) for n, v in pieces.items()}
+        if model.pipeline is not None:
+            pieces = model.pipeline.gather(pieces) or {}
+        if pieces and trainer.is_root:
+            out[f"{checkpoint.EXTRA}reducer.{name}"] = np.concatenate(
+                [np.moveaxis(pieces[n], -1, 0).reshape(rows, -1) for n, _ in whole_columns(model)], axis=1)
+    return out
+
+
+def whole_columns(model):
+    """[(parameter name, whole shape)] in the order of a checkpoint's reducer state: the whole model's parameters
+    in reverse order, as the gradient buffer of one process lays them out (Model._flatten_grads)."""
+    layout = model.state_layout()
+    names = model.pipeline.param_names if model.pipeline is not None else [n for n, _, _ in model.parameters()]
+    return [(n, tuple(layout[n][0])) for n in reversed(names)]
+
+
+def own_columns(trainer, whole):
+    """This rank's reducer state (flat, as its reducer lays it out) of one row of the whole model's (whole_columns):
+    the columns of its own parameters, cut where the model is split over a group."""
+    reducer, model = trainer.reducer, trainer.model
+    at, off = {}, 0
+    for n, shape in whole_columns(model):
+        size = int(np.prod(shape, dtype=np.int64))
+        at[n], off = whole[off:off + size].reshape(shape), off + size
+    spans = reducer.param_spans()
+    out = np.zeros(max((hi for _, hi in spans.values()), default=0), whole.dtype)
+    for n, (lo, hi) in spans.items():
+        piece = at[n] if model.sharding is None else model.sharding.cut(n, at[n])
+        out[lo:hi] = piece.reshape(-1)
     return out
 
 
@@ -166,7 +202,7 @@ def check_reducer_state(trainer, extras, where, saved_ranks=None):
     """ConfigError, before anything is restored, where the checkpoint's reducer state (its extras) is not the kind
     this run's reducer keeps (topk saved with momentum correction, residuals and velocities, resumed without it, or
     the reverse); DataError where an array is not what a reducer saves: floating point, one row per saved rank
-    (saved_ranks, the meta's world_size), each row of this run's shape."""
+    (saved_ranks, the meta's world_size), each row the whole model's gradients (whole_columns)."""
     prefix = f"{checkpoint.EXTRA}reducer."
     saved = {k[len(prefix):]: v for k, v in extras.items() if k.startswith(prefix)}
     own = trainer.reducer.state_dict() if trainer.reducer is not None else {}
@@ -175,8 +211,9 @@ def check_reducer_state(trainer, extras, where, saved_ranks=None):
                "the saved run had no --momentum_correction: resume without it")
         raise ConfigError(f"{where}: the checkpoint's topk reducer state is {', '.join(sorted(saved))}, this run's "
                           f"is {', '.join(sorted(own))}; {how}")
+    width = sum(int(np.prod(shape, dtype=np.int64)) for _, shape in whole_columns(trainer.model))
     for name, every in saved.items():
-        shape = tuple(own[name].shape) if name in own else None
+        shape = (width,) if name in own else None
         rows = "any" if saved_ranks is None else saved_ranks
         if (every.dtype not in (np.float32, np.float64) or every.ndim < 1
                 or (saved_ranks is not None and every.shape[0] != saved_ranks)
@@ -201,9 +238,10 @@ def restore_reducer(trainer, extras):
     mine = {}
     for name, every in state.items():
         if every.shape[0] == size:
-            mine[name] = every[rank]
+            row = every[rank]
         else:
-            mine[name] = every.sum(axis=0) if rank == 0 else np.zeros_like(every[0])
+            row = every.sum(axis=0) if rank == 0 else np.zeros_like(every[0])
+        mine[name] = own_columns(trainer, row)
     reducer.load_state_dict(mine)
 
 

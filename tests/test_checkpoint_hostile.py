@@ -512,7 +512,9 @@ def test_reducer_state_of_the_wrong_kind_is_refused(saved, ranks, words):
     from types import SimpleNamespace
 
     own = {"residual": np.zeros(6, np.float32)}
-    trainer = SimpleNamespace(reducer=SimpleNamespace(state_dict=lambda: own))
+    model = SimpleNamespace(pipeline=None, parameters=lambda: [("w", None, None)],
+                            state_layout=lambda: {"w": ((2, 3), np.dtype(np.float32))})
+    trainer = SimpleNamespace(reducer=SimpleNamespace(state_dict=lambda: own), model=model)
     extras = {f"{checkpoint.EXTRA}reducer.residual": saved}
     with pytest.raises(DataError, match="reducer state residual") as e:
         run.check_reducer_state(trainer, extras, "ck/meta.json", ranks)

@@ -130,6 +130,10 @@ class Reducer:
     def load_state_dict(self, state):
         """Restore what state_dict() gave."""
 
+    def param_spans(self):
+        """{parameter name: (start, stop)} of each gradient in the flat arrays state_dict() gives (none here)."""
+        return {}
+
     def _pack(self, views, names):
         """Write each gradient, times this rank's weight, into its wire buffer view (compressed)."""
         self.compression.compress(self.grads, names, views, self.weight, self.comm)

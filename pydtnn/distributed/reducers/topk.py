@@ -173,6 +173,9 @@ class TopKReducer(Reducer):
             return {"residual": self.residual}
         return {"residual": self.residual, "velocity": self.velocity}
 
+    def param_spans(self):
+        return dict(zip(self.names, self.spans))
+
     def load_state_dict(self, state):
         if ("velocity" in state) != (self.velocity is not None):
             saved, now = (("with", "without") if "velocity" in state else ("without", "with"))
