@@ -326,10 +326,10 @@ class _TwoRanks:
         return buf
 
     def iallreduce(self, buf, label=""):
-        from pydtnn.distributed.comm import _Done
+        from pydtnn.distributed.communicator import Completed
 
         self.allreduce(buf, label)
-        return _Done()
+        return Completed()
 
     def bcast(self, buf, root=0):
         self.seen.append(buf)

@@ -30,11 +30,16 @@ def train(n, out, *flags, timeout=180):
 
 
 # -- the shard map ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spans", [None, [(0, 6), (6, 20), (20, 23)]])
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
-def test_the_shards_cover_the_buffer_once_cutting_parameters_where_they_fall(size):
+def test_the_shards_cover_the_buffer_once_cutting_parameters_where_they_fall(size, spans):
+    """Every element of the buffer is one replica's, each span (bucket) cut into near-equal parts (empty where it
+    has fewer elements than replicas), a replica's parts laid end to end in its shard, parameters cut anywhere."""
     offsets = {"a": (0, 5), "b": (5, 6), "c": (6, 20), "d": (20, 23)}
-    bounds, pieces = zero.shard_map(offsets, size)
-    assert bounds == shard_bounds(23, size)
+    runs, pieces = zero.shard_map(offsets, size, spans)
+    for lo, hi in spans or [(0, 23)]:
+        owned = [sum(min(b, hi) - max(a, lo) for a, b, _ in runs[r] if min(b, hi) > max(a, lo)) for r in range(size)]
+        assert owned == np.diff(shard_bounds(hi - lo, size)).tolist()
     seen = []
     for r in range(size):
         at = 0
@@ -42,8 +47,18 @@ def test_the_shards_cover_the_buffer_once_cutting_parameters_where_they_fall(siz
             assert where == at and 0 <= lo < hi <= offsets[name][1] - offsets[name][0]
             seen += list(range(offsets[name][0] + lo, offsets[name][0] + hi))
             at += hi - lo
-        assert at == bounds[r + 1] - bounds[r]
-    assert seen == list(range(23))
+        assert at == sum(hi - lo for lo, hi, _ in runs[r])
+    assert sorted(seen) == list(range(23))
+
+
+def test_spans_are_the_bucketed_reducers_buckets_of_whole_parameters():
+    """buckets() cuts the buffer as the bucketed reducer does (the first small, whole parameters each); a span
+    that cuts a parameter is refused, since a replica would own two pieces of it."""
+    offsets = {"w3": (0, 300), "w2": (300, 700), "w1": (700, 900), "w0": (900, 1000)}
+    got = zero.buckets(offsets, 8, bucket_mb=4000 / 2**20, first_bucket_mb=2500 / 2**20)
+    assert got == [(["w3"], 0, 300), (["w2"], 300, 700), (["w1", "w0"], 700, 1000)]
+    with pytest.raises(ValueError, match="crosses a span"):
+        zero.shard_map(offsets, 2, [(0, 250), (250, 1000)])
 
 
 class Ranks:
@@ -94,6 +109,7 @@ def test_one_replica_reads_its_gradients_where_backward_wrote_them():
     reducer = zero.ShardedReducer(SingleProcess(), opt).attach(model)
     before = {n: p.copy() for n, p, _ in model.parameters()}
     reducer.begin_step(0.5)
+    reducer.grads_ready([n for n, _, _ in model.parameters()])
     reducer.finish()
     opt.step()
     assert opt.shard_grad is None and all(np.allclose(p, before[n] - 0.25) for n, p, _ in model.parameters())
@@ -221,7 +237,7 @@ def test_replicas_of_split_models_shard_across_the_replicas(tmp_path, layout):
 # -- the performance model ----------------------------------------------------------------------------
 def test_the_time_model_prices_the_shards_update_and_their_allgather():
     """At 4 replicas the update is the largest shard's (a quarter), an allgather of the parameters follows it,
-    and stage 2 sends one reduce-scatter in place of the reducer's messages."""
+    and stage 2 sends a reduce-scatter per bucket in place of the reducer's messages."""
     import dataclasses
 
     from pydtnn.perfmodel import collectives, machine
@@ -237,15 +253,37 @@ def test_the_time_model_prices_the_shards_update_and_their_allgather():
     scatter = collectives.seconds("reduce_scatter", "ring", nbytes, 4, m, level="intra")
     assert two.comm_s == pytest.approx(scatter + gather, rel=1e-9) and two.messages == 2
     assert two.exposed_comm_s == pytest.approx(two.comm_s)
+    cut = zero.buckets(model.grad_offsets, 4, bucket_mb=0.1, first_bucket_mb=0.01)  # stage 2 over 3 buckets
+    assert len(cut) == 3
+    many = predict(model, 32, 4, m, optimizer="adam", zero=2, bucket_mb=0.1, first_bucket_mb=0.01)
+    scatters = sum(collectives.seconds("reduce_scatter", "ring", 4 * (hi - lo), 4, m, level="intra")
+                   for _, lo, hi in cut)
+    assert many.comm_s == pytest.approx(scatters + gather, rel=1e-9) and many.messages == len(cut) + 1
     with pytest.raises(ConfigError, match="--zero 1 with --reduction topk"):
         predict(model, 32, 4, m, reduction="topk", zero=1)
 
 
 class ThreadComm:
-    """Rank `rank` of `size` threads: the allgatherv a ShardedOptimizer calls, through shared memory."""
+    """Rank `rank` of `size` threads: the allgatherv a ShardedOptimizer calls and the reduce-scatters a
+    ShardedReducer starts (done at once, summing in rank order), through shared memory; each reduce-scatter is
+    noted in shared["started"] with whether this rank's backward was still running."""
 
     def __init__(self, rank, size, shared):
         self.rank, self.size, self.shared = rank, size, shared
+
+    def ireduce_scatterv(self, send, recv, counts, label=""):
+        from pydtnn.distributed.communicator import Completed
+
+        self.shared["started"][self.rank].append((label, self.shared["in_backward"][self.rank]))
+        self.shared["sends"][self.rank] = send.copy()
+        self.shared["barrier"].wait()
+        total = self.shared["sends"][0].copy()
+        for other in self.shared["sends"][1:]:
+            total += other
+        lo = sum(counts[: self.rank])
+        recv[...] = total[lo : lo + counts[self.rank]]
+        self.shared["barrier"].wait()
+        return Completed()
 
     def allgatherv(self, send, recv, counts, label=""):
         self.shared["sends"][self.rank] = send.copy()
@@ -255,11 +293,11 @@ class ThreadComm:
         return recv
 
 
-@pytest.mark.parametrize("size,chunk", [(3, 64), (4, 1000), (2, 1 << 30)])
-def test_shards_gathered_in_many_chunks_give_the_whole_update_and_state(monkeypatch, size, chunk):
-    """Replicas (threads here) whose shards are cut inside parameters and gathered in allgathers of a few
-    elements each: every replica ends with the parameters one Adam step over the whole model gives, to the
-    bit, and state_dict() gives the whole optimizer's state."""
+@pytest.mark.parametrize("size,chunk,bucket_mb", [(3, 64, 1e-3), (4, 1000, 25.0), (2, 1 << 30, 1e-3)])
+def test_shards_gathered_in_many_chunks_give_the_whole_update_and_state(monkeypatch, size, chunk, bucket_mb):
+    """Replicas (threads here) whose shards are cut inside parameters (of one bucket, or of many of about 1 KB)
+    and gathered in allgathers of a few elements each: every replica ends with the parameters one Adam step over
+    the whole model gives, to the bit, and state_dict() gives the whole optimizer's state."""
     import threading
 
     monkeypatch.setattr(zero, "CHUNK_BYTES", chunk)
@@ -276,7 +314,9 @@ def test_shards_gathered_in_many_chunks_give_the_whole_update_and_state(monkeypa
     shared = {"sends": [None] * size, "barrier": threading.Barrier(size)}
     replicas = [build() for _ in range(size)]
     opts = [zero.ShardedOptimizer(lambda params, m=m: optim.create("adam", params, backend=m.backend, lr=0.1), m,
-                                  ThreadComm(r, size, shared), 1) for r, m in enumerate(replicas)]
+                                  ThreadComm(r, size, shared), 1, bucket_mb=bucket_mb, first_bucket_mb=bucket_mb)
+            for r, m in enumerate(replicas)]
+    assert len(opts[0].buckets) == (1 if bucket_mb > 1 else len(replicas[0].parameters()))
     states = [None] * size
 
     def run(r):
@@ -298,6 +338,87 @@ def test_shards_gathered_in_many_chunks_give_the_whole_update_and_state(monkeypa
         assert state["arrays"].keys() == ref_state["arrays"].keys()
         assert all(np.array_equal(state["arrays"][k], ref_state["arrays"][k]) for k in ref_state["arrays"])
         assert state["scalars"] == ref_state["scalars"]
+
+
+def test_stage_2_over_many_buckets_ends_where_data_parallelism_ends(tmp_path):
+    """ResNet-20 in float64 (2.2 MB of gradients) in buckets of 0.5 MB at np 3: --zero 2 reduce-scatters each
+    through MPI during backward and ends within 1e-12 of --zero 0, and --zero 1 to the bit."""
+    flags = ("--model", "resnet20_cifar10", "--use_synthetic_data", "--steps_per_epoch", "3",
+             "--global_batch_size", "24", "--optimizer", "adam", "--bucket_size_mb", "0.5")
+    for z in ("0", "1", "2"):
+        r = train(3, tmp_path / f"{z}.jsonl", *flags, "--zero", z, "--checkpoint_dir", str(tmp_path / z))
+        assert r.returncode == 0, r.stderr[-3000:]
+    same_files(tmp_path / "1", tmp_path / "0", names=("model.safetensors",))
+    assert_close(tmp_path / "2", tmp_path / "0")
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_stage_2_reduce_scatters_each_bucket_during_backward(size):
+    """Replicas (threads) with a bucket per parameter: every bucket's reduce-scatter starts inside backward, as
+    soon as its gradients are ready, and the step that follows gives every replica the parameters of one Adam
+    step on the weighted sum of their gradients (float64, 1e-12)."""
+    import threading
+
+    from pydtnn.distributed.comm import SingleProcess
+
+    def build():
+        return models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
+
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal((3 + r,) + build().input_shape) for r in range(size)]
+    weights = [len(x) / sum(len(x) for x in xs) for x in xs]
+    whole, grads = build(), []
+    for x in xs:  # the reference: each replica's gradients, weighted and summed in rank order
+        out = whole.forward(x)
+        whole.backward(np.random.default_rng(len(x)).standard_normal(out.shape))
+        grads.append(whole.grad_buffer * weights[len(grads)])
+    total = grads[0].copy()
+    for g in grads[1:]:
+        total += g
+    whole.grad_buffer[...] = total
+    ref = optim.create("adam", whole.parameters(), backend=whole.backend, lr=0.1)
+    ref.step()
+    shared = {"sends": [None] * size, "barrier": threading.Barrier(size), "started": [[] for _ in range(size)],
+              "in_backward": [False] * size}
+    replicas = [build() for _ in range(size)]
+    opts = [zero.ShardedOptimizer(lambda params, m=m: optim.create("adam", params, backend=m.backend, lr=0.1), m,
+                                  ThreadComm(r, size, shared), 2, bucket_mb=1e-6, first_bucket_mb=1e-6)
+            for r, m in enumerate(replicas)]
+    reducers = [zero.ShardedReducer(ThreadComm(r, size, shared), opts[r]).attach(m) for r, m in enumerate(replicas)]
+    errors = []
+
+    def run(r):
+        try:
+            out = replicas[r].forward(xs[r])
+            reducers[r].begin_step(weights[r])
+            shared["in_backward"][r] = True
+            replicas[r].backward(np.random.default_rng(len(xs[r])).standard_normal(out.shape))
+            shared["in_backward"][r] = False
+            reducers[r].finish()
+            opts[r].step()
+        except Exception as e:  # reported below
+            errors.append(e)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    n = len(whole.parameters())
+    for r in range(size):
+        assert len(shared["started"][r]) == n and all(during for _, during in shared["started"][r]), shared["started"]
+    want = whole.state_dict()
+    for m in replicas:
+        got = m.state_dict()
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-15, err_msg=k)
+    one = zero.ShardedReducer(SingleProcess(), opts[0])  # a bucket left unreported is an error, not a silent skip
+    one.attach(build())
+    one.begin_step(1.0)
+    with pytest.raises(RuntimeError, match=f"0 of {n} buckets were started"):
+        one.finish()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process in /proc")

@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-from pydtnn.distributed.communicator import Communicator
+from pydtnn.distributed.communicator import Communicator, Completed
 from pydtnn.distributed.stall_watch import StallWatch
 from pydtnn.errors import ConfigError
 
@@ -35,7 +35,7 @@ class SingleProcess(Communicator):
         return buf
 
     def iallreduce(self, buf, label=""):
-        return _Done()
+        return Completed()
 
     def allgatherv(self, send, recv, counts, label=""):
         recv[...] = send.reshape(recv.shape)
@@ -45,11 +45,15 @@ class SingleProcess(Communicator):
         recv[...] = send.reshape(recv.shape)
         return recv
 
+    def ireduce_scatterv(self, send, recv, counts, label=""):
+        recv[...] = send.reshape(recv.shape)
+        return Completed()
+
     def ireduce(self, buf, root=0, label=""):
-        return _Done()
+        return Completed()
 
     def ibcast(self, buf, root=0, label=""):
-        return _Done()
+        return Completed()
 
     def bcast(self, buf, root=0):
         return buf
@@ -94,14 +98,6 @@ def abort_job(comm, code):
     except OSError:  # keep the library's line rather than fail to abort
         pass
     comm.Abort(code)
-
-
-class _Done:
-    def test(self):
-        return True
-
-    def wait(self):
-        pass
 
 
 class ProgressThread:
@@ -230,6 +226,12 @@ class MPIComm(Communicator):
         else:
             self.watch.wait(self.comm.Ireduce_scatter(send, recv, counts, op=self.MPI.SUM), what)
         return recv
+
+    def ireduce_scatterv(self, send, recv, counts, label=""):
+        """Start reduce_scatterv; a request whose waits the stall watch watches."""
+        what = self.watch.enter("reduce_scatterv", send, label)
+        req = self.comm.Ireduce_scatter(send, recv, [int(c) for c in counts], op=self.MPI.SUM)
+        return _MPIRequest(self.watch, req, what)
 
     def ireduce(self, buf, root=0, label=""):
         """Start a sum of `buf` over the ranks into root's `buf` (in place there; unchanged elsewhere)."""

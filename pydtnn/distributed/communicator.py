@@ -21,11 +21,21 @@ import numpy as np
 from pydtnn.errors import ConfigError
 
 # methods every concrete communicator defines itself (implemented, delegated, or refused)
-COLLECTIVES = ("allreduce", "iallreduce", "allgatherv", "reduce_scatterv", "ireduce", "ibcast", "bcast", "bcast_obj",
-               "allgather_obj", "split", "split_shared", "progress_thread", "barrier", "abort")
+COLLECTIVES = ("allreduce", "iallreduce", "allgatherv", "reduce_scatterv", "ireduce_scatterv", "ireduce", "ibcast",
+               "bcast", "bcast_obj", "allgather_obj", "split", "split_shared", "progress_thread", "barrier", "abort")
 # methods with a generic body here, which a subclass may keep
 GENERIC = ("allreduce_sum", "settle", "check_errors", "refuse")
 DEVICES = ("cpu", "gpu", "nccl")  # the arrays a communicator's collectives take; see Communicator.device
+
+
+class Completed:
+    """The request of a non-blocking collective that completed before it returned."""
+
+    def test(self):
+        return True
+
+    def wait(self):
+        pass
 
 
 class CollectiveUnsupported(ConfigError):
@@ -79,6 +89,11 @@ class Communicator:
         """recv (counts[rank] elements) = this rank's block, in rank order of blocks of counts[r] elements, of
         the sum over the ranks of `send` (flat, sum(counts) elements). Returns recv."""
         raise self._missing("reduce_scatterv")
+
+    def ireduce_scatterv(self, send, recv, counts, label=""):
+        """Start reduce_scatterv(send, recv, counts); returns a request (test(), wait()). A count may be 0.
+        Neither buffer may be touched until it completes."""
+        raise self._missing("ireduce_scatterv")
 
     def ireduce(self, buf, root=0, label=""):
         """Start a sum of `buf` over the ranks into root's `buf` (in place there; unchanged elsewhere);

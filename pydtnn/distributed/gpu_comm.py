@@ -29,7 +29,7 @@ import numpy as np
 
 from pydtnn import env
 from pydtnn.backends import is_device_array
-from pydtnn.distributed.communicator import Communicator
+from pydtnn.distributed.communicator import Communicator, Completed
 from pydtnn.errors import ConfigError
 
 
@@ -160,6 +160,12 @@ class DeviceComm(Communicator):
     def reduce_scatterv(self, send, recv, counts, label=""):
         """As Communicator.reduce_scatterv; device arrays that MPI cannot take travel through host buffers."""
         return self._staged(self.comm.reduce_scatterv, send, recv, counts, label)
+
+    def ireduce_scatterv(self, send, recv, counts, label=""):
+        """reduce_scatterv, completed before it returns (staged through the host where MPI cannot take the
+        arrays): the request it returns is done."""
+        self.reduce_scatterv(send, recv, counts, label)
+        return Completed()
 
     def _staged(self, collective, send, recv, counts, label):
         """collective(send, recv, counts, label) of the host communicator, on send and recv as they are where
@@ -325,6 +331,9 @@ class NcclComm(Communicator):
 
     def reduce_scatterv(self, send, recv, counts, label=""):
         return self.comm.reduce_scatterv(send, recv, counts, label)
+
+    def ireduce_scatterv(self, send, recv, counts, label=""):
+        return self.comm.ireduce_scatterv(send, recv, counts, label)
 
     def ireduce(self, buf, root=0, label=""):
         raise self.refuse("ireduce", HOST_ONLY)

@@ -3,17 +3,21 @@
     optimizer = zero.ShardedOptimizer(lambda params: optim.create("adam", params, backend=b), model, replicas, 1)
     reducer = zero.ShardedReducer(replicas, optimizer).attach(model) if stage 2 else any dense reducer
 
-The shards follow the model's flat gradient buffer (Model.grad_buffer, reverse parameter order): replica r of
-P owns its elements [o_r, o_r+1) (sampler.shard_bounds of the buffer's length), which may begin or end inside a
-parameter, so uneven sizes work. shard_map() is that map, a pure function of the buffer's layout and P, which
-the optimizer, the reducer and the performance model all take.
+The shards follow the model's flat gradient buffer (Model.grad_buffer, reverse parameter order), cut into the
+bucketed reducer's buckets (buckets(): whole parameters each, the first small): replica r of P owns the r-th of P
+near-equal parts of every bucket (sampler.shard_bounds of its length), parts that may begin or end inside a
+parameter, so uneven sizes work, and every bucket is reduce-scattered evenly over the replicas. shard_map() is
+that map, a pure function of the buffer's layout, the buckets and P, which the optimizer, the reducer and the
+performance model all take.
 
 - Stage 1: the gradients are reduced as in data parallelism (every replica holds their average); each replica's
   optimizer holds the state of its shard only (the pieces of parameters it owns, as flat views) and updates
   them; the updated shards are then allgathered into every replica's parameters.
-- Stage 2: the gradients are reduce-scattered instead (ShardedReducer, after backward): each replica receives
-  the average of its shard only, into a buffer of the shard's size, which its optimizer reads. Backward still
-  writes each replica's own gradients into the whole buffer.
+- Stage 2: the gradients are reduce-scattered instead (ShardedReducer), bucket by bucket during backward: a
+  bucket's non-blocking reduce-scatter starts as soon as its gradients are ready, progressed between layers as
+  the bucketed reducer's allreduces are; each replica receives the average of its parts only, into a buffer
+  of its shard's size, which its optimizer reads. Backward still writes each replica's own gradients into the
+  whole buffer.
 
 Every optimizer of pydtnn.optim updates element by element, so a shard's update is the whole update's, to the
 bit. state_dict() and load_state_dict() speak the whole optimizer's state (every parameter's slots, gathered:
@@ -25,26 +29,65 @@ import time
 import numpy as np
 
 from pydtnn.distributed.reducers.base import PIECE_BYTES, Reducer
+from pydtnn.distributed.reducers.layout import bucket_layout
 from pydtnn.distributed.sampler import shard_bounds
 from pydtnn.errors import ConfigError
 
 STAGES = (0, 1, 2)  # --zero: 0 is plain data parallelism
 CHUNK_BYTES = PIECE_BYTES  # an allgather of shards, about: its buffers are all a replica adds
+BUCKET_MB, FIRST_BUCKET_MB = 25.0, 1.0  # the bucketed reducer's defaults: the buckets the shards are cut from
 
 
-def shard_map(offsets, size):
-    """(bounds, pieces): bounds[r]:bounds[r + 1] the elements of the flat gradient buffer replica r owns, and
-    pieces[r] = [(name, lo, hi, at)]: of parameter `name` (offsets[name] = (start, stop) in the buffer) the flat
-    elements [lo, hi) are r's, at [at, at + hi - lo) of its shard, in buffer order."""
-    total = max((b for _, b in offsets.values()), default=0)
-    bounds = shard_bounds(total, size)
-    pieces = [[] for _ in range(size)]
-    for name, (a, b) in sorted(offsets.items(), key=lambda kv: kv[1]):
+def buckets(offsets, itemsize, bucket_mb=BUCKET_MB, first_bucket_mb=FIRST_BUCKET_MB):
+    """[(names, lo, hi)]: the flat gradient buffer (offsets: name -> (start, stop) in it) cut into the bucketed
+    reducer's buckets (layout.bucket_layout of the gradients' bytes in buffer order): whole parameters each,
+    the buffer's elements [lo, hi)."""
+    order = sorted(offsets, key=lambda n: offsets[n])
+    spans = bucket_layout([(offsets[n][1] - offsets[n][0]) * itemsize for n in order], bucket_mb * 2**20,
+                          first_bucket_mb * 2**20)
+    return [(order[a:b], offsets[order[a]][0], offsets[order[b - 1]][1]) for a, b in spans]
+
+
+def span_parts(spans, size):
+    """[[(lo, hi, at)] of each span]: span (lo, hi) of the buffer cut into `size` near-equal parts, replica r's
+    being its elements [lo, hi) (empty where the span has fewer elements than replicas), at `at` of r's shard,
+    which holds its parts of every span in turn."""
+    out, filled = [], [0] * size
+    for a, b in spans:
+        cut, parts = shard_bounds(b - a, size), []
         for r in range(size):
-            lo, hi = max(a, bounds[r]), min(b, bounds[r + 1])
+            parts.append((a + cut[r], a + cut[r + 1], filled[r]))
+            filled[r] += cut[r + 1] - cut[r]
+        out.append(parts)
+    return out
+
+
+def shard_map(offsets, size, spans=None):
+    """(runs, pieces): runs[r] = [(lo, hi, at)], the elements [lo, hi) of the flat gradient buffer replica r owns,
+    at [at, at + hi - lo) of its shard, in buffer order; pieces[r] = [(name, lo, hi, at)]: of parameter `name`
+    (offsets[name] = (start, stop) in the buffer) the flat elements [lo, hi) are r's, at [at, at + hi - lo) of its
+    shard. spans: [(lo, hi)] that cover the buffer in order, each cut evenly over the replicas (span_parts), made
+    of whole parameters (buckets()); None: one span, the whole buffer."""
+    total = max((b for _, b in offsets.values()), default=0)
+    spans = [(0, total)] if spans is None else spans
+    params = sorted(offsets.items(), key=lambda kv: kv[1])
+    runs = [[] for _ in range(size)]
+    for parts in span_parts(spans, size):
+        for r, (lo, hi, at) in enumerate(parts):
             if hi > lo:
-                pieces[r].append((name, lo - a, hi - a, lo - bounds[r]))
-    return bounds, pieces
+                runs[r].append((lo, hi, at))
+    pieces = [[] for _ in range(size)]
+    for r in range(size):
+        for lo, hi, at in runs[r]:
+            for name, (a, b) in params:
+                x0, x1 = max(a, lo), min(b, hi)
+                if x1 > x0:
+                    pieces[r].append((name, x0 - a, x1 - a, at + x0 - lo))
+        names = [name for name, *_ in pieces[r]]
+        if len(set(names)) != len(names):
+            raise ValueError(f"shard_map: a parameter crosses a span's end ({spans}); expected spans of whole "
+                             f"parameters")
+    return runs, pieces
 
 
 def check_stage(stage, reduction=None, compression="none", progress="test", nccl=False):
@@ -76,7 +119,7 @@ class ShardedOptimizer:
     state_dict of the whole state, load_state_dict of a whole state). stage 2: the gradients it reads are
     `shard_grad` (the reduced shard ShardedReducer writes), else the model's own gradient buffer."""
 
-    def __init__(self, make, model, comm, stage=1):
+    def __init__(self, make, model, comm, stage=1, bucket_mb=BUCKET_MB, first_bucket_mb=FIRST_BUCKET_MB):
         check_stage(stage)
         if model.grad_buffer is None:
             raise ConfigError(f"--zero {stage}: the model's gradients are not in one buffer (parameters of "
@@ -86,10 +129,13 @@ class ShardedOptimizer:
         for name, p in self.params.items():
             if not p.flags.c_contiguous:
                 raise ConfigError(f"--zero {stage}: parameter {name} is not contiguous; expected contiguous arrays")
-        self.bounds, pieces = shard_map(model.grad_offsets, comm.size)
-        self.pieces = pieces[comm.rank]
-        self.counts = [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:])]
         xp, dtype = model.backend.xp, model.grad_buffer.dtype
+        self.buckets = buckets(model.grad_offsets, np.dtype(dtype).itemsize, bucket_mb, first_bucket_mb)
+        spans = [(lo, hi) for _, lo, hi in self.buckets]
+        self.runs, pieces = shard_map(model.grad_offsets, comm.size, spans)
+        self.parts = span_parts(spans, comm.size)  # each bucket's parts: what its reduce-scatter gives each replica
+        self.pieces = pieces[comm.rank]
+        self.counts = [sum(hi - lo for lo, hi, _ in runs) for runs in self.runs]
         # one replica: its shard is the whole buffer, and no reducer runs to fill another
         self.shard_grad = xp.zeros(self.counts[comm.rank], dtype) if stage == 2 and comm.size > 1 else None
         own = []
@@ -194,34 +240,45 @@ class ShardedOptimizer:
         """Whole per-parameter arrays from every replica's shard, in `chunks` allgathers of about CHUNK_BYTES in
         all (so no whole copy is ever made): piece(name, lo, hi) gives this replica's flat
         elements [lo, hi) of parameter `name`'s array, put(name, lo, hi, flat) takes every replica's."""
-        o, rank = self.bounds, self.comm.rank
+        rank = self.comm.rank
         for k in range(self.chunks):
-            parts = [(o[r] + min(k * s, c), o[r] + min((k + 1) * s, c)) for r, (s, c) in
-                     enumerate(zip(self.steps, self.counts))]  # each replica's flat elements in this allgather
+            parts = [(min(k * s, c), min((k + 1) * s, c)) for s, c in zip(self.steps, self.counts)]  # of each shard
             counts = [b - a for a, b in parts]
             m0, m1 = parts[rank]
             send, recv = self._send[: m1 - m0], self._recv[: sum(counts)]
-            for name, a, b in self._overlapping(m0, m1):
-                send[max(a, m0) - m0 : min(b, m1) - m0] = piece(name, max(a, m0) - a, min(b, m1) - a)
+            for name, x0, x1, y0, y1 in self._in_shard(rank, m0, m1):
+                send[x0 - m0 : x1 - m0] = piece(name, y0, y1)
             start = time.perf_counter_ns()
             self.comm.allgatherv(send, recv, counts, label)
             if self.tracer is not None:
                 self.tracer.add(label, "allgather", start, time.perf_counter_ns(), tid=2, bytes=int(recv.nbytes))
             at = 0
-            for p0, p1 in parts:
-                for name, a, b in self._overlapping(p0, p1):
-                    x0, x1 = max(a, p0), min(b, p1)
-                    put(name, x0 - a, x1 - a, recv[at + x0 - p0 : at + x1 - p0])
+            for r, (p0, p1) in enumerate(parts):
+                for name, x0, x1, y0, y1 in self._in_shard(r, p0, p1):
+                    put(name, y0, y1, recv[at + x0 - p0 : at + x1 - p0])
                 at += p1 - p0
 
-    def _overlapping(self, lo, hi):
-        """(name, start, stop) of the parameters whose flat buffer range meets [lo, hi)."""
-        return [(name, a, b) for name, (a, b) in self._spans if a < hi and b > lo]
+    def _in_shard(self, r, s0, s1):
+        """(name, x0, x1, y0, y1) of replica r's shard elements [s0, s1): its [x0, x1) are parameter `name`'s flat
+        elements [y0, y1)."""
+        out = []
+        for lo, hi, at in self.runs[r]:
+            x0, x1 = max(at, s0), min(at + hi - lo, s1)
+            if x1 <= x0:
+                continue
+            b0, b1 = lo + x0 - at, lo + x1 - at  # in the buffer
+            for name, (a, b) in self._spans:
+                if a < b1 and b > b0:
+                    y0, y1 = max(a, b0), min(b, b1)
+                    out.append((name, x0 + y0 - b0, x0 + y1 - b0, y0 - a, y1 - a))
+        return out
 
 
 class ShardedReducer(Reducer):
-    """ZeRO stage 2's reduction: after backward (or replay), the gradient buffer scaled by this replica's weight
-    and reduce-scattered, each replica receiving the sum of its shard into optimizer.shard_grad."""
+    """ZeRO stage 2's reduction: each of the optimizer's buckets (the bucketed reducer's, in the gradient buffer)
+    scaled by this replica's weight and reduce-scattered as soon as its gradients are ready, non-blocking,
+    progressed between layers; each replica receives the sum of its part of every bucket into optimizer.shard_grad.
+    finish() waits for them all."""
 
     name = "zero2"
 
@@ -229,16 +286,42 @@ class ShardedReducer(Reducer):
         super().__init__(comm)
         self.optimizer = optimizer
 
+    def setup(self):
+        self.bucket_of = {n: i for i, (names, _, _) in enumerate(self.optimizer.buckets) for n in names}
+        self.missing = [len(names) for names, _, _ in self.optimizer.buckets]
+        self.pending = []
+
+    def grads_ready(self, names):
+        for p in self.pending:
+            self._progress(p)
+        for n in names:
+            i = self.bucket_of[n]
+            self.missing[i] -= 1
+            if self.missing[i] == 0:
+                self._start_bucket(i)
+
+    def _start_bucket(self, i):
+        opt = self.optimizer
+        _, lo, hi = opt.buckets[i]
+        buf = opt.model.grad_buffer[lo:hi]
+        self._scale(buf)
+        if opt.shard_grad is None:  # one replica: its optimizer reads the buffer itself
+            return
+        parts = opt.parts[i]
+        mine = parts[self.comm.rank]
+        recv = opt.shard_grad[mine[2] : mine[2] + mine[1] - mine[0]]
+        label = f"zero bucket {i}"
+        self.bytes_reduced += buf.nbytes
+        req = self.comm.ireduce_scatterv(buf, recv, [b - a for a, b, _ in parts], label)
+        self.pending.append(([req], label, time.perf_counter_ns(), int(buf.nbytes)))
+
     def finish(self):
         self.order_done = True
-        buf = self.optimizer.model.grad_buffer
-        self._scale(buf)
-        if self.optimizer.shard_grad is None:  # one replica: its optimizer reads the buffer itself
-            return
-        start = time.perf_counter_ns()
-        self.comm.reduce_scatterv(buf, self.optimizer.shard_grad, self.optimizer.counts, "zero gradients")
-        self.bytes_reduced += buf.nbytes
-        if self.tracer is not None:
-            end = time.perf_counter_ns()
-            self.tracer.add("zero gradients", "reduce_scatter", start, end, tid=2, bytes=int(buf.nbytes))
-            self.tracer.add("zero gradients", "blocking", start, end, tid=1)
+        started = len(self.missing) - sum(1 for m in self.missing if m)
+        if started != len(self.missing):
+            raise RuntimeError(f"zero 2 reducer: {started} of {len(self.missing)} buckets were started; some "
+                               f"gradients never reported ready")
+        for p in self.pending:
+            self._wait(p, "reduce_scatter")
+        self.pending = []
+        self.missing = [len(names) for names, _, _ in self.optimizer.buckets]

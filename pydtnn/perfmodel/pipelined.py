@@ -24,8 +24,10 @@ from pydtnn.perfmodel.step_parts import (
     recomputed,
     reducer_messages,
     reduction_seconds,
+    scatter_seconds,
     thread_speedup,
     zero_costs,
+    zero_messages,
 )
 
 
@@ -216,18 +218,20 @@ def _stage_after(stage, replicas, micro_batches, machine, threads, crowding, pas
                  compression, level, shaping, zero=0):
     """(reduction seconds, its collectives, update seconds, per-parameter and per-step costs) of a stage (its Model
     as one process holds it) after its micro-batches: its gradients reduced across the replicas (all at once),
-    summed and updated; with ZeRO (step_parts.zero_costs) its shard updated, reduce-scattered at stage 2, and
-    the shards allgathered (counted in the reduction)."""
+    summed and updated; with ZeRO (step_parts.zero_costs) its shard updated, reduce-scattered bucket by bucket at
+    stage 2 (step_parts.zero_messages), and the shards allgathered (counted in the reduction)."""
     itemsize = stage.backend.dtype.itemsize
     own = [(n, g.nbytes) for n, _, g in stage.parameters()]
     sent = reducer_messages(own, [], 0.0, reduction, itemsize, compression, after=True,
                      **shaping) if own and replicas > 1 else []
     red = sum(reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in sent)
     nbytes = sum(nb for _, nb in own)
-    share, passes_s, gather_s, scatter_s, gathers = zero_costs(zero, nbytes, itemsize, replicas, machine, threads,
-                                                               crowding, algorithm, level)
-    if scatter_s is not None:
-        red, sent = scatter_s, [None] * (replicas > 1)
+    share, passes_s, gather_s, gathers = zero_costs(zero, nbytes, itemsize, replicas, machine, threads, crowding,
+                                                    algorithm, level)
+    if zero == 2 and own and replicas > 1:  # a reduce-scatter per bucket instead, all ready at once
+        sent = zero_messages(own, [], 0.0, itemsize, after=True, bucket_mb=shaping.get("bucket_mb"),
+                             first_bucket_mb=shaping.get("first_bucket_mb"))
+        red = sum(scatter_seconds(n, replicas, machine, algorithm, level) for *_, n in sent)
     red += gather_s
     sent = sent + [None] * gathers
     upd = share * passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)

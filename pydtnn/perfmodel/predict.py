@@ -65,8 +65,10 @@ from pydtnn.perfmodel.step_parts import (  # noqa: F401
     recomputed,
     reducer_messages,
     reduction_seconds,
+    scatter_seconds,
     thread_speedup,
     zero_costs,
+    zero_messages,
 )
 
 # one process of "data" is sequential
@@ -116,7 +118,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     forward runs again in backward are costed twice). parallel "pipeline" (pipeline_stages = np), or "hybrid"
     with pipeline_stages S (np / S pipelines): see predict_pipeline. zero: ZeRO's stage over the replicas
     (step_parts.zero_costs): the update of the largest shard, the allgather of the updated shards after it,
-    and at stage 2 one reduce-scatter after backward in place of the reducer's messages, all exposed."""
+    and at stage 2 a reduce-scatter per bucket in place of the reducer's messages (step_parts.zero_messages),
+    exposed as the bucketed reducer's are."""
     _check_arguments(parallel, reduction, progress, optimizer, algorithm, recompute, zero, batch_size=batch_size,
                      np=np, threads=threads, micro_batches=micro_batches)
     if parallel == "pipeline" or (pipeline_stages or 1) > 1:
@@ -146,8 +149,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     memory_s += accumulation_s(param_bytes, len(sizes), machine, threads, crowding)
     level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
     itemsize = model.backend.dtype.itemsize
-    share, zero_passes_s, gather_s, scatter_s, gathers = zero_costs(zero, param_bytes, itemsize, replicas, machine,
-                                                                    threads, crowding, algorithm, level)
+    share, zero_passes_s, gather_s, gathers = zero_costs(zero, param_bytes, itemsize, replicas, machine, threads,
+                                                         crowding, algorithm, level)
     update_s, memory_s = update_s * share, memory_s + zero_passes_s
     group = [g for b in sizes for g in split.group_messages(steps, b, model.backend.dtype.itemsize, m, machine,
                                                             algorithm)]
@@ -162,14 +165,15 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     messages = reducer_messages(params, times, forward_s, reduction, itemsize, compression, bucket_mb=bucket_mb,
                                 first_bucket_mb=first_bucket_mb, density=density, after=len(sizes) > 1)
     durations = [reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
-    if scatter_s is not None:  # ZeRO 2: one reduce-scatter of the whole buffer after backward, blocking
-        messages, durations = [(forward_s + backward_s, "reduce_scatter", param_bytes)], [scatter_s]
+    if zero == 2:  # ZeRO 2: a reduce-scatter per bucket instead, each started once its gradients are ready
+        messages = zero_messages(params, times, forward_s, itemsize, after=len(sizes) > 1, bucket_mb=bucket_mb,
+                                 first_bucket_mb=first_bucket_mb)
+        durations = [scatter_seconds(n, replicas, machine, algorithm, level) for *_, n in messages]
     comm_s = sum(durations)
     collectives_per_step = (len(messages) + gathers if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
-    exposed = _exposed(messages, durations, end_of_backward,
-                       progress == "test" or reduction == "blocking" or scatter_s is not None)
+    exposed = _exposed(messages, durations, end_of_backward, progress == "test" or reduction == "blocking")
     comm_s, exposed = comm_s + gather_s, exposed + gather_s  # ZeRO's allgather of the shards, after the update
     return Prediction(
         model=name or model.name, batch_size=batch_size, np=np, threads=threads, parallel=parallel,

@@ -180,39 +180,66 @@ def reducer_messages(params, times, forward_s, reduction, itemsize, compression=
     reducer starts them (reducers.messages); params: [(parameter name, gradient bytes)] in state-dict order;
     options: the reducer's own that shape its messages (those it does not take are left out). after: every
     gradient is reported at the end of backward (micro-batches: the reducer replays them after the last)."""
+    when = ready_times(params, times, forward_s, after)
+    own = reducers.defaults(reduction)
+    sent = reducers.messages(reduction, [n // itemsize for _, n in params], itemsize, compression,
+                             **{k: v for k, v in options.items() if k in own})
+    end = forward_s + sum(lt.backward_data_s + lt.backward_weights_s for lt in times)  # of backward
+    starts = [end if m.params is None else max(when[i] for i in m.params) for m in sent]
+    return sorted(((s, m.collective, m.nbytes) for s, m in zip(starts, sent)), key=lambda x: x[0])
+
+
+def ready_times(params, times, forward_s, after=False):
+    """[seconds into the step when each gradient of `params` ([(name, bytes)], state-dict order) is ready]: its
+    layer's backward done (times: the layers' LayerTimes in forward order, backward starting at forward_s), or
+    all at the end of backward (after: micro-batches, whose gradients are reported after the last)."""
     ready, t = {}, forward_s
     for lt in reversed(times):  # backward runs the layers in reverse order
         t += lt.backward_data_s + lt.backward_weights_s
         ready[lt.name] = t
-    when = [t if after else ready.get(name.rsplit(".", 1)[0], t) for name, _ in params]
-    own = reducers.defaults(reduction)
-    sent = reducers.messages(reduction, [n // itemsize for _, n in params], itemsize, compression,
-                             **{k: v for k, v in options.items() if k in own})
-    starts = [t if m.params is None else max(when[i] for i in m.params) for m in sent]
-    return sorted(((s, m.collective, m.nbytes) for s, m in zip(starts, sent)), key=lambda x: x[0])
+    return [t if after else ready.get(name.rsplit(".", 1)[0], t) for name, _ in params]
+
+
+def zero_messages(params, times, forward_s, itemsize, after=False, bucket_mb=None, first_bucket_mb=None):
+    """[(seconds into the step when it can start, "reduce_scatter", bytes per replica)] of ZeRO stage 2's
+    reduction: one reduce-scatter per bucket (zero.buckets: the bucketed reducer's buckets), started once its
+    gradients are ready (ready_times), in the order they start."""
+    from pydtnn.distributed import zero
+
+    when = dict(zip((n for n, _ in params), ready_times(params, times, forward_s, after)))
+    offsets, at = {}, 0
+    for name, nbytes in reversed(params):  # the gradient buffer: reverse parameter order
+        offsets[name], at = (at, at + nbytes // itemsize), at + nbytes // itemsize
+    cut = zero.buckets(offsets, itemsize, bucket_mb or zero.BUCKET_MB, first_bucket_mb or zero.FIRST_BUCKET_MB)
+    return sorted(((max(when[n] for n in names), "reduce_scatter", (hi - lo) * itemsize) for names, lo, hi in cut),
+                  key=lambda x: x[0])
+
+
+def scatter_seconds(nbytes, replicas, machine, algorithm, level):
+    """Seconds of one reduce-scatter of nbytes per replica over `replicas` (none with one)."""
+    return _collective("reduce_scatter", nbytes, replicas, machine, algorithm, level) if replicas > 1 else 0.0
 
 
 def zero_costs(stage, nbytes, itemsize, replicas, machine, threads, crowding, algorithm, level):
-    """(share, memory-pass seconds, allgather seconds, reduce-scatter seconds or None, allgathers) of ZeRO stage
-    `stage` (pydtnn.distributed.zero) on a replica holding nbytes of parameters: the largest shard's share of
-    them (its update's share), packing its shard and copying the gathered whole back (2 x share + 2 passes),
-    the allgathers of the updated shards (zero.CHUNK_BYTES at a time), and at stage 2 the reduce-scatter that
-    replaces the reducer's messages."""
+    """(share, memory-pass seconds, allgather seconds, allgathers) of ZeRO stage `stage` (pydtnn.distributed.zero)
+    on a replica holding nbytes of parameters: the largest shard's share of them (its update's share), packing
+    its shard and copying the gathered whole back (2 x share + 2 passes), and the allgathers of the updated
+    shards (zero.CHUNK_BYTES at a time). Stage 2's reduce-scatters, which replace the reducer's messages, are
+    zero_messages'."""
     from pydtnn.distributed import zero
     from pydtnn.distributed.sampler import shard_bounds
 
     if not stage:
-        return 1.0, 0.0, 0.0, None, 0
+        return 1.0, 0.0, 0.0, 0
     elements = nbytes // itemsize
     bounds = shard_bounds(elements, replicas)
     share = max(b - a for a, b in zip(bounds[:-1], bounds[1:])) / elements if elements else 0.0
     passes_s = (2 * share + 2) * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
     if replicas <= 1:
-        return share, passes_s, 0.0, (0.0 if stage == 2 else None), 0
+        return share, passes_s, 0.0, 0
     chunks = max(1, -(-nbytes // zero.CHUNK_BYTES))
     gather = chunks * _collective("allgather", nbytes / chunks, replicas, machine, algorithm, level)
-    scatter = _collective("reduce_scatter", nbytes, replicas, machine, algorithm, level) if stage == 2 else None
-    return share, passes_s, gather, scatter, chunks
+    return share, passes_s, gather, chunks
 
 
 def _collective(op, nbytes, p, machine, algorithm, level):

@@ -189,7 +189,7 @@ class Reducer:
             for req in pending[0]:
                 req.test()
 
-    def _wait(self, pending):
+    def _wait(self, pending, collective="allreduce"):
         reqs, label, start, nbytes = pending
         t_wait = time.perf_counter_ns()
         if self._thread is not None:
@@ -198,7 +198,7 @@ class Reducer:
             req.wait()
         if self.tracer is not None:
             end = time.perf_counter_ns()
-            self.tracer.add(f"allreduce {label}", "allreduce", start, end, tid=2, bytes=nbytes)
+            self.tracer.add(f"{collective} {label}", collective, start, end, tid=2, bytes=nbytes)
             self.tracer.add(f"wait {label}", "wait", t_wait, end, tid=1)
 
 
