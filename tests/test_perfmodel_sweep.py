@@ -196,3 +196,22 @@ def test_a_family_name_is_swept_as_its_variant_and_says_so(tmp_path, capsys):
     assert (tmp_path / "perfmodel_mobilenetv1_cifar10.png").read_bytes()[:8] == PNG
     points = json.loads((tmp_path / "p.json").read_text())["points"]
     assert {p["model"] for p in points} == {"mobilenetv1_cifar10"}
+
+
+def test_zero_sweeps_every_scheme_with_the_stage_and_its_refusal_comes_first(tmp_path, capsys, monkeypatch):
+    """--zero 2: the data scheme's baseline is predict()'s with ZeRO 2 (not plain data parallelism's), the JSON
+    says the stage; --zero 1 with topk is one line before any work."""
+    code = main(["sweep", "--model", MODEL, "--points", "2", "--axes", "nodes", "--nodes", str(NODES), "--batch_size",
+                 str(BATCH), "--zero", "2", "--out_dir", str(tmp_path), "--json", str(tmp_path / "z.json")])
+    assert code == 0
+    data = json.loads((tmp_path / "z.json").read_text())
+    assert data["zero"] == 2
+    _, model = build_model(MODEL)
+    np_ = NODES * machines.DEFAULT.processes_per_node
+    sharded, plain = (predict(model, BATCH, np_, machines.DEFAULT, reduction="bucketed", zero=z) for z in (2, 0))
+    (point,) = [p for p in line(data, "nodes") if p["value"] == NODES]
+    assert point["step_s"] == sharded.step_s != plain.step_s
+    capsys.readouterr()
+    no_work(monkeypatch)
+    refused(capsys, ["--zero", "1", "--reduction", "topk", "--out_dir", str(tmp_path / "none")],
+            "--zero 1 with --reduction topk")

@@ -333,6 +333,9 @@ def add_sweep(subparsers):
     p.add_argument("--pipeline_micro_batches", type=positive_int, default=8,
                    help="micro-batches per step of the pipeline scheme (default 8)")
     p.add_argument("--recompute", choices=MODES, default="none", help="activation recomputation in every scheme")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+                   help="ZeRO's stage over the model replicas of every scheme: 1 shards the optimizer state, 2 the "
+                        "reduced gradients too (default 0: neither)")
     add_data_flags(p)
     p.add_argument("--json", help="file to write every point to, as JSON")
     p.set_defaults(run=run_sweep)
@@ -375,7 +378,10 @@ def run_sweep(args):
     from pydtnn.perfmodel.machine import to_dict
     from pydtnn.perfmodel.simulate import build_model
 
+    from pydtnn.distributed.zero import check_stage
+
     axes = sweep.check_axes(args.axes)
+    check_stage(args.zero, args.reduction)  # before any work: a stage the reduction cannot serve is one line
     figures = sweep_figures(args)
     machine = machine_from(args)
     baseline = sweep.Baseline(nodes=args.nodes, batch_size=args.batch_size)
@@ -390,7 +396,7 @@ def run_sweep(args):
                                       say=lambda line: bar.write(f"{PROG}: {line}", file=sys.stderr))
             mine = sweep.sweep(model, name, machine, baseline, axes, points=args.points, on_point=bar.update,
                                density=args.density, micro_batches=args.micro_batches, recompute=args.recompute,
-                               pipeline_micro_batches=args.pipeline_micro_batches, **options)
+                               pipeline_micro_batches=args.pipeline_micro_batches, zero=args.zero, **options)
             del model
             bar.write(f"wrote {sweep.plot(mine, figure, machine, baseline, **options)}", file=sys.stdout)
             points += mine
@@ -398,7 +404,7 @@ def run_sweep(args):
     if args.json:
         data = {"machine": to_dict(machine), "baseline": dataclasses.asdict(baseline), "schemes": list(sweep.SCHEMES),
                 **options, "density": args.density, "micro_batches": args.micro_batches,
-                "pipeline_micro_batches": args.pipeline_micro_batches, "recompute": args.recompute,
+                "pipeline_micro_batches": args.pipeline_micro_batches, "recompute": args.recompute, "zero": args.zero,
                 "points": [p.to_dict() for p in points]}
         write_atomic(args.json, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
         print(f"wrote {args.json}")
