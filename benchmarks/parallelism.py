@@ -5,6 +5,7 @@
     python benchmarks/parallelism.py --quick          # 3 small configurations, about 10 s (smoke test)
     python benchmarks/parallelism.py --from_json docs/parallelism_benchmark.json   # table and plot again, re-predicted
     python benchmarks/parallelism.py --pipelines [--out docs/pipeline_benchmark.json]  # pipelines beside data, 54 runs
+    python benchmarks/parallelism.py --model_pipelines [--out docs/model_pipeline_benchmark.json]   # 12 runs
 
 A configuration is a model, a global batch (samples per step over all processes), a process count, a
 layout and a network. Layouts: `data` (each process a replica on global/np samples), `model` (every
@@ -40,6 +41,11 @@ parallelism at np 2 and 4 on the same global batch (128), for the VGG and ResNet
 1 Gbit/s and at 200 Mbit/s. Each run's peak resident memory per process (the largest over its ranks; GNU time's maximum
 resident set size) is measured too. The predictions are predict()'s for the same cut, schedule and
 micro-batches.
+
+--model_pipelines: stages split over model-parallel groups (`--parallel hybrid --pipeline_stages 2
+--model_parallel_size 2` at np 4: layout "pipeline_model", M = 4 and 8 micro-batches under 1F1B) beside data
+parallelism and the hybrid 2x2 of model-parallel groups at np 4, for the VGG and ResNet-20 on the same global
+batch (128), on shared memory and at 1 Gbit/s, with the model's predictions for the same cut and schedule.
 
 Outputs: the JSON (every configuration with its measurement and its prediction),
 the PNG (step time per layout, one panel per model and global batch, grouped by network) and the
@@ -80,7 +86,7 @@ class Config:
     model: str
     batch: int
     np: int
-    layout: str  # data, model, hybrid or pipeline
+    layout: str  # data, model, hybrid, pipeline or pipeline_model (stages of HYBRID_GROUP processes each)
     network: str = "unlimited"
     micro_batches: int = 1
     schedule: str = "1f1b"  # a pipeline's
@@ -88,7 +94,8 @@ class Config:
     @property
     def group(self):
         """Processes per model replica."""
-        return {"data": 1, "model": self.np, "hybrid": HYBRID_GROUP, "pipeline": self.np}[self.layout]
+        return {"data": 1, "model": self.np, "hybrid": HYBRID_GROUP, "pipeline": self.np,
+                "pipeline_model": self.np}[self.layout]
 
     @property
     def replica_batch(self):
@@ -100,10 +107,17 @@ class Config:
         return f"{self.model} B{self.batch} np{self.np} {self.name} {self.network}"
 
     @property
+    def stages(self):
+        """A pipeline's stages (pipeline_model: each stage split over HYBRID_GROUP processes); 1 otherwise."""
+        return {"pipeline": self.np, "pipeline_model": self.np // HYBRID_GROUP}.get(self.layout, 1)
+
+    @property
     def name(self):
         """The layout in words: data, model, hybrid 2x2, pipeline 4 x M8 1f1b."""
         if self.layout == "pipeline":
             return f"pipeline {self.np} x M{self.micro_batches} {self.schedule}"
+        if self.layout == "pipeline_model":
+            return f"pipeline {self.stages} of model {HYBRID_GROUP} x M{self.micro_batches} {self.schedule}"
         return layout_name(self.np, self.layout)
 
 
@@ -128,6 +142,17 @@ def pipeline_configs(models=("vgg11bn_cifar10", "resnet20_cifar10"), batch=128, 
 # global batches measured on an emulated network where not every batch is: the others' steps take seconds
 EMULATED_BATCHES = {("1gbit", "vgg11bn_cifar10"): (32,), ("200mbit", "vgg11bn_cifar10"): (),
                     ("200mbit", "resnet20_cifar10"): (32,)}
+
+
+def model_pipeline_configs(models=("vgg11bn_cifar10", "resnet20_cifar10"), batch=128, networks=NETWORKS[:2]):
+    """Data parallelism, hybrid 2x2 and pipelines of 2 stages each split over 2 processes (M = 4, 8; 1F1B), at
+    np 4, for each model and network, on one global batch."""
+    out = []
+    for network in networks:
+        for model in models:
+            out += [Config(model, batch, 4, "data", network), Config(model, batch, 4, "hybrid", network)]
+            out += [Config(model, batch, 4, "pipeline_model", network, m, "1f1b") for m in (4, 8)]
+    return out
 
 
 def full_configs(batches=(32, 128)):
@@ -185,15 +210,18 @@ def write_dataset(directory, input_shape, num_classes, train_samples, test_sampl
 def command(config, trace, warmup, steps, dataset, python=sys.executable, rss=None):
     """The argv that trains `config` for warmup + steps steps on `dataset` (write_dataset's flags), writing its
     traces to `trace` (and, rss given, each rank's peak resident set to that file, through GNU time)."""
+    parallel = "hybrid" if config.layout == "pipeline_model" else config.layout
     train = [python, "-m", "pydtnn", "--model", config.model, "--global_batch_size", str(config.batch),
-             "--parallel", config.layout, *dataset, "--steps_per_epoch", str(warmup + steps),
+             "--parallel", parallel, *dataset, "--steps_per_epoch", str(warmup + steps),
              "--num_epochs", "1", "--learning_rate", validation.LR, "--tracing", "--tracer_output", trace,
              "--progress", "false", "--threads_per_process", "1"]
     if config.layout == "hybrid":
         train += ["--model_parallel_size", str(HYBRID_GROUP)]
-    if config.layout == "pipeline":
-        train += ["--pipeline_stages", str(config.np), "--micro_batches", str(config.micro_batches),
+    if config.layout in ("pipeline", "pipeline_model"):
+        train += ["--pipeline_stages", str(config.stages), "--micro_batches", str(config.micro_batches),
                   "--pipeline_schedule", config.schedule]
+    if config.layout == "pipeline_model":
+        train += ["--model_parallel_size", str(HYBRID_GROUP)]
     if rss is not None:  # every rank appends its peak resident set (KiB) to this file
         train = ["/usr/bin/time", "-f", "%M", "-a", "-o", rss, *train]
     train = [mpiexec_path(), "-n", str(config.np), *train]
@@ -241,9 +269,11 @@ def predicted(config, model, machine):
     step, all communication, the part of it on the critical path, the model-parallel groups' collectives)."""
     from pydtnn.perfmodel.predict import predict
 
+    split = {"hybrid": config.group, "pipeline_model": HYBRID_GROUP}.get(config.layout)
     p = predict(model, config.replica_batch, config.np, machine, reduction="bucketed", threads=1, algorithm="best",
-                progress="test", optimizer="sgd_momentum", parallel=config.layout,
-                model_parallel_size=config.group if config.layout == "hybrid" else None,
+                progress="test", optimizer="sgd_momentum",
+                parallel="hybrid" if config.layout == "pipeline_model" else config.layout, model_parallel_size=split,
+                pipeline_stages=config.stages if config.layout == "pipeline_model" else None,
                 micro_batches=config.micro_batches, schedule=config.schedule)
     return {"step_s": p.step_s, "comm_s": p.comm_s, "exposed_comm_s": p.exposed_comm_s,
             "group_comm_s": p.group_comm_s, "bubble_s": p.bubble_s}
@@ -311,10 +341,12 @@ def pipeline_table(points):
     for p in points:
         c, m, pr = Config(**p["config"]), p["measured"], p["predicted"]
         r, peak, foreign = ratio[p["label"]], m.get("peak_rss_mb"), m.get("foreign_cores")
-        what = f"pipeline ({c.schedule})" if c.layout == "pipeline" else c.layout
-        lines.append(f"| {c.model} | {c.network} | {c.np} | {what} | {c.micro_batches if c.layout == 'pipeline' else ''}"
+        piped = c.layout in ("pipeline", "pipeline_model")
+        what = (f"pipeline {c.stages} of model {HYBRID_GROUP} ({c.schedule})" if c.layout == "pipeline_model" else
+                f"pipeline ({c.schedule})" if piped else layout_name(c.np, c.layout))
+        lines.append(f"| {c.model} | {c.network} | {c.np} | {what} | {c.micro_batches if piped else ''}"
                      f" | {ms(m['step_s'])} | {c.batch / m['step_s']:.1f} | {'' if r is None else f'{r:.2f}'} | "
-                     f"{ms(pr['step_s']) if pr else ''} | {ms(pr.get('bubble_s')) if pr and c.layout == 'pipeline' else ''}"
+                     f"{ms(pr['step_s']) if pr else ''} | {ms(pr.get('bubble_s')) if pr and piped else ''}"
                      f" | {'' if peak is None else f'{peak:.0f}'} | {'' if foreign is None else f'{foreign:.2f}'} |")
     return "\n".join(lines)
 
@@ -332,7 +364,7 @@ def report(run):
              "model-parallel comm.: the inserted gathers and dx sums per step (waiting included). gradient wait: "
              "the reducer's exposed wait per step. predicted: pydtnn.perfmodel.predict on the same layout. "
              "other cores: CPU used by other processes during the run.")
-    if any(p["config"].get("layout") == "pipeline" for p in run["points"]):
+    if any(p["config"].get("layout") in ("pipeline", "pipeline_model") for p in run["points"]):
         notes = ("step ms: median over the timed steps of the slowest rank's step. data step / this: data "
                  "parallelism's step at the same model, np and network over this one (above 1: faster than data). "
                  "predicted: pydtnn.perfmodel.predict on the same layout, cut, schedule and micro-batches; predicted "
@@ -342,7 +374,7 @@ def report(run):
     busy = [p["label"] for p in run["points"] if (p["measured"].get("foreign_cores") or 0.0) > BUSY]
     disturbed = (f"{len(busy)} of {len(run['points'])} runs had other processes using more than {BUSY} cores "
                  f"(hatched in the plot){': ' + ', '.join(busy) if busy else ''}.")
-    pipelined = any(p["config"].get("layout") == "pipeline" for p in run["points"])
+    pipelined = any(p["config"].get("layout") in ("pipeline", "pipeline_model") for p in run["points"])
     return "\n".join([head, "", pipeline_table(run["points"]) if pipelined else table(run["points"]), "", notes, "",
                       disturbed])
 
@@ -416,7 +448,7 @@ def drive(args):
     if refusal:
         print(f"parallelism: emulated networks skipped: {refusal}", file=sys.stderr)
     configs = (quick_configs(refusal is None) if args.quick else pipeline_configs() if args.pipelines
-               else full_configs())
+               else model_pipeline_configs() if args.model_pipelines else full_configs())
     configs = [c for c in configs if (refusal is None or c.network == "unlimited")
                and (not args.only or args.only in c.label)]
     links = {}
@@ -464,6 +496,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="3 small configurations (smoke test)")
     p.add_argument("--pipelines", action="store_true",
                    help="pipelines beside data parallelism (default output docs/pipeline_benchmark.json, no plot)")
+    p.add_argument("--model_pipelines", action="store_true",
+                   help="stages split over model-parallel groups beside data and hybrid parallelism at np 4 (default "
+                        "output docs/model_pipeline_benchmark.json, no plot)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
     p.add_argument("--wait_idle", type=float, default=0.0,
@@ -484,8 +519,9 @@ def main(argv=None):
             run["predicted_at"] = validation.commit()
         output(run, args.out, args.plot)
         return 0
-    if args.pipelines:
-        args.out = args.out or os.path.join(ROOT, "docs", "pipeline_benchmark.json")
+    if args.pipelines or args.model_pipelines:
+        args.out = args.out or os.path.join(ROOT, "docs", "pipeline_benchmark.json" if args.pipelines
+                                            else "model_pipeline_benchmark.json")
     elif not args.quick:
         args.out = args.out or os.path.join(ROOT, "docs", "parallelism_benchmark.json")
         args.plot = args.plot or os.path.join(ROOT, "docs", "benchmarks_parallelism.png")

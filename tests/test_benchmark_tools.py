@@ -158,6 +158,20 @@ def test_parallelism_benchmark_tables_and_redraws_a_saved_run_without_mpi(tmp_pa
     assert (hybrid.group, hybrid.replica_batch) == (2, 64)
     assert bench.Config("simplecnn", 32, 2, "model").replica_batch == 32
     assert bench.Config("simplecnn", 32, 4, "data").replica_batch == 8
+    split = bench.Config("resnet20_cifar10", 128, 4, "pipeline_model", "unlimited", 4, "1f1b")  # 2 stages of 2
+    argv = bench.command(split, "t.json", 2, 5, [], python="py")
+    assert argv[argv.index("--parallel") + 1] == "hybrid" and argv[argv.index("--pipeline_stages") + 1] == "2"
+    assert argv[argv.index("--model_parallel_size") + 1] == "2" and argv[argv.index("--micro_batches") + 1] == "4"
+    assert (split.stages, split.replica_batch, split.name) == (2, 128, "pipeline 2 of model 2 x M4 1f1b")
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.perfmodel import machine
+    from pydtnn.perfmodel.predict import predict
+
+    net = models.create("resnet20_cifar10", backend=CPUBackend(seed=0))
+    want = predict(net, 128, 4, machine.DEFAULT, reduction="bucketed", algorithm="best", optimizer="sgd_momentum",
+                   parallel="hybrid", pipeline_stages=2, model_parallel_size=2, micro_batches=4)
+    assert bench.predicted(split, net, machine.DEFAULT)["step_s"] == want.step_s and want.bubble_s > 0
 
     measured = {"layers": {"3": {"forward_s": 1.0, "backward_s": 2.0}, "3:allgather": {"forward_s": 0.25},
                            "block.1:sum_dx": {"forward_s": 0.0, "backward_s": 0.5}},
