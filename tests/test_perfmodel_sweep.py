@@ -215,3 +215,5 @@ def test_zero_sweeps_every_scheme_with_the_stage_and_its_refusal_comes_first(tmp
     no_work(monkeypatch)
     refused(capsys, ["--zero", "1", "--reduction", "topk", "--out_dir", str(tmp_path / "none")],
             "--zero 1 with --reduction topk")
+    refused(capsys, ["--zero", "2", "--progress", "thread", "--out_dir", str(tmp_path / "none")],
+            "--zero 2 reduce-scatters the gradients itself", "--reduction_progress thread")

@@ -261,6 +261,10 @@ def test_the_time_model_prices_the_shards_update_and_their_allgather():
     assert many.comm_s == pytest.approx(scatters + gather, rel=1e-9) and many.messages == len(cut) + 1
     with pytest.raises(ConfigError, match="--zero 1 with --reduction topk"):
         predict(model, 32, 4, m, reduction="topk", zero=1)
+    for kwargs, what in (({"progress": "thread"}, "--reduction_progress thread"),
+                         ({"compression": "fp16"}, "--gradient_compression fp16")):  # as pydtnn-train refuses them
+        with pytest.raises(ConfigError, match=f"--zero 2 reduce-scatters the gradients itself.*{what}"):
+            predict(model, 32, 4, m, zero=2, **kwargs)
 
 
 class ThreadComm:
@@ -350,6 +354,21 @@ def test_stage_2_over_many_buckets_ends_where_data_parallelism_ends(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
     same_files(tmp_path / "1", tmp_path / "0", names=("model.safetensors",))
     assert_close(tmp_path / "2", tmp_path / "0")
+
+
+def test_a_traced_stage_2_run_counts_its_reduce_scatters_as_communication_in_flight(tmp_path):
+    """The buckets' reduce-scatters run from backward into the reduction's wait: the trace's summary keeps them
+    beside the phases (no phase of their own, the phases adding up to the step) and says how much was hidden."""
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn",
+                        "--use_synthetic_data", "--steps_per_epoch", "4", "--global_batch_size", "16", "--zero", "2",
+                        "--bucket_size_mb", "0.01", "--tracing", "--tracer_output", str(tmp_path / "t.json"),
+                        "--progress", "false"], capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    rows = [line for line in out.splitlines() if line and not line[0].isspace() and "%" in line
+            and not line.startswith(("total", "communication"))]
+    assert rows and not any(line.startswith(("reduce_scatter", "ireduce_scatter")) for line in rows), out[-3000:]
+    assert "in flight" in out and "hidden behind computation" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("size", [2, 3])

@@ -322,6 +322,6 @@ class ShardedReducer(Reducer):
             raise RuntimeError(f"zero 2 reducer: {started} of {len(self.missing)} buckets were started; some "
                                f"gradients never reported ready")
         for p in self.pending:
-            self._wait(p, "reduce_scatter")
+            self._wait(p, "ireduce_scatter")  # in flight since its bucket was ready (tracer.CONCURRENT)
         self.pending = []
         self.missing = [len(names) for names, _, _ in self.optimizer.buckets]

@@ -381,7 +381,7 @@ def run_sweep(args):
     from pydtnn.distributed.zero import check_stage
 
     axes = sweep.check_axes(args.axes)
-    check_stage(args.zero, args.reduction)  # before any work: a stage the reduction cannot serve is one line
+    check_stage(args.zero, args.reduction, progress=args.progress)  # before any work: one line
     figures = sweep_figures(args)
     machine = machine_from(args)
     baseline = sweep.Baseline(nodes=args.nodes, batch_size=args.batch_size)

@@ -79,7 +79,8 @@ RECOMPUTE = recompute_module.MODES
 MEASURED_CROWDING = 2.0  # ranks per core at which calibrate measures overheads.oversubscribed_collective_s
 
 
-def _check_arguments(parallel, reduction, progress, optimizer, algorithm, recompute="none", zero=0, **counts):
+def _check_arguments(parallel, reduction, progress, optimizer, algorithm, recompute="none", zero=0, compression="none",
+                     **counts):
     """ConfigError naming the first of predict's arguments that is not one of its choices, or, among counts,
     not a positive integer."""
     if parallel not in PARALLEL:
@@ -99,7 +100,7 @@ def _check_arguments(parallel, reduction, progress, optimizer, algorithm, recomp
     if zero:
         from pydtnn.distributed.zero import check_stage
 
-        check_stage(zero, reduction)
+        check_stage(zero, reduction, compression, progress)  # what pydtnn-train refuses, refused here too
 
 
 def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
@@ -120,8 +121,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     (step_parts.zero_costs): the update of the largest shard, the allgather of the updated shards after it,
     and at stage 2 a reduce-scatter per bucket in place of the reducer's messages (step_parts.zero_messages),
     exposed as the bucketed reducer's are."""
-    _check_arguments(parallel, reduction, progress, optimizer, algorithm, recompute, zero, batch_size=batch_size,
-                     np=np, threads=threads, micro_batches=micro_batches)
+    _check_arguments(parallel, reduction, progress, optimizer, algorithm, recompute, zero, compression,
+                     batch_size=batch_size, np=np, threads=threads, micro_batches=micro_batches)
     if parallel == "pipeline" or (pipeline_stages or 1) > 1:
         from pydtnn.perfmodel.pipelined import predict_pipeline
 

@@ -17,9 +17,10 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-# Categories of spans that run beside the computation on their own track (an allreduce in flight
-# while backward goes on): never nested in a phase, summed apart as communication.
-CONCURRENT = ("allreduce",)
+# Categories of spans that run beside the computation on their own track (an allreduce, or ZeRO stage 2's
+# non-blocking reduce-scatter of a bucket, in flight while backward goes on): never nested in a phase, summed
+# apart as communication. A model-parallel group's blocking reduce_scatter is not one of them.
+CONCURRENT = ("allreduce", "ireduce_scatter")
 _ORDER = ("data", "forward", "loss", "backward", "reduce", "optimizer")
 
 
