@@ -292,13 +292,8 @@ class ShardedReducer(Reducer):
         self.pending = []
 
     def grads_ready(self, names):
-        for p in self.pending:
-            self._progress(p)
-        for n in names:
-            i = self.bucket_of[n]
-            self.missing[i] -= 1
-            if self.missing[i] == 0:
-                self._start_bucket(i)
+        for i in self._bucket_ready(names):
+            self._start_bucket(i)
 
     def _start_bucket(self, i):
         opt = self.optimizer
@@ -313,7 +308,7 @@ class ShardedReducer(Reducer):
         label = f"zero bucket {i}"
         self.bytes_reduced += buf.nbytes
         req = self.comm.ireduce_scatterv(buf, recv, [b - a for a, b, _ in parts], label)
-        self.pending.append(([req], label, time.perf_counter_ns(), int(buf.nbytes)))
+        self.pending.append((i, ([req], label, time.perf_counter_ns(), int(buf.nbytes))))
 
     def finish(self):
         self.order_done = True
@@ -321,7 +316,7 @@ class ShardedReducer(Reducer):
         if started != len(self.missing):
             raise RuntimeError(f"zero 2 reducer: {started} of {len(self.missing)} buckets were started; some "
                                f"gradients never reported ready")
-        for p in self.pending:
+        for _, p in self.pending:
             self._wait(p, "ireduce_scatter")  # in flight since its bucket was ready (tracer.CONCURRENT)
         self.pending = []
         self.missing = [len(names) for names, _, _ in self.optimizer.buckets]

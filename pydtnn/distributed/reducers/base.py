@@ -182,6 +182,20 @@ class Reducer:
             self._thread.watch(reqs)
         return reqs, label, time.perf_counter_ns(), int(buf.nbytes)
 
+    def _bucket_ready(self, names):
+        """[the buckets these gradients complete], after letting every outstanding message move: the bucketed
+        reducers' count of each bucket's gradients still to come (self.bucket_of: name -> bucket, self.missing:
+        per bucket; self.pending: [(bucket, what _wait takes)])."""
+        for _, p in self.pending:
+            self._progress(p)
+        done = []
+        for n in names:
+            i = self.bucket_of[n]
+            self.missing[i] -= 1
+            if self.missing[i] == 0:
+                done.append(i)
+        return done
+
     def _progress(self, pending):
         """Let MPI move outstanding messages along (it has no progress of its own here); with a progress
         thread, that thread does."""

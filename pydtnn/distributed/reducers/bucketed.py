@@ -36,13 +36,8 @@ class BucketedReducer(Reducer):
         self.pending = []
 
     def grads_ready(self, names):
-        for _, p in self.pending:
-            self._progress(p)
-        for n in names:
-            i = self.bucket_of[n]
-            self.missing[i] -= 1
-            if self.missing[i] == 0:
-                self._start_bucket(i)
+        for i in self._bucket_ready(names):
+            self._start_bucket(i)
 
     def _start_bucket(self, i):
         buf, views = self.buffers[i]
