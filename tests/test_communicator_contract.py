@@ -115,8 +115,8 @@ def test_no_probing_of_communicators_or_reducers():
 class _DeviceArray:
     """A stand-in CuPy array (its module is cupy's, as is_device_array checks) over a NumPy array."""
 
-    def __init__(self, values):
-        self.values = np.array(values)
+    def __init__(self, values, view=False):
+        self.values = values if view else np.array(values)
         self.shape, self.dtype, self.size, self.nbytes = (self.values.shape, self.values.dtype, self.values.size,
                                                           self.values.nbytes)
 
@@ -125,6 +125,15 @@ class _DeviceArray:
 
     def set(self, host):
         self.values[...] = host
+
+    def __getitem__(self, index):  # a view, as CuPy's slices are
+        return _DeviceArray(self.values[index], view=True)
+
+    def __setitem__(self, index, other):
+        self.values[index] = other.values if isinstance(other, _DeviceArray) else other
+
+    def copy(self):
+        return _DeviceArray(self.values)
 
 
 _DeviceArray.__module__ = "cupy._stand_in"
@@ -182,6 +191,15 @@ def test_device_comm_stages_allgatherv_and_reduce_scatterv_through_the_host(fake
     direct = _Host()
     DeviceComm(direct, cuda_aware=True).allgatherv(send, _DeviceArray(np.zeros(6)), [3, 3])
     assert direct.given == [_DeviceArray, _DeviceArray]  # CUDA-aware MPI takes device buffers as they are
+
+
+def test_device_comm_reduce_scatters_in_place_through_the_host(fake_cupy):
+    """ireduce_scatterv with recv None (ZeRO stage 2's, in place): this rank's block of the sum lands at the start
+    of the device array, the rest as it was, and the request is done when it returns."""
+    comm = DeviceComm(_Host(), cuda_aware=False)
+    send = _DeviceArray(np.arange(6.0))
+    assert comm.ireduce_scatterv(send, None, [3, 3], "zero bucket 0").test()
+    np.testing.assert_array_equal(send.values, [100, 102, 104, 3, 4, 5])
 
 
 def test_device_comm_refuses_the_hierarchical_reducers_collectives_in_one_line(fake_cupy):

@@ -46,7 +46,8 @@ class SingleProcess(Communicator):
         return recv
 
     def ireduce_scatterv(self, send, recv, counts, label=""):
-        recv[...] = send.reshape(recv.shape)
+        if recv is not None:  # in place (None), the sum of one rank is where it is
+            recv[...] = send.reshape(recv.shape)
         return Completed()
 
     def ireduce(self, buf, root=0, label=""):
@@ -230,7 +231,11 @@ class MPIComm(Communicator):
     def ireduce_scatterv(self, send, recv, counts, label=""):
         """Start reduce_scatterv; a request whose waits the stall watch watches."""
         what = self.watch.enter("reduce_scatterv", send, label)
-        req = self.comm.Ireduce_scatter(send, recv, [int(c) for c in counts], op=self.MPI.SUM)
+        counts = [int(c) for c in counts]
+        if recv is None:  # in place: this rank's block at the start of send
+            req = self.comm.Ireduce_scatter(self.MPI.IN_PLACE, send, counts, op=self.MPI.SUM)
+        else:
+            req = self.comm.Ireduce_scatter(send, recv, counts, op=self.MPI.SUM)
         return _MPIRequest(self.watch, req, what)
 
     def ireduce(self, buf, root=0, label=""):

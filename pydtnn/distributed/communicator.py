@@ -92,7 +92,8 @@ class Communicator:
 
     def ireduce_scatterv(self, send, recv, counts, label=""):
         """Start reduce_scatterv(send, recv, counts); returns a request (test(), wait()). A count may be 0.
-        Neither buffer may be touched until it completes."""
+        recv None: in place, this rank's block written at the start of `send`. Neither buffer may be touched
+        until it completes."""
         raise self._missing("ireduce_scatterv")
 
     def ireduce(self, buf, root=0, label=""):

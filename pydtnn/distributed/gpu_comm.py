@@ -163,8 +163,10 @@ class DeviceComm(Communicator):
 
     def ireduce_scatterv(self, send, recv, counts, label=""):
         """reduce_scatterv, completed before it returns (staged through the host where MPI cannot take the
-        arrays): the request it returns is done."""
-        self.reduce_scatterv(send, recv, counts, label)
+        arrays): the request it returns is done. recv None: this rank's block copied to the start of send."""
+        out = self.reduce_scatterv(send, send[: counts[self.rank]].copy() if recv is None else recv, counts, label)
+        if recv is None:
+            send[: counts[self.rank]] = out
         return Completed()
 
     def _staged(self, collective, send, recv, counts, label):

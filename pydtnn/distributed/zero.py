@@ -15,9 +15,9 @@ performance model all take.
   them; the updated shards are then allgathered into every replica's parameters.
 - Stage 2: the gradients are reduce-scattered instead (ShardedReducer), bucket by bucket during backward: a
   bucket's non-blocking reduce-scatter starts as soon as its gradients are ready, progressed between layers as
-  the bucketed reducer's allreduces are; each replica receives the average of its parts only, into a buffer
-  of its shard's size, which its optimizer reads. Backward still writes each replica's own gradients into the
-  whole buffer.
+  the bucketed reducer's allreduces are; it runs in place, each replica's part of the average landing at the
+  bucket's start, where its optimizer reads it. No replica holds the whole reduced gradient. Backward still
+  writes each replica's own gradients into the whole buffer.
 
 Every optimizer of pydtnn.optim updates element by element, so a shard's update is the whole update's, to the
 bit. state_dict() and load_state_dict() speak the whole optimizer's state (every parameter's slots, gathered:
@@ -116,8 +116,10 @@ def check_stage(stage, reduction=None, compression="none", progress="test", nccl
 class ShardedOptimizer:
     """An optimizer (make(params) builds it) over this replica's shard of `model`'s parameters, whose step()
     then allgathers the updated shards over `comm`; the Optimizer contract otherwise (lr, t, kind,
-    state_dict of the whole state, load_state_dict of a whole state). stage 2: the gradients it reads are
-    `shard_grad` (the reduced shard ShardedReducer writes), else the model's own gradient buffer."""
+    state_dict of the whole state, load_state_dict of a whole state). The gradients it reads are in the model's
+    own gradient buffer: each parameter's own place at stage 1 (the run's reducer leaves the average there), and
+    at stage 2 the start of each bucket, where ShardedReducer's in-place reduce-scatter leaves this replica's
+    part of the bucket's sum (in_place())."""
 
     def __init__(self, make, model, comm, stage=1, bucket_mb=BUCKET_MB, first_bucket_mb=FIRST_BUCKET_MB):
         check_stage(stage)
@@ -136,16 +138,10 @@ class ShardedOptimizer:
         self.parts = span_parts(spans, comm.size)  # each bucket's parts: what its reduce-scatter gives each replica
         self.pieces = pieces[comm.rank]
         self.counts = [sum(hi - lo for lo, hi, _ in runs) for runs in self.runs]
-        # one replica: its shard is the whole buffer, and no reducer runs to fill another
-        self.shard_grad = xp.zeros(self.counts[comm.rank], dtype) if stage == 2 and comm.size > 1 else None
         own = []
         for name, lo, hi, at in self.pieces:
-            if self.shard_grad is not None:
-                g = self.shard_grad[at : at + hi - lo]
-            else:
-                a = model.grad_offsets[name][0]
-                g = model.grad_buffer[a + lo : a + hi]
-            own.append((name, self.params[name].reshape(-1)[lo:hi], g))
+            a = self.in_place(name, at) if stage == 2 else model.grad_offsets[name][0] + lo
+            own.append((name, self.params[name].reshape(-1)[lo:hi], model.grad_buffer[a : a + hi - lo]))
         self.inner = make(own)
         self.own = {name: (lo, hi) for name, lo, hi, _ in self.pieces}
         # the allgathers: in each, every replica sends the next 1/K of its shard (never nothing: MPICH's
@@ -155,6 +151,13 @@ class ShardedOptimizer:
         self.chunks = max((-(-c // s) for c, s in zip(self.counts, self.steps) if s), default=1)  # none empty
         self._send, self._recv = xp.empty(self.steps[comm.rank], dtype), xp.empty(sum(self.steps), dtype)
         self._spans = sorted(model.grad_offsets.items(), key=lambda kv: kv[1])
+
+    def in_place(self, name, at):
+        """Where in the gradient buffer stage 2's reduce-scatter leaves element `at` of this replica's shard, which
+        lies in parameter `name`'s bucket: the bucket's start plus its place in this replica's part of the bucket
+        (MPI_IN_PLACE leaves each rank's block at the start of the buffer). One replica: its own place."""
+        b = next(i for i, (names, _, _) in enumerate(self.buckets) if name in names)
+        return self.buckets[b][1] + at - self.parts[b][self.comm.rank][2]
 
     # -- the Optimizer contract ------------------------------------------------------------
     @property
@@ -277,8 +280,8 @@ class ShardedOptimizer:
 class ShardedReducer(Reducer):
     """ZeRO stage 2's reduction: each of the optimizer's buckets (the bucketed reducer's, in the gradient buffer)
     scaled by this replica's weight and reduce-scattered as soon as its gradients are ready, non-blocking,
-    progressed between layers; each replica receives the sum of its part of every bucket into optimizer.shard_grad.
-    finish() waits for them all."""
+    progressed between layers, in place: each replica's part of a bucket's sum lands at the bucket's start in
+    the gradient buffer (ShardedOptimizer.in_place), where its optimizer reads it. finish() waits for them all."""
 
     name = "zero2"
 
@@ -300,14 +303,11 @@ class ShardedReducer(Reducer):
         _, lo, hi = opt.buckets[i]
         buf = opt.model.grad_buffer[lo:hi]
         self._scale(buf)
-        if opt.shard_grad is None:  # one replica: its optimizer reads the buffer itself
+        if self.comm.size == 1:  # one replica: its optimizer reads the buffer itself
             return
-        parts = opt.parts[i]
-        mine = parts[self.comm.rank]
-        recv = opt.shard_grad[mine[2] : mine[2] + mine[1] - mine[0]]
         label = f"zero bucket {i}"
         self.bytes_reduced += buf.nbytes
-        req = self.comm.ireduce_scatterv(buf, recv, [b - a for a, b, _ in parts], label)
+        req = self.comm.ireduce_scatterv(buf, None, [b - a for a, b, _ in opt.parts[i]], label)
         self.pending.append((i, ([req], label, time.perf_counter_ns(), int(buf.nbytes))))
 
     def finish(self):

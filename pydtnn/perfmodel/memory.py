@@ -75,8 +75,8 @@ def probe(model, optimizer, recompute="none", sizes=PROBES, zero=0, replicas=1):
     its micro-batches in flight (the scratch that forwards share counted once), each a line through its
     values at the batch sizes `sizes`. A first copy's untraced steps make what a process makes once
     (compiled kernels, plans). zero: ZeRO's stage over `replicas`: the optimizer is the first replica's
-    ShardedOptimizer (its shard's state, its shard of the reduced gradients at stage 2, its allgather's
-    buffers), its collectives run locally (split.LocalRank0)."""
+    ShardedOptimizer (its shard's state, its allgather's buffers), its collectives run locally
+    (split.LocalRank0)."""
     from pydtnn.recompute import passes
 
     name, hyper = optimizer
