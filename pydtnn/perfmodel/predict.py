@@ -161,15 +161,11 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                   + fixed.step_s * crowding)
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
+    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density}
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
-    messages = reducer_messages(params, times, forward_s, reduction, itemsize, compression, bucket_mb=bucket_mb,
-                                first_bucket_mb=first_bucket_mb, density=density, after=len(sizes) > 1)
-    durations = [reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
-    if zero == 2:  # ZeRO 2: a reduce-scatter per bucket instead, each started once its gradients are ready
-        messages = zero_messages(params, times, forward_s, itemsize, after=len(sizes) > 1, bucket_mb=bucket_mb,
-                                 first_bucket_mb=first_bucket_mb)
-        durations = [scatter_seconds(n, replicas, machine, algorithm, level) for *_, n in messages]
+    messages, durations = _gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,
+                                             len(sizes) > 1, zero, replicas, machine, algorithm, level)
     comm_s = sum(durations)
     collectives_per_step = (len(messages) + gathers if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
@@ -185,6 +181,19 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         layers=times, model_parallel_size=m, group_comm_s=group_s, sync_s=sync_s, micro_batches=micro_batches,
         recompute=recompute, zero=zero,
     )
+
+
+def _gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping, after, zero, replicas,
+                       machine, algorithm, level):
+    """([(ready, collective, bytes)], [seconds]) of the gradients' reduction across `replicas`: the reducer's
+    messages (reducer_messages), or at ZeRO stage 2 a reduce-scatter per bucket, each started once its gradients
+    are ready."""
+    if zero == 2:
+        messages = zero_messages(params, times, forward_s, itemsize, after=after, bucket_mb=shaping["bucket_mb"],
+                                 first_bucket_mb=shaping["first_bucket_mb"])
+        return messages, [scatter_seconds(n, replicas, machine, algorithm, level) for *_, n in messages]
+    messages = reducer_messages(params, times, forward_s, reduction, itemsize, compression, after=after, **shaping)
+    return messages, [reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
 
 
 def _exposed(messages, durations, end_of_backward, blocking):
