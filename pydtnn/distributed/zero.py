@@ -92,7 +92,7 @@ def shard_map(offsets, size, spans=None):
 
 def check_stage(stage, reduction=None, compression="none", progress="test", nccl=False):
     """ConfigError where --zero is not 0, 1 or 2, or its stage cannot take the run's reduction: topk at any
-    stage; at stage 2, which reduce-scatters through MPI after backward itself, another --reduction than
+    stage; at stage 2, which reduce-scatters through MPI itself, during backward, another --reduction than
     bucketed or blocking, a compressed wire format, a progress thread or NCCL."""
     if stage not in STAGES:
         raise ConfigError(f"--zero {stage!r}: expected one of {', '.join(map(str, STAGES))} (stage 3, the "
@@ -109,7 +109,7 @@ def check_stage(stage, reduction=None, compression="none", progress="test", nccl
                               (progress != "test", f"--reduction_progress {progress}", "test"),
                               (nccl, "--enable_nccl", "MPI (no --enable_nccl)")):
         if given:
-            raise ConfigError(f"--zero 2 reduce-scatters the gradients itself, through MPI after backward: {what} "
+            raise ConfigError(f"--zero 2 reduce-scatters the gradients itself, through MPI during backward: {what} "
                               f"does not apply; expected {want}, or --zero 1")
 
 
