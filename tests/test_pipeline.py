@@ -471,6 +471,7 @@ def test_hybrid_pipelines_save_what_data_parallelism_saves(tmp_path):
 TOPK = ("--micro_batches", "2", "--reduction", "topk", "--density", "0.1", "--topk_selection", "per_layer")
 
 
+@pytest.mark.slow
 def test_topk_pipelines_checkpoint_every_stages_unsent_gradients(tmp_path):
     """topk selecting each gradient's own largest entries, as data parallelism selects them: 2 replicas of a
     2-stage pipeline save what 2 data-parallel processes save, every replica's residual over the whole model

@@ -345,6 +345,7 @@ def test_shards_gathered_in_many_chunks_give_the_whole_update_and_state(monkeypa
         assert state["scalars"] == ref_state["scalars"]
 
 
+@pytest.mark.slow
 def test_stage_2_over_many_buckets_ends_where_data_parallelism_ends(tmp_path):
     """ResNet-20 in float64 (2.2 MB of gradients) in buckets of 0.5 MB at np 3: --zero 2 reduce-scatters each
     through MPI during backward and ends within 1e-12 of --zero 0, and --zero 1 to the bit."""
