@@ -298,7 +298,7 @@ class ThreadComm:
         return recv
 
 
-@pytest.mark.parametrize("size,chunk,bucket_mb", [(3, 64, 1e-3), (4, 1000, 25.0), (2, 1 << 30, 1e-3)])
+@pytest.mark.parametrize("size,chunk,bucket_mb", [(3, 256, 25.0), (4, 1000, 1e-3), (2, 1 << 30, 1e-3)])
 def test_shards_gathered_in_many_chunks_give_the_whole_update_and_state(monkeypatch, size, chunk, bucket_mb):
     """Replicas (threads here) whose shards are cut inside parameters (of one bucket, or of many of about 1 KB)
     and gathered in allgathers of a few elements each: every replica ends with the parameters one Adam step over

@@ -24,6 +24,7 @@ bit. state_dict() and load_state_dict() speak the whole optimizer's state (every
 a collective), so checkpoints hold what one process's hold and resume at any process count or layout.
 """
 
+import bisect
 import time
 
 import numpy as np
@@ -136,7 +137,8 @@ class ShardedOptimizer:
         spans = [(lo, hi) for _, lo, hi in self.buckets]
         self.runs, pieces = shard_map(model.grad_offsets, comm.size, spans)
         self.parts = span_parts(spans, comm.size)  # each bucket's parts: what its reduce-scatter gives each replica
-        self.pieces = pieces[comm.rank]
+        self.pieces, self._every = pieces[comm.rank], pieces  # every replica's, for the allgathers
+        self._ends = [[at + hi - lo for _, lo, hi, at in mine] for mine in pieces]  # where each piece ends
         self.counts = [sum(hi - lo for lo, hi, _ in runs) for runs in self.runs]
         own = []
         for name, lo, hi, at in self.pieces:
@@ -150,7 +152,6 @@ class ShardedOptimizer:
         self.steps = [-(-c // chunks) for c in self.counts]
         self.chunks = max((-(-c // s) for c, s in zip(self.counts, self.steps) if s), default=1)  # none empty
         self._send, self._recv = xp.empty(self.steps[comm.rank], dtype), xp.empty(sum(self.steps), dtype)
-        self._spans = sorted(model.grad_offsets.items(), key=lambda kv: kv[1])
 
     def in_place(self, name, at):
         """Where in the gradient buffer stage 2's reduce-scatter leaves element `at` of this replica's shard, which
@@ -265,15 +266,13 @@ class ShardedOptimizer:
         """(name, x0, x1, y0, y1) of replica r's shard elements [s0, s1): its [x0, x1) are parameter `name`'s flat
         elements [y0, y1)."""
         out = []
-        for lo, hi, at in self.runs[r]:
+        pieces = self._every[r]
+        for k in range(bisect.bisect_right(self._ends[r], s0), len(pieces)):  # the first piece ending after s0
+            name, lo, hi, at = pieces[k]
+            if at >= s1:
+                break
             x0, x1 = max(at, s0), min(at + hi - lo, s1)
-            if x1 <= x0:
-                continue
-            b0, b1 = lo + x0 - at, lo + x1 - at  # in the buffer
-            for name, (a, b) in self._spans:
-                if a < b1 and b > b0:
-                    y0, y1 = max(a, b0), min(b, b1)
-                    out.append((name, x0 + y0 - b0, x0 + y1 - b0, y0 - a, y1 - a))
+            out.append((name, x0, x1, lo + x0 - at, lo + x1 - at))
         return out
 
 
