@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -14,6 +16,7 @@ def _collected(*flags):
     return [line.strip() for line in r.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.slow  # two collections of the whole suite: 19 s
 def test_the_quick_tier_has_tests_of_every_test_module_and_the_whole_suite_has_more():
     quick, whole = _collected(), _collected("--whole")
     modules = sorted(f for f in os.listdir(os.path.join(ROOT, "tests")) if f.startswith("test_") and f.endswith(".py"))
