@@ -242,9 +242,9 @@ class Trainer:
         shares = []  # (indices of this rank's samples, n, the rows of its micro-batches) per step
         for a, b in slices:  # the global batch by sample index, cut into micro-batches; this rank's part of each
             taken, parts = order[a:b], micro_shares(b - a, self.step.accumulation_steps, size, rank)
-            rank_of = np.empty(b - a, np.int64)
-            rank_of[np.argsort(taken, kind="stable")] = np.arange(b - a)  # each sample's row in the sorted batch
-            idx = np.concatenate([np.sort(taken[(rank_of >= mb0) & (rank_of < mb1)][lo:hi])
+            row_of = np.empty(b - a, np.int64)
+            row_of[np.argsort(taken, kind="stable")] = np.arange(b - a)  # each sample's row in the sorted batch
+            idx = np.concatenate([np.sort(taken[(row_of >= mb0) & (row_of < mb1)][lo:hi])
                                   for mb0, mb1, lo, hi in parts])  # its part, the micro-batch in the epoch's order
             shares.append((idx, len(idx), local_rows(parts)) if len(idx) else (order[a : a + 1], 0, None))
 

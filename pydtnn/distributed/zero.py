@@ -135,11 +135,11 @@ class ShardedOptimizer:
         xp, dtype = model.backend.xp, model.grad_buffer.dtype
         self.buckets = buckets(model.grad_offsets, np.dtype(dtype).itemsize, bucket_mb, first_bucket_mb)
         spans = [(lo, hi) for _, lo, hi in self.buckets]
-        self.runs, pieces = shard_map(model.grad_offsets, comm.size, spans)
+        _, pieces = shard_map(model.grad_offsets, comm.size, spans)
         self.parts = span_parts(spans, comm.size)  # each bucket's parts: what its reduce-scatter gives each replica
         self.pieces, self._every = pieces[comm.rank], pieces  # every replica's, for the allgathers
         self._ends = [[at + hi - lo for _, lo, hi, at in mine] for mine in pieces]  # where each piece ends
-        self.counts = [sum(hi - lo for lo, hi, _ in runs) for runs in self.runs]
+        self.counts = [ends[-1] if ends else 0 for ends in self._ends]  # each replica's shard: its pieces end to end
         own = []
         for name, lo, hi, at in self.pieces:
             a = self.in_place(name, at) if stage == 2 else model.grad_offsets[name][0] + lo

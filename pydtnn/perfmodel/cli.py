@@ -373,12 +373,11 @@ def run_sweep(args):
 
     from tqdm import tqdm
 
+    from pydtnn.distributed.zero import check_stage
     from pydtnn.files import write_atomic
     from pydtnn.perfmodel import sweep
     from pydtnn.perfmodel.machine import to_dict
     from pydtnn.perfmodel.simulate import build_model
-
-    from pydtnn.distributed.zero import check_stage
 
     axes = sweep.check_axes(args.axes)
     check_stage(args.zero, args.reduction, progress=args.progress)  # before any work: one line

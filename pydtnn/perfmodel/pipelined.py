@@ -18,16 +18,13 @@ from pydtnn.perfmodel.step_parts import (
     UPDATE_PASSES,
     Prediction,
     accumulation_s,
+    gradient_messages,
     layer_times,
     micro_sizes,
     phase_seconds,
     recomputed,
-    reducer_messages,
-    reduction_seconds,
-    scatter_seconds,
     thread_speedup,
     zero_costs,
-    zero_messages,
 )
 
 
@@ -222,16 +219,12 @@ def _stage_after(stage, replicas, micro_batches, machine, threads, crowding, pas
     stage 2 (step_parts.zero_messages), and the shards allgathered (counted in the reduction)."""
     itemsize = stage.backend.dtype.itemsize
     own = [(n, g.nbytes) for n, _, g in stage.parameters()]
-    sent = reducer_messages(own, [], 0.0, reduction, itemsize, compression, after=True,
-                     **shaping) if own and replicas > 1 else []
-    red = sum(reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in sent)
+    sent, durations = gradient_messages(own, [], 0.0, reduction, itemsize, compression, shaping, True, zero, replicas,
+                                        machine, algorithm, level) if own and replicas > 1 else ([], [])
+    red = sum(durations)
     nbytes = sum(nb for _, nb in own)
     share, passes_s, gather_s, gathers = zero_costs(zero, nbytes, itemsize, replicas, machine, threads, crowding,
                                                     algorithm, level)
-    if zero == 2 and own and replicas > 1:  # a reduce-scatter per bucket instead, all ready at once
-        sent = zero_messages(own, [], 0.0, itemsize, after=True, bucket_mb=shaping.get("bucket_mb"),
-                             first_bucket_mb=shaping.get("first_bucket_mb"))
-        red = sum(scatter_seconds(n, replicas, machine, algorithm, level) for *_, n in sent)
     red += gather_s
     sent = sent + [None] * gathers
     upd = share * passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)

@@ -59,16 +59,15 @@ from pydtnn.perfmodel.step_parts import (  # noqa: F401
     Prediction,
     accumulation_s,
     allreduce_seconds,
+    gradient_messages,
     layer_times,
     micro_sizes,
     phase_seconds,
     recomputed,
     reducer_messages,
     reduction_seconds,
-    scatter_seconds,
     thread_speedup,
     zero_costs,
-    zero_messages,
 )
 
 # one process of "data" is sequential
@@ -164,8 +163,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density}
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
-    messages, durations = _gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,
-                                             len(sizes) > 1, zero, replicas, machine, algorithm, level)
+    messages, durations = gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,
+                                            len(sizes) > 1, zero, replicas, machine, algorithm, level)
     comm_s = sum(durations)
     collectives_per_step = (len(messages) + gathers if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
@@ -181,19 +180,6 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         layers=times, model_parallel_size=m, group_comm_s=group_s, sync_s=sync_s, micro_batches=micro_batches,
         recompute=recompute, zero=zero,
     )
-
-
-def _gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping, after, zero, replicas,
-                       machine, algorithm, level):
-    """([(ready, collective, bytes)], [seconds]) of the gradients' reduction across `replicas`: the reducer's
-    messages (reducer_messages), or at ZeRO stage 2 a reduce-scatter per bucket, each started once its gradients
-    are ready."""
-    if zero == 2:
-        messages = zero_messages(params, times, forward_s, itemsize, after=after, bucket_mb=shaping["bucket_mb"],
-                                 first_bucket_mb=shaping["first_bucket_mb"])
-        return messages, [scatter_seconds(n, replicas, machine, algorithm, level) for *_, n in messages]
-    messages = reducer_messages(params, times, forward_s, reduction, itemsize, compression, after=after, **shaping)
-    return messages, [reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
 
 
 def _exposed(messages, durations, end_of_backward, blocking):

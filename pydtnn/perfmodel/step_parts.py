@@ -220,6 +220,19 @@ def scatter_seconds(nbytes, replicas, machine, algorithm, level):
     return _collective("reduce_scatter", nbytes, replicas, machine, algorithm, level) if replicas > 1 else 0.0
 
 
+def gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping, after, zero, replicas,
+                      machine, algorithm, level):
+    """([(ready, collective, bytes)], [seconds]) of the gradients' reduction across `replicas`: the reducer's
+    messages (reducer_messages), or at ZeRO stage 2 a reduce-scatter per bucket, each started once its gradients
+    are ready."""
+    if zero == 2:
+        messages = zero_messages(params, times, forward_s, itemsize, after=after, bucket_mb=shaping["bucket_mb"],
+                                 first_bucket_mb=shaping["first_bucket_mb"])
+        return messages, [scatter_seconds(n, replicas, machine, algorithm, level) for *_, n in messages]
+    messages = reducer_messages(params, times, forward_s, reduction, itemsize, compression, after=after, **shaping)
+    return messages, [reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
+
+
 def zero_costs(stage, nbytes, itemsize, replicas, machine, threads, crowding, algorithm, level):
     """(share, memory-pass seconds, allgather seconds, allgathers) of ZeRO stage `stage` (pydtnn.distributed.zero)
     on a replica holding nbytes of parameters: the largest shard's share of them (its update's share), packing
