@@ -122,11 +122,12 @@ def drive(args):
     links = {rate: validation.probe_link(rate, nps=(2,)) for rate in {c.network for c in todo} - {"unlimited"}}
     env = validation.thread_env(1)
     memory, built, points = {}, {}, []
-    done = {}
+    done, saved = {}, {}
     if args.resume and os.path.exists(args.out):  # a run cut short goes on where it stopped
         with open(args.out, encoding="utf-8") as f:
-            done = {p["label"]: p for p in json.load(f)["points"]}
-    run = {"host": validation.host(), "commit": validation.commit(),
+            saved = json.load(f)
+        done = {p["label"]: p for p in saved["points"]}
+    run = {**({"notes": saved["notes"]} if "notes" in saved else {}),"host": validation.host(), "commit": validation.commit(),
            "machine_file": os.path.relpath(os.path.abspath(args.machine), ROOT), "netem": refusal or "used",
            "links": links, "points": points, "wall_s": 0.0,
            "settings": {"warmup": args.warmup, "steps": args.steps, "threads": 1, "optimizer": "adam",
@@ -146,7 +147,8 @@ def drive(args):
             if c.model not in built:
                 built[c.model] = models.create(c.model, backend=CPUBackend(seed=0))
             pred = predicted(c, built[c.model], base, links.get(c.network))
-            points.append({"label": c.label, "config": dataclasses.asdict(c), "measured": meas, "predicted": pred})
+            points.append({"label": c.label, "commit": run["commit"], "config": dataclasses.asdict(c), "measured": meas,
+                           "predicted": pred})
             run["wall_s"] = time.perf_counter() - t_start
             if not args.quick:  # every point saved as it is measured
                 with open(args.out, "w", encoding="utf-8") as f:
