@@ -62,12 +62,14 @@ def parallel_configs(quick=False):
 
 
 def zero_configs(quick=False):
-    """(model, batch per replica, optimizer, micro-batches, ZeRO stage, replicas): 6 (1 with --quick)."""
+    """(model, batch per replica, optimizer, micro-batches, ZeRO stage, replicas): 10 (1 with --quick)."""
     if quick:
         return [("resnet20_cifar10", 32, "adam", 1, 2, 2)]
     return [("resnet20_cifar10", 32, "adam", 1, 1, 4), ("resnet20_cifar10", 32, "adam", 2, 2, 2),
             ("vgg11bn_cifar10", 32, "adam", 1, 1, 2), ("vgg11bn_cifar10", 32, "adam", 1, 1, 4),
-            ("vgg11bn_cifar10", 32, "adam", 1, 2, 4), ("mobilenetv1_cifar10", 32, "sgd_momentum", 1, 2, 4)]
+            ("vgg11bn_cifar10", 32, "adam", 1, 2, 4), ("mobilenetv1_cifar10", 32, "sgd_momentum", 1, 2, 4),
+            ("resnet20_cifar10", 32, "adam", 1, 3, 4), ("vgg11bn_cifar10", 32, "adam", 1, 3, 2),
+            ("vgg11bn_cifar10", 32, "adam", 1, 3, 4), ("mobilenetv1_cifar10", 32, "sgd_momentum", 2, 3, 4)]
 
 
 def measure_parallel(model, batch, optimizer, micro_batches, m, stages, schedule, env, zero=0, replicas=1):
@@ -162,6 +164,11 @@ def plot(rows, path, host):
     fig.savefig(path, dpi=100)
 
 
+def key(r):
+    """What names a row's configuration: (model, batch, optimizer, micro-batches, recompute, layout)."""
+    return r["model"], r["batch"], r["optimizer"], r["micro_batches"], r["recompute"], r["layout"]
+
+
 def layout_name(m, stages, schedule, zero=0, replicas=1):
     """'one process', 'model 2', 'pipeline 2 (1f1b)', 'pipeline 2 (gpipe) x model 2', 'data 4, ZeRO 2'."""
     if zero:
@@ -189,6 +196,8 @@ def main(argv=None):
     p.add_argument("--out", help="the markdown table")
     p.add_argument("--json", help="every configuration, as JSON")
     p.add_argument("--plot", help="predicted against measured, a PNG")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows of --json's file (an earlier run) and measure only the configurations it lacks")
     p.add_argument("--measure", nargs=5, metavar=("MODEL", "BATCH", "OPT", "M", "RECOMPUTE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.measure:
@@ -197,19 +206,36 @@ def main(argv=None):
         return 0
     import perfmodel_validation as validation
 
-    rows = []
+    rows, kept = [], {}
+    if args.resume and args.json and os.path.exists(args.json):
+        with open(args.json, encoding="utf-8") as f:
+            kept = {key(r): r for r in json.load(f)["rows"]}
+
+    def measured(config_key):
+        """The kept row of that configuration, put in `rows`, if any."""
+        if config_key in kept:
+            rows.append(kept[config_key])
+            return True
+        return False
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     for config in configs(args.quick):
+        if measured((*config, "one process")):
+            continue
         pred = predicted(*config)
         r = subprocess.run([sys.executable, __file__, "--measure", *map(str, config)], capture_output=True, text=True,
                            env=env, timeout=600, check=True)
         model, batch, opt, k, rc = config
         rows.append(row(model, batch, opt, k, rc, 1, 1, None, [int(r.stdout.strip().splitlines()[-1])], pred))
     for model, batch, opt, k, m, stages, schedule in parallel_configs(args.quick):
+        if measured((model, batch, opt, k, "none", layout_name(m, stages, schedule if stages > 1 else None))):
+            continue
         pred = predicted(model, batch, opt, k, "none", m, stages, schedule)
         peaks = measure_parallel(model, batch, opt, k, m, stages, schedule, env)
         rows.append(row(model, batch, opt, k, "none", m, stages, schedule if stages > 1 else None, peaks, pred))
     for model, batch, opt, k, z, replicas in zero_configs(args.quick):
+        if measured((model, batch, opt, k, "none", layout_name(1, 1, None, z, replicas))):
+            continue
         pred = predicted(model, batch, opt, k, "none", zero=z, replicas=replicas)
         peaks = measure_parallel(model, batch, opt, k, 1, 1, "1f1b", env, z, replicas)
         rows.append(row(model, batch, opt, k, "none", 1, 1, None, peaks, pred, z))

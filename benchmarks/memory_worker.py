@@ -5,10 +5,11 @@ so kernels are compiled; then, under tracemalloc, the model built, split and cut
 
     mpiexec -n P python benchmarks/memory_worker.py MODEL BATCH [--model_parallel_size M] [--stages S]
                                                [--micro_batches K] [--schedule 1f1b|gpipe] [--optimizer adam]
-                                               [--zero 1|2]
+                                               [--zero 1|2|3]
 
 P = S x M (one pipeline; S = 1: model parallelism only), or with --zero or --replicas P, P data-parallel
-replicas of BATCH samples each (bucketed reduction; at stage 2 ZeRO's reduce-scatter). Each rank prints one line, "peak RANK BYTES".
+replicas of BATCH samples each (bucketed reduction; at stages 2 and 3 ZeRO's reduce-scatter; at stage 3 the
+parameters sharded, as pydtnn-train shards them before its first step). Each rank prints one line, "peak RANK BYTES".
 """
 
 import argparse
@@ -63,8 +64,10 @@ def build_sharded(args, world):
         return optim.create(name, params, backend=model.backend, **hyper)
 
     opt = zero.ShardedOptimizer(make, model, world, args.zero) if args.zero else make(model.parameters())
-    reducer = zero.ShardedReducer(world, opt) if args.zero == 2 else reducers.create("bucketed", world)
+    reducer = zero.ShardedReducer(world, opt) if args.zero >= 2 else reducers.create("bucketed", world)
     reducer.attach(model)
+    if args.zero == 3:  # as pydtnn-train does once the replicas agree: the whole parameters let go
+        opt.shards.attach()
     return Step(model, losses.create("categorical_cross_entropy"), opt, reducer,
                 accumulation_steps=args.micro_batches)
 
@@ -78,7 +81,7 @@ def main():
     p.add_argument("--micro_batches", type=int, default=1)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--optimizer", default="sgd_momentum", choices=tuple(OPTIMIZERS))
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2))
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (the world), with or without --zero")
     args = p.parse_args()
     world = launch.init()

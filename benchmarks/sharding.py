@@ -5,7 +5,7 @@ predictions beside them.
                                   [--machine docs/machine_xeon_avx512.yaml] [--quick] [--only TEXT]
 
 For each model (vgg16_cifar10, 15 M parameters, 32 samples per process; resnet50_imagenet, 25.6 M, 2 per
-process; resnet20_cifar10, 0.27 M, 32 per process), Adam, np 1 and --zero 0, 1, 2 at np 2 and 4, on shared
+process; resnet20_cifar10, 0.27 M, 32 per process), Adam, np 1 and --zero 0, 1, 2, 3 at np 2 and 4, on shared
 memory, and VGG-16 and ResNet-20 at np 2 and 4 on the emulated 1 Gbit/s link too (benchmarks/netem.py),
 every convolution with its threshold algorithm (--conv_autotune false, as the model costs it):
 
@@ -62,7 +62,7 @@ def configs(quick=False):
     for network in NETWORKS:
         for model, batch in MODELS.items():
             out.append(Config(model, batch, 1, 0, network))
-            out += [Config(model, batch, n, z, network) for n in (2, 4) for z in (0, 1, 2)]
+            out += [Config(model, batch, n, z, network) for n in (2, 4) for z in (0, 1, 2, 3)]
     # the emulated link: the models whose steps there take seconds, not tens of seconds
     return [c for c in out if c.network == "unlimited" or (c.np > 1 and c.model in EMULATED)]
 
@@ -225,7 +225,7 @@ def plot(run, path):
     axes = fig.subplots(2, len(models), squeeze=False)
     for j, model in enumerate(models):
         mine = [p for p in run["points"] if p["config"]["model"] == model]
-        for z, marker in zip((0, 1, 2), "osD"):
+        for z, marker in zip((0, 1, 2, 3), "osD^"):
             pts = sorted((p for p in mine if p["config"]["zero"] == z or p["config"]["np"] == 1),
                          key=lambda p: p["config"]["np"])
             mem = [(p["config"]["np"], p["measured"]["memory_mib"], p["predicted"]["memory_mib"]) for p in pts

@@ -195,10 +195,11 @@ def _parallel_flags(p):
     f(g, "stage_boundaries", default=None,
       help="--parallel pipeline: the layers (dotted paths, comma-separated) where stages 2.. begin, in place of "
            "the cut that balances the stages' predicted time")
-    f(g, "zero", type=int, choices=(0, 1, 2), default=0,
+    f(g, "zero", type=int, choices=(0, 1, 2, 3), default=0,
       help="sharded data parallelism (ZeRO) over the model replicas: 1 keeps each replica's optimizer state for "
            "its 1/R shard of the parameters only, updates that shard and allgathers the shards; 2 also "
-           "reduce-scatters the gradients (each replica receives its shard's average); 0 (default) does neither; "
+           "reduce-scatters the gradients (each replica receives its shard's average); 3 also keeps only the "
+           "shard of the parameters, each layer's gathered just before it runs; 0 (default) does none of this; "
            "docs/parallelism.md")
     f(g, "non_blocking_mpi", type=parse_bool, default=False, help="overlap gradient allreduces with backward")
     f(g, "reduction", choices=reducers.NAMES, default=None,

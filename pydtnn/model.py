@@ -38,6 +38,7 @@ class Model:
         self._hooks = []
         self.sharding = None  # set by distributed.model_parallel.partition: which state arrays are slices
         self.pipeline = None  # set by a pipeline's step (distributed.pipeline.StageOf): the whole model of a stage
+        self.param_shards = None  # set by zero_params.ParamShards.attach: the parameters sharded over the replicas
         self._build()
 
     @classmethod
@@ -50,6 +51,7 @@ class Model:
         model.input_shape = tuple(int(s) for s in root.input_shape)
         model.output_shape = root.output_shape
         model.training, model._hooks, model.sharding, model.pipeline = True, [], None, None
+        model.param_shards = None
         model.reindex()
         return model
 
@@ -175,6 +177,13 @@ class Model:
             if isinstance(layer, Container):
                 layer.tracer = tracer
 
+    def set_params_hook(self, fn):
+        """Call fn(layer, phase) just before every leaf layer with parameters runs its forward or backward (ZeRO
+        stage 3 gathers its parameters there), or stop (None)."""
+        for _, layer in self.root.named_layers():
+            if isinstance(layer, Container):
+                layer.params_hook = fn
+
     def _grads_ready(self, layer):
         names = self._param_names[id(layer)]
         for fn in self._hooks:
@@ -218,20 +227,30 @@ class Model:
         ]
 
     def state_dict(self):
-        """{name: array} of parameters and buffers (live arrays, not copies)."""
-        return dict(self.named_state())
+        """{name: array} of parameters and buffers (live arrays, not copies; the parameters gathered whole where
+        ZeRO stage 3 shards them: copies then, and a collective of the replicas)."""
+        return dict(self._own_state())
+
+    def _own_state(self):
+        """named_state() with the parameters whole over the replicas where ZeRO stage 3 shards them (gathered, a
+        collective); the live arrays otherwise."""
+        if self.param_shards is None:
+            return self.named_state()
+        whole = self.param_shards.whole()
+        return [(k, whole.get(k, v)) for k, v in self.named_state()]
 
     def whole_state_dict(self):
         """{name: NumPy array} of parameters and buffers, whole: gathered from every rank of a model-parallel
         group (a collective there: every rank of the group calls it), from every stage of a pipeline onto its
         first (every stage calls it; None on the others), copies of the own arrays otherwise."""
+        own = self._own_state()
         if self.pipeline is not None:  # each array whole within the stage's group first, where it is split
             cut = self.sharding
             return self.pipeline.gather({k: self.backend.to_numpy(v) if cut is None else cut.gather(k, v)
-                                         for k, v in self.named_state()})
+                                         for k, v in own})
         if self.sharding is None:
-            return {k: np.array(self.backend.to_numpy(v)) for k, v in self.named_state()}
-        return {k: self.sharding.gather(k, v) for k, v in self.named_state()}
+            return {k: np.array(self.backend.to_numpy(v)) for k, v in own}
+        return {k: self.sharding.gather(k, v) for k, v in own}
 
     def state_layout(self):
         """{name: (shape, dtype)} of the whole state dict (what a one-process model holds; no communication)."""
@@ -257,7 +276,7 @@ class Model:
         With strict=False, names missing from `state` keep their values; extra names are an error
         either way, since they mean a different architecture.
         """
-        own = self.state_dict()
+        own = dict(self.named_state())  # where ZeRO stage 3 shards the parameters, views shaped like them
         if self.pipeline is not None:  # whole arrays: a stage takes its own, and leaves the other stages' alone
             state = {k: v for k, v in state.items() if k in own or k not in self.pipeline.layout}
         if self.sharding is not None:  # whole arrays (a checkpoint, another layout) are cut to this rank's slices
@@ -272,6 +291,10 @@ class Model:
         for k, v in state.items():
             if tuple(v.shape) != tuple(own[k].shape):
                 raise ShapeError(f"{self.name}: {k} has shape {tuple(v.shape)} in the state dict, expected {tuple(own[k].shape)}")
+        shards = self.param_shards
+        if shards is not None:  # the parameters into this replica's shard
+            shards.load({k: v for k, v in state.items() if k in shards.names})
+            state = {k: v for k, v in state.items() if k not in shards.names}
         for k, v in state.items():
             own[k][...] = self.backend.asarray(v, dtype=own[k].dtype)
 
@@ -292,7 +315,9 @@ class Model:
             if whole is not None and self.pipeline is not None:
                 yield from (whole[name] for name in self.pipeline.param_names)
                 return
+            gathered = self.param_shards.whole() if whole is None and self.param_shards is not None else {}
             for name, p, _ in self.parameters():
+                p = gathered.get(name, p)
                 if whole is not None:
                     yield whole[name]
                 elif self.sharding is not None:

@@ -100,6 +100,8 @@ def run(args):
                              scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
     check_agreement(comm, model, datasets, start_epoch)  # a stage's state layout and name are the whole model's
     broadcast_state(replicas, model, optimizer)
+    if plan.zero == 3:  # each replica keeps its shard of the parameters, the layers gather theirs as they run
+        optimizer.shards.attach()
     for line in header(args, choice, whole, datasets, effective, lr_note, data_shape):
         say(line)
     if step is not None:
@@ -118,8 +120,8 @@ def run(args):
 
 
 def optimizer_and_reducer(args, plan, model, options, grad_comm, corrected):
-    """(optimizer, reducer or None) of this rank: the optimizer over every parameter it holds, or (--zero 1 and
-    2) over its shard of them (pydtnn.distributed.zero); the reducer --reduction names, or (--zero 2) the
+    """(optimizer, reducer or None) of this rank: the optimizer over every parameter it holds, or (--zero 1 to 3)
+    over its shard of them (pydtnn.distributed.zero); the reducer --reduction names, or (--zero 2 and 3) the
     reduce-scatter of the gradients into that shard."""
     def make(params):
         return optim.create(args.optimizer, params, backend=model.backend, **options)
@@ -133,7 +135,7 @@ def optimizer_and_reducer(args, plan, model, options, grad_comm, corrected):
 
     optimizer = zero.ShardedOptimizer(make, model, grad_comm, plan.zero,  # sharded by the bucketed reducer's buckets
                                       bucket_mb=plan.reduction.options.get("bucket_mb", zero.BUCKET_MB))
-    if plan.zero == 2:
+    if plan.zero >= 2:
         return optimizer, zero.ShardedReducer(grad_comm, optimizer) if strategy is not None else None
     return optimizer, None if strategy is None else reducers.create(strategy, grad_comm,
                                                                     **plan.reduction.create_options())
@@ -265,6 +267,8 @@ def attach_tracer(trainer):
         trainer.reducer.tracer = trainer.tracer
     if hasattr(trainer.optimizer, "tracer"):  # ZeRO's allgathers of the shards
         trainer.optimizer.tracer = trainer.tracer
+    if model.param_shards is not None:  # ZeRO stage 3's gathers of the layers' parameters
+        model.param_shards.tracer = trainer.tracer
 
 
 def execute(args, trainer, datasets, start_epoch, comm, say):

@@ -77,7 +77,8 @@ def test_the_base_refuses_what_a_subclass_leaves_out_naming_both():
 
     comm = Bare()
     calls = {"allreduce": (np.zeros(2),), "iallreduce": (np.zeros(2),), "bcast": (np.zeros(2),),
-             "allgatherv": (np.zeros(1), np.zeros(2), [1, 1]), "reduce_scatterv": (np.zeros(2), np.zeros(1), [1, 1]),
+             "allgatherv": (np.zeros(1), np.zeros(2), [1, 1]), "iallgatherv": (np.zeros(1), np.zeros(2), [1, 1]),
+             "reduce_scatterv": (np.zeros(2), np.zeros(1), [1, 1]),
              "ireduce_scatterv": (np.zeros(2), np.zeros(1), [1, 1]),
              "ireduce": (np.zeros(2),), "ibcast": (np.zeros(2),), "bcast_obj": ({},), "allgather_obj": ({},),
              "split": (0, 0), "split_shared": (), "progress_thread": (), "barrier": (), "abort": ()}
@@ -191,6 +192,16 @@ def test_device_comm_stages_allgatherv_and_reduce_scatterv_through_the_host(fake
     direct = _Host()
     DeviceComm(direct, cuda_aware=True).allgatherv(send, _DeviceArray(np.zeros(6)), [3, 3])
     assert direct.given == [_DeviceArray, _DeviceArray]  # CUDA-aware MPI takes device buffers as they are
+
+
+def test_device_comm_gathers_a_layers_parameters_through_the_host_and_is_done_at_once(fake_cupy):
+    """iallgatherv (ZeRO stage 3's gather of a layer's parameters) of device arrays: staged through the host as
+    allgatherv is, the request it returns already complete."""
+    host = _Host()
+    send, recv = _DeviceArray(np.arange(2.0)), _DeviceArray(np.zeros(4))
+    assert DeviceComm(host, cuda_aware=False).iallgatherv(send, recv, [2, 2], "zero gather 0").test()
+    np.testing.assert_array_equal(recv.values, [0, 1, 100, 101])
+    assert host.given == [np.ndarray] * 2
 
 
 def test_device_comm_reduce_scatters_in_place_through_the_host(fake_cupy):

@@ -1,5 +1,6 @@
-"""Sharded data parallelism (--zero 1, 2): each replica holds and updates its shard of the optimizer state, and
-N processes end where plain data parallelism ends, to the bit; checkpoints are one process's files.
+"""Sharded data parallelism (--zero 1, 2, 3): each replica holds and updates its shard of the optimizer state (and
+at stage 3 of the parameters: test_zero3.py), and N processes end where plain data parallelism ends, to the bit
+or within 1e-12; checkpoints are one process's files.
 
 Multi-process runs use the mpiexec next to the Python in use, as subprocesses with a timeout.
 """
@@ -86,15 +87,16 @@ def test_the_optimizer_state_of_4_replicas_is_a_quarter_each(name, hyper):
 
 
 def test_a_stage_it_cannot_serve_is_a_config_error():
-    with pytest.raises(ConfigError, match="--zero 3: expected one of 0, 1, 2"):
-        zero.check_stage(3)
+    with pytest.raises(ConfigError, match="--zero 4: expected one of 0, 1, 2, 3"):
+        zero.check_stage(4)
     with pytest.raises(ConfigError, match="--zero 2 with --reduction topk"):
         zero.check_stage(2, "topk")
     for kwargs, what in (({"reduction": "per_layer"}, "--reduction per_layer"),
                          ({"compression": "fp16"}, "--gradient_compression fp16"),
                          ({"progress": "thread"}, "--reduction_progress thread"), ({"nccl": True}, "--enable_nccl")):
-        with pytest.raises(ConfigError, match=f"--zero 2 reduce-scatters the gradients itself.*{what}"):
-            zero.check_stage(2, **kwargs)
+        for stage in (2, 3):
+            with pytest.raises(ConfigError, match=f"--zero {stage} reduce-scatters the gradients itself.*{what}"):
+                zero.check_stage(stage, **kwargs)
         zero.check_stage(1, **kwargs)  # stage 1 reduces with the run's reducer
 
 
@@ -141,12 +143,12 @@ def plain(tmp_path_factory):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_sharded_replicas_end_where_data_parallelism_ends(plain, tmp_path, n, stage, opt):
     """6 steps, float64, with flips, at np 2 and 3 (uneven shards, cut inside parameters): stage 1 ends with
     plain data parallelism's parameters to the bit (the same allreduce, each element's update the same);
-    stage 2 within 1e-12 (a reduce-scatter sums the replicas in another order than an allreduce)."""
+    stages 2 and 3 within 1e-12 (a reduce-scatter sums the replicas in another order than an allreduce)."""
     r = train(n, tmp_path / "z.jsonl", "--optimizer", opt, "--zero", str(stage), "--checkpoint_dir",
               str(tmp_path / "z"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -163,45 +165,49 @@ def test_sharded_replicas_end_where_data_parallelism_ends(plain, tmp_path, n, st
     ("rmsprop", ["--decay", "1e-3"]), ("nadam", []), ("adam", ["--accumulation_steps", "3"]),
     ("sgd", ["--lr_schedulers", "warm_up", "--warm_up_epochs", "1"])])
 def test_every_optimizer_sharded_ends_where_data_parallelism_ends(tmp_path, opt, flags):
-    """Every optimizer, weight decay, Nesterov, gradient accumulation and a learning-rate schedule: --zero 2 at
-    np 3 ends with plain data parallelism's parameters (within 1e-12)."""
-    for z in ("0", "2"):
+    """Every optimizer, weight decay, Nesterov, gradient accumulation and a learning-rate schedule: --zero 2 and
+    --zero 3 at np 3 end with plain data parallelism's parameters (within 1e-12)."""
+    for z in ("0", "2", "3"):
         r = train(3, tmp_path / f"{z}.jsonl", "--optimizer", opt, *flags, "--zero", z, "--checkpoint_dir",
                   str(tmp_path / z))
         assert r.returncode == 0, r.stderr[-3000:]
     assert_close(tmp_path / "2", tmp_path / "0")
+    assert_close(tmp_path / "3", tmp_path / "0")
 
 
 # -- checkpoints --------------------------------------------------------------------------------------
 def test_a_sharded_checkpoint_is_data_parallelisms_and_resumes_on_one_process(tmp_path):
-    """--zero 2 at np 2 writes the files plain data parallelism writes (the optimizer state gathered whole, bit
-    for bit); one process resuming it ends where one process resuming data parallelism's ends."""
-    for z in ("0", "2"):
+    """--zero 3 at np 2 writes the files plain data parallelism writes (the parameters and the optimizer state
+    gathered whole, bit for bit); one process resuming it ends where one process resuming data parallelism's
+    ends."""
+    for z in ("0", "3"):
         r = train(2, tmp_path / f"z{z}.jsonl", "--optimizer", "adam", "--zero", z, "--checkpoint_dir",
                   str(tmp_path / f"ck{z}"))
         assert r.returncode == 0, r.stderr[-3000:]
-    same_files(tmp_path / "ck2", tmp_path / "ck0")
-    for z in ("0", "2"):
+    same_files(tmp_path / "ck3", tmp_path / "ck0")
+    for z in ("0", "3"):
         r = train(1, tmp_path / f"r{z}.jsonl", "--resume", str(tmp_path / f"ck{z}"), "--num_epochs", "2",
                   "--zero", "0")
         assert r.returncode == 0, r.stderr[-3000:]
-    assert final(tmp_path / "r2.jsonl")["params_sha256"] == final(tmp_path / "r0.jsonl")["params_sha256"]
+    assert final(tmp_path / "r3.jsonl")["params_sha256"] == final(tmp_path / "r0.jsonl")["params_sha256"]
 
 
 @pytest.mark.slow
 def test_one_process_resumes_as_sharded_replicas_and_sharded_as_model_parallelism(tmp_path):
-    """One process's checkpoint resumed by --zero 2 at np 3 ends where plain data parallelism at np 3 ends from
-    it (within 1e-12); a --zero 1 checkpoint at np 2 resumed by model parallelism of 2 ends where a plain one does."""
+    """One process's checkpoint resumed by --zero 2 and by --zero 3 at np 3 ends where plain data parallelism at
+    np 3 ends from it (within 1e-12); a --zero 1 checkpoint at np 2 resumed by model parallelism of 2 ends where a
+    plain one does."""
     r = train(1, tmp_path / "one.jsonl", "--optimizer", "adam", "--checkpoint_dir", str(tmp_path / "one"))
     assert r.returncode == 0, r.stderr[-3000:]
     import shutil
 
-    for z in ("0", "2"):
+    for z in ("0", "2", "3"):
         shutil.copytree(tmp_path / "one", tmp_path / f"one{z}")
         r = train(3, tmp_path / f"a{z}.jsonl", "--resume", str(tmp_path / f"one{z}"), "--num_epochs", "2",
                   "--zero", z, "--checkpoint_dir", str(tmp_path / f"a{z}"))
         assert r.returncode == 0, r.stderr[-3000:]
     assert_close(tmp_path / "a2", tmp_path / "a0")
+    assert_close(tmp_path / "a3", tmp_path / "a0")
     for z in ("0", "1"):
         r = train(2, tmp_path / f"b{z}.jsonl", "--optimizer", "adam", "--zero", z, "--checkpoint_dir",
                   str(tmp_path / f"b{z}"))

@@ -41,6 +41,10 @@ class SingleProcess(Communicator):
         recv[...] = send.reshape(recv.shape)
         return recv
 
+    def iallgatherv(self, send, recv, counts, label=""):
+        recv[...] = send.reshape(recv.shape)
+        return Completed()
+
     def reduce_scatterv(self, send, recv, counts, label=""):
         recv[...] = send.reshape(recv.shape)
         return recv
@@ -217,6 +221,12 @@ class MPIComm(Communicator):
         else:
             self.watch.wait(self.comm.Iallgatherv(send, [recv, counts]), what)
         return recv
+
+    def iallgatherv(self, send, recv, counts, label=""):
+        """Start allgatherv; a request whose waits the stall watch watches."""
+        what = self.watch.enter("allgatherv", recv, label)
+        counts = [int(c) for c in counts]
+        return _MPIRequest(self.watch, self.comm.Iallgatherv(send, [recv, counts]), what)
 
     def reduce_scatterv(self, send, recv, counts, label=""):
         """recv = rank r's block (counts[r] elements, rank order) of the sum over ranks of `send`."""

@@ -21,8 +21,8 @@ import numpy as np
 from pydtnn.errors import ConfigError
 
 # methods every concrete communicator defines itself (implemented, delegated, or refused)
-COLLECTIVES = ("allreduce", "iallreduce", "allgatherv", "reduce_scatterv", "ireduce_scatterv", "ireduce", "ibcast",
-               "bcast", "bcast_obj", "allgather_obj", "split", "split_shared", "progress_thread", "barrier", "abort")
+COLLECTIVES = ("allreduce", "iallreduce", "allgatherv", "iallgatherv", "reduce_scatterv", "ireduce_scatterv", "ireduce",
+               "ibcast", "bcast", "bcast_obj", "allgather_obj", "split", "split_shared", "progress_thread", "barrier", "abort")
 # methods with a generic body here, which a subclass may keep
 GENERIC = ("allreduce_sum", "settle", "check_errors", "refuse")
 DEVICES = ("cpu", "gpu", "nccl")  # the arrays a communicator's collectives take; see Communicator.device
@@ -84,6 +84,11 @@ class Communicator:
         """recv (flat, sum(counts) elements) = every rank's `send` in rank order; rank r sends counts[r]
         elements. Returns recv."""
         raise self._missing("allgatherv")
+
+    def iallgatherv(self, send, recv, counts, label=""):
+        """Start allgatherv(send, recv, counts); returns a request (test(), wait()). A count may be 0. Neither
+        buffer may be touched until it completes."""
+        raise self._missing("iallgatherv")
 
     def reduce_scatterv(self, send, recv, counts, label=""):
         """recv (counts[rank] elements) = this rank's block, in rank order of blocks of counts[r] elements, of

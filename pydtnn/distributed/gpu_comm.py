@@ -157,6 +157,12 @@ class DeviceComm(Communicator):
         """As Communicator.allgatherv; device arrays that MPI cannot take travel through host buffers."""
         return self._staged(self.comm.allgatherv, send, recv, counts, label)
 
+    def iallgatherv(self, send, recv, counts, label=""):
+        """allgatherv, completed before it returns (staged through the host where MPI cannot take the arrays):
+        the request it returns is done."""
+        self.allgatherv(send, recv, counts, label)
+        return Completed()
+
     def reduce_scatterv(self, send, recv, counts, label=""):
         """As Communicator.reduce_scatterv; device arrays that MPI cannot take travel through host buffers."""
         return self._staged(self.comm.reduce_scatterv, send, recv, counts, label)
@@ -330,6 +336,9 @@ class NcclComm(Communicator):
 
     def allgatherv(self, send, recv, counts, label=""):
         return self.comm.allgatherv(send, recv, counts, label)
+
+    def iallgatherv(self, send, recv, counts, label=""):
+        return self.comm.iallgatherv(send, recv, counts, label)
 
     def reduce_scatterv(self, send, recv, counts, label=""):
         return self.comm.reduce_scatterv(send, recv, counts, label)

@@ -1,7 +1,8 @@
 """Sharded data parallelism (ZeRO, Rajbhandari et al. 2020): each replica keeps and updates only its shard.
 
     optimizer = zero.ShardedOptimizer(lambda params: optim.create("adam", params, backend=b), model, replicas, 1)
-    reducer = zero.ShardedReducer(replicas, optimizer).attach(model) if stage 2 else any dense reducer
+    reducer = zero.ShardedReducer(replicas, optimizer).attach(model) if stage 2 or 3 else any dense reducer
+    optimizer.shards.attach()   # stage 3, once the replicas agree on the parameters: each keeps its shard only
 
 The shards follow the model's flat gradient buffer (Model.grad_buffer, reverse parameter order), cut into the
 bucketed reducer's buckets (buckets(): whole parameters each, the first small): replica r of P owns the r-th of P
@@ -18,6 +19,9 @@ performance model all take.
   the bucketed reducer's allreduces are; it runs in place, each replica's part of the average landing at the
   bucket's start, where its optimizer reads it. No replica holds the whole reduced gradient. Backward still
   writes each replica's own gradients into the whole buffer.
+- Stage 3: the spans are the leaf layers' parameters instead of buckets (layer_spans()), so a layer's gradients
+  are reduce-scattered as soon as it is done, and the parameters are sharded too (zero_params.ParamShards): the
+  optimizer updates the replica's shard of them, and each layer's are gathered just before it runs.
 
 Every optimizer of pydtnn.optim updates element by element, so a shard's update is the whole update's, to the
 bit. state_dict() and load_state_dict() speak the whole optimizer's state (every parameter's slots, gathered:
@@ -34,7 +38,7 @@ from pydtnn.distributed.reducers.layout import bucket_layout
 from pydtnn.distributed.sampler import shard_bounds
 from pydtnn.errors import ConfigError
 
-STAGES = (0, 1, 2)  # --zero: 0 is plain data parallelism
+STAGES = (0, 1, 2, 3)  # --zero: 0 is plain data parallelism
 CHUNK_BYTES = PIECE_BYTES  # an allgather of shards, about: its buffers are all a replica adds
 BUCKET_MB, FIRST_BUCKET_MB = 25.0, 1.0  # the bucketed reducer's defaults: the buckets the shards are cut from
 
@@ -47,6 +51,16 @@ def buckets(offsets, itemsize, bucket_mb=BUCKET_MB, first_bucket_mb=FIRST_BUCKET
     spans = bucket_layout([(offsets[n][1] - offsets[n][0]) * itemsize for n in order], bucket_mb * 2**20,
                           first_bucket_mb * 2**20)
     return [(order[a:b], offsets[order[a]][0], offsets[order[b - 1]][1]) for a, b in spans]
+
+
+def layer_spans(model):
+    """[(names, lo, hi)]: the flat gradient buffer cut into its leaf layers' parameters (stage 3's spans: what one
+    gather gives a layer), in buffer order."""
+    offsets, out = model.grad_offsets, []
+    for names in model._param_names.values():
+        out.append((sorted(names, key=lambda n: offsets[n]), min(offsets[n][0] for n in names),
+                    max(offsets[n][1] for n in names)))
+    return sorted(out, key=lambda t: t[1])
 
 
 def span_parts(spans, size):
@@ -92,17 +106,16 @@ def shard_map(offsets, size, spans=None):
 
 
 def check_stage(stage, reduction=None, compression="none", progress="test", nccl=False):
-    """ConfigError where --zero is not 0, 1 or 2, or its stage cannot take the run's reduction: topk at any
-    stage; at stage 2, which reduce-scatters through MPI itself, during backward, another --reduction than
-    bucketed or blocking, a compressed wire format, a progress thread or NCCL."""
+    """ConfigError where --zero is not 0, 1, 2 or 3, or its stage cannot take the run's reduction: topk at any
+    stage; at stages 2 and 3, which reduce-scatter through MPI themselves, during backward, another --reduction
+    than bucketed or blocking, a compressed wire format, a progress thread or NCCL."""
     if stage not in STAGES:
-        raise ConfigError(f"--zero {stage!r}: expected one of {', '.join(map(str, STAGES))} (stage 3, the "
-                          f"parameters sharded too, is not available yet)")
+        raise ConfigError(f"--zero {stage!r}: expected one of {', '.join(map(str, STAGES))}")
     if stage and reduction == "topk":
         raise ConfigError(f"--zero {stage} with --reduction topk: topk leaves each replica its own residual, not "
                           f"an average to shard; expected a dense --reduction (bucketed, blocking, per_layer, "
                           f"hierarchical) or --zero 0")
-    if stage != 2:
+    if stage < 2:
         return
     for given, what, want in ((reduction not in (None, "bucketed", "blocking"), f"--reduction {reduction}",
                                "bucketed (the default) or blocking"),
@@ -110,8 +123,8 @@ def check_stage(stage, reduction=None, compression="none", progress="test", nccl
                               (progress != "test", f"--reduction_progress {progress}", "test"),
                               (nccl, "--enable_nccl", "MPI (no --enable_nccl)")):
         if given:
-            raise ConfigError(f"--zero 2 reduce-scatters the gradients itself, through MPI during backward: {what} "
-                              f"does not apply; expected {want}, or --zero 1")
+            raise ConfigError(f"--zero {stage} reduce-scatters the gradients itself, through MPI during backward: "
+                              f"{what} does not apply; expected {want}, or --zero 1")
 
 
 class ShardedOptimizer:
@@ -128,22 +141,32 @@ class ShardedOptimizer:
             raise ConfigError(f"--zero {stage}: the model's gradients are not in one buffer (parameters of "
                               f"several dtypes); expected one dtype")
         self.model, self.comm, self.stage, self.tracer = model, comm, stage, None
-        self.params = {name: p for name, p, _ in model.parameters()}
-        for name, p in self.params.items():
+        params = {name: p for name, p, _ in model.parameters()}
+        for name, p in params.items():
             if not p.flags.c_contiguous:
                 raise ConfigError(f"--zero {stage}: parameter {name} is not contiguous; expected contiguous arrays")
+        self.shapes = {name: tuple(p.shape) for name, p in params.items()}
         xp, dtype = model.backend.xp, model.grad_buffer.dtype
-        self.buckets = buckets(model.grad_offsets, np.dtype(dtype).itemsize, bucket_mb, first_bucket_mb)
+        self.buckets = (layer_spans(model) if stage == 3 else
+                        buckets(model.grad_offsets, np.dtype(dtype).itemsize, bucket_mb, first_bucket_mb))
         spans = [(lo, hi) for _, lo, hi in self.buckets]
         _, pieces = shard_map(model.grad_offsets, comm.size, spans)
         self.parts = span_parts(spans, comm.size)  # each bucket's parts: what its reduce-scatter gives each replica
         self.pieces, self._every = pieces[comm.rank], pieces  # every replica's, for the allgathers
         self._ends = [[at + hi - lo for _, lo, hi, at in mine] for mine in pieces]  # where each piece ends
         self.counts = [ends[-1] if ends else 0 for ends in self._ends]  # each replica's shard: its pieces end to end
+        self.shards = None
+        if stage == 3:  # the parameters sharded too: the optimizer updates the shard, layers gather theirs
+            from pydtnn.distributed.zero_params import ParamShards
+
+            self.shards = ParamShards(model, comm, self.buckets, self.parts)
+            params = {}  # the whole arrays are the model's until ParamShards.attach() lets them go
         own = []
         for name, lo, hi, at in self.pieces:
-            a = self.in_place(name, at) if stage == 2 else model.grad_offsets[name][0] + lo
-            own.append((name, self.params[name].reshape(-1)[lo:hi], model.grad_buffer[a : a + hi - lo]))
+            a = self.in_place(name, at) if stage >= 2 else model.grad_offsets[name][0] + lo
+            mine = self.shards.flat[at : at + hi - lo] if stage == 3 else params[name].reshape(-1)[lo:hi]
+            own.append((name, mine, model.grad_buffer[a : a + hi - lo]))
+        self.params = params  # stages 1 and 2: the model's whole parameters, which step() allgathers into
         self.inner = make(own)
         self.own = {name: (lo, hi) for name, lo, hi, _ in self.pieces}
         # the allgathers: in each, every replica sends the next 1/K of its shard (never nothing: MPICH's
@@ -192,11 +215,16 @@ class ShardedOptimizer:
 
     def state_dtypes(self):
         """{"<param>.<slot>": dtype} of the whole state's arrays, as state_dict() names them (nothing gathered)."""
-        return {f"{name}.{s}": p.dtype for name, p in self.params.items() for s in self.inner.active_slots()}
+        dtype = self.model.grad_buffer.dtype
+        return {f"{name}.{s}": dtype for name in self.shapes for s in self.inner.active_slots()}
 
     def step(self):
-        """Update this replica's shard, then every replica's parameters from every shard (an allgather)."""
+        """Update this replica's shard, then every replica's parameters from every shard (an allgather); at stage
+        3 the shard only, which the layers gather from as they run."""
         self.inner.step()
+        if self.shards is not None:
+            self.shards.changed()
+            return
         self._gather(lambda name, lo, hi: self.params[name].reshape(-1)[lo:hi],
                      lambda name, lo, hi, flat: self.params[name].reshape(-1).__setitem__(slice(lo, hi), flat),
                      "zero parameters")
@@ -206,7 +234,7 @@ class ShardedOptimizer:
         every replica calls it)."""
         arrays, to_numpy = {}, self.model.backend.to_numpy
         for slot in self.inner.active_slots():
-            whole = {name: np.empty(p.shape, p.dtype) for name, p in self.params.items()}
+            whole = {name: np.empty(shape, self.model.grad_buffer.dtype) for name, shape in self.shapes.items()}
             self._gather(lambda name, lo, hi, s=slot: self.inner.state[name][s][lo - self.own[name][0]:
                                                                                  hi - self.own[name][0]],
                          lambda name, lo, hi, flat, w=whole: w[name].reshape(-1).__setitem__(slice(lo, hi),
@@ -220,7 +248,7 @@ class ShardedOptimizer:
         if not isinstance(d, dict) or set(d) != {"arrays", "scalars"}:
             got = sorted(d) if isinstance(d, dict) else type(d).__name__
             raise ConfigError(f"{self.kind}: optimizer state dict has keys {got}; expected ['arrays', 'scalars']")
-        want = {f"{name}.{s}": p.shape for name, p in self.params.items() for s in self.inner.active_slots()}
+        want = {f"{name}.{s}": shape for name, shape in self.shapes.items() for s in self.inner.active_slots()}
         extra, missing = sorted(set(d["arrays"]) - set(want)), sorted(set(want) - set(d["arrays"]))
         if extra or missing:
             what = "; ".join([f"unexpected {extra[:5]}"] * bool(extra) + [f"missing {missing[:5]}"] * bool(missing))
@@ -237,9 +265,6 @@ class ShardedOptimizer:
         self.inner.load_state_dict({"arrays": mine, "scalars": d["scalars"]})
 
     # -- the allgather of shards -----------------------------------------------------------
-    def _set_params(self, name, flat):
-        self.params[name].reshape(-1)[...] = flat
-
     def _gather(self, piece, put, label):
         """Whole per-parameter arrays from every replica's shard, in `chunks` allgathers of about CHUNK_BYTES in
         all (so no whole copy is ever made): piece(name, lo, hi) gives this replica's flat

@@ -37,6 +37,7 @@ class Container(Layer):
         self.children = []  # [(name, layer)]
         self.grad_hook = None  # set by Model: called as grad_hook(layer) when a child's grads are ready
         self.tracer = None  # set by Model.set_tracer: times each leaf child's forward and backward
+        self.params_hook = None  # set by Model.set_params_hook: called as params_hook(leaf, phase) before it runs
 
     def named_children(self):
         return list(self.children)
@@ -45,12 +46,16 @@ class Container(Layer):
         return sum(child.flops() for _, child in self.children)
 
     def _forward_child(self, child, x, training):
+        if self.params_hook is not None and child.params:  # a leaf's parameters gathered (ZeRO stage 3)
+            self.params_hook(child, "forward")
         if self.tracer is None or isinstance(child, Container):
             return child.forward(x, training)
         with self.tracer.span(child.path or child.name, "forward"):
             return child.forward(x, training)
 
     def _backward_child(self, child, dy):
+        if self.params_hook is not None and child.params:
+            self.params_hook(child, "backward")
         if self.tracer is None or isinstance(child, Container):
             dx = child.backward(dy)
         else:

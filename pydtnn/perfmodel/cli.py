@@ -161,9 +161,9 @@ def add_step_flags(p):
                    help="comma-separated layer paths where stages 2.. begin (default: balanced predicted time)")
     p.add_argument("--micro_batches", type=positive_int, default=1,
                    help="micro-batches per step, their gradients summed and reduced once (default 1)")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO's stage over the model replicas: 1 shards the optimizer state, 2 the reduced "
-                        "gradients too (default 0: neither)")
+                        "gradients too, 3 the parameters too (default 0: none)")
     p.add_argument("--recompute", choices=MODES, default="none",
                    help="activation recomputation: none (default), segments or all")
     p.add_argument("--density", type=share, default=0.01,
@@ -333,9 +333,9 @@ def add_sweep(subparsers):
     p.add_argument("--pipeline_micro_batches", type=positive_int, default=8,
                    help="micro-batches per step of the pipeline scheme (default 8)")
     p.add_argument("--recompute", choices=MODES, default="none", help="activation recomputation in every scheme")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO's stage over the model replicas of every scheme: 1 shards the optimizer state, 2 the "
-                        "reduced gradients too (default 0: neither)")
+                        "reduced gradients too, 3 the parameters too (default 0: none)")
     add_data_flags(p)
     p.add_argument("--json", help="file to write every point to, as JSON")
     p.set_defaults(run=run_sweep)

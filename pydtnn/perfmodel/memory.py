@@ -4,7 +4,8 @@
     m.total, m.parts       # bytes: {"parameters", "gradients", "optimizer", "activations", "workspace", "buffers"}
 
 The parts, for the process that holds the most (in a pipeline, the stage with the largest total):
-  parameters   the parameters this process holds (a pipeline stage: its own layers')
+  parameters   the parameters this process holds (a pipeline stage: its own layers'; at ZeRO stage 3 its shard
+               and the two slots that layers are gathered into)
   gradients    the flat gradient buffer, one gradient per parameter
   optimizer    the optimizer's state and its update's scratch, measured on the real optimizer built over them
   activations  what the layers keep from forward for backward, for every micro-batch in flight (and what the
@@ -95,6 +96,8 @@ def probe(model, optimizer, recompute="none", sizes=PROBES, zero=0, replicas=1):
             opt = _optimizer(clone, name, hyper, zero, replicas)  # its state and scratch
             base = tracemalloc.get_traced_memory()[0]
             made = base - before
+            if zero == 3:  # the parameters' shard and gathering slots are the parameters part (sharded_parameters)
+                made -= opt.shards.flat.nbytes
             for _ in range(2):  # the second step's peak: it starts with what the first left in the layers
                 tracemalloc.reset_peak()
                 out = run.forward(x, training=True)
@@ -126,6 +129,22 @@ def probe(model, optimizer, recompute="none", sizes=PROBES, zero=0, replicas=1):
         return lambda b: max(0.0, v1 + slope * (b - b1))
 
     return state, line(kept), line(extra), line(more)
+
+
+def sharded_parameters(model, replicas):
+    """Bytes of parameters a replica holds at ZeRO stage 3 (zero_params.ParamShards): the largest replica's shard
+    of every layer's parameters, and the two layers' parameters gathered whole at a time, the one that runs and
+    the next: at most the largest pair of neighbours (layers with parameters, in order)."""
+    from pydtnn.distributed import zero
+
+    spans = zero.layer_spans(model)
+    if not spans:
+        return 0
+    parts = zero.span_parts([(lo, hi) for _, lo, hi in spans], replicas)
+    shard = max(sum(cut[r][1] - cut[r][0] for cut in parts) for r in range(replicas))
+    sizes = [hi - lo for _, lo, hi in spans]
+    pair = max((a + b for a, b in zip(sizes, sizes[1:])), default=sizes[0])
+    return (shard + pair) * model.grad_buffer.dtype.itemsize
 
 
 def _optimizer(model, name, hyper, zero, replicas):
@@ -161,7 +180,8 @@ def _held(stage, optimizer, micro_batches, recompute, micro, in_flight, messages
     zero: (ZeRO's stage, replicas)."""
     nbytes = sum(int(p.nbytes) for _, p, _ in stage.parameters())
     state, activations, workspace, more = probe(stage, optimizer, recompute, zero=zero[0], replicas=zero[1])
-    return {"parameters": nbytes, "gradients": nbytes, "optimizer": state,
+    held = sharded_parameters(stage, zero[1]) if zero[0] == 3 else nbytes
+    return {"parameters": held, "gradients": nbytes, "optimizer": state,
             "activations": int(activations(micro) + (in_flight - 1) * more(micro)), "workspace": int(workspace(micro)),
             "buffers": (nbytes if micro_batches > 1 else 0) + int(messages)}
 

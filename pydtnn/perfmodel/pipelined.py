@@ -18,6 +18,7 @@ from pydtnn.perfmodel.step_parts import (
     UPDATE_PASSES,
     Prediction,
     accumulation_s,
+    gather_phases,
     gradient_messages,
     layer_times,
     micro_sizes,
@@ -66,7 +67,7 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     replicas = np // (stages * m)
     cut, held, sizes, crowding, fwd, bwd, busy, first_times, msg, line = _pipeline_parts(
         model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute, np, m,
-        algorithm)
+        algorithm, (replicas, collectives.default_level(np, machine)) if zero == 3 else None)
     itemsize = model.backend.dtype.itemsize
     outputs = batch_size * int(math_prod(model.output_shape)) * itemsize
     bcast = sum(collectives.seconds("broadcast", "binomial_tree", n, stages, machine) for n in (outputs, 8))
@@ -82,7 +83,7 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     overhead_s = busy[critical]["calls_s"] + fix
     group_s = busy[critical]["group_s"]  # its group's collectives: blocking, inside its ops
     last = max(range(stages), key=lambda s: after[s][0] + after[s][2] + after[s][3])  # whose tail ends the step
-    exposed = bcast + after[last][0] + group_s
+    exposed = bcast + after[last][0] + group_s + busy[critical]["gather_s"]  # ZeRO 3's, inside its ops
     stage_rows = [{"stage": s, "first": cut.unit_names[a], "last": cut.unit_names[b - 1],
                    "forward_s": sum(fwd[s]), "backward_s": sum(bwd[s]), "message_s": sum(msg[s]),
                    "busy_s": line.busy[s], "idle_s": line.idle[s], "reduce_s": after[s][0], "update_s": after[s][2],
@@ -92,8 +93,8 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
         model=name or model.name, batch_size=batch_size, np=np, threads=threads,
         parallel="pipeline" if replicas == 1 else "hybrid", reduction=reduction, algorithm=algorithm,
         progress=progress, machine=machine.name, step_s=step_s, compute_s=compute_s, memory_s=memory_s,
-        update_s=upd, comm_s=red + bcast + group_s + sum(sum(r) for r in msg), exposed_comm_s=exposed,
-        messages=n_sent + 2 + busy[critical]["collectives"], overhead_s=overhead_s, model_parallel_size=m,
+        update_s=upd, comm_s=red + bcast + group_s + busy[critical]["flight_s"] + sum(sum(r) for r in msg),
+        exposed_comm_s=exposed, messages=n_sent + 2 + busy[critical]["collectives"], overhead_s=overhead_s, model_parallel_size=m,
         group_comm_s=group_s, layers=first_times, micro_batches=micro_batches,
         recompute=recompute, pipeline_stages=stages, schedule=schedule, zero=zero,
         bubble_s=step_s - (compute_s + memory_s + overhead_s + exposed), p2p_s=sum(sum(r) for r in msg),
@@ -127,13 +128,14 @@ def stage_cut(model, stages, batch_size, micro_batches, machine, threads=1, star
 
 
 def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule, stage_starts, threads, recompute,
-                    processes=None, m=1, algorithm="ring"):
+                    processes=None, m=1, algorithm="ring", gathers=None):
     """(cut, [(stage s's model as one process of it holds it, its group's collectives' plan)], micro-batch sizes,
     crowding, forward[s][i], backward[s][i], busy per stage, the first micro-batch's LayerTimes, messages[s][i], the
     Timeline) of a pipeline's micro-batches. m: processes per stage (its layers split over a model-parallel group,
     whose collectives are on the critical path of its ops); processes: the job's (default one pipeline's), which fill
     nodes in turn; where a node's processes x threads exceed its cores, each op slows by that ratio times the
-    stages' busy share, the layout repeated until that share settles."""
+    stages' busy share, the layout repeated until that share settles. gathers: (replicas, level) of ZeRO stage 3,
+    whose gathers of each layer's parameters (step_parts.gather_phases) go into each op, as far as exposed."""
     cut = stage_cut(model, stages, batch_size, micro_batches, machine, threads, stage_starts)
     held = stage_models(model, cut, m)
     itemsize = model.backend.dtype.itemsize
@@ -151,7 +153,8 @@ def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule,
              for _, steps in held]
     crowding = 1.0
     for attempt in range(8):  # a waiting stage sleeps and leaves its core: the cores are crowded by the busy share
-        fwd, bwd, busy, first_times = _stage_times(held, sizes, costs, group, machine, threads, crowding, again)
+        fwd, bwd, busy, first_times = _stage_times(held, sizes, costs, group, machine, threads, crowding, again,
+                                                   gathers and (*gathers, algorithm))
         line = timeline(fwd, bwd, msg, msg, schedule)
         settled = max(1.0, full * sum(line.busy) / (stages * line.end)) if line.end > 0 else 1.0
         if abs(settled - crowding) <= 1e-3 * crowding or attempt == 7:
@@ -180,21 +183,30 @@ def predict_pipeline_timeline(model, batch_size, stages, machine, micro_batches=
                            recompute)[-1]
 
 
-def _stage_times(held, sizes, costs, group, machine, threads, crowding, again):
-    """(forward[s][i], backward[s][i] seconds, each stage's busy {"compute_s", "memory_s", "calls_s", "group_s"}, the
-    first micro-batch's LayerTimes) of the pipeline's stages (held: stage_models) at micro-batches of `sizes`;
-    costs[s]: {micro-batch size: costs.layer_costs of stage s}; group[s]: {size: its split.group_messages}."""
+def _stage_times(held, sizes, costs, group, machine, threads, crowding, again, gathers=None):
+    """(forward[s][i], backward[s][i] seconds, each stage's busy {"compute_s", "memory_s", "calls_s", "group_s",
+    "collectives", "gather_s", "flight_s"}, the first micro-batch's LayerTimes) of the pipeline's stages (held:
+    stage_models) at micro-batches of `sizes`; costs[s]: {micro-batch size: costs.layer_costs of stage s};
+    group[s]: {size: its split.group_messages}; gathers: (replicas, level, algorithm) of ZeRO stage 3's gathers."""
     stages = len(held)
     fwd = [[0.0] * len(sizes) for _ in range(stages)]
     bwd = [[0.0] * len(sizes) for _ in range(stages)]
-    busy = [{"compute_s": 0.0, "memory_s": 0.0, "calls_s": 0.0, "group_s": 0.0, "collectives": 0}
-            for _ in range(stages)]
+    busy = [{"compute_s": 0.0, "memory_s": 0.0, "calls_s": 0.0, "group_s": 0.0, "collectives": 0, "gather_s": 0.0,
+             "flight_s": 0.0} for _ in range(stages)]
     first_times = []
     for s, (stage, _) in enumerate(held):
         grads = parameter_bytes(stage)
         per_size = {b: layer_times(costs[s][b], grads, machine, threads, crowding, again)[0] for b in costs[s]}
         first_times += per_size[sizes[0]]
         for i, b in enumerate(sizes):
+            if gathers is not None:  # each layer's parameters gathered before it runs, as far as not hidden
+                replicas, level, algorithm = gathers
+                (f_in, f_out, f_n), (b_in, b_out, b_n) = gather_phases(per_size[b], 1, replicas, machine, algorithm,
+                                                                       level)
+                fwd[s][i], bwd[s][i] = fwd[s][i] + f_out, bwd[s][i] + b_out
+                busy[s]["gather_s"] += f_out + b_out
+                busy[s]["flight_s"] += f_in + b_in
+                busy[s]["collectives"] += f_n + b_n
             for c, t in zip(costs[s][b], per_size[b]):
                 fwd[s][i] += t.forward_s
                 bwd[s][i] += t.backward_data_s + t.backward_weights_s
@@ -223,8 +235,8 @@ def _stage_after(stage, replicas, micro_batches, machine, threads, crowding, pas
                                         machine, algorithm, level) if own and replicas > 1 else ([], [])
     red = sum(durations)
     nbytes = sum(nb for _, nb in own)
-    share, passes_s, gather_s, gathers = zero_costs(zero, nbytes, itemsize, replicas, machine, threads, crowding,
-                                                    algorithm, level)
+    share, passes_s, _, gather_s, gathers = zero_costs(zero, nbytes, itemsize, replicas, machine, threads, crowding,
+                                                       algorithm, level)  # stage 3's gathers: in the ops
     red += gather_s
     sent = sent + [None] * gathers
     upd = share * passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)

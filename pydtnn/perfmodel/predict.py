@@ -118,7 +118,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     forward runs again in backward are costed twice). parallel "pipeline" (pipeline_stages = np), or "hybrid"
     with pipeline_stages S (np / S pipelines): see predict_pipeline. zero: ZeRO's stage over the replicas
     (step_parts.zero_costs): the update of the largest shard, the allgather of the updated shards after it,
-    and at stage 2 a reduce-scatter per bucket in place of the reducer's messages (step_parts.zero_messages),
+    and at stage 2 a reduce-scatter per bucket in place of the reducer's messages (step_parts.zero_messages);
+    stage 3 reduce-scatters per layer and gathers each layer's parameters before it runs (layer_gathers),
     exposed as the bucketed reducer's are."""
     _check_arguments(parallel, reduction, progress, optimizer, algorithm, recompute, zero, compression,
                      batch_size=batch_size, np=np, threads=threads, micro_batches=micro_batches)
@@ -149,8 +150,9 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     memory_s += accumulation_s(param_bytes, len(sizes), machine, threads, crowding)
     level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
     itemsize = model.backend.dtype.itemsize
-    share, zero_passes_s, gather_s, gathers = zero_costs(zero, param_bytes, itemsize, replicas, machine, threads,
-                                                         crowding, algorithm, level)
+    share, zero_passes_s, flight_s, gather_s, gathers = zero_costs(zero, param_bytes, itemsize, replicas, machine,
+                                                                   threads, crowding, algorithm, level, times,
+                                                                   len(sizes))
     update_s, memory_s = update_s * share, memory_s + zero_passes_s
     group = [g for b in sizes for g in split.group_messages(steps, b, model.backend.dtype.itemsize, m, machine,
                                                             algorithm)]
@@ -170,7 +172,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
     exposed = _exposed(messages, durations, end_of_backward, progress == "test" or reduction == "blocking")
-    comm_s, exposed = comm_s + gather_s, exposed + gather_s  # ZeRO's allgather of the shards, after the update
+    comm_s, exposed = comm_s + flight_s, exposed + gather_s  # ZeRO's allgathers: of the shards, or stage 3's
     return Prediction(
         model=name or model.name, batch_size=batch_size, np=np, threads=threads, parallel=parallel,
         reduction=reduction, algorithm=algorithm, progress=progress, machine=machine.name,

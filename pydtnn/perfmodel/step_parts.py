@@ -200,17 +200,24 @@ def ready_times(params, times, forward_s, after=False):
     return [t if after else ready.get(name.rsplit(".", 1)[0], t) for name, _ in params]
 
 
-def zero_messages(params, times, forward_s, itemsize, after=False, bucket_mb=None, first_bucket_mb=None):
+def zero_messages(params, times, forward_s, itemsize, after=False, bucket_mb=None, first_bucket_mb=None, stage=2):
     """[(seconds into the step when it can start, "reduce_scatter", bytes per replica)] of ZeRO stage 2's
     reduction: one reduce-scatter per bucket (zero.buckets: the bucketed reducer's buckets), started once its
-    gradients are ready (ready_times), in the order they start."""
+    gradients are ready (ready_times), in the order they start; at stage 3 one per layer (zero.layer_spans)."""
     from pydtnn.distributed import zero
 
     when = dict(zip((n for n, _ in params), ready_times(params, times, forward_s, after)))
     offsets, at = {}, 0
     for name, nbytes in reversed(params):  # the gradient buffer: reverse parameter order
         offsets[name], at = (at, at + nbytes // itemsize), at + nbytes // itemsize
-    cut = zero.buckets(offsets, itemsize, bucket_mb or zero.BUCKET_MB, first_bucket_mb or zero.FIRST_BUCKET_MB)
+    if stage == 3:  # a layer's parameters: its path, the names' part before the last dot
+        layers = {}
+        for name in offsets:
+            layers.setdefault(name.rsplit(".", 1)[0], []).append(name)
+        cut = [(names, min(offsets[n][0] for n in names), max(offsets[n][1] for n in names))
+               for names in layers.values()]
+    else:
+        cut = zero.buckets(offsets, itemsize, bucket_mb or zero.BUCKET_MB, first_bucket_mb or zero.FIRST_BUCKET_MB)
     return sorted(((max(when[n] for n in names), "reduce_scatter", (hi - lo) * itemsize) for names, lo, hi in cut),
                   key=lambda x: x[0])
 
@@ -224,35 +231,78 @@ def gradient_messages(params, times, forward_s, reduction, itemsize, compression
                       machine, algorithm, level):
     """([(ready, collective, bytes)], [seconds]) of the gradients' reduction across `replicas`: the reducer's
     messages (reducer_messages), or at ZeRO stage 2 a reduce-scatter per bucket, each started once its gradients
-    are ready."""
-    if zero == 2:
+    are ready (a reduce-scatter per layer at stage 3)."""
+    if zero >= 2:
         messages = zero_messages(params, times, forward_s, itemsize, after=after, bucket_mb=shaping["bucket_mb"],
-                                 first_bucket_mb=shaping["first_bucket_mb"])
+                                 first_bucket_mb=shaping["first_bucket_mb"], stage=zero)
         return messages, [scatter_seconds(n, replicas, machine, algorithm, level) for *_, n in messages]
     messages = reducer_messages(params, times, forward_s, reduction, itemsize, compression, after=after, **shaping)
     return messages, [reduction_seconds(c, n, replicas, machine, algorithm, level) for _, c, n in messages]
 
 
-def zero_costs(stage, nbytes, itemsize, replicas, machine, threads, crowding, algorithm, level):
-    """(share, memory-pass seconds, allgather seconds, allgathers) of ZeRO stage `stage` (pydtnn.distributed.zero)
-    on a replica holding nbytes of parameters: the largest shard's share of them (its update's share), packing
-    its shard and copying the gathered whole back (2 x share + 2 passes), and the allgathers of the updated
-    shards (zero.CHUNK_BYTES at a time). Stage 2's reduce-scatters, which replace the reducer's messages, are
-    zero_messages'."""
+def zero_costs(stage, nbytes, itemsize, replicas, machine, threads, crowding, algorithm, level, times=None,
+               passes=1):
+    """(share, memory-pass seconds, allgather seconds in flight, exposed, allgathers) of ZeRO stage `stage`
+    (pydtnn.distributed.zero) on a replica holding nbytes of parameters: the largest shard's share of them (its
+    update's share), packing its shard and copying the gathered whole back (2 x share + 2 passes), and the
+    allgathers of the updated shards (zero.CHUNK_BYTES at a time), exposed whole. Stage 2's reduce-scatters,
+    which replace the reducer's messages, are zero_messages'. Stage 3 updates its shard in place and gathers
+    nothing after it: its gathers come before the layers run (layer_gathers of `times` over `passes`; none
+    without times: a pipeline's stage has them in its ops)."""
     from pydtnn.distributed import zero
     from pydtnn.distributed.sampler import shard_bounds
 
     if not stage:
-        return 1.0, 0.0, 0.0, 0
+        return 1.0, 0.0, 0.0, 0.0, 0
     elements = nbytes // itemsize
     bounds = shard_bounds(elements, replicas)
     share = max(b - a for a, b in zip(bounds[:-1], bounds[1:])) / elements if elements else 0.0
+    if stage == 3:
+        return (share, 0.0, *(layer_gathers(times, passes, replicas, machine, algorithm, level) if times else
+                              (0.0, 0.0, 0)))
     passes_s = (2 * share + 2) * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
     if replicas <= 1:
-        return share, passes_s, 0.0, 0
+        return share, passes_s, 0.0, 0.0, 0
     chunks = max(1, -(-nbytes // zero.CHUNK_BYTES))
     gather = chunks * _collective("allgather", nbytes / chunks, replicas, machine, algorithm, level)
-    return share, passes_s, gather, chunks
+    return share, passes_s, gather, gather, chunks
+
+
+def layer_gathers(times, passes, replicas, machine, algorithm, level):
+    """(seconds in flight, seconds exposed, gathers) of ZeRO stage 3's gathers of the layers' parameters over
+    `replicas` (pydtnn.distributed.zero_params) in a step of `passes` forwards and backwards (micro-batches;
+    times: LayerTimes summed over them, in forward order). Each pass gathers every layer with parameters before
+    its forward and before its backward, but the last two layers' backwards (forward left their parameters
+    held); each gather starts when the layer with parameters before it starts, so it is exposed only where it
+    takes longer than the layers computed between the two, and the first forward's is exposed whole."""
+    phases = gather_phases(times, passes, replicas, machine, algorithm, level)
+    return tuple(sum(p[k] for p in phases) * passes for k in range(3))
+
+
+def gather_phases(times, passes, replicas, machine, algorithm, level):
+    """[(seconds in flight, seconds exposed, gathers) of one forward, of one backward]: layer_gathers' of one
+    pass of `passes`."""
+    if replicas <= 1 or not times:
+        return [(0.0, 0.0, 0), (0.0, 0.0, 0)]
+
+    def backward(t):
+        return t.backward_data_s + t.backward_weights_s
+
+    out = []
+    for order, cost, held in ((times, lambda t: t.forward_s, 0), (times[::-1], backward, 2)):
+        window, flight, exposed, count = None, 0.0, 0.0, 0  # window: seconds computed since the last gather began
+        for t in order:
+            if t.grad_bytes and held:  # the last two layers' backwards: their forwards' parameters are still held
+                held, window = held - 1, 0.0
+            elif t.grad_bytes:
+                g = _collective("allgather", t.grad_bytes, replicas, machine, algorithm, level)
+                flight, count = flight + g, count + 1
+                exposed += g if window is None else max(0.0, g - window)
+                window = 0.0
+            if window is not None:
+                window += cost(t) / passes
+        out.append((flight, exposed, count))
+    return out
 
 
 def _collective(op, nbytes, p, machine, algorithm, level):

@@ -38,7 +38,8 @@ def table(p):
     if p.recompute != "none":
         how += f", recompute {p.recompute}"
     if p.zero:
-        how += f", ZeRO {p.zero} (" + ("the reduced gradients and " if p.zero == 2 else "") + "optimizer state sharded)"
+        how += f", ZeRO {p.zero} (" + {2: "the reduced gradients and ", 3: "parameters, reduced gradients and "}.get(
+            p.zero, "") + "optimizer state sharded)"
     per = " (first micro-batch)" if p.micro_batches > 1 and p.pipeline_stages > 1 else ""
     lines = [(f"{p.model}: {how} x {p.threads} thread(s), {p.parallel} "
              f"parallel, {p.reduction} reduction ({p.algorithm}, progress {p.progress}) on {p.machine}"),

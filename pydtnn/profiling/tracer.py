@@ -17,10 +17,11 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-# Categories of spans that run beside the computation on their own track (an allreduce, or ZeRO stage 2's
-# non-blocking reduce-scatter of a bucket, in flight while backward goes on): never nested in a phase, summed
-# apart as communication. A model-parallel group's blocking reduce_scatter is not one of them.
-CONCURRENT = ("allreduce", "ireduce_scatter")
+# Categories of spans that run beside the computation on their own track (an allreduce, ZeRO stage 2's
+# non-blocking reduce-scatter of a bucket, in flight while backward goes on, or stage 3's gather of a layer's
+# parameters, started while the layer before computes): never nested in a phase, summed apart as communication.
+# A model-parallel group's blocking reduce_scatter is not one of them.
+CONCURRENT = ("allreduce", "ireduce_scatter", "iallgather")
 _ORDER = ("data", "forward", "loss", "backward", "reduce", "optimizer")
 
 

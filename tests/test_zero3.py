@@ -1,0 +1,210 @@
+"""ZeRO stage 3 (--zero 3): each replica keeps its shard of the parameters only; each layer's are gathered just
+before its forward and its backward, the next layer's gather started while it computes, and let go after.
+
+In-process tests drive zero_params.ParamShards through a communicator that records its gathers; the N-process
+equalities with plain data parallelism are in test_zero.py, beside stages 1 and 2's.
+"""
+
+import gc
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+import pytest
+from test_pipeline import final, same_files
+from test_zero import ENV, MPIEXEC, assert_close, train
+
+from pydtnn import models, optim
+from pydtnn.backends import CPUBackend
+from pydtnn.distributed import zero
+from pydtnn.distributed.comm import SingleProcess
+from pydtnn.layers.blocks import Container
+
+
+class Recording(SingleProcess):
+    """One replica whose gathers are noted in `log` as ("start", span) when started and ("wait", span) when
+    waited for, and whose every hook call notes the bytes of parameters gathered at that moment."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def iallgatherv(self, send, recv, counts, label=""):
+        recv[...] = send
+        log, span = self.log, int(label.rsplit(" ", 1)[1])
+        log.append(("start", span))
+
+        class Request:
+            def test(self):
+                return True
+
+            def wait(self):
+                log.append(("wait", span))
+
+        return Request()
+
+
+def leaves_with_params(model):
+    return [layer for _, layer in model.layers() if layer.params and not isinstance(layer, Container)]
+
+
+def gathered(model):
+    """The layers whose parameters are gathered now (views of real bytes, not of the placeholder's none)."""
+    return [layer for layer in leaves_with_params(model) if all(any(p.strides) for p in layer.params.values())]
+
+
+def sharded(model, comm, name="sgd", **hyper):
+    return zero.ShardedOptimizer(lambda params: optim.create(name, params, backend=model.backend, **hyper), model,
+                                 comm, 3)
+
+
+def test_each_layer_is_gathered_just_before_it_runs_the_next_while_it_computes():
+    """Two SGD steps with momentum on one replica at stage 3 end with plain SGD's parameters, to the bit. In the
+    second step each layer's gather is started while the layer with parameters before it runs (after its
+    forward, or its backward), and waited for just before the layer runs; the last two layers' backwards reuse
+    what their forwards gathered; at most two layers hold their parameters at any time, and the whole arrays the
+    model was built with are freed."""
+    model = models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
+    plain = models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
+    ref = optim.create("sgd", plain.parameters(), backend=plain.backend, lr=0.1, momentum=0.9)
+    log = []
+    opt = sharded(model, Recording(log), lr=0.1, momentum=0.9)
+    first = weakref.ref(model.parameters()[0][1])
+    opt.shards.attach()
+    gc.collect()
+    assert first() is None  # the model's whole arrays are let go
+    layers = leaves_with_params(model)
+    span = {id(layer): opt.shards.index[id(layer)] for layer in layers}
+    most = []
+    def noting(layer, phase, f):
+        def wrapped(*a):
+            log.append(("run", span[id(layer)], phase))
+            most.append(len(gathered(model)))
+            assert layer in gathered(model)
+            return f(*a)
+        return wrapped
+
+    for layer in layers:  # note each run, and how many layers hold their parameters then
+        layer.forward, layer.backward = noting(layer, "forward", layer.forward), noting(layer, "backward",
+                                                                                       layer.backward)
+    rng = np.random.default_rng(0)
+    for step in range(2):
+        x = rng.standard_normal((4, *model.input_shape))
+        dy = rng.standard_normal((4, *model.output_shape))
+        if step == 1:
+            log.clear()
+        for m, o in ((model, opt), (plain, ref)):
+            m.forward(x)
+            m.backward(dy)
+            o.step()
+    got, want = model.state_dict(), plain.state_dict()
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    assert max(most) <= 2 and len(gathered(model)) <= 2
+    order = [span[id(layer)] for layer in layers]
+    cut = log.index(("run", order[-1], "forward")) + 1
+    for part, phase, seq in ((log[:cut], "forward", order), (log[cut:], "backward", order[::-1])):
+        where = {}
+        for i, e in enumerate(part):
+            where.setdefault(e, i)  # the first of each event in the pass
+        assert all(("run", s, phase) in where for s in seq)
+        kept = 0 if phase == "forward" else 2  # backward: the two layers forward gathered last are still held
+        assert not any(("start", s) in where for s in seq[:kept])
+        for before, after in zip(seq[kept:], seq[kept + 1:]):  # `after` gathered while `before` runs, waited for
+            assert where[("start", after)] < where[("run", before, phase)] < where[("wait", after)] \
+                < where[("run", after, phase)], (phase, before, after, part)
+    assert [log.count(("start", s)) for s in order] == [2] * (len(order) - 2) + [1, 1]
+    assert all(isinstance(p, np.ndarray) and not any(p.strides) for layer in layers if layer not in gathered(model)
+               for p in layer.params.values())
+
+
+def test_a_replica_holds_a_quarter_of_the_parameters_at_np_4_and_two_layers_gathered():
+    """The shard of replica 0 of 4 (the largest) is a quarter of the parameters, up to an element per layer; the
+    memory model's parameters at stage 3 are that shard and the most two layers gathered at once hold, as
+    measured while a step runs."""
+    from pydtnn.perfmodel import memory, split
+
+    model = models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
+    total = sum(p.nbytes for _, p, _ in model.parameters())
+    spans = zero.layer_spans(model)
+    quarter = sharded(model, split.LocalRank0(4)).shards.flat.nbytes
+    assert total / 4 <= quarter <= total / 4 + len(spans) * 8
+    one = models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
+    opt = sharded(one, Recording([]))
+    opt.shards.attach()
+    held = []
+    for layer in leaves_with_params(one):
+        def wrapped(x, training=True, f=layer.forward):
+            held.append(sum(h[5].nbytes for h in opt.shards.held if h is not None))
+            return f(x, training)
+        layer.forward = wrapped
+    one.forward(np.zeros((2, *one.input_shape)))
+    assert memory.sharded_parameters(model, 4) == quarter + max(held)
+    m = memory.predict_memory(model, 8, ("adam", {}), zero=3, replicas=4)
+    assert m.parts["parameters"] == quarter + max(held) and m.zero == 3
+    two = memory.predict_memory(model, 8, ("adam", {}), zero=2, replicas=4)
+    assert m.parts["optimizer"] == pytest.approx(two.parts["optimizer"], rel=0.05)  # the shard's state, as at 2
+    assert m.parts["gradients"] == two.parts["gradients"] == total
+
+
+def test_the_time_model_gathers_each_layer_before_it_runs_and_reduce_scatters_per_layer():
+    """At 4 replicas, stage 3 sends a reduce-scatter per layer with parameters, and gathers every layer's
+    parameters before its forward and, but the last two's (still held), before its backward: no allgather after
+    the update;
+    the update is the shard's, as at stage 2; the gathers hidden by computation are not exposed."""
+    import dataclasses
+
+    from pydtnn.perfmodel import collectives, machine
+    from pydtnn.perfmodel.predict import predict
+
+    m = dataclasses.replace(machine.DEFAULT, cores=8, processes_per_node=8)
+    model = models.create("simplecnn", backend=CPUBackend(np.float32))
+    two, three = (predict(model, 32, 4, m, optimizer="adam", zero=z) for z in (2, 3))
+    sizes = [4 * (hi - lo) for _, lo, hi in zero.layer_spans(model)]
+    scatter = sum(collectives.seconds("reduce_scatter", "ring", n, 4, m, level="intra") for n in sizes)
+    gathers = [collectives.seconds("allgather", "ring", n, 4, m, level="intra") for n in sizes]
+    assert three.comm_s == pytest.approx(scatter + 2 * sum(gathers) - gathers[0] - gathers[1], rel=1e-9)  # reversed
+    assert three.messages == len(sizes) + 2 * len(sizes) - 2
+    assert three.update_s == pytest.approx(two.update_s) and three.zero == 3
+    assert 0 < three.exposed_comm_s < three.comm_s
+    slow = dataclasses.replace(m, links={k: dataclasses.replace(v, bandwidth_bytes_per_s=v.bandwidth_bytes_per_s / 1e3,
+                                                                collectives={}) for k, v in m.links.items()})
+    assert predict(model, 32, 4, slow, optimizer="adam", zero=3).exposed_comm_s > 100 * three.exposed_comm_s
+
+
+def test_a_traced_stage_3_run_counts_its_gathers_as_communication_in_flight(tmp_path):
+    """The layers' gathers run on their own track, as communication beside the phases (none of their own), with
+    their waits; the summary says how much was hidden."""
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn",
+                        "--use_synthetic_data", "--steps_per_epoch", "4", "--global_batch_size", "16", "--zero", "3",
+                        "--tracing", "--tracer_output", str(tmp_path / "t.json"), "--progress", "false"],
+                       capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    rows = [line for line in out.splitlines() if line and not line[0].isspace() and "%" in line
+            and not line.startswith(("total", "communication"))]
+    assert rows and not any(line.startswith(("iallgather", "allgather")) for line in rows), out[-3000:]
+    assert "in flight" in out and "hidden behind computation" in out, out[-3000:]
+    import json
+
+    events = json.loads((tmp_path / "t.rank0.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert sum(e.get("cat") == "iallgather" for e in events) >= 4 * (2 * 4 - 2)  # simplecnn: 4 layers gathered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--parallel", "hybrid", "--model_parallel_size", "2"],
+                                    ["--parallel", "hybrid", "--pipeline_stages", "2", "--micro_batches", "2"],
+                                    ["--recompute", "all", "--accumulation_steps", "2"]],
+                         ids=["model-parallel groups", "pipelines", "recomputed and accumulated"])
+def test_stage_3_in_split_models_pipelines_and_recomputation_ends_where_stage_0_ends(tmp_path, layout):
+    """np 4: 2 replicas of a model split over 2 processes, or of a 2-stage pipeline (their checkpoint files those
+    of --zero 0, to the bit), or 4 replicas recomputing their activations over 2 micro-batches (within 1e-12)."""
+    for z in ("0", "3"):
+        r = train(4, tmp_path / f"{z}.jsonl", "--optimizer", "adam", *layout, "--zero", z, "--checkpoint_dir",
+                  str(tmp_path / z))
+        assert r.returncode == 0, r.stderr[-3000:]
+    if layout[0] == "--parallel":
+        assert final(tmp_path / "3.jsonl")["params_sha256"] == final(tmp_path / "0.jsonl")["params_sha256"]
+        same_files(tmp_path / "3", tmp_path / "0")
+    else:
+        assert_close(tmp_path / "3", tmp_path / "0")
