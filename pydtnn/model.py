@@ -226,6 +226,11 @@ class Model:
             (_join(path, k), v, layer.grads[k]) for path, layer in self.root.named_layers() for k, v in layer.params.items()
         ]
 
+    def gradients(self):
+        """[(name, grad)] in state-dict order: the gradients alone (what holds them does not hold the parameters,
+        which ZeRO stage 3 lets go)."""
+        return [(_join(path, k), layer.grads[k]) for path, layer in self.root.named_layers() for k in layer.params]
+
     def state_dict(self):
         """{name: array} of parameters and buffers (live arrays, not copies; the parameters gathered whole where
         ZeRO stage 3 shards them: copies then, and a collective of the replicas)."""

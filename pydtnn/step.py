@@ -90,7 +90,7 @@ class Step:
         self.accumulation_steps, self.batchnorm_sync, self.tracer = int(accumulation_steps), batchnorm_sync, tracer
         self.backend, self._defers = model.backend, defers(loss)
         self.passes = recompute_passes(model, recompute)
-        self._params = model.parameters()
+        self._grads = [g for _, g in model.gradients()]
         self._acc = None  # the accumulated gradients, one array per parameter, made at the first accumulated step
         if batchnorm_sync is not None:
             for _, layer in model.layers():
@@ -152,9 +152,9 @@ class Step:
     def _accumulated(self, x, y, weight, streams, read, rows=None):
         """run() over `accumulation_steps` micro-batches: rows [a, b) each (`rows`, else micro_bounds), with the
         streams of their rows."""
-        n, xp, params = x.shape[0], self.backend.xp, self._params
+        n, xp, grads = x.shape[0], self.backend.xp, self._grads
         if self._acc is None:
-            self._acc = [xp.zeros_like(g) for _, _, g in params]
+            self._acc = [xp.zeros_like(g) for g in grads]
         own_rows = streams is not None and len(streams) == n
         total, outs = 0.0, []
         with nullcontext() if self.reducer is None else self.reducer.no_sync():  # one reduction, after the loop
@@ -164,7 +164,7 @@ class Step:
                 loss, out = self.micro_step(x[a:b], y[a:b], weight * (b - a) / n,
                                             streams.rows(None, a, b) if own_rows else streams, read)
                 share = (b - a) / n
-                for acc, (_, _, g) in zip(self._acc, params):
+                for acc, g in zip(self._acc, grads):
                     if a == 0:
                         xp.multiply(g, share, out=acc)
                     else:
@@ -173,7 +173,7 @@ class Step:
                     loss = xp.asarray(loss, dtype=xp.float64)
                 total += loss * share
                 outs.append(out)
-        for acc, (_, _, g) in zip(self._acc, params):
+        for acc, g in zip(self._acc, grads):
             g[...] = acc
         if self.reducer is not None:
             self.reducer.begin_step(weight)

@@ -117,6 +117,32 @@ def test_each_layer_is_gathered_just_before_it_runs_the_next_while_it_computes()
                for p in layer.params.values())
 
 
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_nothing_the_trainer_builds_before_the_shards_keeps_the_whole_parameters(accumulation):
+    """pydtnn-train builds the Trainer, its Step and the reducer before the replicas agree and the shards take
+    over: none of them holds a parameter array, so every whole array is freed once the shards let go."""
+    from pydtnn import losses
+    from pydtnn.step import Step
+    from pydtnn.trainer import Trainer
+
+    model = models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
+    comm = Recording([])
+    opt = sharded(model, comm, "adam")
+    reducer = zero.ShardedReducer(comm, opt)
+    loss = losses.create("categorical_cross_entropy")
+    trainer = Trainer(model, loss, opt, reducer=reducer, accumulation_steps=accumulation, progress=False)
+    step = trainer.step
+    assert isinstance(step, Step) and reducer.gradients  # attached by the Trainer
+    whole = [weakref.ref(p) for _, p, _ in model.parameters()]
+    opt.shards.attach()
+    gc.collect()
+    assert [w for w in whole if w() is not None] == []
+    x = np.random.default_rng(0).standard_normal((6, *model.input_shape))
+    y = np.eye(10)[np.arange(6) % 10]
+    step.run(x, y)
+    assert trainer.model is model and len(gathered(model)) <= 2
+
+
 def test_a_replica_holds_a_quarter_of_the_parameters_at_np_4_and_two_layers_gathered():
     """The shard of replica 0 of 4 (the largest) is a quarter of the parameters, up to an element per layer; the
     memory model's parameters at stage 3 are that shard and the most two layers gathered at once hold, as

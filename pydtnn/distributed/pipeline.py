@@ -264,7 +264,7 @@ class PipelineStep:
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.input_shape, self.output_shape = cut.input_shape, cut.output_shape
         self.backend, self.reducer, self.accumulation_steps = stage_model.backend, reducer, int(micro_batches)
-        self._params = stage_model.parameters()
+        self._grads = [g for _, g in stage_model.gradients()]
         self.passes = recompute_passes(stage_model, recompute)
         # what a forward leaves for its backward, set aside per micro-batch: the layers' and the recomputation's
         self._layers = [layer for _, layer in stage_model.layers()] + ([self.passes] if recompute != "none" else [])
@@ -282,10 +282,10 @@ class PipelineStep:
         return self.comm.comm
 
     def run(self, x, y, weight=1.0, streams=None, read=True, rows=None):
-        n, xp, params = x.shape[0], self.backend.xp, self._params
+        n, xp, grads = x.shape[0], self.backend.xp, self._grads
         rows = rows or micro_bounds(n, self.micro_batches)
         if self._acc is None:
-            self._acc = [xp.zeros_like(g) for _, _, g in params]
+            self._acc = [xp.zeros_like(g) for g in grads]
         messages = _Messages(self, rows)
         with nullcontext() if self.reducer is None else self.reducer.no_sync():  # one reduction, after the loop
             losses, outs = self._micro_batches(x, y, streams, rows, messages, weight)
@@ -293,7 +293,7 @@ class PipelineStep:
         total, outputs = self._results(losses, outs, rows, n)
         if not np.isfinite(total):  # every stage knows it: the update is skipped on all of them
             raise TrainingDiverged(f"loss is {total}")
-        for acc, (_, _, g) in zip(self._acc, params):
+        for acc, g in zip(self._acc, grads):
             g[...] = acc
         if self.reducer is not None:
             self.reducer.begin_step(weight)
@@ -303,7 +303,7 @@ class PipelineStep:
     def _micro_batches(self, x, y, streams, rows, messages, weight=1.0):
         """The schedule's forwards and backwards on this stage, the gradients summed into self._acc in
         micro-batch order; ({i: loss}, {i: outputs}) on the last stage, empty elsewhere."""
-        xp, params, n = self.backend.xp, self._params, x.shape[0]
+        xp, grads, n = self.backend.xp, self._grads, x.shape[0]
         own_rows = streams is not None and len(streams) == n
         saved, dys, losses, outs = {}, {}, {}, {}
         for op, i in schedule(self.schedule, self.stages, self.stage, self.micro_batches):
@@ -335,7 +335,7 @@ class PipelineStep:
             if not self.first:
                 messages.send_gradient(i, dx)
             share = (b - a) / n
-            for acc, (_, _, g) in zip(self._acc, params):  # as Step._accumulated
+            for acc, g in zip(self._acc, grads):  # as Step._accumulated
                 if a == 0:
                     xp.multiply(g, share, out=acc)
                 else:

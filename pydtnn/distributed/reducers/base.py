@@ -72,8 +72,8 @@ class Reducer:
         self._paused = False
 
     def attach(self, model):
-        self.params = model.parameters()
-        self.grads = {n: g for n, _, g in self.params}
+        self.gradients = model.gradients()  # [(name, grad)]: the parameters are not held
+        self.grads = dict(self.gradients)
         # in place only when the wire format is the gradients' own and the buffer really backs them
         self.flat, self.offsets = None, {}
         if self.compression.in_place and model.grad_buffer is not None:

@@ -9,11 +9,11 @@ class BlockingReducer(Reducer):
     name = "blocking"
 
     def setup(self):
-        self.names = [n for n, _, _ in self.params]
+        self.names = [n for n, _ in self.gradients]
         if self.flat is not None and self._span(self.names) == (0, self.flat.size):
             self.buf, self.views = self.flat, None  # the model's own gradient buffer, reduced in place
         else:
-            self.buf, self.views = flat_buffer([g for _, _, g in self.params], self.compression.wire_dtype)
+            self.buf, self.views = flat_buffer([g for _, g in self.gradients], self.compression.wire_dtype)
 
     def finish(self):
         self.order_done = True

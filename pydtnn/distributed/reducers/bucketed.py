@@ -21,7 +21,7 @@ class BucketedReducer(Reducer):
         self.bucket_bytes, self.first_bytes = bucket_mb * 2**20, first_bucket_mb * 2**20
 
     def setup(self):
-        order = [n for n, _, _ in reversed(self.params)]
+        order = [n for n, _ in reversed(self.gradients)]
         spans = bucket_layout([self.grads[n].nbytes for n in order], self.bucket_bytes, self.first_bytes)
         self.buckets = [order[a:b] for a, b in spans]  # [names]
         self.bucket_of = {n: i for i, names in enumerate(self.buckets) for n in names}

@@ -80,15 +80,15 @@ class TopKReducer(Reducer):
         self.buf = None  # the gradients' buffer, once attached
 
     def setup(self):
-        self.names = [n for n, _, _ in self.params]
+        self.names = [n for n, _ in self.gradients]
         if self.flat is not None and self._span(self.names) == (0, self.flat.size):
             self.buf, self.views = self.flat, None  # the model's own gradient buffer, overwritten with the sum
         else:
-            self.buf, self.views = flat_buffer([g for _, _, g in self.params])
+            self.buf, self.views = flat_buffer([g for _, g in self.gradients])
         if self.views is None:  # each gradient's (start, stop) in buf
             self.spans = [self.offsets[n] for n in self.names]
         else:
-            sizes = np.cumsum([0] + [g.size for _, _, g in self.params])
+            sizes = np.cumsum([0] + [g.size for _, g in self.gradients])
             self.spans = list(zip(sizes[:-1].tolist(), sizes[1:].tolist()))
         self.k = self._k(self.epoch_density)
         self.residual = array_module(self.buf).zeros_like(self.buf)
