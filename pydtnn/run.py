@@ -133,7 +133,7 @@ def optimizer_and_reducer(args, plan, model, options, grad_comm, corrected):
         return make(model.parameters()), reducer
     from pydtnn.distributed import zero
 
-    optimizer = zero.ShardedOptimizer(make, model, grad_comm, plan.zero,  # sharded by the bucketed reducer's buckets
+    optimizer = zero.ShardedOptimizer(make, model, grad_comm, plan.zero,  # cut by the reducer's buckets, or by layer
                                       bucket_mb=plan.reduction.options.get("bucket_mb", zero.BUCKET_MB))
     if plan.zero >= 2:
         return optimizer, zero.ShardedReducer(grad_comm, optimizer) if strategy is not None else None

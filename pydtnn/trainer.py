@@ -209,11 +209,14 @@ class Trainer:
                                 f"{tuple(shape)}; the model takes {want}")
 
     def _check_synchronized_micro_batches(self, n, batch_size, drop_last, steps_per_epoch=None):
-        """ConfigError where synchronized BatchNorm would hang: its statistics are a collective per micro-batch,
-        so every replica must run every micro-batch, and a replica's share of a global batch (the last, smaller
-        one) must hold at least one sample per micro-batch."""
+        """ConfigError where synchronized BatchNorm or ZeRO stage 3 would hang: its statistics, or the layers'
+        gathers of their parameters, are collectives in every micro-batch, so every replica must run every
+        micro-batch, and a replica's share of a global batch (the last, smaller one) must hold at least one sample
+        per micro-batch."""
         m = self.step.accumulation_steps
-        if getattr(self.step, "batchnorm_sync", None) is None or m == 1 or self.world_size == 1:
+        what = ("--sync_batchnorm" if getattr(self.step, "batchnorm_sync", None) is not None else
+                "--zero 3" if self.model.param_shards is not None else None)
+        if what is None or m == 1 or self.world_size == 1:
             return
         from pydtnn.distributed.sampler import micro_shares
 
@@ -221,7 +224,7 @@ class Trainer:
             least = min(hi - lo for r in range(self.world_size) for *_, lo, hi in micro_shares(b - a, m,
                                                                                                self.world_size, r))
             if least < 1:
-                raise ConfigError(f"--sync_batchnorm with --micro_batches {m}: the global batch of {b - a} samples "
+                raise ConfigError(f"{what} with --micro_batches {m}: the global batch of {b - a} samples "
                                   f"(the last of {n}) leaves a replica no sample of a micro-batch, and every "
                                   f"replica must run every micro-batch; use --drop_last true, or a batch or "
                                   f"micro-batch count that gives each micro-batch at least {self.world_size} "
@@ -345,6 +348,8 @@ class Trainer:
         backend, was_training = self.model.backend, self.model.training
         bounds = shard_bounds(len(data), self.world_size)
         first, last = bounds[self.comm.rank], bounds[self.comm.rank + 1]
+        size = max(batch_size, 1)
+        most = max(len(batch_slices(b - a, size)) for a, b in zip(bounds[:-1], bounds[1:]))
         self.model.eval()
         # read every batch, or (on a GPU; sync_every > 1) the sums stay on the device in float64, read once
         read = self.steps_between_reads() == 1 or not defers(self.loss)
@@ -360,6 +365,10 @@ class Trainer:
                     with nullcontext() if read else targets_checked_on_host():
                         loss = self.loss.forward(out, y) if read else self.loss.value(out, y)
                     readings.add(loss, out, y, b - a)
+                if self.model.param_shards is not None:  # ZeRO 3: every replica gathers as often as the others
+                    blank = backend.asarray(np.zeros((1, *self.step.input_shape), backend.dtype))
+                    for _ in range(most - len(batch_slices(last - first, size))):
+                        self.step.predict(blank)
         finally:
             self.model.training = was_training
         return readings.totals(self.comm)[0]

@@ -197,6 +197,40 @@ def test_the_time_model_gathers_each_layer_before_it_runs_and_reduce_scatters_pe
     assert predict(model, 32, 4, slow, optimizer="adam", zero=3).exposed_comm_s > 100 * three.exposed_comm_s
 
 
+@pytest.mark.parametrize("micro,recompute", [(3, "none"), (1, "all"), (2, "segments")])
+def test_the_time_model_counts_the_gathers_a_step_makes(micro, recompute):
+    """The gathers the time model prices per step are those a step makes (counted in its second step): fewer in
+    the micro-batches after the first, whose first two layers the backward before left gathered, and more where
+    recomputation runs layers' forwards again."""
+    import dataclasses
+
+    from pydtnn import losses
+    from pydtnn.perfmodel import machine
+    from pydtnn.perfmodel.predict import predict
+    from pydtnn.step import Step
+
+    model = models.create("resnet20_cifar10" if recompute == "segments" else "simplecnn",
+                          backend=CPUBackend(np.float32, seed=1))
+    m = dataclasses.replace(machine.DEFAULT, cores=8, processes_per_node=8)
+    p = predict(model, 12, 4, m, optimizer="adam", zero=3, micro_batches=micro, recompute=recompute)
+    predicted = p.messages - len(zero.layer_spans(model))  # the rest are the layers' reduce-scatters
+    log = []
+    opt = sharded(model, Recording(log), "adam")
+    step = Step(model, losses.create("categorical_cross_entropy"), opt, accumulation_steps=micro,
+                recompute=recompute)
+    opt.shards.attach()
+    x = np.random.default_rng(0).standard_normal((12, *model.input_shape)).astype(np.float32)
+    y = np.eye(10, dtype=np.float32)[np.arange(12) % 10]
+    step.run(x, y)
+    log.clear()
+    step.run(x, y)
+    made = sum(e[0] == "start" for e in log)
+    # the model takes backward as forward reversed; ResNet's block with a downsampling shortcut runs its main path's
+    # backward first, so where it ends a recomputed segment (once here) its shortcut's two layers, left gathered by
+    # the segment's forward, are gathered again after the main path's: 2 per micro-batch the model does not count
+    assert made - predicted == (2 * micro if recompute == "segments" else 0)
+
+
 def test_a_traced_stage_3_run_counts_its_gathers_as_communication_in_flight(tmp_path):
     """The layers' gathers run on their own track, as communication beside the phases (none of their own), with
     their waits; the summary says how much was hidden."""
@@ -234,3 +268,27 @@ def test_stage_3_in_split_models_pipelines_and_recomputation_ends_where_stage_0_
         same_files(tmp_path / "3", tmp_path / "0")
     else:
         assert_close(tmp_path / "3", tmp_path / "0")
+
+
+def test_replicas_with_unequal_evaluation_shares_gather_alike(tmp_path):
+    """1,000 test images over 3 replicas in batches of 111: 4 batches on the first, 3 on the others, which run a
+    blank batch so that every replica gathers as often: the run ends (not hung), with the test loss and accuracy
+    --zero 0 gives."""
+    flags = ["--batch_size", "111", "--stall_timeout", "30"]
+    for z in ("0", "3"):
+        r = train(3, tmp_path / f"{z}.jsonl", "--zero", z, *flags, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+    got, want = final(tmp_path / "3.jsonl"), final(tmp_path / "0.jsonl")
+    assert got["test_loss"] == pytest.approx(want["test_loss"], rel=1e-12)
+    assert got["test_accuracy"] == want["test_accuracy"]
+
+
+def test_a_replica_short_of_micro_batches_is_refused_at_stage_3(tmp_path):
+    """Every replica must run every micro-batch for the gathers to match: a last global batch of 4 samples over 2
+    replicas with 8 micro-batches is refused before training, in one line, not hung on."""
+    r = train(2, tmp_path / "m.jsonl", "--zero", "3", "--micro_batches", "8", "--global_batch_size", "54",
+              "--steps_per_epoch", "100", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert lines and "--zero 3 with --micro_batches 8: the global batch of 4 samples" in lines[0], r.stderr[-2000:]
+    assert not (tmp_path / "m.jsonl").exists()

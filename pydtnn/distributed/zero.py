@@ -129,7 +129,8 @@ def check_stage(stage, reduction=None, compression="none", progress="test", nccl
 
 class ShardedOptimizer:
     """An optimizer (make(params) builds it) over this replica's shard of `model`'s parameters, whose step()
-    then allgathers the updated shards over `comm`; the Optimizer contract otherwise (lr, t, kind,
+    then allgathers the updated shards over `comm` (at stage 3 it does not: `shards`, zero_params.ParamShards,
+    holds the shard, and the layers gather their parameters as they run); the Optimizer contract otherwise (lr, t, kind,
     state_dict of the whole state, load_state_dict of a whole state). The gradients it reads are in the model's
     own gradient buffer: each parameter's own place at stage 1 (the run's reducer leaves the average there), and
     at stage 2 the start of each bucket, where ShardedReducer's in-place reduce-scatter leaves this replica's
@@ -220,7 +221,10 @@ class ShardedOptimizer:
 
     def step(self):
         """Update this replica's shard, then every replica's parameters from every shard (an allgather); at stage
-        3 the shard only, which the layers gather from as they run."""
+        3 the shard only, which the layers gather from as they run (a gather still in flight from it completed
+        first: its send buffer is the shard)."""
+        if self.shards is not None:
+            self.shards.drain()
         self.inner.step()
         if self.shards is not None:
             self.shards.changed()

@@ -15,10 +15,15 @@ before, and the array is freed: a replica holds its shard and two layers' parame
 
 The gathers run non-blocking: when a layer asks for its parameters (Container calls the hook before a leaf's
 forward and its backward), the gather of the layer that came next last time (after this layer's forward, or
-its backward) starts into the other slot, so it moves while this layer computes. The order is learned from the
-calls themselves, so recomputation, gradient accumulation and evaluation passes need nothing of their own; every
+its backward, counted since the last update: a recomputed forward, or a later micro-batch's, is a call of its
+own) starts into the other slot, so it moves while this layer computes. The order is learned from the calls
+themselves, so recomputation, gradient accumulation and evaluation passes need nothing of their own; every
 replica calls in the same order, so a guess that turns out wrong is wrong on every replica alike, and costs one
-gather. Nothing is gathered across an update (changed()): a prefetch would carry the old values.
+gather. A gather still in flight when the shard is about to change (drain(), before the optimizer's update) is
+completed first, its send buffer being the shard, and what the slots hold is stale after it (changed()).
+
+Whole arrays (whole(): state dicts, checkpoints, digests) are gathered span by span onto every replica: for a
+moment each holds the whole model, as one process does.
 """
 
 import time
@@ -53,6 +58,7 @@ class ParamShards:
         self.held = [None, None]  # per slot: [span, version, request or None, label, start ns, gathered array]
         self.binding = {}  # span -> the slot its layer's parameters are views of
         self.version, self.bound, self.prev, self.next_of, self.attached = 0, None, None, {}, False
+        self.calls = {}  # (layer, phase) -> its calls since the last update
         self.fill()
 
     # -- the shard -----------------------------------------------------------------------------------------
@@ -101,14 +107,15 @@ class ParamShards:
         """The shard was updated (an optimizer step, a load): what the slots hold is stale."""
         self.drain()
         self.version += 1
-        self.prev = None  # no guess across an update
+        self.prev, self.calls = None, {}  # no guess across an update
 
     # -- gathering -------------------------------------------------------------------------------------------
     def __call__(self, layer, phase):
         """Before `layer` runs `phase` ("forward", "backward"): its parameters gathered and bound, and the gather
         of the layer that came next last time started."""
         i = self.index[id(layer)]
-        key = (id(layer), phase)
+        key = (id(layer), phase, self.calls.get((id(layer), phase), 0))  # its how-many-th `phase` since the update
+        self.calls[key[:2]] = key[2] + 1
         if self.prev is not None:
             self.next_of[self.prev] = i
         self.prev = key

@@ -200,9 +200,9 @@ def _stage_times(held, sizes, costs, group, machine, threads, crowding, again, g
         first_times += per_size[sizes[0]]
         for i, b in enumerate(sizes):
             if gathers is not None:  # each layer's parameters gathered before it runs, as far as not hidden
-                replicas, level, algorithm = gathers
-                (f_in, f_out, f_n), (b_in, b_out, b_n) = gather_phases(per_size[b], 1, replicas, machine, algorithm,
-                                                                       level)
+                replicas, level, algorithm = gathers  # a stage's micro-batches interleave: nothing counted held
+                (f_in, f_out, f_n), _, (b_in, b_out, b_n) = gather_phases(per_size[b], 1, replicas, machine,
+                                                                          algorithm, level, again, held=(0, 0, 0))
                 fwd[s][i], bwd[s][i] = fwd[s][i] + f_out, bwd[s][i] + b_out
                 busy[s]["gather_s"] += f_out + b_out
                 busy[s]["flight_s"] += f_in + b_in

@@ -152,7 +152,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     itemsize = model.backend.dtype.itemsize
     share, zero_passes_s, flight_s, gather_s, gathers = zero_costs(zero, param_bytes, itemsize, replicas, machine,
                                                                    threads, crowding, algorithm, level, times,
-                                                                   len(sizes))
+                                                                   len(sizes), again)
     update_s, memory_s = update_s * share, memory_s + zero_passes_s
     group = [g for b in sizes for g in split.group_messages(steps, b, model.backend.dtype.itemsize, m, machine,
                                                             algorithm)]

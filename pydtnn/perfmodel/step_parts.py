@@ -120,13 +120,15 @@ def micro_sizes(batch_size, micro_batches):
 
 
 def recomputed(model, mode, unit_slice=slice(None)):
-    """Paths of the layers whose forward runs again in backward under recompute `mode` (pydtnn.recompute):
-    those of every segment of the units but the last; unit_slice: the units of a pipeline stage."""
+    """{path: its segment} of the layers whose forward runs again in backward under recompute `mode`
+    (pydtnn.recompute): those of every segment of the units but the last; unit_slice: the units of a pipeline
+    stage. A mapping: `name in recomputed(...)` asks whether a layer runs again."""
     if mode == "none":
-        return frozenset()
+        return {}
     units = [(path, layer) for path, layer, _ in model.units()][unit_slice]
     bounds = recompute_module.segments(len(units), mode)
-    return frozenset(p for path, unit in units[:bounds[-2]] for p, _ in unit.named_layers(path))
+    return {p: k for k, (a, b) in enumerate(zip(bounds[:-2], bounds[1:-1])) for path, unit in units[a:b]
+            for p, _ in unit.named_layers(path)}
 
 
 def layer_times(costs, grads, machine, threads, crowding, again=frozenset()):
@@ -241,14 +243,14 @@ def gradient_messages(params, times, forward_s, reduction, itemsize, compression
 
 
 def zero_costs(stage, nbytes, itemsize, replicas, machine, threads, crowding, algorithm, level, times=None,
-               passes=1):
+               passes=1, again=frozenset()):
     """(share, memory-pass seconds, allgather seconds in flight, exposed, allgathers) of ZeRO stage `stage`
     (pydtnn.distributed.zero) on a replica holding nbytes of parameters: the largest shard's share of them (its
     update's share), packing its shard and copying the gathered whole back (2 x share + 2 passes), and the
     allgathers of the updated shards (zero.CHUNK_BYTES at a time), exposed whole. Stage 2's reduce-scatters,
     which replace the reducer's messages, are zero_messages'. Stage 3 updates its shard in place and gathers
-    nothing after it: its gathers come before the layers run (layer_gathers of `times` over `passes`; none
-    without times: a pipeline's stage has them in its ops)."""
+    nothing after it: its gathers come before the layers run (layer_gathers of `times` over `passes`, the layers
+    of `again` recomputed; none without times: a pipeline's stage has them in its ops)."""
     from pydtnn.distributed import zero
     from pydtnn.distributed.sampler import shard_bounds
 
@@ -258,8 +260,8 @@ def zero_costs(stage, nbytes, itemsize, replicas, machine, threads, crowding, al
     bounds = shard_bounds(elements, replicas)
     share = max(b - a for a, b in zip(bounds[:-1], bounds[1:])) / elements if elements else 0.0
     if stage == 3:
-        return (share, 0.0, *(layer_gathers(times, passes, replicas, machine, algorithm, level) if times else
-                              (0.0, 0.0, 0)))
+        return (share, 0.0, *(layer_gathers(times, passes, replicas, machine, algorithm, level, again) if times
+                              else (0.0, 0.0, 0)))
     passes_s = (2 * share + 2) * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
     if replicas <= 1:
         return share, passes_s, 0.0, 0.0, 0
@@ -268,34 +270,61 @@ def zero_costs(stage, nbytes, itemsize, replicas, machine, threads, crowding, al
     return share, passes_s, gather, gather, chunks
 
 
-def layer_gathers(times, passes, replicas, machine, algorithm, level):
+def layer_gathers(times, passes, replicas, machine, algorithm, level, again=frozenset()):
     """(seconds in flight, seconds exposed, gathers) of ZeRO stage 3's gathers of the layers' parameters over
     `replicas` (pydtnn.distributed.zero_params) in a step of `passes` forwards and backwards (micro-batches;
     times: LayerTimes summed over them, in forward order). Each pass gathers every layer with parameters before
-    its forward and before its backward, but the last two layers' backwards (forward left their parameters
-    held); each gather starts when the layer with parameters before it starts, so it is exposed only where it
-    takes longer than the layers computed between the two, and the first forward's is exposed whole."""
-    phases = gather_phases(times, passes, replicas, machine, algorithm, level)
-    return tuple(sum(p[k] for p in phases) * passes for k in range(3))
+    its forward and before its backward, but where the two layers gathered last are still held: the last two
+    layers' backwards, and in every pass after the first the first two layers' forwards (the backward before
+    left them); a layer whose forward runs again in backward (recomputation) is gathered once more then,
+    where backward reaches its segment (`again`: recomputed's {path: segment}; a set: a segment each): the
+    segment's forward runs again, gathering its layers (a one-layer segment still held: none), and its backward
+    finds its last two held. Each gather
+    starts when the layer with parameters before it starts, so it is exposed only where it takes longer than
+    the layers computed between the two; the first forward's whole."""
+    first, later, back = gather_phases(times, passes, replicas, machine, algorithm, level, again)
+    return tuple(first[k] + (passes - 1) * later[k] + passes * back[k] for k in range(3))
 
 
-def gather_phases(times, passes, replicas, machine, algorithm, level):
-    """[(seconds in flight, seconds exposed, gathers) of one forward, of one backward]: layer_gathers' of one
-    pass of `passes`."""
+def gather_phases(times, passes, replicas, machine, algorithm, level, again=frozenset(), held=(0, 2, 2)):
+    """[(seconds in flight, seconds exposed, gathers)] of one forward as the first pass runs it, as a later pass
+    does, and of one backward (layer_gathers' for one pass of `passes`); held: how many layers with parameters
+    each finds gathered already (a pipeline's stage, whose micro-batches interleave: none)."""
     if replicas <= 1 or not times:
-        return [(0.0, 0.0, 0), (0.0, 0.0, 0)]
+        return [(0.0, 0.0, 0)] * 3
 
     def backward(t):
         return t.backward_data_s + t.backward_weights_s
 
+    def gather(t):
+        return _collective("allgather", t.grad_bytes, replicas, machine, algorithm, level)
+
+    def segment(t):
+        return again[t.name] if isinstance(again, dict) else t.name
+
+    segments = {}  # a recomputed segment -> its layers with parameters, in forward order
+    for t in times:
+        if t.grad_bytes and t.name in again:
+            segments.setdefault(segment(t), []).append(t)
     out = []
-    for order, cost, held in ((times, lambda t: t.forward_s, 0), (times[::-1], backward, 2)):
+    for order, cost, kept in ((times, lambda t: t.forward_s, held[0]), (times, lambda t: t.forward_s, held[1]),
+                              (times[::-1], backward, held[2])):
         window, flight, exposed, count = None, 0.0, 0.0, 0  # window: seconds computed since the last gather began
+        todo = dict(segments)
         for t in order:
-            if t.grad_bytes and held:  # the last two layers' backwards: their forwards' parameters are still held
-                held, window = held - 1, 0.0
+            seg = todo.pop(segment(t), None) if cost is backward and t.name in again else None
+            if seg and not (len(seg) == 1 and kept):  # a recomputed segment: its forward again, its layers gathered
+                for i, u in enumerate(seg):
+                    g = gather(u)
+                    hidden = seg[i - 1].forward_s / passes if i else 0.0
+                    flight, count, exposed = flight + g, count + 1, exposed + max(0.0, g - hidden)
+                kept, window = min(2, len(seg)), 0.0  # its last two, still held for their backward
+            elif seg:  # one layer, still held (the second of the pair): its forward again with it as it is
+                kept = max(kept, 1)
+            if t.grad_bytes and kept:  # still held from the pass's other half, or the pass before
+                kept, window = kept - 1, 0.0
             elif t.grad_bytes:
-                g = _collective("allgather", t.grad_bytes, replicas, machine, algorithm, level)
+                g = gather(t)
                 flight, count = flight + g, count + 1
                 exposed += g if window is None else max(0.0, g - window)
                 window = 0.0
