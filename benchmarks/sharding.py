@@ -4,7 +4,7 @@ predictions beside them.
     python benchmarks/sharding.py [--out docs/sharding_benchmark.json] [--plot docs/benchmarks_sharding.png]
                                   [--machine docs/machine_xeon_avx512.yaml] [--quick] [--only TEXT]
 
-For each model (vgg16_cifar10, 15 M parameters, 32 samples per process; resnet50_imagenet, 25.6 M, 2 per
+For each model (vgg16_cifar10, 33.6 M parameters, 32 samples per process; resnet50_imagenet, 25.6 M, 2 per
 process; resnet20_cifar10, 0.27 M, 32 per process), Adam, np 1 and --zero 0, 1, 2, 3 at np 2 and 4, on shared
 memory, and VGG-16 and ResNet-20 at np 2 and 4 on the emulated 1 Gbit/s link too (benchmarks/netem.py),
 every convolution with its threshold algorithm (--conv_autotune false, as the model costs it):
