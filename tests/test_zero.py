@@ -368,16 +368,22 @@ def test_stage_2_over_many_buckets_ends_where_data_parallelism_ends(tmp_path):
 def test_a_traced_stage_2_run_counts_its_reduce_scatters_as_communication_in_flight(tmp_path):
     """The buckets' reduce-scatters run from backward into the reduction's wait: the trace's summary keeps them
     beside the phases (no phase of their own, the phases adding up to the step) and says how much was hidden."""
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn",
-                        "--use_synthetic_data", "--steps_per_epoch", "4", "--global_batch_size", "16", "--zero", "2",
-                        "--bucket_size_mb", "0.01", "--tracing", "--tracer_output", str(tmp_path / "t.json"),
-                        "--progress", "false"], capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout + r.stderr
-    rows = [line for line in out.splitlines() if line and not line[0].isspace() and "%" in line
-            and not line.startswith(("total", "communication"))]
+    out, rows = traced_summary(tmp_path, "--zero", "2", "--bucket_size_mb", "0.01")
     assert rows and not any(line.startswith(("reduce_scatter", "ireduce_scatter")) for line in rows), out[-3000:]
     assert "in flight" in out and "hidden behind computation" in out, out[-3000:]
+
+
+def traced_summary(tmp_path, *flags):
+    """(output, the summary's rows of phases) of a traced 4-step simplecnn run at np 2 with `flags`; its trace in
+    tmp_path/t.rank*.json."""
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn",
+                        "--use_synthetic_data", "--steps_per_epoch", "4", "--global_batch_size", "16", *flags,
+                        "--tracing", "--tracer_output", str(tmp_path / "t.json"), "--progress", "false"],
+                       capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    return out, [line for line in out.splitlines() if line and not line[0].isspace() and "%" in line
+                 and not line.startswith(("total", "communication"))]
 
 
 @pytest.mark.parametrize("size", [2, 3])

@@ -6,14 +6,12 @@ equalities with plain data parallelism are in test_zero.py, beside stages 1 and 
 """
 
 import gc
-import subprocess
-import sys
 import weakref
 
 import numpy as np
 import pytest
 from test_pipeline import final, same_files
-from test_zero import ENV, MPIEXEC, assert_close, train
+from test_zero import assert_close, traced_summary, train
 
 from pydtnn import models, optim
 from pydtnn.backends import CPUBackend
@@ -234,14 +232,7 @@ def test_the_time_model_counts_the_gathers_a_step_makes(micro, recompute):
 def test_a_traced_stage_3_run_counts_its_gathers_as_communication_in_flight(tmp_path):
     """The layers' gathers run on their own track, as communication beside the phases (none of their own), with
     their waits; the summary says how much was hidden."""
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn",
-                        "--use_synthetic_data", "--steps_per_epoch", "4", "--global_batch_size", "16", "--zero", "3",
-                        "--tracing", "--tracer_output", str(tmp_path / "t.json"), "--progress", "false"],
-                       capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path, check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout + r.stderr
-    rows = [line for line in out.splitlines() if line and not line[0].isspace() and "%" in line
-            and not line.startswith(("total", "communication"))]
+    out, rows = traced_summary(tmp_path, "--zero", "3")
     assert rows and not any(line.startswith(("iallgather", "allgather")) for line in rows), out[-3000:]
     assert "in flight" in out and "hidden behind computation" in out, out[-3000:]
     import json
