@@ -15,7 +15,8 @@ every convolution with its threshold algorithm (--conv_autotune false, as the mo
 - memory: each process's traced peak over training steps (benchmarks/memory_worker.py, network-independent,
   measured once per model, stage and np), the busiest process's, predicted by
   pydtnn.perfmodel.memory.predict_memory; and pydtnn-train's peak resident set (GNU time), which adds the
-  interpreter, the libraries and the data.
+  interpreter, the libraries and the data, set against the traced prediction plus a process baseline
+  (measure_baseline: a small model's run, less its prediction; --baseline_only measures it into a saved run).
 """
 
 import argparse
@@ -107,6 +108,34 @@ def predicted(config, model, base, link):
             "memory_mib": mem.total / 2**20, "memory_parts_mib": {k: v / 2**20 for k, v in mem.parts.items()}}
 
 
+def measure_baseline():
+    """MiB a training process holds beside its training state: the peak resident set (GNU time) of pydtnn-train
+    on simplecnn (0.1 M parameters), random images, Adam, batch 32, less the memory model's traced peak of its
+    step: the interpreter, the libraries, their compiled kernels and the data."""
+    import subprocess
+
+    from pydtnn import models
+    from pydtnn.perfmodel.memory import predict_memory
+
+    with tempfile.TemporaryDirectory(prefix="sharding-rss-") as tmp:
+        out = os.path.join(tmp, "rss.txt")
+        subprocess.run(["/usr/bin/time", "-f", "%M", "-o", out, sys.executable, "-m", "pydtnn", "--model", "simplecnn",
+                        "--use_synthetic_data", "true", "--optimizer", "adam", "--batch_size", "32",
+                        "--steps_per_epoch", "2", "--num_epochs", "1", "--progress", "false",
+                        "--threads_per_process", "1", "--conv_autotune", "false"], env=validation.thread_env(1),
+                       cwd=tmp, capture_output=True, timeout=600, check=True)
+        with open(out, encoding="utf-8") as f:
+            rss = max(int(line) for line in f if line.strip().isdigit()) / 1024
+    return rss - predict_memory(models.create("simplecnn"), 32, ("adam", {})).total / 2**20
+
+
+def rss_errors(run):
+    """[(label, predicted peak RSS MiB: the traced prediction plus the run's baseline_rss_mib, measured)]."""
+    base = run.get("baseline_rss_mib")
+    return [] if base is None else [(p["label"], p["predicted"]["memory_mib"] + base, p["measured"]["peak_rss_mb"])
+                                    for p in run["points"] if p["measured"].get("peak_rss_mb")]
+
+
 def drive(args):
     from pydtnn import models
     from pydtnn.backends import CPUBackend
@@ -130,6 +159,8 @@ def drive(args):
     run = {**({"notes": saved["notes"]} if "notes" in saved else {}),"host": validation.host(), "commit": validation.commit(),
            "machine_file": os.path.relpath(os.path.abspath(args.machine), ROOT), "netem": refusal or "used",
            "links": links, "points": points, "wall_s": 0.0,
+           "baseline_rss_mib": saved.get("baseline_rss_mib") or (measure_baseline() if os.path.exists("/usr/bin/time")
+                                                                else None),
            "settings": {"warmup": args.warmup, "steps": args.steps, "threads": 1, "optimizer": "adam",
                         "data": "random images (--use_synthetic_data)", "reduction": "bucketed (default)",
                         "conv_autotune": False}}
@@ -263,9 +294,17 @@ def main(argv=None):
     p.add_argument("--from_json", help="the table and plot of a saved run")
     p.add_argument("--resume", action="store_true", help="keep the points --out already holds, measure the rest")
     p.add_argument("--memory_only", action="store_true", help="measure the memory of --out's points again, and save")
+    p.add_argument("--baseline_only", action="store_true",
+                   help="measure the process baseline of the peak RSS (measure_baseline) into --out's run, and save")
     args = p.parse_args(argv)
     if args.memory_only:
         run = remeasure_memory(args.out)
+    elif args.baseline_only:
+        with open(args.out, encoding="utf-8") as f:
+            run = json.load(f)
+        run["baseline_rss_mib"] = measure_baseline()
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(run, f, indent=1)
     elif args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             run = json.load(f)
@@ -274,6 +313,15 @@ def main(argv=None):
     print(f"{run['host']}; pydtnn {run['commit']}; {len(run['points'])} configurations, "
           f"{run['settings']['warmup']} warm-up + {run['settings']['steps']} timed steps; {run['wall_s']:.0f} s")
     print(table(run))
+    rss = rss_errors(run)
+    if rss:
+        import statistics
+
+        errors = sorted((pred / meas - 1, label) for label, pred, meas in rss)
+        print(f"peak RSS predicted as the traced prediction + {run['baseline_rss_mib']:.0f} MiB (the process "
+              f"baseline): median |error| {100 * statistics.median(abs(e) for e, _ in errors):.1f}%, worst "
+              f"{100 * max(abs(e) for e, _ in errors):.1f}% ({errors[0][1]}: {100 * errors[0][0]:+.1f}%), "
+              f"{len(errors)} points")
     if not args.quick and args.plot:
         plot(run, args.plot)
     return 0
