@@ -247,7 +247,8 @@ class Model:
     def whole_state_dict(self):
         """{name: NumPy array} of parameters and buffers, whole: gathered from every rank of a model-parallel
         group (a collective there: every rank of the group calls it), from every stage of a pipeline onto its
-        first (every stage calls it; None on the others), copies of the own arrays otherwise."""
+        first (every stage calls it; None on the others), copies of the own arrays otherwise; the parameters
+        gathered over the replicas where ZeRO stage 3 shards them (a collective of the replicas too)."""
         own = self._own_state()
         if self.pipeline is not None:  # each array whole within the stage's group first, where it is split
             cut = self.sharding
@@ -315,7 +316,8 @@ class Model:
 
     def params_sha256(self, whole=None):
         """SHA-256 over all parameters in state-dict order, as little-endian bytes of their dtype; of the
-        whole model when it is split over ranks (a collective then), or of `whole` (whole_state_dict())."""
+        whole model when it is split over ranks or sharded over replicas (ZeRO stage 3: a collective then), or of
+        `whole` (whole_state_dict())."""
         def whole_params():
             if whole is not None and self.pipeline is not None:
                 yield from (whole[name] for name in self.pipeline.param_names)

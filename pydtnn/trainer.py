@@ -374,7 +374,8 @@ class Trainer:
         return readings.totals(self.comm)[0]
 
     def predict(self, data, batch_size=256):
-        """Model outputs for every sample of a dataset (or an array of inputs), as a NumPy array."""
+        """Model outputs for every sample of a dataset (or an array of inputs), as a NumPy array. Where ZeRO stage 3
+        shards the parameters, every replica calls it with as many samples (its forwards gather them)."""
         backend = self.model.backend
         outs = []
         n = len(data)

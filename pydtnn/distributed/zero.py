@@ -306,8 +306,8 @@ class ShardedOptimizer:
 
 
 class ShardedReducer(Reducer):
-    """ZeRO stage 2's reduction: each of the optimizer's buckets (the bucketed reducer's, in the gradient buffer)
-    scaled by this replica's weight and reduce-scattered as soon as its gradients are ready, non-blocking,
+    """ZeRO stages 2 and 3's reduction: each of the optimizer's buckets (the bucketed reducer's at stage 2, a
+    layer's parameters at stage 3, in the gradient buffer) scaled by this replica's weight and reduce-scattered as soon as its gradients are ready, non-blocking,
     progressed between layers, in place: each replica's part of a bucket's sum lands at the bucket's start in
     the gradient buffer (ShardedOptimizer.in_place), where its optimizer reads it. finish() waits for them all."""
 
@@ -342,7 +342,7 @@ class ShardedReducer(Reducer):
         self.order_done = True
         started = len(self.missing) - sum(1 for m in self.missing if m)
         if started != len(self.missing):
-            raise RuntimeError(f"zero 2 reducer: {started} of {len(self.missing)} buckets were started; some "
+            raise RuntimeError(f"zero reducer: {started} of {len(self.missing)} buckets were started; some "
                                f"gradients never reported ready")
         for _, p in self.pending:
             self._wait(p, "ireduce_scatter")  # in flight since its bucket was ready (tracer.CONCURRENT)

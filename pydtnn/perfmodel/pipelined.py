@@ -141,8 +141,8 @@ def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule,
     itemsize = model.backend.dtype.itemsize
     full = max(1.0, min(processes or stages * m, machine.processes_per_node) * threads / machine.cores)
     sizes = micro_sizes(batch_size, micro_batches)
-    again = frozenset().union(*(recomputed(model, recompute, slice(a, b))
-                                for a, b in zip(cut.bounds[:-1], cut.bounds[1:])))
+    again = {p: (s, k) for s, (a, b) in enumerate(zip(cut.bounds[:-1], cut.bounds[1:]))  # {path: its segment}
+             for p, k in recomputed(model, recompute, slice(a, b)).items()}
     ppn = machine.processes_per_node  # process j of stage s (of the first pipeline) is rank s m + j
     levels = ["intra" if all((s * m + j) // ppn == ((s + 1) * m + j) // ppn for j in range(m)) else "inter"
               for s in range(stages - 1)]  # each of a stage's processes sends the whole activation to its peer
@@ -200,7 +200,7 @@ def _stage_times(held, sizes, costs, group, machine, threads, crowding, again, g
         first_times += per_size[sizes[0]]
         for i, b in enumerate(sizes):
             if gathers is not None:  # each layer's parameters gathered before it runs, as far as not hidden
-                replicas, level, algorithm = gathers  # a stage's micro-batches interleave: nothing counted held
+                replicas, level, algorithm = gathers  # nothing counted held: an upper bound of the gathers
                 (f_in, f_out, f_n), _, (b_in, b_out, b_n) = gather_phases(per_size[b], 1, replicas, machine,
                                                                           algorithm, level, again, held=(0, 0, 0))
                 fwd[s][i], bwd[s][i] = fwd[s][i] + f_out, bwd[s][i] + b_out
