@@ -64,12 +64,10 @@ class ParamShards:
     # -- the shard -----------------------------------------------------------------------------------------
     def fill(self):
         """Take this replica's shard from the layers' own (whole) parameters."""
-        for layer, keys, lo, _, counts, (m0, _) in self.spans:
-            part = self._mine(lo, counts)
-            for k, _, s, e, _ in keys:
-                x0, x1 = max(s, part[0]), min(e, part[1])
-                if x1 > x0:
-                    self.flat[m0 + x0 - part[0] : m0 + x1 - part[0]] = layer.params[k].reshape(-1)[x0 - s : x1 - s]
+        for layer, keys, *_ in self.spans:
+            for k, name, *_ in keys:
+                lo, hi, view = self.piece(name)
+                view[...] = layer.params[k].reshape(-1)[lo:hi]
 
     def _mine(self, lo, counts):
         """(start, stop) of this replica's part of a span, relative to the span's start `lo`."""
@@ -94,9 +92,8 @@ class ParamShards:
         self.version += 1
         for s in (0, 1):
             self._release(s)
-        for layer, keys, *_ in self.spans:
-            for k, _, _, _, shape in keys:
-                layer.params[k] = self.model.backend.xp.broadcast_to(self.none, shape)
+        for i in range(len(self.spans)):
+            self._let_go(i)
         self.bound = None
         self.model.param_shards = self
         self.model.set_params_hook(self)
@@ -155,7 +152,11 @@ class ParamShards:
         if h is None or self.binding.get(h[0]) != s:
             return
         del self.binding[h[0]]
-        layer, keys, *_ = self.spans[h[0]]
+        self._let_go(h[0])
+
+    def _let_go(self, i):
+        """Span i's layer's parameters become read-only views of no bytes, shaped as before."""
+        layer, keys, *_ = self.spans[i]
         for k, _, _, _, shape in keys:
             layer.params[k] = self.model.backend.xp.broadcast_to(self.none, shape)
 
