@@ -15,8 +15,9 @@ every convolution with its threshold algorithm (--conv_autotune false, as the mo
 - memory: each process's traced peak over training steps (benchmarks/memory_worker.py, network-independent,
   measured once per model, stage and np), the busiest process's, predicted by
   pydtnn.perfmodel.memory.predict_memory; and pydtnn-train's peak resident set (GNU time), which adds the
-  interpreter, the libraries and the data, set against the traced prediction plus a process baseline
-  (measure_baseline: a small model's run, less its prediction; --baseline_only measures it into a saved run).
+  interpreter, the libraries, the data and MPI's buffers, set against the traced prediction plus a process
+  baseline at the same process count and network (measure_baseline: a small model's run, less its prediction);
+  --rss_only measures the resident sets and the baselines of a saved run again.
 """
 
 import argparse
@@ -108,32 +109,77 @@ def predicted(config, model, base, link):
             "memory_mib": mem.total / 2**20, "memory_parts_mib": {k: v / 2**20 for k, v in mem.parts.items()}}
 
 
-def measure_baseline():
-    """MiB a training process holds beside its training state: the peak resident set (GNU time) of pydtnn-train
-    on simplecnn (0.1 M parameters), random images, Adam, batch 32, less the memory model's traced peak of its
-    step: the interpreter, the libraries, their compiled kernels and the data."""
+def peak_rss(argv, env, cwd, label):
+    """The largest process's peak resident set (MiB, GNU time's %M) of pydtnn-train command `argv` (command())."""
     import subprocess
 
+    out = os.path.join(cwd, "rss.txt")
+    if os.path.exists(out):
+        os.remove(out)
+    r = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    if r.returncode:
+        raise RuntimeError(f"{label}: exit status {r.returncode}\n{r.stderr[-2000:]}")
+    with open(out, encoding="utf-8") as f:
+        return max(int(line) for line in f if line.strip().isdigit()) / 1024
+
+
+def measure_baseline(np_=1, network="unlimited"):
+    """MiB a training process holds beside its training state at np_ processes on `network`: the peak resident
+    set (GNU time) of pydtnn-train on simplecnn (0.1 M parameters), random images, Adam, batch 32, as command()
+    runs a configuration, less the memory model's traced peak of its step: the interpreter, the libraries,
+    their compiled kernels, the data, and MPI's buffers for np_ - 1 peers."""
     from pydtnn import models
     from pydtnn.perfmodel.memory import predict_memory
 
+    c = Config("simplecnn", 32, np_, 0, network)
     with tempfile.TemporaryDirectory(prefix="sharding-rss-") as tmp:
-        out = os.path.join(tmp, "rss.txt")
-        subprocess.run(["/usr/bin/time", "-f", "%M", "-o", out, sys.executable, "-m", "pydtnn", "--model", "simplecnn",
-                        "--use_synthetic_data", "true", "--optimizer", "adam", "--batch_size", "32",
-                        "--steps_per_epoch", "2", "--num_epochs", "1", "--progress", "false",
-                        "--threads_per_process", "1", "--conv_autotune", "false"], env=validation.thread_env(1),
-                       cwd=tmp, capture_output=True, timeout=600, check=True)
-        with open(out, encoding="utf-8") as f:
-            rss = max(int(line) for line in f if line.strip().isdigit()) / 1024
+        rss = peak_rss(command(c, os.path.join(tmp, "trace.json"), 1, 1, os.path.join(tmp, "rss.txt")),
+                       validation.thread_env(1), tmp, c.label)
     return rss - predict_memory(models.create("simplecnn"), 32, ("adam", {})).total / 2**20
 
 
+def baseline_key(config):
+    return f"np{config.np} {config.network}"
+
+
+def measure_baselines(configs_):
+    """{baseline_key: measure_baseline} for every process count and network among configs_."""
+    keys = {baseline_key(c): (c.np, c.network) for c in configs_}
+    return {k: measure_baseline(n, network) for k, (n, network) in sorted(keys.items())}
+
+
+def remeasure_rss(path, warmup, steps):
+    """Measure again the peak resident set of every point of the run saved at `path` (pydtnn-train, as the timed
+    run, its steps not timed) and the process baselines, and save them (the steps and the traced peaks kept)."""
+    with open(path, encoding="utf-8") as f:
+        run = json.load(f)
+    cs = [Config(**p["config"]) for p in run["points"]]
+    run["baseline_rss_mib"] = measure_baselines(cs)
+    print(f"baselines: {run['baseline_rss_mib']}", file=sys.stderr, flush=True)
+    commit = validation.commit()
+    with tempfile.TemporaryDirectory(prefix="sharding-rss-") as tmp:
+        for i, (c, p) in enumerate(zip(cs, run["points"])):
+            argv = command(c, os.path.join(tmp, "trace.json"), warmup, steps, os.path.join(tmp, "rss.txt"))
+            p["measured"]["peak_rss_mb"] = peak_rss(argv, validation.thread_env(1), tmp, c.label)
+            p["measured"]["rss_commit"] = commit
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(run, f, indent=1)
+            print(f"[{i + 1}/{len(cs)}] {c.label}: RSS {p['measured']['peak_rss_mb']:.0f} MiB", file=sys.stderr,
+                  flush=True)
+    return run
+
+
 def rss_errors(run):
-    """[(label, predicted peak RSS MiB: the traced prediction plus the run's baseline_rss_mib, measured)]."""
+    """[(label, predicted peak RSS MiB: the traced prediction plus the run's process baseline at the point's
+    process count and network, measured)]."""
     base = run.get("baseline_rss_mib")
-    return [] if base is None else [(p["label"], p["predicted"]["memory_mib"] + base, p["measured"]["peak_rss_mb"])
-                                    for p in run["points"] if p["measured"].get("peak_rss_mb")]
+    if base is None:
+        return []
+    def at(p):
+        return base if isinstance(base, (int, float)) else base[baseline_key(Config(**p["config"]))]
+
+    return [(p["label"], p["predicted"]["memory_mib"] + at(p), p["measured"]["peak_rss_mb"])
+            for p in run["points"] if p["measured"].get("peak_rss_mb")]
 
 
 def drive(args):
@@ -159,8 +205,8 @@ def drive(args):
     run = {**({"notes": saved["notes"]} if "notes" in saved else {}),"host": validation.host(), "commit": validation.commit(),
            "machine_file": os.path.relpath(os.path.abspath(args.machine), ROOT), "netem": refusal or "used",
            "links": links, "points": points, "wall_s": 0.0,
-           "baseline_rss_mib": saved.get("baseline_rss_mib") or (measure_baseline() if os.path.exists("/usr/bin/time")
-                                                                else None),
+           "baseline_rss_mib": saved.get("baseline_rss_mib") or (measure_baselines(todo)
+                                                                if os.path.exists("/usr/bin/time") else None),
            "settings": {"warmup": args.warmup, "steps": args.steps, "threads": 1, "optimizer": "adam",
                         "data": "random images (--use_synthetic_data)", "reduction": "bucketed (default)",
                         "conv_autotune": False}}
@@ -294,17 +340,13 @@ def main(argv=None):
     p.add_argument("--from_json", help="the table and plot of a saved run")
     p.add_argument("--resume", action="store_true", help="keep the points --out already holds, measure the rest")
     p.add_argument("--memory_only", action="store_true", help="measure the memory of --out's points again, and save")
-    p.add_argument("--baseline_only", action="store_true",
-                   help="measure the process baseline of the peak RSS (measure_baseline) into --out's run, and save")
+    p.add_argument("--rss_only", action="store_true",
+                   help="measure the peak RSS of --out's points and the process baselines again, and save")
     args = p.parse_args(argv)
     if args.memory_only:
         run = remeasure_memory(args.out)
-    elif args.baseline_only:
-        with open(args.out, encoding="utf-8") as f:
-            run = json.load(f)
-        run["baseline_rss_mib"] = measure_baseline()
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(run, f, indent=1)
+    elif args.rss_only:
+        run = remeasure_rss(args.out, args.warmup, args.steps)
     elif args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             run = json.load(f)
@@ -318,8 +360,8 @@ def main(argv=None):
         import statistics
 
         errors = sorted((pred / meas - 1, label) for label, pred, meas in rss)
-        print(f"peak RSS predicted as the traced prediction + {run['baseline_rss_mib']:.0f} MiB (the process "
-              f"baseline): median |error| {100 * statistics.median(abs(e) for e, _ in errors):.1f}%, worst "
+        print(f"peak RSS predicted as the traced prediction + the process baseline at its process count and "
+              f"network: median |error| {100 * statistics.median(abs(e) for e, _ in errors):.1f}%, worst "
               f"{100 * max(abs(e) for e, _ in errors):.1f}% ({errors[0][1]}: {100 * errors[0][0]:+.1f}%), "
               f"{len(errors)} points")
     if not args.quick and args.plot:

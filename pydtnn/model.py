@@ -322,9 +322,12 @@ class Model:
             if whole is not None and self.pipeline is not None:
                 yield from (whole[name] for name in self.pipeline.param_names)
                 return
-            gathered = self.param_shards.whole() if whole is None and self.param_shards is not None else {}
+            if whole is None and self.param_shards is not None:  # one layer gathered at a time
+                names = [name for name, _, _ in self.parameters()]
+                for name, p in zip(names, self.param_shards.gathered(names)):
+                    yield p if self.sharding is None else self.sharding.gather(name, p)
+                return
             for name, p, _ in self.parameters():
-                p = gathered.get(name, p)
                 if whole is not None:
                     yield whole[name]
                 elif self.sharding is not None:
@@ -360,5 +363,5 @@ def params_digest(arrays):
     h = hashlib.sha256()
     for a in arrays:
         a = np.ascontiguousarray(a)
-        h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+        h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).reshape(-1).view(np.uint8))  # no copy of the bytes
     return h.hexdigest()

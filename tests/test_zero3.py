@@ -170,6 +170,29 @@ def test_a_replica_holds_a_quarter_of_the_parameters_at_np_4_and_two_layers_gath
     assert m.parts["gradients"] == two.parts["gradients"] == total
 
 
+def test_the_digest_gathers_one_layer_at_a_time_and_equals_the_whole_models():
+    """params_sha256 at stage 3 (pydtnn-train's final record) is the unsharded model's digest, and gathering it
+    holds at most two layers' parameters beyond the shard, not the whole model (eight layers here)."""
+    import tracemalloc
+
+    from pydtnn.layers import Dense
+    from pydtnn.model import Model
+
+    def mlp():
+        return Model([Dense(64) for _ in range(8)], (64,), backend=CPUBackend(np.float64, seed=3))
+
+    want, model = mlp().params_sha256(), mlp()
+    layer = max(p.nbytes for _, p, _ in model.parameters()) * 1.1  # a weight and its bias
+    sharded(model, Recording([])).shards.attach()
+    gc.collect()
+    tracemalloc.start()
+    got = model.params_sha256()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert got == want
+    assert peak < 2 * layer < sum(p.nbytes for p in model.param_shards.whole().values()) / 3
+
+
 def test_the_time_model_gathers_each_layer_before_it_runs_and_reduce_scatters_per_layer():
     """At 4 replicas, stage 3 sends a reduce-scatter per layer with parameters, and gathers every layer's
     parameters before its forward and, but the last two's (still held), before its backward: no allgather after

@@ -22,8 +22,8 @@ replica calls in the same order, so a guess that turns out wrong is wrong on eve
 gather. A gather still in flight when the shard is about to change (drain(), before the optimizer's update) is
 completed first, its send buffer being the shard, and what the slots hold is stale after it (changed()).
 
-Whole arrays (whole(): state dicts, checkpoints, digests) are gathered span by span onto every replica: for a
-moment each holds the whole model, as one process does.
+Whole arrays are gathered span by span onto every replica: whole() (state dicts, checkpoints) holds the whole
+model for a moment, as one process does; gathered() (digests) yields them one layer at a time.
 """
 
 import time
@@ -189,14 +189,24 @@ class ParamShards:
     # -- whole arrays ----------------------------------------------------------------------------------------
     def whole(self):
         """{name: NumPy array} of every parameter, whole (a collective: every replica calls it)."""
+        names = [n for _, keys, *_ in self.spans for _, n, *_ in keys]
+        return dict(zip(names, self.gathered(names)))
+
+    def gathered(self, names):
+        """Each parameter of `names`, whole, as a NumPy array, in that order (a collective: every replica calls it
+        with the same names). One layer's parameters are gathered at a time, when the first of them is asked for:
+        a digest that takes each array as it comes holds one layer beyond the shard, not the whole model."""
         self.drain()
-        out, to_numpy = {}, self.model.backend.to_numpy
-        for layer, keys, lo, hi, counts, (m0, m1) in self.spans:
-            recv = self.model.backend.xp.empty(hi - lo, self.flat.dtype)
-            self.comm.allgatherv(self.flat[m0:m1], recv, counts, "zero parameters")
-            for _, name, a, b, shape in keys:
-                out[name] = np.array(to_numpy(recv[a:b])).reshape(shape)
-        return out
+        to_numpy, current, recv = self.model.backend.to_numpy, None, None
+        for name in names:
+            i = self.names[name]
+            _, keys, lo, hi, counts, (m0, m1) = self.spans[i]
+            if i != current:
+                recv = self.model.backend.xp.empty(hi - lo, self.flat.dtype)
+                self.comm.allgatherv(self.flat[m0:m1], recv, counts, "zero parameters")
+                recv, current = to_numpy(recv), i
+            a, b, shape = next((a, b, shape) for _, n, a, b, shape in keys if n == name)
+            yield recv[a:b].reshape(shape)
 
     def load(self, arrays):
         """Take this replica's shard of whole parameters {name: array} (names it does not hold are an error)."""
