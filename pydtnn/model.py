@@ -322,10 +322,13 @@ class Model:
             if whole is not None and self.pipeline is not None:
                 yield from (whole[name] for name in self.pipeline.param_names)
                 return
-            if whole is None and self.param_shards is not None:  # one layer gathered at a time
+            if whole is None and self.param_shards is not None:  # gathered a run, or a layer, at a time
                 names = [name for name, _, _ in self.parameters()]
-                for name, p in zip(names, self.param_shards.gathered(names)):
-                    yield p if self.sharding is None else self.sharding.gather(name, p)
+                if self.sharding is None:  # the digest is of the bytes in order, whatever runs they come in
+                    yield from self.param_shards.runs(names)
+                    return
+                for name, p in zip(names, self.param_shards.gathered(names, reuse=True)):
+                    yield self.sharding.gather(name, p)
                 return
             for name, p, _ in self.parameters():
                 if whole is not None:

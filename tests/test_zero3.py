@@ -172,7 +172,7 @@ def test_a_replica_holds_a_quarter_of_the_parameters_at_np_4_and_two_layers_gath
 
 def test_the_digest_gathers_one_layer_at_a_time_and_equals_the_whole_models():
     """params_sha256 at stage 3 (pydtnn-train's final record) is the unsharded model's digest, and gathering it
-    holds at most two layers' parameters beyond the shard, not the whole model (eight layers here)."""
+    holds less than two layers' parameters beyond the shard, not the whole model (eight layers here)."""
     import tracemalloc
 
     from pydtnn.layers import Dense
@@ -191,6 +191,47 @@ def test_the_digest_gathers_one_layer_at_a_time_and_equals_the_whole_models():
     tracemalloc.stop()
     assert got == want
     assert peak < 2 * layer < sum(p.nbytes for p in model.param_shards.whole().values()) / 3
+
+
+class ThreadRank(SingleProcess):
+    """Rank `rank` of `size` replicas run as threads of this process: allgatherv meets the others at a barrier."""
+
+    def __init__(self, rank, size, shared):
+        self.rank, self.size, self.shared = rank, size, shared
+
+    def allgatherv(self, send, recv, counts, label=""):
+        sends, barrier = self.shared
+        assert len(send) == counts[self.rank]
+        sends[self.rank] = send.copy()
+        barrier.wait()
+        recv[...] = np.concatenate(sends)
+        barrier.wait()
+        return recv
+
+
+@pytest.mark.parametrize("limit", [7, 1 << 20])
+def test_the_digest_streams_runs_across_the_replicas_parts(limit):
+    """3 replicas (threads): the runs the digest streams, cut at `limit` elements across the replicas' parts of
+    each layer, give the unsharded model's digest on every replica."""
+    import threading
+
+    from pydtnn.model import params_digest
+
+    want = models.create("simplecnn", backend=CPUBackend(np.float64, seed=4)).params_sha256()
+    shared, got = ([None] * 3, threading.Barrier(3, timeout=60)), {}
+    replicas = [models.create("simplecnn", backend=CPUBackend(np.float64, seed=4)) for _ in range(3)]
+    shards = [sharded(m, ThreadRank(r, 3, shared)).shards.attach() for r, m in enumerate(replicas)]
+
+    def digest(r):
+        names = [n for n, _, _ in replicas[r].parameters()]
+        got[r] = params_digest(shards[r].runs(names, limit)), replicas[r].params_sha256()
+
+    threads = [threading.Thread(target=digest, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == {r: (want, want) for r in range(3)}
 
 
 def test_the_time_model_gathers_each_layer_before_it_runs_and_reduce_scatters_per_layer():

@@ -23,7 +23,8 @@ gather. A gather still in flight when the shard is about to change (drain(), bef
 completed first, its send buffer being the shard, and what the slots hold is stale after it (changed()).
 
 Whole arrays are gathered span by span onto every replica: whole() (state dicts, checkpoints) holds the whole
-model for a moment, as one process does; gathered() (digests) yields them one layer at a time.
+model for a moment, as one process does; gathered() yields them one layer at a time, and runs() (digests) in
+runs of a bounded length.
 """
 
 import time
@@ -192,21 +193,46 @@ class ParamShards:
         names = [n for _, keys, *_ in self.spans for _, n, *_ in keys]
         return dict(zip(names, self.gathered(names)))
 
-    def gathered(self, names):
+    def gathered(self, names, reuse=False):
         """Each parameter of `names`, whole, as a NumPy array, in that order (a collective: every replica calls it
         with the same names). One layer's parameters are gathered at a time, when the first of them is asked for:
-        a digest that takes each array as it comes holds one layer beyond the shard, not the whole model."""
+        a digest that takes each array as it comes holds one layer beyond the shard, not the whole model. reuse:
+        every layer gathered into one array, as large as the largest layer (an array yielded holds its values
+        until the next is asked for), so a digest allocates once."""
         self.drain()
-        to_numpy, current, recv = self.model.backend.to_numpy, None, None
+        xp, to_numpy, current, recv = self.model.backend.xp, self.model.backend.to_numpy, None, None
+        spans = [self.spans[i] for i in dict.fromkeys(self.names[n] for n in names)]
+        buffer = xp.empty(max((hi - lo for _, _, lo, hi, *_ in spans), default=0), self.flat.dtype) if reuse else None
         for name in names:
             i = self.names[name]
             _, keys, lo, hi, counts, (m0, m1) = self.spans[i]
             if i != current:
-                recv = self.model.backend.xp.empty(hi - lo, self.flat.dtype)
+                recv = buffer[: hi - lo] if reuse else xp.empty(hi - lo, self.flat.dtype)
                 self.comm.allgatherv(self.flat[m0:m1], recv, counts, "zero parameters")
                 recv, current = to_numpy(recv), i
             a, b, shape = next((a, b, shape) for _, n, a, b, shape in keys if n == name)
             yield recv[a:b].reshape(shape)
+
+    def runs(self, names, limit=1 << 20):
+        """The elements of each parameter of `names`, whole, in that order, as flat runs of at most `limit` (NumPy
+        arrays, each holding its values until the next is asked for; a collective: every replica calls it with
+        the same names): a digest streams the model through one array of `limit` elements."""
+        self.drain()
+        rank, to_numpy = self.comm.rank, self.model.backend.to_numpy
+        ranges = {n: b - a for _, keys, *_ in self.spans for _, n, a, b, _ in keys}
+        buffer = self.model.backend.xp.empty(min(limit, max((ranges[n] for n in names), default=0)), self.flat.dtype)
+        for name in names:
+            _, keys, lo, _, counts, (m0, _) = self.spans[self.names[name]]
+            p0, p1 = self._mine(lo, counts)
+            s, e = next((a, b) for _, n, a, b, _ in keys if n == name)
+            starts = np.cumsum([0, *counts[:-1]])
+            for c0 in range(s, e, limit):
+                c1 = min(e, c0 + limit)
+                parts = [max(0, min(c1, q + n) - max(c0, q)) for q, n in zip(starts, counts)]
+                a = min(max(c0, p0), p1)
+                self.comm.allgatherv(self.flat[m0 + a - p0 : m0 + a - p0 + parts[rank]], buffer[: c1 - c0], parts,
+                                     "zero parameters")
+                yield to_numpy(buffer[: c1 - c0])
 
     def load(self, arrays):
         """Take this replica's shard of whole parameters {name: array} (names it does not hold are an error)."""
