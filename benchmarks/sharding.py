@@ -178,8 +178,55 @@ def rss_errors(run):
     def at(p):
         return base if isinstance(base, (int, float)) else base[baseline_key(Config(**p["config"]))]
 
-    return [(p["label"], p["predicted"]["memory_mib"] + at(p), p["measured"]["peak_rss_mb"])
-            for p in run["points"] if p["measured"].get("peak_rss_mb")]
+    return [(p["label"], p["predicted"]["memory_mib"] + at(p), p["measured"]["peak_rss_mb"]) for p in with_rss(run)]
+
+
+def with_rss(run):
+    return [p for p in run["points"] if p["measured"].get("peak_rss_mb")]
+
+
+def rss_table(run):
+    """Markdown: each point's measured peak resident set against the traced prediction plus the baseline."""
+    base = run["baseline_rss_mib"]
+    lines = ["| model | network | np | ZeRO | process baseline MiB | traced prediction MiB | predicted RSS MiB | "
+             "measured RSS MiB | error |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (_, pred, meas), p in zip(rss_errors(run), with_rss(run)):
+        c = p["config"]
+        b = base if isinstance(base, (int, float)) else base[baseline_key(Config(**c))]
+        lines.append(f"| {c['model']} | {c['network']} | {c['np']} | {c['zero']} | {b:.0f} | "
+                     f"{p['predicted']['memory_mib']:.0f} | {pred:.0f} | {meas:.0f} | {100 * (pred / meas - 1):+.1f}% |")
+    return "\n".join(lines)
+
+
+def rss_plot(run, path):
+    """Predicted against measured peak resident set, one marker per model, one colour per ZeRO stage."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 5.2), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    rows = list(zip(rss_errors(run), with_rss(run)))
+    for model, marker in zip(MODELS, "osD"):
+        for z in (0, 1, 2, 3):
+            pts = [(meas, pred, p["config"]["network"]) for (_, pred, meas), p in rows
+                   if p["config"]["model"] == model and p["config"]["zero"] == z]
+            for network, fill in (("unlimited", f"C{z}"), ("1gbit", "none")):
+                xy = [(a, b) for a, b, n in pts if n == network]
+                if xy:
+                    ax.scatter([a for a, _ in xy], [b for _, b in xy], marker=marker, facecolors=fill,
+                               edgecolors=f"C{z}", label=f"{model}, ZeRO {z}" if network == "unlimited" else None)
+    top = 1.05 * max(max(a, b) for (_, b, a), _ in rows)
+    low = 0.8 * min(min(a, b) for (_, b, a), _ in rows)
+    for f, style in ((1.0, "-"), (0.9, ":"), (1.1, ":"), (0.8, "--"), (1.2, "--")):
+        ax.plot([low, top], [f * low, f * top], color="k", lw=0.8 if f == 1.0 else 0.5, ls=style)
+    ax.set_xlim(low, top)
+    ax.set_ylim(low, top)
+    ax.set_xlabel("measured peak RSS per process (MiB)")
+    ax.set_ylabel("predicted: traced prediction + process baseline (MiB)")
+    ax.set_title(f"Peak resident set ({run['host']}; hollow: 1 Gbit/s)\ndotted: +-10%, dashed: +-20%", fontsize=9)
+    ax.legend(fontsize=6, ncol=2, loc="lower right")
+    fig.savefig(path, dpi=100)
 
 
 def drive(args):
@@ -331,6 +378,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "sharding_benchmark.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "benchmarks_sharding.png"))
+    p.add_argument("--rss_plot", default=os.path.join(ROOT, "docs", "perfmodel_rss.png"))
     p.add_argument("--machine", default=os.path.join(ROOT, "docs", "machine_xeon_avx512.yaml"))
     p.add_argument("--quick", action="store_true", help="3 small configurations, nothing written")
     p.add_argument("--only", help="only the configurations whose label contains this text")
@@ -359,13 +407,16 @@ def main(argv=None):
     if rss:
         import statistics
 
-        errors = sorted((pred / meas - 1, label) for label, pred, meas in rss)
+        errors = sorted(((pred / meas - 1, label) for label, pred, meas in rss), key=lambda e: -abs(e[0]))
         print(f"peak RSS predicted as the traced prediction + the process baseline at its process count and "
               f"network: median |error| {100 * statistics.median(abs(e) for e, _ in errors):.1f}%, worst "
-              f"{100 * max(abs(e) for e, _ in errors):.1f}% ({errors[0][1]}: {100 * errors[0][0]:+.1f}%), "
+              f"{100 * abs(errors[0][0]):.1f}% ({errors[0][1]}: {100 * errors[0][0]:+.1f}%), "
               f"{len(errors)} points")
+        print(rss_table(run))
     if not args.quick and args.plot:
         plot(run, args.plot)
+    if not args.quick and rss and args.rss_plot:
+        rss_plot(run, args.rss_plot)
     return 0
 
 

@@ -11,7 +11,7 @@ import weakref
 import numpy as np
 import pytest
 from test_pipeline import final, same_files
-from test_zero import assert_close, traced_summary, train
+from test_zero import ThreadComm, assert_close, traced_summary, train
 
 from pydtnn import models, optim
 from pydtnn.backends import CPUBackend
@@ -193,20 +193,14 @@ def test_the_digest_gathers_one_layer_at_a_time_and_equals_the_whole_models():
     assert peak < 2 * layer < sum(p.nbytes for p in model.param_shards.whole().values()) / 3
 
 
-class ThreadRank(SingleProcess):
-    """Rank `rank` of `size` replicas run as threads of this process: allgatherv meets the others at a barrier."""
-
-    def __init__(self, rank, size, shared):
-        self.rank, self.size, self.shared = rank, size, shared
-
-    def allgatherv(self, send, recv, counts, label=""):
-        sends, barrier = self.shared
-        assert len(send) == counts[self.rank]
-        sends[self.rank] = send.copy()
-        barrier.wait()
-        recv[...] = np.concatenate(sends)
-        barrier.wait()
-        return recv
+def test_stage_3_refuses_to_step_before_the_shards_take_over():
+    """An update of the shard while the layers still hold their whole parameters would never reach them."""
+    model = models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
+    opt = sharded(model, Recording([]))
+    with pytest.raises(RuntimeError, match=r"before shards\.attach\(\)"):
+        opt.step()
+    opt.shards.attach()
+    opt.step()  # the shard updated; the layers gather it as they run
 
 
 @pytest.mark.parametrize("limit", [7, 1 << 20])
@@ -218,9 +212,9 @@ def test_the_digest_streams_runs_across_the_replicas_parts(limit):
     from pydtnn.model import params_digest
 
     want = models.create("simplecnn", backend=CPUBackend(np.float64, seed=4)).params_sha256()
-    shared, got = ([None] * 3, threading.Barrier(3, timeout=60)), {}
+    shared, got = {"sends": [None] * 3, "barrier": threading.Barrier(3, timeout=60)}, {}
     replicas = [models.create("simplecnn", backend=CPUBackend(np.float64, seed=4)) for _ in range(3)]
-    shards = [sharded(m, ThreadRank(r, 3, shared)).shards.attach() for r, m in enumerate(replicas)]
+    shards = [sharded(m, ThreadComm(r, 3, shared)).shards.attach() for r, m in enumerate(replicas)]
 
     def digest(r):
         names = [n for n, _, _ in replicas[r].parameters()]
