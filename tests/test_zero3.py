@@ -193,16 +193,6 @@ def test_the_digest_gathers_one_layer_at_a_time_and_equals_the_whole_models():
     assert peak < 2 * layer < sum(p.nbytes for p in model.param_shards.whole().values()) / 3
 
 
-def test_stage_3_refuses_to_step_before_the_shards_take_over():
-    """An update of the shard while the layers still hold their whole parameters would never reach them."""
-    model = models.create("simplecnn", backend=CPUBackend(np.float64, seed=1))
-    opt = sharded(model, Recording([]))
-    with pytest.raises(RuntimeError, match=r"before shards\.attach\(\)"):
-        opt.step()
-    opt.shards.attach()
-    opt.step()  # the shard updated; the layers gather it as they run
-
-
 @pytest.mark.parametrize("limit", [7, 1 << 20])
 def test_the_digest_streams_runs_across_the_replicas_parts(limit):
     """3 replicas (threads): the runs the digest streams, cut at `limit` elements across the replicas' parts of

@@ -223,10 +223,6 @@ class ShardedOptimizer:
         """Update this replica's shard, then every replica's parameters from every shard (an allgather); at stage
         3 the shard only, which the layers gather from as they run (a gather still in flight from it completed
         first: its send buffer is the shard)."""
-        if self.shards is not None and not self.shards.attached:
-            raise RuntimeError("ShardedOptimizer at stage 3: step() before shards.attach(); the layers would keep "
-                               "their whole parameters, which the update of the shard never reaches: call "
-                               "optimizer.shards.attach() once the replicas agree on the parameters")
         if self.shards is not None:
             self.shards.drain()
         self.inner.step()
