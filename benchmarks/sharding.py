@@ -148,17 +148,21 @@ def measure_baselines(configs_):
     return {k: measure_baseline(n, network) for k, (n, network) in sorted(keys.items())}
 
 
-def remeasure_rss(path, warmup, steps):
-    """Measure again the peak resident set of every point of the run saved at `path` (pydtnn-train, as the timed
-    run, its steps not timed) and the process baselines, and save them (the steps and the traced peaks kept)."""
+def remeasure_rss(path, warmup, steps, only=None, resume=False):
+    """Measure again the peak resident set of the points of the run saved at `path` whose label contains `only`
+    (pydtnn-train, as the timed run, its steps not timed) and the process baselines, and save them (the steps
+    and the traced peaks kept). resume: the points and baselines measured by an earlier call kept."""
     with open(path, encoding="utf-8") as f:
         run = json.load(f)
     cs = [Config(**p["config"]) for p in run["points"]]
-    run["baseline_rss_mib"] = measure_baselines(cs)
+    if not (resume and isinstance(run.get("baseline_rss_mib"), dict)):
+        run["baseline_rss_mib"] = measure_baselines(cs)
     print(f"baselines: {run['baseline_rss_mib']}", file=sys.stderr, flush=True)
     commit = validation.commit()
     with tempfile.TemporaryDirectory(prefix="sharding-rss-") as tmp:
         for i, (c, p) in enumerate(zip(cs, run["points"])):
+            if (only and only not in c.label) or (resume and "rss_commit" in p["measured"]):
+                continue
             argv = command(c, os.path.join(tmp, "trace.json"), warmup, steps, os.path.join(tmp, "rss.txt"))
             p["measured"]["peak_rss_mb"] = peak_rss(argv, validation.thread_env(1), tmp, c.label)
             p["measured"]["rss_commit"] = commit
@@ -394,7 +398,7 @@ def main(argv=None):
     if args.memory_only:
         run = remeasure_memory(args.out)
     elif args.rss_only:
-        run = remeasure_rss(args.out, args.warmup, args.steps)
+        run = remeasure_rss(args.out, args.warmup, args.steps, args.only, args.resume)
     elif args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             run = json.load(f)
