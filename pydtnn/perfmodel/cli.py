@@ -4,6 +4,7 @@
   predict     predicted time of one training step, per layer and split into compute, memory and communication
   calibrate   measure this machine (kernel rates, bandwidths, one network level) into a machine file
   sweep       throughput and exposed communication along five axes (batch, rate, bandwidth, link, nodes)
+  plan        every layout a model can run in on P processes, ranked by predicted step, what does not fit dropped
 
 Each subcommand is an add_<name>(subparsers) that declares its flags and a run_<name>(args) that
 returns the exit code. Exit codes: 0 success, 2 user error (one line `pydtnn-perfmodel: error: ...`).
@@ -410,6 +411,59 @@ def run_sweep(args):
     return 0
 
 
+def add_plan(subparsers):
+    from pydtnn.argtypes import positive_float, positive_int
+    from pydtnn.optim import NAMES
+
+    p = subparsers.add_parser("plan", allow_abbrev=False, help="the layouts of a model on P processes, ranked",
+                              description="Every layout pydtnn-train can run --model in on --np processes (data "
+                                          "parallelism with each lossless reducer and ZeRO stage, model, hybrid, "
+                                          "pipelines, recomputation where memory asks for it), predicted, what "
+                                          "does not fit in --memory_per_process dropped, the rest ranked by step "
+                                          "time (pydtnn/perfmodel/planner.py).")
+    p.add_argument("--model", required=True, help="a model of the zoo (pydtnn-train --list_models)")
+    p.add_argument("--np", required=True, type=positive_int, help="number of processes")
+    p.add_argument("--machine", help="machine description, YAML or JSON (default: built-in 2-core VM values)")
+    p.add_argument("--global_batch_size", type=positive_int,
+                   help="samples per step over the job, divided over each layout's replicas (default: the model's "
+                        "recipe batch x --np)")
+    p.add_argument("--memory_per_process", type=positive_float,
+                   help="GB (10^9 bytes) a process may hold for training, beside the interpreter and libraries "
+                        "(default: no limit)")
+    p.add_argument("--ranks_per_node", type=positive_int, help="processes per node: adds the hierarchical reducer")
+    p.add_argument("--optimizer", choices=NAMES, default="sgd", help="the optimizer (default sgd, with momentum)")
+    p.add_argument("--top", type=positive_int, default=10, help="rows of the table (default 10)")
+    p.add_argument("--json", action="store_true", help="print every layout, and the refused ones, as one JSON object")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args):
+    from tqdm import tqdm
+
+    from pydtnn.perfmodel import planner
+
+    machine = machine_from(args)
+    limit = None if args.memory_per_process is None else args.memory_per_process * 1e9
+    layouts = planner.candidates(args.np, args.ranks_per_node)
+    with tqdm(total=len(layouts), unit="layout", file=sys.stderr, disable=not sys.stderr.isatty(),
+              leave=False) as bar:
+        choices, refused, common = planner.plan(args.model, args.np, machine, args.global_batch_size, limit, args.optimizer,
+                                        args.ranks_per_node, on_layout=bar.update)
+    planner.check_fits(choices, limit, args.model, args.np)
+    fitting = [c for c in choices if c.fits]
+    if args.json:
+        print(json.dumps({"model": args.model, "np": args.np, "machine": machine.name,
+                          "global_batch_size": args.global_batch_size, "memory_per_process_bytes": limit,
+                          "optimizer": args.optimizer, "common_flags": list(common),
+                          "layouts": [c.to_dict(common) for c in choices],
+                          "refused": [{"flags": list(f), "reason": r} for f, r in refused]}))
+        return 0
+    say(f"{len(choices)} layouts predicted, {len(choices) - len(fitting)} of them over the memory limit, "
+        f"{len(refused)} refused; machine {machine.name}; each run takes {' '.join(common)} and its flags")
+    print(planner.table(fitting, args.top))
+    return 0
+
+
 def build_parser():
     from pydtnn.argtypes import Parser
 
@@ -421,6 +475,7 @@ def build_parser():
     add_memory(subparsers)
     add_calibrate(subparsers)
     add_sweep(subparsers)
+    add_plan(subparsers)
     return parser
 
 

@@ -157,28 +157,41 @@ def batch_size(plan, name, optimizer):
     return plan.batch_size or recipe(name, optimizer)["batch_size"]
 
 
+def predict_run(args, world_size, machine, name, model, memory=None):
+    """(Prediction, memory.Memory) of the run pydtnn-train's parsed flags `args` describe over world_size
+    processes of `machine`, for `model` (named `name`, built by build()); `memory`: that run's Memory where it
+    is known already (the planner's, for layouts that differ only in their reduction). ConfigError where the
+    trainer would refuse the flags."""
+    from pydtnn.perfmodel.memory import plan_memory
+    from pydtnn.perfmodel.predict import predict_plan, update_passes
+
+    plan = RunPlan.from_args(args, world_size)
+    hyper = optim.hyperparameters(args.optimizer, **optimizer_options(args, name))
+    stage_starts = args.stage_boundaries.split(",") if args.stage_boundaries else None
+    p = predict_plan(model, plan, machine, batch_size(plan, name, args.optimizer),
+                     update_passes=update_passes(args.optimizer, hyper), name=name, recompute=args.recompute,
+                     schedule=args.pipeline_schedule, stage_starts=stage_starts)
+    if memory is None:
+        memory = plan_memory(model, dataclasses.replace(plan, batch_size=p.batch_size),
+                             (args.optimizer, optimizer_options(args, name)), args.recompute, args.pipeline_schedule,
+                             stage_starts, machine)
+    return p, memory
+
+
 def simulate(args, defaults, say=print):
     """Print the prediction of the run `args` describes; returns the Prediction. defaults: each flag's default
     value (pydtnn-train's parser), against which REFUSED flags are checked."""
     refuse_unmodelled(args, defaults)
     from pydtnn.perfmodel import machine as machines
-    from pydtnn.perfmodel.predict import predict_plan, update_passes
     from pydtnn.perfmodel.table import duration, rate, table
 
     machine = machines.DEFAULT if args.machine is None else machines.load(args.machine)
-    plan = RunPlan.from_args(args, args.np)
+    RunPlan.from_args(args, args.np)  # a layout the run would refuse, refused before the model is built
     name, model = build(args)
-    hyper = optim.hyperparameters(args.optimizer, **optimizer_options(args, name))
-    p = predict_plan(model, plan, machine, batch_size(plan, name, args.optimizer),
-                     update_passes=update_passes(args.optimizer, hyper), name=name, recompute=args.recompute,
-                     schedule=args.pipeline_schedule,
-                     stage_starts=args.stage_boundaries.split(",") if args.stage_boundaries else None)
+    p, memory = predict_run(args, args.np, machine, name, model)
     say(table(p))
-    from pydtnn.perfmodel.memory import memory_table, plan_memory
+    from pydtnn.perfmodel.memory import memory_table
 
-    memory = plan_memory(model, dataclasses.replace(plan, batch_size=p.batch_size),
-                         (args.optimizer, optimizer_options(args, name)), args.recompute, args.pipeline_schedule,
-                         args.stage_boundaries.split(",") if args.stage_boundaries else None, machine)
     say(memory_table(memory, name))
     if args.conv_autotune is not False:  # None: the run's default, env.conv_autotune(), measures
         print(f"pydtnn: --simulate: {NOTED['conv_autotune']}", file=sys.stderr, flush=True)

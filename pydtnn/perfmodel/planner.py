@@ -1,0 +1,167 @@
+"""The planner: every layout pydtnn-train can run a model in on P processes, each one predicted (the step by
+predict_plan, the busiest process's memory by plan_memory, as `pydtnn-train --simulate` predicts them), what does
+not fit in memory dropped, the rest ranked by predicted step time.
+
+    choices, refused, common = planner.plan("resnet20_cifar10", 4, machine, global_batch_size=128, memory_bytes=2e9)
+    choices[0].flags          # ("--parallel", "hybrid", "--pipeline_stages", "2", ...), as pydtnn-train takes them
+    common                    # ("--model", "resnet20_cifar10", "--optimizer", "sgd", "--global_batch_size", "128")
+
+The layouts (`candidates`): data parallelism with each lossless reducer (blocking, per_layer, bucketed at each of
+BUCKET_MB, hierarchical where the node size is given), each with every ZeRO stage it takes; layers split over all processes
+(model) and over groups of each divisor (hybrid), with each ZeRO stage where there are replicas; pipelines of
+every stage count that divides P, their stages split over groups or not, replicated (with each ZeRO stage) or
+not, at MICRO_PER_STAGE micro-batches per stage, under each schedule.
+Each is parsed by pydtnn-train's own parser and checked by its RunPlan, so a layout the trainer refuses is not
+listed (`refused` says why). Recomputation only adds time, so a layout is tried with `--recompute segments`,
+then `all`, only where it does not fit without; with no memory limit it is never tried.
+"""
+
+import dataclasses
+import itertools
+
+from pydtnn.errors import ConfigError, PydtnnError
+
+LOSSLESS = ("blocking", "per_layer", "bucketed")  # and hierarchical, given the processes per node
+BUCKET_MB = (1.0, 4.0, 25.0, 100.0)
+MICRO_PER_STAGE = (1, 2, 4)  # a pipeline's micro-batches per stage
+REDUCTION_FLAGS = ("--reduction", "--bucket_size_mb", "--ranks_per_node")  # no bearing on the memory model
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One layout, predicted: `flags` (pydtnn-train's), the step's seconds and samples per second over the
+    whole job, the busiest process's bytes at its peak (`memory`: its parts), and whether they fit."""
+
+    flags: tuple
+    step_s: float
+    samples_per_second: float
+    memory_bytes: int
+    memory: dict
+    batch_per_replica: int
+    fits: bool = True
+
+    def to_dict(self, common=()):
+        return {"flags": list(self.flags), "command": " ".join(("pydtnn-train", *common, *self.flags)),
+                "step_s": self.step_s,
+                "samples_per_second": self.samples_per_second, "memory_bytes": self.memory_bytes,
+                "memory": self.memory, "batch_per_replica": self.batch_per_replica, "fits": self.fits}
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(np_, ranks_per_node=None):
+    """[flags] of every layout of np_ processes the planner weighs (not yet checked against a model)."""
+    from pydtnn.distributed.pipeline import SCHEDULES
+    from pydtnn.distributed.zero import check_stage
+
+    if np_ == 1:
+        return [()]
+    reductions = [("--reduction", "blocking"), ("--reduction", "per_layer")]
+    reductions += [("--reduction", "bucketed", "--bucket_size_mb", f"{mb:g}") for mb in BUCKET_MB]
+    if ranks_per_node and 1 < ranks_per_node < np_ and np_ % ranks_per_node == 0:
+        reductions.append(("--reduction", "hierarchical", "--ranks_per_node", str(ranks_per_node)))
+    zero = [("--zero", str(z)) for z in (1, 2, 3)]
+    out = []
+    for r, z in itertools.product(reductions, [(), *zero]):
+        try:
+            check_stage(int(z[1]) if z else 0, r[1])
+        except ConfigError:
+            continue  # a stage that cannot take this reducer
+        out.append(("--parallel", "data", *r, *z))
+    out.append(("--parallel", "model"))
+    for m in divisors(np_)[1:-1]:
+        group = ("--parallel", "hybrid", "--model_parallel_size", str(m))
+        out += [group] + [group + z for z in zero]
+    for s in divisors(np_)[1:]:
+        for m in divisors(np_ // s):
+            if s == np_:
+                base = ("--parallel", "pipeline", "--pipeline_stages", str(s))
+            else:
+                base = ("--parallel", "hybrid", "--pipeline_stages", str(s))
+                base += ("--model_parallel_size", str(m)) if m > 1 else ()
+            sharded = [()] + (zero if s * m < np_ else [])  # ZeRO over the pipelines' replicas
+            out += [base + ("--micro_batches", str(k * s), "--pipeline_schedule", schedule) + z
+                    for z in sharded for k in MICRO_PER_STAGE for schedule in SCHEDULES]
+    return out
+
+
+def _memory_key(flags):
+    """The flags that decide the memory model's answer (the reduction's do not)."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f in REDUCTION_FLAGS:
+            skip = True
+        else:
+            out.append(f)
+    return tuple(out)
+
+
+def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimizer="sgd", ranks_per_node=None,
+         on_layout=None):
+    """([Choice] ranked by step time, fitting ones first; [(flags, reason)] the trainer refuses; the flags every
+    layout's run takes besides its own: model, optimizer, global batch) of `model` (a registered name) on np_
+    processes of `machine`. global_batch_size: samples per step over the job (default:
+    the model's recipe batch per process x np_), which each layout divides over its replicas; memory_bytes:
+    the most a process may hold (None: no limit). on_layout(): called after each layout is predicted."""
+    from pydtnn.cli import build_parser
+    from pydtnn.models.families import recipe
+    from pydtnn.perfmodel.simulate import build_model, predict_run
+
+    name, built = build_model(model)
+    batch = global_batch_size or recipe(name, optimizer)["batch_size"] * np_
+    parser, memory_of, choices, refused = build_parser(), {}, [], []
+    common = ("--model", name, "--optimizer", optimizer, "--global_batch_size", str(batch))
+
+    def predict(flags):
+        try:
+            p, m = predict_run(parser.parse_args([*common, "--np", str(np_), *flags]), np_, machine, name, built,
+                               memory_of.get(_memory_key(flags)))
+        except PydtnnError as e:
+            refused.append((tuple(flags), " ".join(str(e).split())))
+            return None
+        finally:
+            if on_layout is not None:
+                on_layout()
+        memory_of[_memory_key(flags)] = m
+        return Choice(tuple(flags), p.step_s, p.samples_per_second, m.total, dict(m.parts), p.batch_size,
+                      memory_bytes is None or m.total <= memory_bytes)
+
+    for flags in candidates(np_, ranks_per_node):
+        choice = predict(flags)
+        if choice is None:
+            continue
+        choices.append(choice)
+        for mode in ("segments", "all") if not choice.fits else ():
+            choice = predict(flags + ("--recompute", mode))
+            if choice is None:
+                break
+            choices.append(choice)
+            if choice.fits:
+                break
+    choices.sort(key=lambda c: (not c.fits, c.step_s))
+    return choices, refused, common
+
+
+def check_fits(choices, memory_bytes, model, np_):
+    """ConfigError where a memory limit leaves no layout: one line naming the smallest memory that would fit."""
+    if memory_bytes is None or any(c.fits for c in choices):
+        return
+    if not choices:
+        raise ConfigError(f"no layout of {model} on {np_} processes runs here; see the refused layouts (--json)")
+    least = min(choices, key=lambda c: c.memory_bytes)
+    raise ConfigError(f"--memory_per_process {memory_bytes / 1e9:g}: no layout of {model} on {np_} processes fits; "
+                      f"expected at least {least.memory_bytes / 1e9:.3f} GB ({' '.join(least.flags) or 'one process'})")
+
+
+def table(choices, top=10):
+    """The best `top` choices as text: rank, predicted step, samples per second, memory and the flags."""
+    rows = [("#", "step ms", "samples/s", "memory GB", "fits", "pydtnn-train flags")]
+    for i, c in enumerate(choices[:top], 1):
+        rows.append((str(i), f"{1e3 * c.step_s:.1f}", f"{c.samples_per_second:.1f}", f"{c.memory_bytes / 1e9:.3f}",
+                     "yes" if c.fits else "no", " ".join(c.flags) or "(one process)"))
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join([*(v.rjust(w) for v, w in zip(r[:-1], widths)), r[-1]]) for r in rows)

@@ -1,0 +1,139 @@
+"""pydtnn-perfmodel plan (pydtnn/perfmodel/planner.py): every layout the trainer accepts is planned, every planned
+one runs, what does not fit in memory is dropped, recomputation is tried only where memory asks for it, and a
+bad memory limit is one line and exit status 2.
+
+Multi-process runs use the mpiexec next to the Python in use, as subprocesses with a timeout.
+"""
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+from test_zero import ENV, MPIEXEC
+
+from pydtnn.cli import build_parser
+from pydtnn.errors import ConfigError
+from pydtnn.perfmodel import machine, planner
+from pydtnn.perfmodel.cli import main
+from pydtnn.plan import PARALLEL, RunPlan
+
+MODEL = "simplecnn"
+
+
+def shape(args, np_):
+    """What a layout is, whatever its micro-batches and bucket sizes: the trainer's layout, ZeRO stage (none over
+    one replica: nothing to shard), reducer and schedule."""
+    plan = RunPlan.from_args(args, np_)
+    lay = plan.layout
+    pipelined = lay.pipeline_stages > 1
+    parallel = lay.parallel  # hybrid of one replica is the pipeline, or the split model, it names
+    if parallel == "hybrid" and lay.replicas == 1 and (lay.model_parallel_size == 1 or not pipelined):
+        parallel = "pipeline" if pipelined else "model"
+    return (parallel, lay.model_parallel_size, lay.pipeline_stages, plan.zero if lay.replicas > 1 else 0,
+            plan.reduction.name,
+            args.pipeline_schedule if pipelined else None, args.accumulation_steps > 1 if pipelined else None)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {n: planner.plan(MODEL, n, machine.DEFAULT) for n in (1, 2, 4)}
+
+
+@pytest.mark.parametrize("np_", [1, 2, 4])
+def test_every_layout_the_trainer_accepts_is_planned(np_, plans):
+    """A grid of the trainer's layout flags over np_ processes: every combination its RunPlan accepts is among
+    the planned layouts (as a layout, ZeRO stage, reducer and schedule), and nothing planned was refused."""
+    choices, refused, common = plans[np_]
+    parser = build_parser()
+    planned = {shape(parser.parse_args([*common, *c.flags]), np_) for c in choices}
+    assert refused == [] and len(planned) > (8 if np_ == 4 else 0)
+    sizes = range(1, np_ + 1)
+    for parallel, m, s, z, red, sched, micro in itertools.product(
+            PARALLEL, sizes, sizes, (0, 1, 2, 3), planner.LOSSLESS, ("1f1b", "gpipe"), (1, 2 * np_)):
+        argv = [*common, "--parallel", parallel, "--model_parallel_size", str(m), "--zero", str(z), "--reduction",
+                red, "--pipeline_schedule", sched, "--micro_batches", str(micro)]
+        argv += ["--pipeline_stages", str(s)] if s > 1 else []
+        try:
+            args = parser.parse_args(argv)
+            accepted = shape(args, np_)
+        except ConfigError:
+            continue
+        pipelined = accepted[2] > 1
+        if not pipelined and micro > 1:
+            continue  # the planner leaves accumulation to pipelines, where it is their micro-batches
+        if accepted[0] != "data" and red != "bucketed":
+            continue  # split and pipelined layouts take the default reducer
+        if pipelined and micro == 1:
+            continue  # a pipeline of one micro-batch keeps every stage but one idle
+        assert accepted in planned, argv
+
+
+def test_the_planned_layouts_are_ranked_by_predicted_step(plans):
+    choices, _, _ = plans[4]
+    steps = [c.step_s for c in choices]
+    assert steps == sorted(steps) and all(c.fits for c in choices)
+    assert {c.batch_per_replica for c in choices} == {64, 128, 256}  # 256 samples over 4, 2 or 1 replicas
+
+
+def test_what_does_not_fit_is_dropped_and_recomputed_only_then(plans):
+    """With a limit between the layouts' memories, the table lists only those within it; a layout over it is
+    tried with --recompute segments (then all) and nothing that fits is."""
+    free, _, _ = plans[2]
+    mem = sorted(c.memory_bytes for c in free)
+    limit = (mem[0] + mem[-1]) / 2
+    choices, _, _ = planner.plan(MODEL, 2, machine.DEFAULT, memory_bytes=limit)
+    fitting = [c for c in choices if c.fits]
+    assert fitting and len(fitting) < len(choices)
+    assert all((c.memory_bytes <= limit) == c.fits for c in choices)
+    assert choices[: len(fitting)] == fitting  # fitting ones first
+    recomputed = {c.flags[:-2] for c in choices if "--recompute" in c.flags}
+    over = {c.flags for c in choices if not c.fits and "--recompute" not in c.flags}
+    assert recomputed and recomputed <= over
+    assert not any("--recompute" in c.flags for c in free)
+
+
+def test_plan_prints_the_best_and_json_gives_them_all(capsys):
+    assert main(["plan", "--model", MODEL, "--np", "2", "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:4] == ["#", "step", "ms", "samples/s"] and len(out) == 4
+    assert main(["plan", "--model", MODEL, "--np", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert set(got) == {"model", "np", "machine", "global_batch_size", "memory_per_process_bytes", "optimizer",
+                        "common_flags", "layouts", "refused"}
+    assert len(got["layouts"]) == len(planner.candidates(2)) and got["refused"] == []
+    for row in got["layouts"]:
+        assert set(row) == {"flags", "command", "step_s", "samples_per_second", "memory_bytes", "memory",
+                            "batch_per_replica", "fits"}
+        assert row["command"].startswith("pydtnn-train --model simplecnn --optimizer sgd --global_batch_size")
+        assert row["step_s"] > 0 and row["memory_bytes"] == sum(row["memory"].values())
+
+
+@pytest.mark.parametrize("limit, says", [("0", "expected a number > 0"), ("-1", "expected a number > 0"),
+                                         ("0.001", "fits; expected at least 0.0")])
+def test_a_bad_memory_limit_is_one_line_and_exit_2(limit, says):
+    r = subprocess.run([sys.executable, "-m", "pydtnn.perfmodel.cli", "plan", "--model", MODEL, "--np", "2",
+                        "--memory_per_process", limit], capture_output=True, text=True, timeout=300, env=ENV,
+                       check=False)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and limit in lines[0], r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("np_", [2, 4])
+def test_every_planned_layout_runs(np_, plans, tmp_path):
+    """Two steps of each planned layout (one per layout, ZeRO stage, reducer and schedule) under mpiexec."""
+    choices, _, common = plans[np_]
+    parser, seen = build_parser(), set()
+    for c in choices:
+        key = shape(parser.parse_args([*common, *c.flags]), np_)
+        if key in seen:
+            continue
+        seen.add(key)
+        r = subprocess.run([MPIEXEC, "-n", str(np_), sys.executable, "-m", "pydtnn", *common, *c.flags,
+                            "--num_epochs", "1", "--steps_per_epoch", "2", "--progress", "false"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=180, env=ENV, check=False)
+        assert r.returncode == 0, (c.flags, r.stderr[-2000:])
+    assert len(seen) > (8 if np_ == 4 else 4)
