@@ -175,12 +175,16 @@ def _parallel_flags(p):
     f = p.flag
 
     g = p.add_argument_group("parallel")
-    f(g, "parallel", choices=PARALLEL, default=None,
+    f(g, "parallel", choices=(*PARALLEL, "auto"), default=None,
       help="over MPI when launched with several processes: data (each process a model replica, the default), "
            "model (every Conv2D and Dense split by output channels over all processes), hybrid (groups of "
            "--model_parallel_size processes split the model, or --pipeline_stages processes hold a pipeline, data "
            "parallel across groups) or pipeline (the layers cut into --pipeline_stages stages, one per process); "
-           "docs/parallelism.md")
+           "auto: the performance model's fastest layout that fits in --memory_per_process (pydtnn-perfmodel "
+           "plan); docs/parallelism.md")
+    f(g, "memory_per_process", type=positive_float, default=None,
+      help="--parallel auto: GB (10^9 bytes) a process may hold for training, beside the interpreter and "
+           "libraries (default: no limit)")
     f(g, "model_parallel_size", type=positive_int, default=None,
       help="--parallel hybrid: processes per model replica (a divisor of the process count); with "
            "--pipeline_stages, processes per stage")

@@ -32,11 +32,19 @@ def check_combinations(args):
                           f"--evaluate_only, or --weights_and_bias_filename DIR)")
     if "model_checkpoint" in chosen_schedulers(args) and not args.checkpoint_dir:
         raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
+    check_memory_limit(args)
     pipelined = args.parallel == "pipeline" or args.pipeline_stages is not None
     if not pipelined and (args.stage_boundaries is not None or "pipeline_schedule" in args.explicit):
         flag = "--stage_boundaries" if args.stage_boundaries is not None else "--pipeline_schedule"
         raise ConfigError(f"{flag} applies to --parallel pipeline (or hybrid with --pipeline_stages); got --parallel "
                           f"{args.parallel or 'data'}")
+
+
+def check_memory_limit(args):
+    """--memory_per_process is --parallel auto's."""
+    if args.memory_per_process is not None and args.parallel != "auto":
+        raise ConfigError(f"--memory_per_process {args.memory_per_process:g} bounds the layouts --parallel auto "
+                          f"weighs; got --parallel {args.parallel or 'data'}: add --parallel auto, or leave it out")
 
 
 def profile_path(rank=0, size=1):

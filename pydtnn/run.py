@@ -153,6 +153,10 @@ def start(args):
     agree_on_flags(comm, args)  # before any collective that the flags shape (a split, a reducer's groups)
     for note in args.notes:
         say(note)
+    if args.parallel == "auto":  # rank 0 plans, every rank takes its layout
+        from pydtnn.perfmodel.auto import choose
+
+        choose(args, comm, say)
     if args.parallel in ("data", "model") and comm.size == 1:
         say(f"pydtnn: --parallel {args.parallel} with one process trains sequentially")
     plan = RunPlan.from_args(args, comm.size)

@@ -137,3 +137,84 @@ def test_every_planned_layout_runs(np_, plans, tmp_path):
                            capture_output=True, text=True, timeout=180, env=ENV, check=False)
         assert r.returncode == 0, (c.flags, r.stderr[-2000:])
     assert len(seen) > (8 if np_ == 4 else 4)
+
+
+# -- pydtnn-train --parallel auto ------------------------------------------------------------------------------
+MACHINE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "machine_xeon_avx512.yaml")
+CHOOSE = """
+import json
+from pydtnn.cli import parse_args
+from pydtnn.distributed import launch
+from pydtnn.perfmodel.auto import choose
+launch.start()
+args = parse_args(["--model", "simplecnn", "--parallel", "auto", "--machine", {machine!r}])
+out = {out!r}
+comm = launch.init(1, 300.0, False)
+best = choose(args, comm, lambda line: None)
+with open(f"{out}/rank{{comm.rank}}.json", "w") as f:
+    json.dump({{"rank": comm.rank, "chosen": best["flags"], "args": [args.parallel, args.model_parallel_size,
+        args.pipeline_stages, args.zero, args.reduction, args.bucket_size_mb, args.accumulation_steps,
+        args.pipeline_schedule, args.recompute, args.global_batch_size]}}, f)
+"""
+
+
+def test_parallel_auto_takes_rank_0s_choice_on_every_rank(tmp_path):
+    """np 2: each rank's flags after choose() are those of the plan's fastest layout, the same on both."""
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", CHOOSE.format(machine=MACHINE, out=str(tmp_path))],
+                       capture_output=True, text=True, timeout=300, env=ENV, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [d["rank"] for d in got] == [0, 1] and got[0]["args"] == got[1]["args"]
+    best = planner.plan(MODEL, 2, machine.load(MACHINE))[0][0]
+    assert got[0]["chosen"] == list(best.flags) == got[1]["chosen"]
+    args = planner.apply(build_parser().parse_args(["--model", MODEL]), best.flags,
+                         ("--model", MODEL, "--optimizer", "sgd", "--global_batch_size", str(got[0]["args"][-1])))
+    assert got[0]["args"] == [args.parallel, args.model_parallel_size, args.pipeline_stages, args.zero, args.reduction,
+                              args.bucket_size_mb, args.accumulation_steps, args.pipeline_schedule, args.recompute,
+                              args.global_batch_size]
+
+
+def test_parallel_auto_trains_with_its_choice(tmp_path):
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", MODEL, "--parallel", "auto",
+                        "--machine", MACHINE, "--num_epochs", "1", "--steps_per_epoch", "2", "--progress", "false"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env=ENV, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    best = planner.plan(MODEL, 2, machine.load(MACHINE))[0][0]
+    said = [line for line in (r.stdout + r.stderr).splitlines() if "--parallel auto chose" in line]
+    assert len(said) == 1 and f"chose {' '.join(best.flags)}:" in said[0] and "runner-up" in said[0]
+    assert "final: " in r.stdout
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--memory_per_process", "0"], "expected a number > 0"),
+    (["--memory_per_process", "0.0001"], ("--memory_per_process 0.0001: no layout of simplecnn on 2 processes "
+                                          "fits; expected at least 0.0")),
+    (["--zero", "2"], "--parallel auto chooses --zero itself, but --zero 2 was given"),
+])
+def test_parallel_auto_refuses_in_one_line(argv, says):
+    r = subprocess.run([sys.executable, "-m", "pydtnn", "--model", MODEL, "--simulate", "true", "--np", "2",
+                        "--parallel", "auto", *argv], capture_output=True, text=True, timeout=300, env=ENV, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr
+
+
+def test_a_memory_limit_without_auto_is_refused():
+    r = subprocess.run([sys.executable, "-m", "pydtnn", "--model", MODEL, "--simulate", "true", "--np", "2",
+                        "--memory_per_process", "1"], capture_output=True, text=True, timeout=300, env=ENV,
+                       check=False)
+    assert r.returncode == 2 and "--memory_per_process 1 bounds the layouts --parallel auto weighs" in r.stderr
+
+
+@pytest.mark.slow
+def test_parallel_auto_calibrates_this_machine_once(tmp_path):
+    """With no --machine, the first run calibrates into the per-user cache and says so; the next plans on it."""
+    env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", MODEL, "--parallel", "auto", "--num_epochs",
+           "1", "--steps_per_epoch", "1", "--progress", "false"]
+    first = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert first.returncode == 0, first.stderr[-2000:]
+    files = list((tmp_path / "cache" / "pydtnn" / "machines").glob("*-np2.yaml"))
+    assert len(files) == 1 and "calibrating this machine for 2 processes, once" in first.stderr + first.stdout
+    assert machine.load(files[0]).links["intra"].collectives  # the link measured over the job's processes
+    second = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert second.returncode == 0 and f"--parallel auto plans on {files[0]}" in second.stderr + second.stdout

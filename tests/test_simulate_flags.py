@@ -44,6 +44,7 @@ CHANGES = {
     "stage_boundaries": (["--parallel", "pipeline", "--pipeline_stages", "2", "--np", "2"],
                          ["--stage_boundaries", "6"]),
     "zero": (["--np", "4", "--optimizer", "adam"], ["--zero", "1"]),
+    "memory_per_process": (["--parallel", "auto"], ["--memory_per_process", "0.01"]),
 }
 REFUSED_VALUES = {
     "enable_gpu": ["--enable_gpu", "true"],

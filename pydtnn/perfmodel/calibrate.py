@@ -137,9 +137,11 @@ class Report:
 
 
 def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=False, mpi=True,
-              mpi_timeout=MPI_TIMEOUT_S, progress=None):
+              mpi_timeout=MPI_TIMEOUT_S, progress=None, probe=None):
     """(Machine, Report) measured here; see the module docstring. base: the Machine whose unmeasured
-    fields are kept (default machine.DEFAULT); mpi=False keeps the base's links."""
+    fields are kept (default machine.DEFAULT); mpi=False keeps the base's links; probe: the MPI probe's result
+    (mpi_probe.measure) where a running job measured it over its own processes, in place of an mpiexec of the
+    probe (the oversubscribed collective's cost is then the base's)."""
     from pydtnn import runtime
     from pydtnn.perfmodel import machine as machine_module
 
@@ -154,7 +156,8 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
     repeats = STREAM_REPEATS // 2 if quick else STREAM_REPEATS
 
     # the probe first: a broken MPI fails before minutes of timing
-    links, processes_per_node, probe, crowded = _measure_network(np_, level, base, quick, mpi, mpi_timeout, progress)
+    links, processes_per_node, probe, crowded = _measure_network(np_, level, base, quick, mpi, mpi_timeout, progress,
+                                                                 probe)
 
     runtime.configure(threads=1)
     progress("fixed costs: trainer steps of a tiny model at batch 1, 1 thread")
@@ -204,15 +207,17 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
     return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate, fixed_detail, crowded, small_timings)
 
 
-def _measure_network(np_, level, base, quick, mpi, mpi_timeout, progress):
+def _measure_network(np_, level, base, quick, mpi, mpi_timeout, progress, given=None):
     """(links, processes per node, the probe's report or None, the oversubscribed probe's or None): the MPI
     ping-pong's alpha-beta link at `level`, and with level intra the cost of a collective among more ranks
-    than cores. mpi=False keeps the base's links."""
+    than cores. mpi=False keeps the base's links; `given`: the probe's result measured already (nothing
+    launched, the oversubscribed cost left to the base)."""
     links, processes_per_node, probe, crowded = dict(base.links), base.processes_per_node, None, None
     if not mpi:
         return links, processes_per_node, probe, crowded
-    progress(f"MPI probe: mpiexec -n {np_} ({level} link)")
-    probe = run_mpi_probe(np_, quick=quick, timeout=mpi_timeout)
+    if given is None:
+        progress(f"MPI probe: mpiexec -n {np_} ({level} link)")
+    probe = given if given is not None else run_mpi_probe(np_, quick=quick, timeout=mpi_timeout)
     sizes, seconds = zip(*probe["pingpong"])
     try:
         alpha, beta = fit_alpha_beta(sizes, seconds)
@@ -220,8 +225,8 @@ def _measure_network(np_, level, base, quick, mpi, mpi_timeout, progress):
         raise PydtnnError(f"the MPI probe's ping-pong times give no {level} link: {e}") from None
     links[level] = Link(latency_s=alpha, bandwidth_bytes_per_s=1.0 / beta)
     progress(f"{level} link: latency {alpha * 1e6:.2f} us, bandwidth {1 / beta / 1e9:.3f} GB/s")
-    if level != "intra":
-        return links, processes_per_node, probe, crowded
+    if level != "intra" or given is not None:
+        return links, processes_per_node if given is None else np_, probe, crowded
     work, ranks = burst_work(), 2 * cores()
     progress(f"MPI probe, oversubscribed: mpiexec -n {ranks} on {cores()} cores, bursts of "
              f"{BURST_S * 1e3:g} ms ({work} units)")

@@ -188,18 +188,26 @@ def main(argv=None):
         if comm.rank == 0:
             print(json.dumps(result), flush=True)
         return 0
-    result = {"np": comm.size, "pingpong": [], "allreduce": [], "collectives": {op: [] for op in COLLECTIVES}}
-    for n in sizes(args.max_bytes, args.quick):
-        t = pingpong(comm, n, batches)
-        result["pingpong"].append([n, t])
-    for n in sizes(args.max_bytes, args.quick):
-        result["allreduce"].append([n, allreduce(comm, n, batches)])
-    for op in COLLECTIVES:
-        for n in sizes(args.max_bytes, args.quick):
-            result["collectives"][op].append([n, collective(trainer_comm, op, n, batches)])
+    result = measure(comm, trainer_comm, args.max_bytes, args.quick)
     if comm.rank == 0:
         print(json.dumps(result), flush=True)
     return 0
+
+
+def measure(comm, trainer_comm, max_bytes=16 << 20, quick=False):
+    """{"np", "pingpong", "allreduce", "collectives"}: the times of every size up to max_bytes, over mpi4py
+    communicator `comm` and its pydtnn Communicator `trainer_comm` (a collective: every rank calls it; the
+    ping-pong runs between ranks 0 and 1). calibrate fits the links on rank 0's."""
+    batches = 3 if quick else 5
+    result = {"np": comm.size, "pingpong": [], "allreduce": [], "collectives": {op: [] for op in COLLECTIVES}}
+    for n in sizes(max_bytes, quick):
+        result["pingpong"].append([n, pingpong(comm, n, batches)])
+    for n in sizes(max_bytes, quick):
+        result["allreduce"].append([n, allreduce(comm, n, batches)])
+    for op in COLLECTIVES:
+        for n in sizes(max_bytes, quick):
+            result["collectives"][op].append([n, collective(trainer_comm, op, n, batches)])
+    return result
 
 
 if __name__ == "__main__":

@@ -100,26 +100,42 @@ def _memory_key(flags):
     return tuple(out)
 
 
+# the flags a layout sets (parsed from its flags onto the run's others); --parallel auto decides every one
+LAYOUT_FLAGS = ("parallel", "model_parallel_size", "pipeline_stages", "stage_boundaries", "accumulation_steps",
+                "pipeline_schedule", "zero", "reduction", "bucket_size_mb", "ranks_per_node", "recompute")
+
+
 def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimizer="sgd", ranks_per_node=None,
-         on_layout=None):
+         on_layout=None, base=None, built=None):
     """([Choice] ranked by step time, fitting ones first; [(flags, reason)] the trainer refuses; the flags every
     layout's run takes besides its own: model, optimizer, global batch) of `model` (a registered name) on np_
     processes of `machine`. global_batch_size: samples per step over the job (default:
     the model's recipe batch per process x np_), which each layout divides over its replicas; memory_bytes:
-    the most a process may hold (None: no limit). on_layout(): called after each layout is predicted."""
+    the most a process may hold (None: no limit). on_layout(): called after each layout is predicted.
+    base: pydtnn-train's parsed flags of the run, whose others (threads, dtype, optimizer options, ...) each
+    layout keeps (default: the defaults); built: (name, Model) where the run has built it already."""
+    import copy
+
     from pydtnn.cli import build_parser
     from pydtnn.models.families import recipe
     from pydtnn.perfmodel.simulate import build_model, predict_run
 
-    name, built = build_model(model)
+    name, built = built or build_model(model)
     batch = global_batch_size or recipe(name, optimizer)["batch_size"] * np_
     parser, memory_of, choices, refused = build_parser(), {}, [], []
     common = ("--model", name, "--optimizer", optimizer, "--global_batch_size", str(batch))
+    base = base if base is not None else parser.parse_args(common)
+
+    def flags_of(flags):
+        args, given = copy.copy(base), parser.parse_args([*common, *flags])
+        for attr in LAYOUT_FLAGS:
+            setattr(args, attr, getattr(given, attr))
+        args.global_batch_size, args.np = batch, np_
+        return args
 
     def predict(flags):
         try:
-            p, m = predict_run(parser.parse_args([*common, "--np", str(np_), *flags]), np_, machine, name, built,
-                               memory_of.get(_memory_key(flags)))
+            p, m = predict_run(flags_of(flags), np_, machine, name, built, memory_of.get(_memory_key(flags)))
         except PydtnnError as e:
             refused.append((tuple(flags), " ".join(str(e).split())))
             return None
@@ -146,6 +162,16 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
     return choices, refused, common
 
 
+def apply(args, flags, common):
+    """Set run args' layout flags (LAYOUT_FLAGS) and global batch to those of a Choice's `flags`."""
+    from pydtnn.cli import build_parser
+
+    given = build_parser().parse_args([*common, *flags])
+    for attr in (*LAYOUT_FLAGS, "global_batch_size"):
+        setattr(args, attr, getattr(given, attr))
+    return args
+
+
 def check_fits(choices, memory_bytes, model, np_):
     """ConfigError where a memory limit leaves no layout: one line naming the smallest memory that would fit."""
     if memory_bytes is None or any(c.fits for c in choices):
@@ -154,7 +180,7 @@ def check_fits(choices, memory_bytes, model, np_):
         raise ConfigError(f"no layout of {model} on {np_} processes runs here; see the refused layouts (--json)")
     least = min(choices, key=lambda c: c.memory_bytes)
     raise ConfigError(f"--memory_per_process {memory_bytes / 1e9:g}: no layout of {model} on {np_} processes fits; "
-                      f"expected at least {least.memory_bytes / 1e9:.3f} GB ({' '.join(least.flags) or 'one process'})")
+                      f"expected at least {least.memory_bytes / 1e9:.4g} GB ({' '.join(least.flags) or 'one process'})")
 
 
 def table(choices, top=10):

@@ -31,7 +31,7 @@ MODELLED = ("model", "model_file", "dataset", "batch_size", "global_batch_size",
             "nesterov", "decay", "parallel", "model_parallel_size", "non_blocking_mpi", "reduction",
             "gradient_compression", "reduction_progress", "bucket_size_mb", "density", "threads_per_process",
             "machine", "np", "accumulation_steps", "recompute", "pipeline_stages", "pipeline_schedule",
-            "stage_boundaries", "zero")
+            "stage_boundaries", "zero", "memory_per_process")
 REFUSED = {
     "enable_gpu": "a GPU's step (the model predicts CPU processes)",
     "enable_nccl": "NCCL's reductions (the model predicts CPU processes)",
@@ -184,10 +184,19 @@ def simulate(args, defaults, say=print):
     refuse_unmodelled(args, defaults)
     from pydtnn.perfmodel import machine as machines
     from pydtnn.perfmodel.table import duration, rate, table
+    from pydtnn.preflight import check_memory_limit
 
+    check_memory_limit(args)
     machine = machines.DEFAULT if args.machine is None else machines.load(args.machine)
-    RunPlan.from_args(args, args.np)  # a layout the run would refuse, refused before the model is built
-    name, model = build(args)
+    if args.parallel == "auto":  # the planner's choice on this machine, for --np processes
+        from pydtnn.distributed.comm import SingleProcess
+        from pydtnn.perfmodel.auto import choose
+
+        name, model = build(args)
+        choose(args, SingleProcess(), say, args.np, machine, built=(name, model))
+    else:
+        RunPlan.from_args(args, args.np)  # a layout the run would refuse, refused before the model is built
+        name, model = build(args)
     p, memory = predict_run(args, args.np, machine, name, model)
     say(table(p))
     from pydtnn.perfmodel.memory import memory_table
