@@ -31,8 +31,9 @@ def shape(args, np_):
     parallel = lay.parallel  # hybrid of one replica is the pipeline, or the split model, it names
     if parallel == "hybrid" and lay.replicas == 1 and (lay.model_parallel_size == 1 or not pipelined):
         parallel = "pipeline" if pipelined else "model"
-    return (parallel, lay.model_parallel_size, lay.pipeline_stages, plan.zero if lay.replicas > 1 else 0,
-            plan.reduction.name,
+    zero = plan.zero if lay.replicas > 1 else 0
+    return (parallel, lay.model_parallel_size, lay.pipeline_stages, zero,
+            "bucketed" if zero >= 2 else plan.reduction.name,  # stages 2 and 3 reduce-scatter themselves
             args.pipeline_schedule if pipelined else None, args.accumulation_steps > 1 if pipelined else None)
 
 
@@ -68,6 +69,26 @@ def test_every_layout_the_trainer_accepts_is_planned(np_, plans):
         if pipelined and micro == 1:
             continue  # a pipeline of one micro-batch keeps every stage but one idle
         assert accepted in planned, argv
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_no_two_planned_layouts_run_alike(np_, plans):
+    """Flags the trainer ignores make no second row: ZeRO stage 3 works layer by layer (no bucket size, no
+    reducer of its own), stage 2 by buckets (the reducer's name aside)."""
+    choices, _, common = plans[np_]
+    parser, keys = build_parser(), set()
+    for c in choices:
+        args = parser.parse_args([*common, *c.flags])
+        key = shape(args, np_)
+        bucket = args.bucket_size_mb if key[4] in ("bucketed", "hierarchical") and key[3] < 3 else None
+        keys.add((*key, bucket, args.accumulation_steps, args.recompute))
+    assert len(keys) == len(choices)
+
+
+def test_a_node_size_that_does_not_divide_the_processes_is_one_line(capsys):
+    assert main(["plan", "--model", MODEL, "--np", "4", "--ranks_per_node", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ranks_per_node 3" in err[0] and "expected a divisor of 4 between 2 and 2" in err[0]
 
 
 def test_the_planned_layouts_are_ranked_by_predicted_step(plans):

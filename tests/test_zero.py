@@ -275,9 +275,9 @@ def test_the_time_model_prices_the_shards_update_and_their_allgather():
 
 
 class ThreadComm:
-    """Rank `rank` of `size` threads: the allgatherv a ShardedOptimizer calls and the reduce-scatters a
-    ShardedReducer starts (done at once, summing in rank order), through shared memory; each reduce-scatter is
-    noted in shared["started"] with whether this rank's backward was still running."""
+    """Rank `rank` of `size` threads: the allgatherv a ShardedOptimizer calls, a digest's broadcasts, and the
+    reduce-scatters a ShardedReducer starts (done at once, summing in rank order), through shared memory; each
+    reduce-scatter is noted in shared["started"] with whether this rank's backward was still running."""
 
     def __init__(self, rank, size, shared):
         self.rank, self.size, self.shared = rank, size, shared
@@ -303,6 +303,14 @@ class ThreadComm:
         recv[...] = np.concatenate(self.shared["sends"])
         self.shared["barrier"].wait()
         return recv
+
+    def bcast(self, buf, root=0):
+        if self.rank == root:
+            self.shared["sends"][root] = buf.copy()
+        self.shared["barrier"].wait()
+        buf[...] = self.shared["sends"][root]
+        self.shared["barrier"].wait()
+        return buf
 
 
 @pytest.mark.parametrize("size,chunk,bucket_mb", [(3, 256, 25.0), (4, 1000, 1e-3), (2, 1 << 30, 1e-3)])

@@ -24,7 +24,7 @@ completed first, its send buffer being the shard, and what the slots hold is sta
 
 Whole arrays are gathered span by span onto every replica: whole() (state dicts, checkpoints) holds the whole
 model for a moment, as one process does; gathered() yields them one layer at a time, and runs() (digests) in
-runs of a bounded length.
+runs of a bounded length, each broadcast from the replica that holds it.
 """
 
 import time
@@ -216,23 +216,24 @@ class ParamShards:
     def runs(self, names, limit=1 << 20):
         """The elements of each parameter of `names`, whole, in that order, as flat runs of at most `limit` (NumPy
         arrays, each holding its values until the next is asked for; a collective: every replica calls it with
-        the same names): a digest streams the model through one array of `limit` elements."""
+        the same names): a digest streams the model through one array of `limit` elements. Each run lies in one
+        replica's part and is broadcast from it (an allgatherv would have every other replica send nothing,
+        which MPICH's non-blocking one, polled by the stall watch, makes hundreds of times slower)."""
         self.drain()
         rank, to_numpy = self.comm.rank, self.model.backend.to_numpy
         ranges = {n: b - a for _, keys, *_ in self.spans for _, n, a, b, _ in keys}
         buffer = self.model.backend.xp.empty(min(limit, max((ranges[n] for n in names), default=0)), self.flat.dtype)
         for name in names:
-            _, keys, lo, _, counts, (m0, _) = self.spans[self.names[name]]
-            p0, p1 = self._mine(lo, counts)
+            _, keys, _, _, counts, (m0, _) = self.spans[self.names[name]]
             s, e = next((a, b) for _, n, a, b, _ in keys if n == name)
-            starts = np.cumsum([0, *counts[:-1]])
-            for c0 in range(s, e, limit):
-                c1 = min(e, c0 + limit)
-                parts = [max(0, min(c1, q + n) - max(c0, q)) for q, n in zip(starts, counts)]
-                a = min(max(c0, p0), p1)
-                self.comm.allgatherv(self.flat[m0 + a - p0 : m0 + a - p0 + parts[rank]], buffer[: c1 - c0], parts,
-                                     "zero parameters")
-                yield to_numpy(buffer[: c1 - c0])
+            for r, q0 in enumerate(np.cumsum([0, *counts[:-1]])):
+                for c0 in range(max(s, q0), min(e, q0 + counts[r]), limit):  # replica r's elements of [s, e)
+                    c1 = min(e, q0 + counts[r], c0 + limit)
+                    out = buffer[: c1 - c0]
+                    if r == rank:
+                        out[...] = self.flat[m0 + c0 - q0 : m0 + c1 - q0]
+                    self.comm.bcast(out, root=r)
+                    yield to_numpy(out)
 
     def load(self, arrays):
         """Take this replica's shard of whole parameters {name: array} (names it does not hold are an error)."""

@@ -97,9 +97,9 @@ def choose(args, comm, say, np_=None, machine=None, built=None):
             name, model = built or build(args)
             per = args.batch_size or recipe(name, args.optimizer)["batch_size"]
             limit = None if args.memory_per_process is None else args.memory_per_process * 1e9
-            choices, _, common = planner.plan(name, np_, m, args.global_batch_size or per * np_, limit,
+            choices, refused, common = planner.plan(name, np_, m, args.global_batch_size or per * np_, limit,
                                               args.optimizer, base=args, built=(name, model))
-            planner.check_fits(choices, limit, name, np_)
+            planner.check_fits(choices, refused, limit, name, np_)
             decision = {"common": list(common), "choices": [c.to_dict() for c in choices if c.fits][:2]}
         decision = comm.bcast_obj(decision)
     best = decision["choices"][0]

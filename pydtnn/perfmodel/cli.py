@@ -444,16 +444,17 @@ def run_plan(args):
 
     machine = machine_from(args)
     limit = None if args.memory_per_process is None else args.memory_per_process * 1e9
-    layouts = planner.candidates(args.np, args.ranks_per_node)
+    layouts = planner.candidates(args.np, args.ranks_per_node)  # a bad --ranks_per_node: one line, first
     with tqdm(total=len(layouts), unit="layout", file=sys.stderr, disable=not sys.stderr.isatty(),
               leave=False) as bar:
         choices, refused, common = planner.plan(args.model, args.np, machine, args.global_batch_size, limit, args.optimizer,
                                         args.ranks_per_node, on_layout=bar.update)
-    planner.check_fits(choices, limit, args.model, args.np)
+    planner.check_fits(choices, refused, limit, args.model, args.np)
     fitting = [c for c in choices if c.fits]
     if args.json:
         print(json.dumps({"model": args.model, "np": args.np, "machine": machine.name,
-                          "global_batch_size": args.global_batch_size, "memory_per_process_bytes": limit,
+                          "global_batch_size": int(common[common.index("--global_batch_size") + 1]),
+                          "memory_per_process_bytes": limit,
                           "optimizer": args.optimizer, "common_flags": list(common),
                           "layouts": [c.to_dict(common) for c in choices],
                           "refused": [{"flags": list(f), "reason": r} for f, r in refused]}))

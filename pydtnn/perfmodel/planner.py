@@ -7,7 +7,8 @@ not fit in memory dropped, the rest ranked by predicted step time.
     common                    # ("--model", "resnet20_cifar10", "--optimizer", "sgd", "--global_batch_size", "128")
 
 The layouts (`candidates`): data parallelism with each lossless reducer (blocking, per_layer, bucketed at each of
-BUCKET_MB, hierarchical where the node size is given), each with every ZeRO stage it takes; layers split over all processes
+BUCKET_MB, hierarchical where the node size is given), each with ZeRO stage 1, and ZeRO stages 2 (by bucket size:
+it reduce-scatters bucket by bucket, whatever the reducer) and 3 (one: it works layer by layer); layers split over all processes
 (model) and over groups of each divisor (hybrid), with each ZeRO stage where there are replicas; pipelines of
 every stage count that divides P, their stages split over groups or not, replicated (with each ZeRO stage) or
 not, at MICRO_PER_STAGE micro-batches per stage, under each schedule.
@@ -18,6 +19,7 @@ then `all`, only where it does not fit without; with no memory limit it is never
 
 import dataclasses
 import itertools
+import math
 
 from pydtnn.errors import ConfigError, PydtnnError
 
@@ -60,16 +62,22 @@ def candidates(np_, ranks_per_node=None):
         return [()]
     reductions = [("--reduction", "blocking"), ("--reduction", "per_layer")]
     reductions += [("--reduction", "bucketed", "--bucket_size_mb", f"{mb:g}") for mb in BUCKET_MB]
-    if ranks_per_node and 1 < ranks_per_node < np_ and np_ % ranks_per_node == 0:
+    if ranks_per_node is not None:
+        if not 1 < ranks_per_node < np_ or np_ % ranks_per_node:
+            raise ConfigError(f"--ranks_per_node {ranks_per_node}: the hierarchical reducer needs nodes of more than "
+                              f"one and fewer than {np_} processes; expected a divisor of {np_} between 2 and "
+                              f"{np_ // 2}")
         reductions.append(("--reduction", "hierarchical", "--ranks_per_node", str(ranks_per_node)))
     zero = [("--zero", str(z)) for z in (1, 2, 3)]
     out = []
-    for r, z in itertools.product(reductions, [(), *zero]):
+    for r, z in itertools.product(reductions, [(), *zero[:2]]):
         try:
             check_stage(int(z[1]) if z else 0, r[1])
         except ConfigError:
             continue  # a stage that cannot take this reducer
-        out.append(("--parallel", "data", *r, *z))
+        if z != ("--zero", "2") or r[1] == "bucketed":  # stage 2 reduce-scatters by buckets whatever the reducer
+            out.append(("--parallel", "data", *r, *z))
+    out.append(("--parallel", "data", *zero[2]))  # stage 3 gathers and reduce-scatters layer by layer
     out.append(("--parallel", "model"))
     for m in divisors(np_)[1:-1]:
         group = ("--parallel", "hybrid", "--model_parallel_size", str(m))
@@ -139,25 +147,23 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
         except PydtnnError as e:
             refused.append((tuple(flags), " ".join(str(e).split())))
             return None
-        finally:
-            if on_layout is not None:
-                on_layout()
         memory_of[_memory_key(flags)] = m
         return Choice(tuple(flags), p.step_s, p.samples_per_second, m.total, dict(m.parts), p.batch_size,
                       memory_bytes is None or m.total <= memory_bytes)
 
     for flags in candidates(np_, ranks_per_node):
         choice = predict(flags)
+        if on_layout is not None:
+            on_layout()
         if choice is None:
             continue
         choices.append(choice)
         for mode in ("segments", "all") if not choice.fits else ():
             choice = predict(flags + ("--recompute", mode))
-            if choice is None:
-                break
-            choices.append(choice)
-            if choice.fits:
-                break
+            if choice is not None:
+                choices.append(choice)
+                if choice.fits:
+                    break
     choices.sort(key=lambda c: (not c.fits, c.step_s))
     return choices, refused, common
 
@@ -172,15 +178,18 @@ def apply(args, flags, common):
     return args
 
 
-def check_fits(choices, memory_bytes, model, np_):
-    """ConfigError where a memory limit leaves no layout: one line naming the smallest memory that would fit."""
+def check_fits(choices, refused, memory_bytes, model, np_):
+    """ConfigError where no layout runs (the first reason given), or a memory limit leaves none: one line naming
+    the smallest memory that would fit."""
+    if not choices:
+        flags, why = refused[0] if refused else ((), "no layout to weigh")
+        raise ConfigError(f"no layout of {model} on {np_} processes runs: {' '.join(flags)}: {why}")
     if memory_bytes is None or any(c.fits for c in choices):
         return
-    if not choices:
-        raise ConfigError(f"no layout of {model} on {np_} processes runs here; see the refused layouts (--json)")
     least = min(choices, key=lambda c: c.memory_bytes)
+    need = math.ceil(least.memory_bytes / 1e5) / 1e4  # GB, rounded up: a limit of this fits
     raise ConfigError(f"--memory_per_process {memory_bytes / 1e9:g}: no layout of {model} on {np_} processes fits; "
-                      f"expected at least {least.memory_bytes / 1e9:.4g} GB ({' '.join(least.flags) or 'one process'})")
+                      f"expected at least {need:g} GB ({' '.join(least.flags) or 'one process'})")
 
 
 def table(choices, top=10):
