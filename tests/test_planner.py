@@ -85,6 +85,13 @@ def test_no_two_planned_layouts_run_alike(np_, plans):
     assert len(keys) == len(choices)
 
 
+def test_a_plan_without_the_memory_model_ranks_alike(plans):
+    choices, _, _ = plans[2]
+    quick, _, _ = planner.plan(MODEL, 2, machine.DEFAULT, with_memory=False)
+    assert [(c.flags, c.step_s) for c in quick] == [(c.flags, c.step_s) for c in choices]
+    assert {c.memory_bytes for c in quick} == {0} and min(c.memory_bytes for c in choices) > 0
+
+
 def test_a_node_size_that_does_not_divide_the_processes_is_one_line(capsys):
     assert main(["plan", "--model", MODEL, "--np", "4", "--ranks_per_node", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

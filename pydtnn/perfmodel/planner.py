@@ -114,14 +114,15 @@ LAYOUT_FLAGS = ("parallel", "model_parallel_size", "pipeline_stages", "stage_bou
 
 
 def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimizer="sgd", ranks_per_node=None,
-         on_layout=None, base=None, built=None):
+         on_layout=None, base=None, built=None, with_memory=True):
     """([Choice] ranked by step time, fitting ones first; [(flags, reason)] the trainer refuses; the flags every
     layout's run takes besides its own: model, optimizer, global batch) of `model` (a registered name) on np_
     processes of `machine`. global_batch_size: samples per step over the job (default:
     the model's recipe batch per process x np_), which each layout divides over its replicas; memory_bytes:
     the most a process may hold (None: no limit). on_layout(): called after each layout is predicted.
     base: pydtnn-train's parsed flags of the run, whose others (threads, dtype, optimizer options, ...) each
-    layout keeps (default: the defaults); built: (name, Model) where the run has built it already."""
+    layout keeps (default: the defaults); built: (name, Model) where the run has built it already;
+    with_memory=False (no memory_bytes only): the memory model is not run, each Choice's memory is 0 bytes."""
     import copy
 
     from pydtnn.cli import build_parser
@@ -143,13 +144,15 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
 
     def predict(flags):
         try:
-            p, m = predict_run(flags_of(flags), np_, machine, name, built, memory_of.get(_memory_key(flags)))
+            p, m = predict_run(flags_of(flags), np_, machine, name, built, memory_of.get(_memory_key(flags)),
+                               with_memory or memory_bytes is not None)
         except PydtnnError as e:
             refused.append((tuple(flags), " ".join(str(e).split())))
             return None
         memory_of[_memory_key(flags)] = m
-        return Choice(tuple(flags), p.step_s, p.samples_per_second, m.total, dict(m.parts), p.batch_size,
-                      memory_bytes is None or m.total <= memory_bytes)
+        total, parts = (m.total, dict(m.parts)) if m is not None else (0, {})
+        return Choice(tuple(flags), p.step_s, p.samples_per_second, total, parts, p.batch_size,
+                      memory_bytes is None or total <= memory_bytes)
 
     for flags in candidates(np_, ranks_per_node):
         choice = predict(flags)

@@ -157,11 +157,11 @@ def batch_size(plan, name, optimizer):
     return plan.batch_size or recipe(name, optimizer)["batch_size"]
 
 
-def predict_run(args, world_size, machine, name, model, memory=None):
+def predict_run(args, world_size, machine, name, model, memory=None, with_memory=True):
     """(Prediction, memory.Memory) of the run pydtnn-train's parsed flags `args` describe over world_size
     processes of `machine`, for `model` (named `name`, built by build()); `memory`: that run's Memory where it
-    is known already (the planner's, for layouts that differ only in their reduction). ConfigError where the
-    trainer would refuse the flags."""
+    is known already (the planner's, for layouts that differ only in their reduction); with_memory=False: None
+    in its place, nothing measured. ConfigError where the trainer would refuse the flags."""
     from pydtnn.perfmodel.memory import plan_memory
     from pydtnn.perfmodel.predict import predict_plan, update_passes
 
@@ -171,7 +171,7 @@ def predict_run(args, world_size, machine, name, model, memory=None):
     p = predict_plan(model, plan, machine, batch_size(plan, name, args.optimizer),
                      update_passes=update_passes(args.optimizer, hyper), name=name, recompute=args.recompute,
                      schedule=args.pipeline_schedule, stage_starts=stage_starts)
-    if memory is None:
+    if memory is None and with_memory:
         memory = plan_memory(model, dataclasses.replace(plan, batch_size=p.batch_size),
                              (args.optimizer, optimizer_options(args, name)), args.recompute, args.pipeline_schedule,
                              stage_starts, machine)

@@ -1,0 +1,239 @@
+"""The planner against measurement: for each case (a model, a process count, a network), the planner's first
+layouts and the default data-parallel run, each trained and timed; the regret (the measured step of the
+planner's first choice over the best measured step among them) and the rank correlation of the predicted and
+measured orders.
+
+    python benchmarks/planner.py [--out docs/planner_benchmark.json] [--plot docs/perfmodel_planner.png]
+                                 [--networks unlimited,1gbit,200mbit] [--top 5] [--only TEXT] [--resume]
+    python benchmarks/planner.py --from_json docs/planner_benchmark.json      # the table and plot again
+
+Cases: vgg11bn_cifar10, resnet20_cifar10 and mobilenetv1_cifar10 at np 2 and 4, 128 samples a step over the
+job, SGD with momentum, on each network of --networks (shared memory, or a rate that benchmarks/netem.py
+emulates on one node). The planner (pydtnn.perfmodel.planner.plan) predicts on --machine, with the emulated
+link from a probe of it as benchmarks/sharding.py does; its first --top layouts are taken (a bucket size's
+variants of one layout counted once), and `--parallel data` (the bucketed reducer at 25 MB) beside them.
+Each is trained in fresh processes for 1 warm-up and 3 timed steps on random images written as CIFAR-10
+files (benchmarks/parallelism.py's write_dataset: a small test set), one thread per process, every
+convolution with its threshold algorithm (--conv_autotune false, as the model costs it); a step is the
+slowest rank's span, the median over the timed steps (perfmodel_validation.run_traced).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import parallelism  # noqa: E402
+import perfmodel_validation as validation  # noqa: E402
+
+from pydtnn.perfmodel.mpi_links import mpiexec_path  # noqa: E402
+
+MODELS = ("vgg11bn_cifar10", "resnet20_cifar10", "mobilenetv1_cifar10")
+NPS = (2, 4)
+GLOBAL_BATCH = 128
+DEFAULT = ("--parallel", "data", "--reduction", "bucketed", "--bucket_size_mb", "25")  # what --parallel data runs
+RUN_TIMEOUT_S = 1800
+
+
+def label(case):
+    return f"{case['model']} np{case['np']} {case['network']}"
+
+
+def without_bucket(flags):
+    out = list(flags)
+    if "--bucket_size_mb" in out:
+        i = out.index("--bucket_size_mb")
+        del out[i : i + 2]
+    return tuple(out)
+
+
+def picked(choices, top):
+    """The first `top` choices, a bucket size's variants of one layout counted once, and the default run."""
+    out, seen = [], set()
+    for c in choices:
+        key = without_bucket(c.flags)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+        if len(out) == top:
+            break
+    default = next(c for c in choices if c.flags == DEFAULT)
+    return out + ([default] if default not in out else [])
+
+
+def command(case, flags, common, dataset, trace, warmup, steps):
+    train = [sys.executable, "-m", "pydtnn", *common, *flags, *dataset, "--steps_per_epoch", str(warmup + steps),
+             "--num_epochs", "1", "--learning_rate", validation.LR, "--tracing", "--tracer_output", trace,
+             "--progress", "false", "--threads_per_process", "1", "--conv_autotune", "false"]
+    train = [mpiexec_path(), "-n", str(case["np"]), *train]
+    if case["network"] != "unlimited":
+        train = [sys.executable, validation.NETEM, "--rate", case["network"], "--", *train]
+    return train
+
+
+def spearman(xs, ys):
+    """Spearman's rank correlation of two equal-length lists (average ranks for ties); None under 3 points."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    a, b = ranks(xs), ranks(ys)
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    num = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    den = (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
+    return num / den if den else None
+
+
+def summarize(case):
+    """The case's regret and rank correlation from its measured runs."""
+    runs = case["runs"]
+    best = min(r["measured_s"] for r in runs)
+    case["regret"] = runs[0]["measured_s"] / best
+    case["best"] = min(runs, key=lambda r: r["measured_s"])["flags"]
+    case["spearman"] = spearman([r["predicted_s"] for r in runs], [r["measured_s"] for r in runs])
+    return case
+
+
+def drive(args):
+    from pydtnn import models
+    from pydtnn.perfmodel import machine as machines
+    from pydtnn.perfmodel import planner
+
+    t0 = time.perf_counter()
+    base = machines.load(args.machine)
+    networks = args.networks.split(",")
+    refusal = validation.netem_refusal() if any(n != "unlimited" for n in networks) else None
+    if refusal:
+        print(f"planner: the emulated networks skipped: {refusal}", file=sys.stderr)
+        networks = ["unlimited"]
+    links = {rate: validation.probe_link(rate, nps=(2,)) for rate in networks if rate != "unlimited"}
+    saved = {}
+    if args.resume and os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as f:
+            saved = {label(c): c for c in json.load(f)["cases"]}
+    run = {"host": validation.host(), "commit": validation.commit(), "machine_file": os.path.relpath(args.machine, ROOT),
+           "global_batch_size": GLOBAL_BATCH, "links": links, "cases": [], "wall_s": 0.0}
+    cases = [{"model": m, "np": n, "network": net} for net in networks for m in MODELS for n in NPS]
+    cases = [c for c in cases if not args.only or args.only in label(c)]
+    with tempfile.TemporaryDirectory(prefix="planner-") as tmp:
+        for i, case in enumerate(cases):
+            if label(case) in saved:
+                run["cases"].append(saved[label(case)])
+                continue
+            m = validation.machine_for(base, case["np"], links.get(case["network"]))
+            choices, _, common = planner.plan(case["model"], case["np"], m, GLOBAL_BATCH, optimizer="sgd",
+                                              with_memory=False)
+            dataset = parallelism.write_dataset(os.path.join(tmp, case["model"]), *models.defaults(case["model"]),
+                                                train_samples=4 * GLOBAL_BATCH)
+            case.update(commit=run["commit"], common=list(common), runs=[])
+            for c in picked(choices, args.top):
+                trace = os.path.join(tmp, "trace.json")
+                meas, _, _ = validation.run_traced(command(case, c.flags, common, dataset, trace, 1, 3),
+                                                   validation.thread_env(1), tmp, trace, case["np"], 1, 0.0,
+                                                   f"{label(case)} {' '.join(c.flags)}", RUN_TIMEOUT_S)
+                case["runs"].append({"flags": list(c.flags), "predicted_s": c.step_s, "measured_s": meas["step_s"]})
+                print(f"  {' '.join(c.flags)}: predicted {1e3 * c.step_s:.0f} ms, measured "
+                      f"{1e3 * meas['step_s']:.0f} ms", file=sys.stderr, flush=True)
+            run["cases"].append(summarize(case))
+            run["wall_s"] = time.perf_counter() - t0
+            with open(args.out, "w", encoding="utf-8") as f:  # every case saved as it is measured
+                json.dump(run, f, indent=1)
+            print(f"[{i + 1}/{len(cases)}] {label(case)}: regret {case['regret']:.3f}, rank correlation "
+                  f"{case['spearman'] if case['spearman'] is None else round(case['spearman'], 2)}", file=sys.stderr,
+                  flush=True)
+    return run
+
+
+def table(run):
+    lines = ["| model | network | np | planner's choice | predicted ms | measured ms | best measured | best ms | regret "
+             "| rank correlation |", "| --- | --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for c in run["cases"]:
+        first, best = c["runs"][0], min(c["runs"], key=lambda r: r["measured_s"])
+        rho = "" if c["spearman"] is None else f"{c['spearman']:+.2f}"
+        lines.append(f"| {c['model']} | {c['network']} | {c['np']} | `{' '.join(first['flags'])}` | "
+                     f"{1e3 * first['predicted_s']:.0f} | {1e3 * first['measured_s']:.0f} | "
+                     f"`{' '.join(best['flags'])}` | {1e3 * best['measured_s']:.0f} | {c['regret']:.3f} | {rho} |")
+    regrets = [c["regret"] for c in run["cases"]]
+    rhos = [c["spearman"] for c in run["cases"] if c["spearman"] is not None]
+    lines.append("")
+    lines.append(f"regret: median {statistics.median(regrets):.3f}, worst {max(regrets):.3f} over {len(regrets)} "
+                 f"cases; rank correlation: median {statistics.median(rhos):+.2f}" if rhos else "")
+    return "\n".join(lines)
+
+
+def plot(run, path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.4), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    names = [label(c) for c in run["cases"]]
+    left.barh(range(len(names)), [c["regret"] for c in run["cases"]], color="C0")
+    left.axvline(1.05, color="k", ls=":", lw=0.8)
+    left.axvline(1.15, color="k", ls="--", lw=0.8)
+    left.set_yticks(range(len(names)), names, fontsize=7)
+    left.set_xlim(0.95, max(1.2, 1.02 * max(c["regret"] for c in run["cases"])))
+    left.set_xlabel("regret: the choice's measured step / the best measured (dotted 1.05, dashed 1.15)")
+    for k, c in enumerate(run["cases"]):
+        xs = [1e3 * r["measured_s"] for r in c["runs"]]
+        ys = [1e3 * r["predicted_s"] for r in c["runs"]]
+        right.scatter(xs, ys, s=14, color=f"C{k % 10}", label=label(c))
+        right.scatter(xs[:1], ys[:1], s=60, facecolors="none", edgecolors=f"C{k % 10}")
+    top = max(max(1e3 * r["measured_s"], 1e3 * r["predicted_s"]) for c in run["cases"] for r in c["runs"])
+    right.plot([0, top], [0, top], color="k", lw=0.8)
+    right.set_xscale("log")
+    right.set_yscale("log")
+    right.set_xlabel("measured step (ms)")
+    right.set_ylabel("predicted step (ms)")
+    right.legend(fontsize=6)
+    right.set_title("each case's measured layouts (circled: the planner's choice)", fontsize=9)
+    fig.suptitle(f"The planner against measurement ({run['host']}, one thread per process)", fontsize=10)
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "planner_benchmark.json"))
+    p.add_argument("--plot", default=os.path.join(ROOT, "docs", "perfmodel_planner.png"))
+    p.add_argument("--machine", default=os.path.join(ROOT, "docs", "machine_xeon_avx512.yaml"))
+    p.add_argument("--networks", default="unlimited,1gbit,200mbit")
+    p.add_argument("--top", type=int, default=5, help="the planner's first layouts measured (default 5)")
+    p.add_argument("--only", help="only the cases whose label contains this text")
+    p.add_argument("--resume", action="store_true", help="keep the cases --out already holds, measure the rest")
+    p.add_argument("--from_json", help="the table and plot of a saved run")
+    args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            run = json.load(f)
+    else:
+        run = drive(args)
+    print(f"{run['host']}; pydtnn {run['commit']}; {len(run['cases'])} cases; {run['wall_s']:.0f} s")
+    print(table(run))
+    if args.plot:
+        plot(run, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
