@@ -195,6 +195,13 @@ class RunPlan:
                    args.threads_per_process, args.dtype, "gpu" if args.enable_gpu else "cpu", zero)
 
 
+def check_memory_limit(args):
+    """--memory_per_process is --parallel auto's."""
+    if args.memory_per_process is not None and args.parallel != "auto":
+        raise ConfigError(f"--memory_per_process {args.memory_per_process:g} bounds the layouts --parallel auto "
+                          f"weighs; got --parallel {args.parallel or 'data'}: add --parallel auto, or leave it out")
+
+
 def batch_per_replica(batch_size, global_batch_size, lay):
     """Samples per replica and step: global_batch_size over lay's replicas where given (it must divide),
     else batch_size (None: the recipe's, decided with the model)."""

@@ -8,7 +8,7 @@ from pydtnn import checkpoint, data
 from pydtnn.errors import ConfigError
 from pydtnn.files import same_file
 from pydtnn.optim import schedules as sch
-from pydtnn.plan import chosen_schedulers
+from pydtnn.plan import check_memory_limit, chosen_schedulers
 from pydtnn.resume import check_checkpoint_dir
 
 # flags that describe how to run rather than what to compute: not saved as the run's configuration
@@ -38,13 +38,6 @@ def check_combinations(args):
         flag = "--stage_boundaries" if args.stage_boundaries is not None else "--pipeline_schedule"
         raise ConfigError(f"{flag} applies to --parallel pipeline (or hybrid with --pipeline_stages); got --parallel "
                           f"{args.parallel or 'data'}")
-
-
-def check_memory_limit(args):
-    """--memory_per_process is --parallel auto's."""
-    if args.memory_per_process is not None and args.parallel != "auto":
-        raise ConfigError(f"--memory_per_process {args.memory_per_process:g} bounds the layouts --parallel auto "
-                          f"weighs; got --parallel {args.parallel or 'data'}: add --parallel auto, or leave it out")
 
 
 def profile_path(rank=0, size=1):

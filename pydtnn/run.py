@@ -155,8 +155,9 @@ def start(args):
         say(note)
     if args.parallel == "auto":  # rank 0 plans, every rank takes its layout
         from pydtnn.perfmodel.auto import choose
+        from pydtnn.perfmodel.simulate import build
 
-        choose(args, comm, say)
+        choose(args, comm, say, built=build(args) if comm.rank == 0 else None)
     if args.parallel in ("data", "model") and comm.size == 1:
         say(f"pydtnn: --parallel {args.parallel} with one process trains sequentially")
     plan = RunPlan.from_args(args, comm.size)

@@ -178,7 +178,8 @@ launch.start()
 args = parse_args(["--model", "simplecnn", "--parallel", "auto", "--machine", {machine!r}])
 out = {out!r}
 comm = launch.init(1, 300.0, False)
-best = choose(args, comm, lambda line: None)
+from pydtnn.perfmodel.simulate import build
+best = choose(args, comm, lambda line: None, built=build(args) if comm.rank == 0 else None)
 with open(f"{out}/rank{{comm.rank}}.json", "w") as f:
     json.dump({{"rank": comm.rank, "chosen": best["flags"], "args": [args.parallel, args.model_parallel_size,
         args.pipeline_stages, args.zero, args.reduction, args.bucket_size_mb, args.accumulation_steps,

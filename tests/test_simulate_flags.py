@@ -8,6 +8,7 @@ from pydtnn.cli import build_parser, main, parse_args
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import machine as machines
 from pydtnn.perfmodel import simulate as sim
+from pydtnn.perfmodel.auto import for_simulate
 from pydtnn.plan import RunPlan
 
 BASE = ["--simulate", "--model", "simplecnn", "--np", "4", "--batch_size", "32"]
@@ -65,7 +66,9 @@ def _defaults():
 
 
 def _predict(argv):
-    return sim.simulate(parse_args(argv), _defaults(), say=lambda line: None)
+    args = parse_args(argv)
+    for_simulate(args, say=lambda line: None)  # --parallel auto: the plan's layout, as pydtnn-train's main takes it
+    return sim.simulate(args, _defaults(), say=lambda line: None)
 
 
 def _files(tmp_path, argv):

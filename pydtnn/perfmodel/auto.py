@@ -1,7 +1,8 @@
 """pydtnn-train --parallel auto: the planner (planner.py) chooses the layout; rank 0 decides, every rank takes
 its choice.
 
-    choose(args, comm, say)      # args' layout flags set to the fastest predicted layout that fits
+    choose(args, comm, say, built=simulate.build(args) if comm.rank == 0 else None)   # args' layout flags set
+                                 # to the fastest predicted layout that fits
 
 The machine the planner predicts on: --machine, else this machine's file for the job's process count, which
 the first such run calibrates (calibrate.calibrate, quick; its MPI link measured over the job's own processes)
@@ -82,11 +83,10 @@ def machine_for(args, comm, say):
 def choose(args, comm, say, np_=None, machine=None, built=None):
     """Plan args' run over np_ processes (default: comm's) on rank 0 and set every rank's layout flags to its
     choice: the fastest predicted layout within --memory_per_process; say names it, its predicted step and the
-    runner-up. machine: the Machine to plan on (default: machine_for's); built: (name, Model) where the caller
-    has built the model, else it is built from args."""
+    runner-up. machine: the Machine to plan on (default: machine_for's); built: rank 0's (name, Model) of the
+    run's model (perfmodel.simulate.build), which the others do not need."""
     from pydtnn.models.families import recipe
     from pydtnn.perfmodel import planner
-    from pydtnn.perfmodel.simulate import build
 
     check_flags(args)
     np_ = np_ or comm.size
@@ -94,7 +94,7 @@ def choose(args, comm, say, np_=None, machine=None, built=None):
         m = machine or machine_for(args, comm, say)
         decision = None
         if comm.rank == 0:
-            name, model = built or build(args)
+            name, model = built
             per = args.batch_size or recipe(name, args.optimizer)["batch_size"]
             limit = None if args.memory_per_process is None else args.memory_per_process * 1e9
             choices, refused, common = planner.plan(name, np_, m, args.global_batch_size or per * np_, limit,
@@ -111,3 +111,18 @@ def choose(args, comm, say, np_=None, machine=None, built=None):
         line += f"; runner-up {' '.join(second['flags'])}: {second['step_s'] * 1e3:.1f} ms"
     say(line)
     return best
+
+
+def for_simulate(args, say=print):
+    """--simulate --parallel auto: args' layout flags set to the plan's choice for --np processes on --simulate's
+    machine (--machine, else the built-in one); nothing where --parallel is not auto."""
+    from pydtnn.distributed.comm import SingleProcess
+    from pydtnn.perfmodel import machine
+    from pydtnn.perfmodel.simulate import build
+    from pydtnn.plan import check_memory_limit
+
+    check_memory_limit(args)
+    if args.parallel != "auto":
+        return None
+    m = machine.DEFAULT if args.machine is None else machine.load(args.machine)
+    return choose(args, SingleProcess(), say, args.np, m, built=build(args))

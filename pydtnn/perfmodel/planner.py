@@ -125,7 +125,7 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
     with_memory=False (no memory_bytes only): the memory model is not run, each Choice's memory is 0 bytes."""
     import copy
 
-    from pydtnn.cli import build_parser
+    from pydtnn.flags import build_parser
     from pydtnn.models.families import recipe
     from pydtnn.perfmodel.simulate import build_model, predict_run
 
@@ -173,7 +173,7 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
 
 def apply(args, flags, common):
     """Set run args' layout flags (LAYOUT_FLAGS) and global batch to those of a Choice's `flags`."""
-    from pydtnn.cli import build_parser
+    from pydtnn.flags import build_parser
 
     given = build_parser().parse_args([*common, *flags])
     for attr in (*LAYOUT_FLAGS, "global_batch_size"):

@@ -179,24 +179,16 @@ def predict_run(args, world_size, machine, name, model, memory=None, with_memory
 
 
 def simulate(args, defaults, say=print):
-    """Print the prediction of the run `args` describes; returns the Prediction. defaults: each flag's default
-    value (pydtnn-train's parser), against which REFUSED flags are checked."""
+    """Print the prediction of the run `args` describes (--parallel auto resolved first: auto.for_simulate);
+    returns the Prediction. defaults: each flag's default value (pydtnn-train's parser), against which REFUSED
+    flags are checked."""
     refuse_unmodelled(args, defaults)
     from pydtnn.perfmodel import machine as machines
     from pydtnn.perfmodel.table import duration, rate, table
-    from pydtnn.preflight import check_memory_limit
 
-    check_memory_limit(args)
     machine = machines.DEFAULT if args.machine is None else machines.load(args.machine)
-    if args.parallel == "auto":  # the planner's choice on this machine, for --np processes
-        from pydtnn.distributed.comm import SingleProcess
-        from pydtnn.perfmodel.auto import choose
-
-        name, model = build(args)
-        choose(args, SingleProcess(), say, args.np, machine, built=(name, model))
-    else:
-        RunPlan.from_args(args, args.np)  # a layout the run would refuse, refused before the model is built
-        name, model = build(args)
+    RunPlan.from_args(args, args.np)  # a layout the run would refuse, refused before the model is built
+    name, model = build(args)
     p, memory = predict_run(args, args.np, machine, name, model)
     say(table(p))
     from pydtnn.perfmodel.memory import memory_table
