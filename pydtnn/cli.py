@@ -11,18 +11,6 @@ import json
 import re
 import sys
 
-from pydtnn.argtypes import (  # noqa: F401 (the argument types, importable from here too)
-    Parser,
-    fraction,
-    non_negative_float,
-    non_negative_int,
-    number,
-    parse_bool,
-    positive_float,
-    positive_int,
-    sample_shape,
-    share,
-)
 from pydtnn.errors import ConfigError, PydtnnError
 from pydtnn.flags import SCHEDULERS, build_parser, program_name, scheduler_list  # noqa: F401 (importable from here)
 

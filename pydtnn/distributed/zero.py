@@ -307,9 +307,10 @@ class ShardedOptimizer:
 
 class ShardedReducer(Reducer):
     """ZeRO stages 2 and 3's reduction: each of the optimizer's buckets (the bucketed reducer's at stage 2, a
-    layer's parameters at stage 3, in the gradient buffer) scaled by this replica's weight and reduce-scattered as soon as its gradients are ready, non-blocking,
-    progressed between layers, in place: each replica's part of a bucket's sum lands at the bucket's start in
-    the gradient buffer (ShardedOptimizer.in_place), where its optimizer reads it. finish() waits for them all."""
+    layer's parameters at stage 3, in the gradient buffer) scaled by this replica's weight and reduce-scattered
+    as soon as its gradients are ready, non-blocking, progressed between layers, in place: each replica's part
+    of a bucket's sum lands at the bucket's start in the gradient buffer (ShardedOptimizer.in_place), where its
+    optimizer reads it. finish() waits for them all."""
 
     name = "zero2"
 

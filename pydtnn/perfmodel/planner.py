@@ -7,9 +7,10 @@ not fit in memory dropped, the rest ranked by predicted step time.
     common                    # ("--model", "resnet20_cifar10", "--optimizer", "sgd", "--global_batch_size", "128")
 
 The layouts (`candidates`): data parallelism with each lossless reducer (blocking, per_layer, bucketed at each of
-BUCKET_MB, hierarchical where the node size is given), each with ZeRO stage 1, and ZeRO stages 2 (by bucket size:
-it reduce-scatters bucket by bucket, whatever the reducer) and 3 (one: it works layer by layer); layers split over all processes
-(model) and over groups of each divisor (hybrid), with each ZeRO stage where there are replicas; pipelines of
+BUCKET_MB, hierarchical where the node size is given), each with ZeRO stage 1, and ZeRO stages 2 (by bucket
+size: it reduce-scatters bucket by bucket, whatever the reducer) and 3 (one: it works layer by layer); layers
+split over all processes (model) and over groups of each divisor (hybrid), with each ZeRO stage where there
+are replicas; pipelines of
 every stage count that divides P, their stages split over groups or not, replicated (with each ZeRO stage) or
 not, at MICRO_PER_STAGE micro-batches per stage, under each schedule.
 Each is parsed by pydtnn-train's own parser and checked by its RunPlan, so a layout the trainer refuses is not
@@ -136,10 +137,8 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
     base = base if base is not None else parser.parse_args(common)
 
     def flags_of(flags):
-        args, given = copy.copy(base), parser.parse_args([*common, *flags])
-        for attr in LAYOUT_FLAGS:
-            setattr(args, attr, getattr(given, attr))
-        args.global_batch_size, args.np = batch, np_
+        args = apply(copy.copy(base), flags, common, parser)
+        args.np = np_
         return args
 
     def predict(flags):
@@ -171,11 +170,12 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
     return choices, refused, common
 
 
-def apply(args, flags, common):
-    """Set run args' layout flags (LAYOUT_FLAGS) and global batch to those of a Choice's `flags`."""
+def apply(args, flags, common, parser=None):
+    """Set run args' layout flags (LAYOUT_FLAGS) and global batch to those of a Choice's `flags` (parsed with
+    pydtnn-train's `parser`, built here where not given)."""
     from pydtnn.flags import build_parser
 
-    given = build_parser().parse_args([*common, *flags])
+    given = (parser or build_parser()).parse_args([*common, *flags])
     for attr in (*LAYOUT_FLAGS, "global_batch_size"):
         setattr(args, attr, getattr(given, attr))
     return args
