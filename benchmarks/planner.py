@@ -4,18 +4,22 @@ planner's first choice over the best measured step among them) and the rank corr
 measured orders.
 
     python benchmarks/planner.py [--out docs/planner_benchmark.json] [--plot docs/perfmodel_planner.png]
-                                 [--networks unlimited,1gbit,200mbit] [--top 5] [--only TEXT] [--resume]
+                                 [--networks unlimited,1gbit,200mbit] [--top 5] [--warmup 2] [--steps 5]
+                                 [--only TEXT] [--resume]
     python benchmarks/planner.py --from_json docs/planner_benchmark.json      # the table and plot again
 
 Cases: vgg11bn_cifar10, resnet20_cifar10 and mobilenetv1_cifar10 at np 2 and 4, 128 samples a step over the
 job, SGD with momentum, on each network of --networks (shared memory, or a rate that benchmarks/netem.py
-emulates on one node). The planner (pydtnn.perfmodel.planner.plan) predicts on --machine, with the emulated
-link from a probe of it as benchmarks/sharding.py does; its first --top layouts are taken (a bucket size's
-variants of one layout counted once), and `--parallel data` (the bucketed reducer at 25 MB) beside them.
-Each is trained in fresh processes for 1 warm-up and 3 timed steps on random images written as CIFAR-10
-files (benchmarks/parallelism.py's write_dataset: a small test set), one thread per process, every
-convolution with its threshold algorithm (--conv_autotune false, as the model costs it); a step is the
-slowest rank's span, the median over the timed steps (perfmodel_validation.run_traced).
+emulates on one node; VGG-11-BN not at 200 Mbit/s, where a case would take a quarter of an hour). The planner
+(pydtnn.perfmodel.planner.plan) predicts on --machine, with the emulated link from a probe of it as
+benchmarks/sharding.py does; its first --top layouts are taken (a bucket size's variants of one layout counted
+once), and `--parallel data` (the bucketed reducer at 25 MB) beside them. The first is the planner's choice
+(the default kept where nothing is predicted more than planner.MARGIN faster); the regret of the fastest
+predicted one is reported beside it. Each is trained in fresh processes for --warmup untimed and --steps timed
+steps on random images written as CIFAR-10 files (benchmarks/parallelism.py's write_dataset: a small test set),
+one thread per process, every convolution with its threshold algorithm (--conv_autotune false, as the model
+costs it); a step is the slowest rank's span, the median over the timed steps
+(perfmodel_validation.run_traced).
 """
 
 import argparse
@@ -34,13 +38,14 @@ sys.path.insert(0, HERE)
 import parallelism  # noqa: E402
 import perfmodel_validation as validation  # noqa: E402
 
+from pydtnn.perfmodel import planner  # noqa: E402
 from pydtnn.perfmodel.mpi_links import mpiexec_path  # noqa: E402
 
 MODELS = ("vgg11bn_cifar10", "resnet20_cifar10", "mobilenetv1_cifar10")
 NPS = (2, 4)
 GLOBAL_BATCH = 128
-DEFAULT = ("--parallel", "data", "--reduction", "bucketed", "--bucket_size_mb", "25")  # what --parallel data runs
 RUN_TIMEOUT_S = 1800
+SKIPPED = {("vgg11bn_cifar10", "200mbit")}  # its 113 MB of gradients: 9 s a step at np 2, 15 minutes a case
 
 
 def label(case):
@@ -65,7 +70,7 @@ def picked(choices, top):
             out.append(c)
         if len(out) == top:
             break
-    default = next(c for c in choices if c.flags == DEFAULT)
+    default = next(c for c in choices if c.flags == planner.DEFAULT)
     return out + ([default] if default not in out else [])
 
 
@@ -109,6 +114,7 @@ def summarize(case):
     runs = case["runs"]
     best = min(r["measured_s"] for r in runs)
     case["regret"] = runs[0]["measured_s"] / best
+    case["regret_fastest"] = min(runs, key=lambda r: r["predicted_s"])["measured_s"] / best  # without the margin
     case["best"] = min(runs, key=lambda r: r["measured_s"])["flags"]
     case["spearman"] = spearman([r["predicted_s"] for r in runs], [r["measured_s"] for r in runs])
     return case
@@ -117,7 +123,6 @@ def summarize(case):
 def drive(args):
     from pydtnn import models
     from pydtnn.perfmodel import machine as machines
-    from pydtnn.perfmodel import planner
 
     t0 = time.perf_counter()
     base = machines.load(args.machine)
@@ -132,8 +137,10 @@ def drive(args):
         with open(args.out, encoding="utf-8") as f:
             saved = {label(c): c for c in json.load(f)["cases"]}
     run = {"host": validation.host(), "commit": validation.commit(), "machine_file": os.path.relpath(args.machine, ROOT),
-           "global_batch_size": GLOBAL_BATCH, "links": links, "cases": [], "wall_s": 0.0}
-    cases = [{"model": m, "np": n, "network": net} for net in networks for m in MODELS for n in NPS]
+           "global_batch_size": GLOBAL_BATCH, "warmup": args.warmup, "steps": args.steps, "margin": planner.MARGIN,
+           "links": links, "cases": [], "wall_s": 0.0}
+    cases = [{"model": m, "np": n, "network": net} for net in networks for m in MODELS for n in NPS
+             if (m, net) not in SKIPPED]
     cases = [c for c in cases if not args.only or args.only in label(c)]
     with tempfile.TemporaryDirectory(prefix="planner-") as tmp:
         for i, case in enumerate(cases):
@@ -148,8 +155,9 @@ def drive(args):
             case.update(commit=run["commit"], common=list(common), runs=[])
             for c in picked(choices, args.top):
                 trace = os.path.join(tmp, "trace.json")
-                meas, _, _ = validation.run_traced(command(case, c.flags, common, dataset, trace, 1, 3),
-                                                   validation.thread_env(1), tmp, trace, case["np"], 1, 0.0,
+                meas, _, _ = validation.run_traced(command(case, c.flags, common, dataset, trace,
+                                                           args.warmup, args.steps),
+                                                   validation.thread_env(1), tmp, trace, case["np"], args.warmup, 0.0,
                                                    f"{label(case)} {' '.join(c.flags)}", RUN_TIMEOUT_S)
                 case["runs"].append({"flags": list(c.flags), "predicted_s": c.step_s, "measured_s": meas["step_s"]})
                 print(f"  {' '.join(c.flags)}: predicted {1e3 * c.step_s:.0f} ms, measured "
@@ -178,6 +186,10 @@ def table(run):
     lines.append("")
     lines.append(f"regret: median {statistics.median(regrets):.3f}, worst {max(regrets):.3f} over {len(regrets)} "
                  f"cases; rank correlation: median {statistics.median(rhos):+.2f}" if rhos else "")
+    fastest = [c["regret_fastest"] for c in run["cases"] if "regret_fastest" in c]
+    if fastest:
+        lines.append(f"the fastest predicted layout instead of the choice (no margin): regret median "
+                     f"{statistics.median(fastest):.3f}, worst {max(fastest):.3f}")
     return "\n".join(lines)
 
 
@@ -219,6 +231,8 @@ def main(argv=None):
     p.add_argument("--machine", default=os.path.join(ROOT, "docs", "machine_xeon_avx512.yaml"))
     p.add_argument("--networks", default="unlimited,1gbit,200mbit")
     p.add_argument("--top", type=int, default=5, help="the planner's first layouts measured (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
     p.add_argument("--only", help="only the cases whose label contains this text")
     p.add_argument("--resume", action="store_true", help="keep the cases --out already holds, measure the rest")
     p.add_argument("--from_json", help="the table and plot of a saved run")

@@ -99,10 +99,28 @@ def test_a_node_size_that_does_not_divide_the_processes_is_one_line(capsys):
 
 
 def test_the_planned_layouts_are_ranked_by_predicted_step(plans):
+    """By predicted step, but for the default layout, first where nothing is predicted more than MARGIN faster."""
     choices, _, _ = plans[4]
-    steps = [c.step_s for c in choices]
+    rest = choices[1:] if choices[0].flags == planner.DEFAULT else choices
+    steps = [c.step_s for c in rest]
     assert steps == sorted(steps) and all(c.fits for c in choices)
+    if rest is not choices:
+        assert steps[0] >= choices[0].step_s * (1 - planner.MARGIN)
     assert {c.batch_per_replica for c in choices} == {64, 128, 256}  # 256 samples over 4, 2 or 1 replicas
+
+
+def _choice(flags, step_s, fits=True):
+    return planner.Choice(tuple(flags), step_s, 1.0 / step_s, 0, {}, 1, fits)
+
+
+@pytest.mark.parametrize("faster, fits, kept", [(0.02, True, True), (0.049, True, True), (0.06, True, False),
+                                                (0.20, True, False), (0.02, False, False)])
+def test_the_default_stays_first_unless_beaten_by_more_than_the_margin(faster, fits, kept):
+    other, third = ("--parallel", "data", "--zero", "3"), ("--parallel", "model")
+    ranked = [_choice(other, 1.0 - faster), _choice(third, 0.999), _choice(planner.DEFAULT, 1.0, fits)]
+    got = planner.keep_default(ranked, 0.05)
+    assert sorted(map(id, got)) == sorted(map(id, ranked))
+    assert [c.flags for c in got] == ([planner.DEFAULT, other, third] if kept else [c.flags for c in ranked])
 
 
 def test_what_does_not_fit_is_dropped_and_recomputed_only_then(plans):

@@ -82,9 +82,9 @@ def machine_for(args, comm, say):
 
 def choose(args, comm, say, np_=None, machine=None, built=None):
     """Plan args' run over np_ processes (default: comm's) on rank 0 and set every rank's layout flags to its
-    choice: the fastest predicted layout within --memory_per_process; say names it, its predicted step and the
-    runner-up. machine: the Machine to plan on (default: machine_for's); built: rank 0's (name, Model) of the
-    run's model (perfmodel.simulate.build), which the others do not need."""
+    choice: the plan's first layout within --memory_per_process (planner.keep_default); say names it, its
+    predicted step and the runner-up. machine: the Machine to plan on (default: machine_for's); built: rank 0's
+    (name, Model) of the run's model (perfmodel.simulate.build), which the others do not need."""
     from pydtnn.models.families import recipe
     from pydtnn.perfmodel import planner
 
@@ -109,6 +109,8 @@ def choose(args, comm, say, np_=None, machine=None, built=None):
     if len(decision["choices"]) > 1:
         second = decision["choices"][1]
         line += f"; runner-up {' '.join(second['flags'])}: {second['step_s'] * 1e3:.1f} ms"
+        if second["step_s"] < best["step_s"]:
+            line += f" (within {100 * planner.MARGIN:g}%: --parallel data kept)"
     say(line)
     return best
 

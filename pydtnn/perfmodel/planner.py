@@ -16,6 +16,10 @@ not, at MICRO_PER_STAGE micro-batches per stage, under each schedule.
 Each is parsed by pydtnn-train's own parser and checked by its RunPlan, so a layout the trainer refuses is not
 listed (`refused` says why). Recomputation only adds time, so a layout is tried with `--recompute segments`,
 then `all`, only where it does not fit without; with no memory limit it is never tried.
+
+The ranking keeps `--parallel data` (DEFAULT: the bucketed reducer at 25 MB, no ZeRO) first wherever it fits and
+no layout is predicted faster than it by more than `margin` (MARGIN, 5%: about the model's error on a step), so a
+layout the model cannot tell apart from the default does not replace it.
 """
 
 import dataclasses
@@ -28,6 +32,8 @@ LOSSLESS = ("blocking", "per_layer", "bucketed")  # and hierarchical, given the 
 BUCKET_MB = (1.0, 4.0, 25.0, 100.0)
 MICRO_PER_STAGE = (1, 2, 4)  # a pipeline's micro-batches per stage
 REDUCTION_FLAGS = ("--reduction", "--bucket_size_mb", "--ranks_per_node")  # no bearing on the memory model
+DEFAULT = ("--parallel", "data", "--reduction", "bucketed", "--bucket_size_mb", "25")  # what --parallel data runs
+MARGIN = 0.05  # a layout replaces the default only where predicted faster by more than this share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +121,7 @@ LAYOUT_FLAGS = ("parallel", "model_parallel_size", "pipeline_stages", "stage_bou
 
 
 def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimizer="sgd", ranks_per_node=None,
-         on_layout=None, base=None, built=None, with_memory=True):
+         on_layout=None, base=None, built=None, with_memory=True, margin=MARGIN):
     """([Choice] ranked by step time, fitting ones first; [(flags, reason)] the trainer refuses; the flags every
     layout's run takes besides its own: model, optimizer, global batch) of `model` (a registered name) on np_
     processes of `machine`. global_batch_size: samples per step over the job (default:
@@ -123,7 +129,8 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
     the most a process may hold (None: no limit). on_layout(): called after each layout is predicted.
     base: pydtnn-train's parsed flags of the run, whose others (threads, dtype, optimizer options, ...) each
     layout keeps (default: the defaults); built: (name, Model) where the run has built it already;
-    with_memory=False (no memory_bytes only): the memory model is not run, each Choice's memory is 0 bytes."""
+    with_memory=False (no memory_bytes only): the memory model is not run, each Choice's memory is 0 bytes;
+    margin: see keep_default."""
     import copy
 
     from pydtnn.flags import build_parser
@@ -167,7 +174,18 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
                 if choice.fits:
                     break
     choices.sort(key=lambda c: (not c.fits, c.step_s))
-    return choices, refused, common
+    return keep_default(choices, margin), refused, common
+
+
+def keep_default(choices, margin=MARGIN):
+    """`choices` (ranked) with the default layout (DEFAULT) moved first where it fits and the first is not predicted
+    faster than it by more than `margin` (a share of the default's step)."""
+    default = next((c for c in choices if c.flags == DEFAULT), None)
+    if default is None or not default.fits or not choices[0].fits or choices[0] is default:
+        return choices
+    if choices[0].step_s < default.step_s * (1.0 - margin):
+        return choices
+    return [default, *(c for c in choices if c is not default)]
 
 
 def apply(args, flags, common, parser=None):
