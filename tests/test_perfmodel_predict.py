@@ -223,6 +223,28 @@ def test_thread_progress_hides_communication_behind_backward_and_test_progress_d
     assert blocking.exposed_comm_s == pytest.approx(blocking.comm_s)  # started after backward: nothing to hide behind
 
 
+def test_a_background_link_progresses_test_collectives_as_a_thread_would():
+    """Link.background (sockets, RDMA): per_layer's messages hide behind backward under progress "test" as under a
+    progress thread, on the link the processes' collectives use (intra on one node, inter across nodes)."""
+    model = mlp((300, 200, 100, 10))
+    plain = machine(links={"intra": Link(ALPHA, 1e9), "inter": Link(ALPHA, 1e9)})
+    sockets = machine(links={"intra": Link(ALPHA, 1e9, background=True), "inter": Link(ALPHA, 1e9)})
+    thread = predict(model, 64, 4, plain, reduction="per_layer", progress="thread")
+    test = predict(model, 64, 4, sockets, reduction="per_layer", progress="test")
+    assert test.exposed_comm_s == pytest.approx(thread.exposed_comm_s) and test.exposed_comm_s < test.comm_s
+    across = dataclasses.replace(sockets, processes_per_node=2)  # 4 processes over 2 nodes: the inter link's
+    assert predict(model, 64, 4, across, reduction="per_layer").exposed_comm_s == pytest.approx(
+        predict(model, 64, 4, across, reduction="per_layer").comm_s)
+    blocking = predict(model, 64, 4, sockets, reduction="blocking")
+    assert blocking.exposed_comm_s == pytest.approx(blocking.comm_s)
+    data = machines.to_dict(sockets)
+    assert data["links"]["intra"]["background"] is True and "background" not in data["links"]["inter"]
+    assert machines.from_dict(data).link("intra").background
+    data["links"]["intra"]["background"] = "yes"
+    with pytest.raises(ConfigError, match="background = 'yes' is invalid; expected true or false"):
+        machines.from_dict(data)
+
+
 def test_processes_beyond_a_node_pay_the_inter_node_link():
     model = mlp()
     inside = predict(model, 8, 4, machine(processes_per_node=4), reduction="blocking")

@@ -5,6 +5,7 @@
   calibrate   measure this machine (kernel rates, bandwidths, one network level) into a machine file
   sweep       throughput and exposed communication along five axes (batch, rate, bandwidth, link, nodes)
   plan        every layout a model can run in on P processes, ranked by predicted step, what does not fit dropped
+  profile     time every distinct layer of some models on this machine into a layer profile (measured layer times)
 
 Each subcommand is an add_<name>(subparsers) that declares its flags and a run_<name>(args) that
 returns the exit code. Exit codes: 0 success, 2 user error (one line `pydtnn-perfmodel: error: ...`).
@@ -468,6 +469,56 @@ def run_plan(args):
     return 0
 
 
+def count_list(text):
+    """argparse type: a comma list of positive integers ("16,32,64"), sorted, each once."""
+    try:
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers (16,32,64), got {text!r}")
+    return values
+
+
+def add_profile(subparsers):
+    from pydtnn.argtypes import non_negative_int, positive_int
+
+    p = subparsers.add_parser("profile", allow_abbrev=False, help="measured layer times of models, for predict",
+                              description="Time every distinct layer of each --model on this machine, forward and "
+                                          "backward on one process, at each batch size and thread count, into a "
+                                          "layer profile (JSON). A machine file's `layer_profile: FILE` makes the "
+                                          "model take these times in place of its roofline "
+                                          "(pydtnn/perfmodel/layer_profile.py).")
+    p.add_argument("--model", required=True, type=lambda t: [m for m in t.split(",") if m.strip()],
+                   help="models of the zoo, comma separated")
+    p.add_argument("--out", required=True, help="the layer profile to write (JSON)")
+    p.add_argument("--batch_sizes", type=count_list, default=[4, 8, 16, 32, 64, 128],
+                   help="samples per step timed (default 4,8,16,32,64,128)")
+    p.add_argument("--threads", type=count_list, default=[1], help="thread counts timed (default 1)")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps per batch size (default 5)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep what --out holds, the layers measured again replaced")
+    p.set_defaults(run=run_profile)
+
+
+def run_profile(args):
+    import os
+
+    from pydtnn.perfmodel import layer_profile
+    from pydtnn.perfmodel.simulate import build_model
+
+    for name in args.model:
+        build_model(name)  # an unknown name is one line before anything is measured
+    into = layer_profile.load(args.out) if args.merge and os.path.exists(args.out) else None
+    profile = layer_profile.measure(args.model, args.batch_sizes, args.threads, args.steps, args.warmup,
+                                    progress=lambda line: print(f"profile: {line}", file=sys.stderr, flush=True),
+                                    into=into)
+    layer_profile.save(profile, args.out)
+    say(f"wrote {args.out}: {len(profile)} distinct layers of {', '.join(profile.about['models'])}")
+    return 0
+
+
 def build_parser():
     from pydtnn.argtypes import Parser
 
@@ -480,6 +531,7 @@ def build_parser():
     add_calibrate(subparsers)
     add_sweep(subparsers)
     add_plan(subparsers)
+    add_profile(subparsers)
     return parser
 
 

@@ -76,7 +76,9 @@ class LayerCost:
     (Conv2D: plan.algorithm; pooling: "compiled_2x2", "compiled" (max pooling's other windows) or "numpy";
     else None); kernel_class: whose FLOP rate applies, one of machine.KERNEL_CLASSES; params,
     param_bytes: trainable parameters; activation_bytes: the output for the whole batch; need_dx:
-    whether dL/dinput is wanted.
+    whether dL/dinput is wanted; batch: the samples costed; signature: what the layer computes whatever its
+    place (its description, input and output shapes, algorithm, need_dx and dtype), which names its measured
+    times in a layer profile (layer_profile.py).
     """
 
     name: str
@@ -90,6 +92,8 @@ class LayerCost:
     param_bytes: int
     activation_bytes: int
     need_dx: bool
+    batch: int = 0
+    signature: str = ""
 
     @property
     def backward(self):
@@ -213,7 +217,17 @@ def _cost(layer, n, need_dx):
         param_bytes=sum(int(p.nbytes) for p in layer.params.values()),
         activation_bytes=n * _size(layer.output_shape) * s,
         need_dx=need_dx,
+        batch=n,
+        signature=signature(layer, algorithm, need_dx),
     )
+
+
+def signature(layer, algorithm, need_dx):
+    """What a built layer computes, whatever its path: its description (Layer.describe: kind and
+    hyperparameters), input and output shapes, algorithm, whether it computes dx, and dtype."""
+    shape = "x".join(map(str, layer.input_shape or ()))
+    out = "x".join(map(str, layer.output_shape or ()))
+    return f"{layer.describe()} {shape}->{out} {algorithm or '-'} dx{int(need_dx)} {np.dtype(layer.dtype).name}"
 
 
 def _size(shape):

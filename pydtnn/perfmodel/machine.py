@@ -42,9 +42,9 @@ KERNEL_CLASSES = ("gemm", "direct3x3", "depthwise", "elementwise")
 LEVELS = ("intra", "inter")
 FIELDS = ("name", "cores", "processes_per_node", "rates", "thread_scaling", "memory_bandwidth", "reduce_rate",
           "links")
-OPTIONAL_FIELDS = ("thread_scaling_by_class", "thread_serial_s", "overheads")
+OPTIONAL_FIELDS = ("thread_scaling_by_class", "thread_serial_s", "overheads", "layer_profile")
 LINK_FIELDS = ("latency_s", "bandwidth_bytes_per_s")
-LINK_OPTIONAL_FIELDS = ("collectives",)
+LINK_OPTIONAL_FIELDS = ("collectives", "background")
 OVERHEAD_FIELDS = ("layer_forward_s", "layer_backward_s", "parameter_s", "step_s", "oversubscribed_collective_s")
 CALL_FIELDS = ("forward_s", "backward_s")
 # what a machine file may hold: its layout nests 5 levels (links.intra.collectives.allgather.latency_s) and has
@@ -94,15 +94,21 @@ class Link:
     """One network level: a message of n bytes takes latency_s + n / bandwidth_bytes_per_s seconds.
     collectives[op]: a Link fitted on that collective's own measured times where it differs from the
     point-to-point one (on shared memory an allgather also assembles blocks and the trainer's
-    communicator polls for completion); for_op(op) gives it, or this link."""
+    communicator polls for completion); for_op(op) gives it, or this link. background: the link moves a
+    posted message's bytes while the ranks compute (sockets: the kernel sends them; an RDMA network card),
+    so a non-blocking collective advances between the reducers' test() calls as under a progress thread;
+    on shared memory (False) the bytes move only inside MPI calls."""
 
     latency_s: float
     bandwidth_bytes_per_s: float
     collectives: dict = dataclasses.field(default_factory=dict, hash=False)
+    background: bool = False
 
     def __post_init__(self):
         _check_number("latency_s", self.latency_s, allow_zero=True)
         _check_number("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        if not isinstance(self.background, bool):
+            raise ConfigError(f"machine field background = {self.background!r} is invalid; expected true or false")
         _check_mapping("collectives", self.collectives)
         for op, link in self.collectives.items():
             if op not in COLLECTIVE_OPS:
@@ -144,6 +150,7 @@ class Machine:
     thread_scaling_by_class: dict = dataclasses.field(default_factory=dict)
     thread_serial_s: dict = dataclasses.field(default_factory=dict)
     overheads: Overheads = dataclasses.field(default_factory=lambda: Overheads())
+    layer_profile: object = None  # a layer_profile.LayerProfile: measured layer times, used where it has them
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.strip():
@@ -171,6 +178,11 @@ class Machine:
         for threads, seconds in self.thread_serial_s.items():
             _check_count(f"thread_serial_s key {threads!r}", threads)
             _check_number(f"thread_serial_s[{threads}]", seconds, "seconds", allow_zero=True)
+        from pydtnn.perfmodel.layer_profile import LayerProfile
+
+        if self.layer_profile is not None and not isinstance(self.layer_profile, LayerProfile):
+            raise ConfigError(f"machine field layer_profile = {self.layer_profile!r} is invalid; expected a "
+                              "LayerProfile (a file's layer_profile: the path of one)")
         if not isinstance(self.overheads, Overheads):
             raise ConfigError(f"machine field overheads = {self.overheads!r} is invalid; expected Overheads")
         _check_number("memory_bandwidth", self.memory_bandwidth, "bytes/s")
@@ -222,12 +234,13 @@ class Machine:
         _check_level(level)
         return self.links[level]
 
-    def with_link(self, level, bandwidth=None, latency=None):
-        """A copy with link `level` given a new bandwidth (bytes/s) and/or latency (s); None keeps a value.
-        The level's per-collective fits are dropped: they were measured on the old link."""
+    def with_link(self, level, bandwidth=None, latency=None, background=None):
+        """A copy with link `level` given a new bandwidth (bytes/s), latency (s) and/or background (Link); None
+        keeps a value. The level's per-collective fits are dropped: they were measured on the old link."""
         old = self.link(level)
         new = Link(old.latency_s if latency is None else latency,
-                   old.bandwidth_bytes_per_s if bandwidth is None else bandwidth)
+                   old.bandwidth_bytes_per_s if bandwidth is None else bandwidth,
+                   background=old.background if background is None else background)
         return dataclasses.replace(self, links={**self.links, level: new})
 
 
@@ -241,7 +254,9 @@ def to_dict(machine):
             "thread_scaling_by_class": {k: {int(t): float(s) for t, s in v.items()}
                                         for k, v in machine.thread_scaling_by_class.items()},
             "thread_serial_s": {int(t): float(s) for t, s in machine.thread_serial_s.items()},
-            "overheads": _overheads_dict(machine.overheads)}
+            "overheads": _overheads_dict(machine.overheads),
+            **({"layer_profile": machine.layer_profile.path} if machine.layer_profile is not None
+               and machine.layer_profile.path else {})}
 
 
 def _overheads_dict(overheads):
@@ -257,6 +272,8 @@ def _link_dict(link):
     out = {"latency_s": float(link.latency_s), "bandwidth_bytes_per_s": float(link.bandwidth_bytes_per_s)}
     if link.collectives:
         out["collectives"] = {op: _link_dict(fit) for op, fit in link.collectives.items()}
+    if link.background:
+        out["background"] = True
     return out
 
 
@@ -269,14 +286,18 @@ def _link_from_dict(field, data, nested=False):
     _check_mapping(f"{field}.collectives", ops)
     fits = {op: _link_from_dict(f"{field}.collectives[{op!r}]", fit, nested=True) for op, fit in ops.items()}
     try:
-        return Link(*(_number(data[f]) for f in LINK_FIELDS), collectives=fits)
+        return Link(*(_number(data[f]) for f in LINK_FIELDS), collectives=fits,
+                    background=data.get("background", False))
     except ConfigError as e:
         raise ConfigError(str(e).replace("machine field ", f"machine field {field}.", 1)) from None
 
 
-def from_dict(data, source="machine description"):
+def from_dict(data, source="machine description", folder="."):
     """A Machine from the file's layout; any missing, unknown or bad field raises one ConfigError that
-    names `source`, the field, the value and what is expected."""
+    names `source`, the field, the value and what is expected. folder: where a relative layer_profile path
+    starts (the machine file's folder)."""
+    from pydtnn.perfmodel import layer_profile
+
     try:
         _check_mapping("", data, what=f"{source} is {type(data).__name__}; expected a mapping of fields")
         _check_keys("", data, FIELDS, optional=OPTIONAL_FIELDS)
@@ -307,9 +328,20 @@ def from_dict(data, source="machine description"):
             thread_scaling_by_class={k: {_threads(t): _number(s) for t, s in v.items()} for k, v in by_class.items()},
             thread_serial_s={_threads(t): _number(s) for t, s in serial.items()},
             overheads=Overheads(**{k: _number(v) for k, v in overheads.items() if k != "layer_calls"},
-                                layer_calls={k: tuple(_number(c[f]) for f in CALL_FIELDS) for k, c in calls.items()}))
+                                layer_calls={k: tuple(_number(c[f]) for f in CALL_FIELDS) for k, c in calls.items()}),
+            layer_profile=_profile(data.get("layer_profile"), folder, layer_profile))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+
+
+def _profile(path, folder, layer_profile):
+    """The LayerProfile a file's layer_profile names (relative to `folder`), or None."""
+    if path is None:
+        return None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"machine field layer_profile = {path!r} is invalid; expected the path of a layer "
+                          "profile (pydtnn-perfmodel profile --out FILE)")
+    return layer_profile.load(os.path.abspath(os.path.join(folder, path)))
 
 
 def load(path):
@@ -346,7 +378,7 @@ def load(path):
         except RecursionError:
             raise ConfigError(too_deep) from None
     _check_size(data, path, too_deep)
-    return from_dict(data, source=f"machine file {path}")
+    return from_dict(data, source=f"machine file {path}", folder=os.path.dirname(os.path.abspath(path)))
 
 
 def _check_size(data, path, too_deep):

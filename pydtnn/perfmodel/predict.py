@@ -42,7 +42,9 @@ transfer does not advance during a layer's computation, so the reduction is as e
 one and the strategies differ by their messages' count and sizes. progress="thread" models the
 reducers' progress thread (--reduction_progress thread), or a library or network that progresses on
 its own: collectives run one after another from the moment each is started, overlapping the rest of
-backward; exposed communication is what remains after it. The progress modes are the reducers'
+backward; exposed communication is what remains after it. A link that moves posted bytes on its own
+(Link.background: sockets, RDMA) progresses "test" collectives so too: each step's transfer goes on during the
+layers, and the reducers' test() between layers starts the next. The progress modes are the reducers'
 (reducers.PROGRESS), and so are the reductions (reducers.NAMES).
 """
 
@@ -171,7 +173,9 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     collectives_per_step = (len(messages) + gathers if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
-    exposed = _exposed(messages, durations, end_of_backward, progress == "test" or reduction == "blocking")
+    over = machine.link("inter" if reduction == "hierarchical" else collectives.default_level(np, machine))
+    exposed = _exposed(messages, durations, end_of_backward,
+                       (progress == "test" and not over.background) or reduction == "blocking")
     comm_s, exposed = comm_s + flight_s, exposed + gather_s  # ZeRO's allgathers: of the shards, or stage 3's
     return Prediction(
         model=name or model.name, batch_size=batch_size, np=np, threads=threads, parallel=parallel,

@@ -133,13 +133,19 @@ def recomputed(model, mode, unit_slice=slice(None)):
 
 def layer_times(costs, grads, machine, threads, crowding, again=frozenset()):
     """([LayerTime], compute_s, memory_s, calls_s) of one forward and backward of `costs` (costs.layer_costs);
-    the layers named in `again` run their forward twice, the second time in backward (recomputation)."""
+    the layers named in `again` run their forward twice, the second time in backward (recomputation). Where
+    the machine's layer profile has a layer's measured times, its forward (call and phase) and its backward
+    (call and both phases) are scaled, each as a whole, to them (times crowding)."""
     fixed = machine.overheads
+    profile = machine.layer_profile
     times, compute_s, memory_s, calls_s = [], 0.0, 0.0, 0.0
     for c in costs:
         call_fwd, call_bwd = (s * crowding for s in fixed.call_s(c.kind))
         parts = [phase_seconds(ph, c.kernel_class, machine, threads, crowding)
                  for ph in (c.forward, c.backward_data, c.backward_weights)]
+        measured = profile.seconds(c, threads) if profile is not None else None
+        if measured is not None:
+            (call_fwd, call_bwd), parts = _to_measured(call_fwd, call_bwd, parts, measured, crowding)
         repeat = parts[0][0] if c.name in again else 0.0
         if c.name in again:
             parts.append(parts[0])
@@ -153,6 +159,20 @@ def layer_times(costs, grads, machine, threads, crowding, again=frozenset()):
         times.append(LayerTime(c.name, c.kind, c.algorithm, fwd + call_fwd, bwd_data + repeat + call_bwd, bwd_weights,
                                heavier, grads.get(c.name, 0)))
     return times, compute_s, memory_s, calls_s
+
+
+def _to_measured(call_fwd, call_bwd, parts, measured, crowding):
+    """((forward call, backward call), phase parts) scaled so that forward (its call and phase) and backward (its
+    call and two phases) take the measured (forward_s, backward_s) times crowding; a side the roofline gives no
+    time takes it all in its call."""
+    out, calls = list(parts), []
+    for call, idx, seconds in ((call_fwd, (0,), measured[0]), (call_bwd, (1, 2), measured[1])):
+        total = call + sum(parts[i][0] for i in idx)
+        scale = seconds * crowding / total if total > 0 else 0.0
+        for i in idx:
+            out[i] = (parts[i][0] * scale, parts[i][1])
+        calls.append(call * scale if total > 0 else seconds * crowding)
+    return tuple(calls), out
 
 
 def accumulation_s(param_bytes, micro_batches, machine, threads, crowding):
