@@ -21,8 +21,9 @@ used during the run (/proc/stat minus its children's CPU time).
 
 Predicted: pydtnn.perfmodel.predict on the same model, batch, np, threads and reducer (MPICH's allreduce
 algorithm choice modelled by "best", the cheapest of the textbook algorithms; SGD with momentum, as the
-trainer's default; progress only inside MPI calls, as MPICH here). Every rank runs on this one machine,
-so the machine file's processes_per_node is set to NP: the flat collectives use the intra-node link,
+trainer's default; progress only inside MPI calls, as MPICH over shared memory here, but on an emulated
+TCP link the kernel moves a posted message's bytes on its own: Link.background). Every rank runs on this one
+machine, so the machine file's processes_per_node is set to NP: the flat collectives use the intra-node link,
 and compute slows by NP x threads / cores when the ranks ask for more threads than there are cores
 (predict's oversubscription factor).
 
@@ -164,10 +165,12 @@ def quick_configs(emulate):
 def machine_for(base, np_, link=None):
     """The machine a configuration runs on: `base` with every rank on its one node, and with `link`
     ({"latency_s", "bandwidth_bytes_per_s" of the whole emulated loopback}) as the intra-node link
-    when the network is emulated, each rank getting 1/np of the rate (see the module docstring)."""
+    when the network is emulated, each rank getting 1/np of the rate (see the module docstring): TCP, whose
+    kernel sends a posted message's bytes while the ranks compute (Link.background)."""
     m = dataclasses.replace(base, processes_per_node=np_)
     if link is not None:
-        m = m.with_link("intra", bandwidth=link["bandwidth_bytes_per_s"] / np_, latency=link["latency_s"])
+        m = m.with_link("intra", bandwidth=link["bandwidth_bytes_per_s"] / np_, latency=link["latency_s"],
+                        background=True)
     return m
 
 
@@ -397,6 +400,21 @@ def make_point(config, prediction, measurement):
             "measured": measurement, "error_pct": error_pct(prediction["step_s"], measurement["step_s"])}
 
 
+def fits_the_cores(points, cores):
+    """Report lines: the step error where the processes x threads fit the machine's cores, and apart where they
+    outnumber them (oversubscribed)."""
+    out = []
+    for name, keep in (("fit the cores", lambda c: c["np"] * c["threads"] <= cores),
+                       ("outnumber the cores", lambda c: c["np"] * c["threads"] > cores)):
+        errs = [p["error_pct"] for p in points if keep(p["config"])]
+        if errs:
+            worst = max(errs, key=abs)
+            out.append(f"Where the processes x threads {name} ({cores}): median absolute step error "
+                       f"{statistics.median(map(abs, errs)):.1f}%, worst {worst:+.1f}%, "
+                       f"{sum(abs(e) <= 15 for e in errs)} of {len(errs)} within 15%.")
+    return out
+
+
 def report(run):
     """The markdown report of a run (the JSON's layout)."""
     points, s = run["points"], run["summary"]
@@ -431,6 +449,7 @@ def report(run):
                      f"{100 * s['layer_min_share']:.0f}% of their step) | {yes(s['met']['median_layer'])} |")
     lines += ["", (f"Step error: mean {s['mean_step_error_pct']:+.1f}% (signed; positive = predicted slower), "
                   f"{s['within_10pct']} of {s['configurations']} within 10%.")]
+    lines += fits_the_cores(points, run["machine"]["cores"])
     for key in ("network", "np", "model", "parallel"):
         parts = [f"{k}: {v['median_abs_pct']:.1f}% (signed {v['median_pct']:+.1f}%, n={v['n']})"
                  for k, v in s.get(f"by_{key}", {}).items()]

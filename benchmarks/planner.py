@@ -5,7 +5,7 @@ measured orders.
 
     python benchmarks/planner.py [--out docs/planner_benchmark.json] [--plot docs/perfmodel_planner.png]
                                  [--networks unlimited,1gbit,200mbit] [--top 5] [--warmup 2] [--steps 5]
-                                 [--only TEXT] [--resume]
+                                 [--rounds 2] [--only TEXT] [--resume]
     python benchmarks/planner.py --from_json docs/planner_benchmark.json      # the table and plot again
 
 Cases: vgg11bn_cifar10, resnet20_cifar10 and mobilenetv1_cifar10 at np 2 and 4, 128 samples a step over the
@@ -16,10 +16,10 @@ benchmarks/sharding.py does; its first --top layouts are taken (a bucket size's 
 once), and `--parallel data` (the bucketed reducer at 25 MB) beside them. The first is the planner's choice
 (the default kept where nothing is predicted more than planner.MARGIN faster); the regret of the fastest
 predicted one is reported beside it. Each is trained in fresh processes for --warmup untimed and --steps timed
-steps on random images written as CIFAR-10 files (benchmarks/parallelism.py's write_dataset: a small test set),
-one thread per process, every convolution with its threshold algorithm (--conv_autotune false, as the model
-costs it); a step is the slowest rank's span, the median over the timed steps
-(perfmodel_validation.run_traced).
+steps, --rounds times (interleaved: every layout once, then again; its least step kept), on random images
+written as CIFAR-10 files (benchmarks/parallelism.py's write_dataset: a small test set), one thread per
+process, every convolution with its threshold algorithm (--conv_autotune false, as the model costs it); a
+step is the slowest rank's span, the median over the timed steps (perfmodel_validation.run_traced).
 """
 
 import argparse
@@ -120,6 +120,24 @@ def summarize(case):
     return case
 
 
+def measure_case(case, layouts, common, dataset, tmp, args):
+    """[{flags, predicted_s, measured_s, rounds_s}] of `layouts` (Choices), each trained --rounds times, the
+    rounds interleaved (every layout once, then again), so that a spell of a slower machine falls on all of
+    them alike; a layout's step is the least of its rounds' (a quiet machine's)."""
+    rounds = {c.flags: [] for c in layouts}
+    for r in range(args.rounds):
+        for c in layouts:
+            trace = os.path.join(tmp, "trace.json")
+            meas, _, _ = validation.run_traced(command(case, c.flags, common, dataset, trace, args.warmup, args.steps),
+                                               validation.thread_env(1), tmp, trace, case["np"], args.warmup, 0.0,
+                                               f"{label(case)} {' '.join(c.flags)}", RUN_TIMEOUT_S)
+            rounds[c.flags].append(meas["step_s"])
+            print(f"  round {r + 1}: {' '.join(c.flags)}: predicted {1e3 * c.step_s:.0f} ms, measured "
+                  f"{1e3 * meas['step_s']:.0f} ms", file=sys.stderr, flush=True)
+    return [{"flags": list(c.flags), "predicted_s": c.step_s, "measured_s": min(rounds[c.flags]),
+             "rounds_s": rounds[c.flags]} for c in layouts]
+
+
 def drive(args):
     from pydtnn import models
     from pydtnn.perfmodel import machine as machines
@@ -137,7 +155,8 @@ def drive(args):
         with open(args.out, encoding="utf-8") as f:
             saved = {label(c): c for c in json.load(f)["cases"]}
     run = {"host": validation.host(), "commit": validation.commit(), "machine_file": os.path.relpath(args.machine, ROOT),
-           "global_batch_size": GLOBAL_BATCH, "warmup": args.warmup, "steps": args.steps, "margin": planner.MARGIN,
+           "global_batch_size": GLOBAL_BATCH, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+           "margin": planner.MARGIN,
            "links": links, "cases": [], "wall_s": 0.0}
     cases = [{"model": m, "np": n, "network": net} for net in networks for m in MODELS for n in NPS
              if (m, net) not in SKIPPED]
@@ -152,16 +171,8 @@ def drive(args):
                                               with_memory=False)
             dataset = parallelism.write_dataset(os.path.join(tmp, case["model"]), *models.defaults(case["model"]),
                                                 train_samples=4 * GLOBAL_BATCH)
-            case.update(commit=run["commit"], common=list(common), runs=[])
-            for c in picked(choices, args.top):
-                trace = os.path.join(tmp, "trace.json")
-                meas, _, _ = validation.run_traced(command(case, c.flags, common, dataset, trace,
-                                                           args.warmup, args.steps),
-                                                   validation.thread_env(1), tmp, trace, case["np"], args.warmup, 0.0,
-                                                   f"{label(case)} {' '.join(c.flags)}", RUN_TIMEOUT_S)
-                case["runs"].append({"flags": list(c.flags), "predicted_s": c.step_s, "measured_s": meas["step_s"]})
-                print(f"  {' '.join(c.flags)}: predicted {1e3 * c.step_s:.0f} ms, measured "
-                      f"{1e3 * meas['step_s']:.0f} ms", file=sys.stderr, flush=True)
+            case.update(commit=run["commit"], common=list(common),
+                        runs=measure_case(case, picked(choices, args.top), common, dataset, tmp, args))
             run["cases"].append(summarize(case))
             run["wall_s"] = time.perf_counter() - t0
             with open(args.out, "w", encoding="utf-8") as f:  # every case saved as it is measured
@@ -233,6 +244,7 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=5, help="the planner's first layouts measured (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    p.add_argument("--rounds", type=int, default=2, help="times each layout is measured, interleaved (default 2)")
     p.add_argument("--only", help="only the cases whose label contains this text")
     p.add_argument("--resume", action="store_true", help="keep the cases --out already holds, measure the rest")
     p.add_argument("--from_json", help="the table and plot of a saved run")

@@ -16,6 +16,7 @@ layout (YAML or JSON, same keys):
     # optional (older files without them load with the defaults):
     #   links[level].collectives: {op: {latency_s, bandwidth_bytes_per_s}}  the link as one collective sees it,
     #   fitted on that operation's own times (calibrate's MPI probe); ops without one use the level's figures
+    #   links[level].background: true  the link moves posted bytes on its own (sockets, RDMA; default false)
     thread_scaling_by_class: {gemm: {2: 1.9}, depthwise: {2: 1.3}}  # per kernel class; default thread_scaling
     thread_serial_s: {2: 1.0e-4}              # seconds of each kernel call that t threads do not share (default 0)
     overheads:                                # seconds, fixed costs outside the layers' arithmetic (default 0)
@@ -26,6 +27,7 @@ layout (YAML or JSON, same keys):
       oversubscribed_collective_s: 2.0e-3     # per collective when a node's ranks x threads exceed its cores
       layer_calls:                            # per layer kind (class name) where measured; others use the above
         ReLU: {forward_s: 1.0e-5, backward_s: 1.2e-5}
+    layer_profile: layers.json                # measured layer times (pydtnn-perfmodel profile), relative to this file
 """
 
 import dataclasses
@@ -136,7 +138,8 @@ class Machine:
     "intra" (same node) and "inter" (between nodes); thread_scaling_by_class[kernel class][threads] the
     speed-up of that class where it differs from thread_scaling; thread_serial_s[threads] the seconds of
     each kernel call (a layer's phase) that `threads` threads do not share (a small call gains less from
-    threads than a large one; see threaded_seconds); overheads the fixed costs outside the arithmetic.
+    threads than a large one; see threaded_seconds); overheads the fixed costs outside the arithmetic;
+    layer_profile a layer_profile.LayerProfile whose measured layers replace the roofline (None: none).
     Every field is checked when it is made (ConfigError)."""
 
     name: str
