@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pydtnn.errors import ConfigError
-from pydtnn.perfmodel import layer_profile, machine
+from pydtnn.perfmodel import layer_profile, layer_timing, machine
 from pydtnn.perfmodel.cli import main
 from pydtnn.perfmodel.costs import layer_costs
 from pydtnn.perfmodel.predict import predict
@@ -18,7 +18,7 @@ MODEL = "simplecnn"
 
 @pytest.fixture(scope="module")
 def profile():
-    return layer_profile.measure([MODEL], batches=(2, 8), threads=(1,), steps=2, warmup=1)
+    return layer_timing.measure([MODEL], batches=(2, 8), threads=(1,), steps=2, warmup=1)
 
 
 def test_interpolation_is_linear_between_and_beyond_the_measured_batches():
@@ -115,3 +115,27 @@ def test_profile_writes_and_merges(tmp_path, capsys):
     got = layer_profile.load(out)
     assert all(sorted(by_t[1]) == [2, 4] for by_t in got.layers.values())
     assert "distinct layers of simplecnn" in capsys.readouterr().err
+
+
+def test_split_layers_take_the_ratio_of_their_kind_in_the_whole_model():
+    """Model parallelism holds split layers the profile lacks: each is scaled by the ratio of measured to roofline
+    time that the whole model's profiled layers of its kind and algorithm show (here 2x, by construction)."""
+    from pydtnn.perfmodel.step_parts import phase_seconds, profile_scales
+
+    _, model = build_model(MODEL)
+    base = dataclasses.replace(machine.DEFAULT, processes_per_node=2)
+    layers = {}
+    for c in layer_costs(model, 4):
+        call_f, call_b = base.overheads.call_s(c.kind)
+        f, bd, bw = (phase_seconds(ph, c.kernel_class, base)[0]
+                     for ph in (c.forward, c.backward_data, c.backward_weights))
+        layers[c.signature] = {1: {4: (2 * (call_f + f), 2 * (call_b + bd + bw))}}
+    m = dataclasses.replace(base, layer_profile=layer_profile.LayerProfile(layers))
+    scales = profile_scales(layer_costs(model, 4), m, 1)
+    assert scales and all(v == pytest.approx((2.0, 2.0)) for v in scales.values())
+    split, plain = predict(model, 4, 2, m, parallel="model"), predict(model, 4, 2, base, parallel="model")
+    scaled = [(a, b) for a, b in zip(split.layers, plain.layers) if (a.kind, a.algorithm) in scales]
+    assert scaled
+    for a, b in scaled:
+        assert a.forward_s == pytest.approx(2 * b.forward_s)
+        assert a.backward_data_s + a.backward_weights_s == pytest.approx(2 * (b.backward_data_s + b.backward_weights_s))

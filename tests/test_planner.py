@@ -206,7 +206,7 @@ with open(f"{out}/rank{{comm.rank}}.json", "w") as f:
 
 
 def test_parallel_auto_takes_rank_0s_choice_on_every_rank(tmp_path):
-    """np 2: each rank's flags after choose() are those of the plan's fastest layout, the same on both."""
+    """np 2: each rank's flags after choose() are those of the plan's first layout, the same on both."""
     r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", CHOOSE.format(machine=MACHINE, out=str(tmp_path))],
                        capture_output=True, text=True, timeout=300, env=ENV, check=False)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -17,7 +17,8 @@ sweep.py          the five axes of Castello et al. (PDP 2021), as PNGs
 calibrate.py      the machine description measured on this machine, put together from the three below
 kernel_timing.py  real layers timed forward plus backward: kernel-class rates, thread scaling, bandwidths
 overheads.py      the fixed costs of layer calls, optimizer and step, from the Trainer's trace of a tiny model
-layer_profile.py  a model's own layers timed on one process, which predict takes in place of the roofline
+layer_profile.py  measured layer times (a layer profile), which predict takes in place of the roofline
+layer_timing.py   a layer profile measured: a model's own layers timed on one process
 mpi_links.py      mpi_probe.py run under mpiexec, and the links fitted on its times
 mpi_probe.py      the MPI timings themselves, under mpiexec
 cli.py            the pydtnn-perfmodel command (collective, predict, memory, calibrate, sweep, plan, profile)

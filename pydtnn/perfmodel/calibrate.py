@@ -203,7 +203,8 @@ def calibrate(threads=(1, 2), np_=2, level="intra", base=None, name=None, quick=
     name = name or (f"{model_name} ({n_cores} cores)" if model_name else f"{n_cores}-core machine")
     machine = Machine(name=name, cores=n_cores, processes_per_node=processes_per_node, rates=rates[1],
                       thread_scaling=scaling, memory_bandwidth=bandwidth, reduce_rate=gamma_rate, links=links,
-                      thread_scaling_by_class=by_class, thread_serial_s=serial, overheads=fixed)
+                      thread_scaling_by_class=by_class, thread_serial_s=serial, overheads=fixed,
+                      layer_profile=base.layer_profile)
     return machine, Report(timings, rates, probe, level, bandwidth, gamma_rate, fixed_detail, crowded, small_timings)
 
 
@@ -223,7 +224,7 @@ def _measure_network(np_, level, base, quick, mpi, mpi_timeout, progress, given=
         alpha, beta = fit_alpha_beta(sizes, seconds)
     except ValueError as e:
         raise PydtnnError(f"the MPI probe's ping-pong times give no {level} link: {e}") from None
-    links[level] = Link(latency_s=alpha, bandwidth_bytes_per_s=1.0 / beta)
+    links[level] = Link(latency_s=alpha, bandwidth_bytes_per_s=1.0 / beta, background=base.links[level].background)
     progress(f"{level} link: latency {alpha * 1e6:.2f} us, bandwidth {1 / beta / 1e9:.3f} GB/s")
     if level != "intra" or given is not None:
         return links, processes_per_node if given is None else np_, probe, crowded

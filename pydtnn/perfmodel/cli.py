@@ -4,7 +4,8 @@
   predict     predicted time of one training step, per layer and split into compute, memory and communication
   calibrate   measure this machine (kernel rates, bandwidths, one network level) into a machine file
   sweep       throughput and exposed communication along five axes (batch, rate, bandwidth, link, nodes)
-  plan        every layout a model can run in on P processes, ranked by predicted step, what does not fit dropped
+  plan        every layout a model can run in on P processes, ranked by predicted step (plain data parallelism
+              first unless beaten by 5%), what does not fit dropped
   profile     time every distinct layer of some models on this machine into a layer profile (measured layer times)
 
 Each subcommand is an add_<name>(subparsers) that declares its flags and a run_<name>(args) that
@@ -489,8 +490,7 @@ def add_profile(subparsers):
                                           "layer profile (JSON). A machine file's `layer_profile: FILE` makes the "
                                           "model take these times in place of its roofline "
                                           "(pydtnn/perfmodel/layer_profile.py).")
-    p.add_argument("--model", required=True, type=lambda t: [m for m in t.split(",") if m.strip()],
-                   help="models of the zoo, comma separated")
+    p.add_argument("--model", required=True, type=model_list, help="models of the zoo, comma separated")
     p.add_argument("--out", required=True, help="the layer profile to write (JSON)")
     p.add_argument("--batch_sizes", type=count_list, default=[4, 8, 16, 32, 64, 128],
                    help="samples per step timed (default 4,8,16,32,64,128)")
@@ -502,16 +502,31 @@ def add_profile(subparsers):
     p.set_defaults(run=run_profile)
 
 
+def model_list(text):
+    """argparse type: a comma list of model names ("resnet20_cifar10,vgg16")."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of models of the zoo, got {text!r}")
+    return names
+
+
 def run_profile(args):
     import os
 
-    from pydtnn.perfmodel import layer_profile
+    from pydtnn.errors import ConfigError
+    from pydtnn.files import check_writable
+    from pydtnn.perfmodel import layer_profile, layer_timing
+    from pydtnn.perfmodel.calibrate import cpu_model
     from pydtnn.perfmodel.simulate import build_model
 
+    check_writable(args.out, "layer profile")  # before anything is measured: a bad path costs nothing
     for name in args.model:
         build_model(name)  # an unknown name is one line before anything is measured
     into = layer_profile.load(args.out) if args.merge and os.path.exists(args.out) else None
-    profile = layer_profile.measure(args.model, args.batch_sizes, args.threads, args.steps, args.warmup,
+    if into is not None and into.about.get("cpu", cpu_model()) != cpu_model():
+        raise ConfigError(f"--merge: {args.out} was measured on {into.about['cpu']!r}; expected this machine's CPU "
+                          f"{cpu_model()!r} (write another file)")
+    profile = layer_timing.measure(args.model, args.batch_sizes, args.threads, args.steps, args.warmup,
                                     progress=lambda line: print(f"profile: {line}", file=sys.stderr, flush=True),
                                     into=into)
     layer_profile.save(profile, args.out)

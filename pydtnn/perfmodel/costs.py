@@ -224,10 +224,13 @@ def _cost(layer, n, need_dx):
 
 def signature(layer, algorithm, need_dx):
     """What a built layer computes, whatever its path: its description (Layer.describe: kind and
-    hyperparameters), input and output shapes, algorithm, whether it computes dx, and dtype."""
+    hyperparameters), input and output shapes, parameters (a bias or not), algorithm, whether it computes dx,
+    and dtype."""
     shape = "x".join(map(str, layer.input_shape or ()))
     out = "x".join(map(str, layer.output_shape or ()))
-    return f"{layer.describe()} {shape}->{out} {algorithm or '-'} dx{int(need_dx)} {np.dtype(layer.dtype).name}"
+    params = sum(int(p.size) for p in layer.params.values())
+    return (f"{layer.describe()} {shape}->{out} p{params} {algorithm or '-'} dx{int(need_dx)} "
+            f"{np.dtype(layer.dtype).name}")
 
 
 def _size(shape):

@@ -238,8 +238,8 @@ class Machine:
         return self.links[level]
 
     def with_link(self, level, bandwidth=None, latency=None, background=None):
-        """A copy with link `level` given a new bandwidth (bytes/s), latency (s) and/or background (Link); None
-        keeps a value. The level's per-collective fits are dropped: they were measured on the old link."""
+        """A copy with link `level` given a new bandwidth (bytes/s), latency (s) and/or background (a bool, see
+        Link); None keeps a value. The level's per-collective fits are dropped: they were measured on the old link."""
         old = self.link(level)
         new = Link(old.latency_s if latency is None else latency,
                    old.bandwidth_bytes_per_s if bandwidth is None else bandwidth,

@@ -23,6 +23,7 @@ from pydtnn.perfmodel.step_parts import (
     layer_times,
     micro_sizes,
     phase_seconds,
+    profile_scales,
     recomputed,
     thread_speedup,
     zero_costs,
@@ -151,10 +152,11 @@ def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule,
     costs = [{b: layer_costs(stage, b) for b in set(sizes)} for stage, _ in held]  # what crowding does not change
     group = [{b: split.group_messages(steps, b, itemsize, m, machine, algorithm) for b in set(sizes)}
              for _, steps in held]
+    scales = {b: profile_scales(layer_costs(model, b), machine, threads) for b in set(sizes)} if m > 1 else {}
     crowding = 1.0
     for attempt in range(8):  # a waiting stage sleeps and leaves its core: the cores are crowded by the busy share
         fwd, bwd, busy, first_times = _stage_times(held, sizes, costs, group, machine, threads, crowding, again,
-                                                   gathers and (*gathers, algorithm))
+                                                   gathers and (*gathers, algorithm), scales)
         line = timeline(fwd, bwd, msg, msg, schedule)
         settled = max(1.0, full * sum(line.busy) / (stages * line.end)) if line.end > 0 else 1.0
         if abs(settled - crowding) <= 1e-3 * crowding or attempt == 7:
@@ -183,11 +185,12 @@ def predict_pipeline_timeline(model, batch_size, stages, machine, micro_batches=
                            recompute)[-1]
 
 
-def _stage_times(held, sizes, costs, group, machine, threads, crowding, again, gathers=None):
+def _stage_times(held, sizes, costs, group, machine, threads, crowding, again, gathers=None, scales=None):
     """(forward[s][i], backward[s][i] seconds, each stage's busy {"compute_s", "memory_s", "calls_s", "group_s",
     "collectives", "gather_s", "flight_s"}, the first micro-batch's LayerTimes) of the pipeline's stages (held:
     stage_models) at micro-batches of `sizes`; costs[s]: {micro-batch size: costs.layer_costs of stage s};
-    group[s]: {size: its split.group_messages}; gathers: (replicas, level, algorithm) of ZeRO stage 3's gathers."""
+    group[s]: {size: its split.group_messages}; gathers: (replicas, level, algorithm) of ZeRO stage 3's gathers;
+    scales: {size: step_parts.profile_scales of the whole model} for stages split over groups."""
     stages = len(held)
     fwd = [[0.0] * len(sizes) for _ in range(stages)]
     bwd = [[0.0] * len(sizes) for _ in range(stages)]
@@ -196,7 +199,8 @@ def _stage_times(held, sizes, costs, group, machine, threads, crowding, again, g
     first_times = []
     for s, (stage, _) in enumerate(held):
         grads = parameter_bytes(stage)
-        per_size = {b: layer_times(costs[s][b], grads, machine, threads, crowding, again)[0] for b in costs[s]}
+        per_size = {b: layer_times(costs[s][b], grads, machine, threads, crowding, again, (scales or {}).get(b))[0]
+                    for b in costs[s]}
         first_times += per_size[sizes[0]]
         for i, b in enumerate(sizes):
             if gathers is not None:  # each layer's parameters gathered before it runs, as far as not hidden

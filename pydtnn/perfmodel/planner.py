@@ -122,7 +122,8 @@ LAYOUT_FLAGS = ("parallel", "model_parallel_size", "pipeline_stages", "stage_bou
 
 def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimizer="sgd", ranks_per_node=None,
          on_layout=None, base=None, built=None, with_memory=True, margin=MARGIN):
-    """([Choice] ranked by step time, fitting ones first; [(flags, reason)] the trainer refuses; the flags every
+    """([Choice] ranked by step time, fitting ones first, the default first where keep_default keeps it; [(flags,
+    reason)] the trainer refuses; the flags every
     layout's run takes besides its own: model, optimizer, global batch) of `model` (a registered name) on np_
     processes of `machine`. global_batch_size: samples per step over the job (default:
     the model's recipe batch per process x np_), which each layout divides over its replicas; memory_bytes:

@@ -65,6 +65,7 @@ from pydtnn.perfmodel.step_parts import (  # noqa: F401
     layer_times,
     micro_sizes,
     phase_seconds,
+    profile_scales,
     recomputed,
     reducer_messages,
     reduction_seconds,
@@ -143,7 +144,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     crowding = max(1.0, per_node * threads / machine.cores)  # how much slower shared cores make everything
     sizes = micro_sizes(batch_size, micro_batches)
     again = recomputed(held, recompute)
-    times, compute_s, memory_s, calls_s = step_layers(held, sizes, grads, machine, threads, crowding, again)
+    times, compute_s, memory_s, calls_s = step_layers(held, sizes, grads, machine, threads, crowding, again, model)
     forward_s = sum(t.forward_s for t in times)
     backward_s = sum(t.backward_data_s + t.backward_weights_s for t in times)
     param_bytes = sum(grads.values())
@@ -173,9 +174,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     collectives_per_step = (len(messages) + gathers if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
-    over = machine.link("inter" if reduction == "hierarchical" else collectives.default_level(np, machine))
-    exposed = _exposed(messages, durations, end_of_backward,
-                       (progress == "test" and not over.background) or reduction == "blocking")
+    exposed = _exposed(messages, durations, end_of_backward, _unprogressed(machine, np, reduction, progress))
     comm_s, exposed = comm_s + flight_s, exposed + gather_s  # ZeRO's allgathers: of the shards, or stage 3's
     return Prediction(
         model=name or model.name, batch_size=batch_size, np=np, threads=threads, parallel=parallel,
@@ -186,6 +185,14 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
         layers=times, model_parallel_size=m, group_comm_s=group_s, sync_s=sync_s, micro_batches=micro_batches,
         recompute=recompute, zero=zero,
     )
+
+
+def _unprogressed(machine, np, reduction, progress):
+    """Whether the reduction's messages wait for the end of backward: blocking, or progress "test" where a link
+    they cross moves bytes only inside MPI calls (not Link.background)."""
+    levels = ("intra", "inter") if reduction == "hierarchical" else (collectives.default_level(np, machine),)
+    background = all(machine.link(level).background for level in levels)
+    return reduction == "blocking" or (progress == "test" and not background)
 
 
 def _exposed(messages, durations, end_of_backward, blocking):
@@ -219,12 +226,15 @@ def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algo
                    schedule=schedule, stage_starts=stage_starts, zero=plan.zero, **shaping)
 
 
-def step_layers(held, sizes, grads, machine, threads, crowding, again=frozenset()):
-    """layer_times summed over micro-batches of `sizes` samples (each layer's LayerTime per step)."""
+def step_layers(held, sizes, grads, machine, threads, crowding, again=frozenset(), reference=None):
+    """layer_times summed over micro-batches of `sizes` samples (each layer's LayerTime per step); reference: the
+    whole model where `held` is a split share of it, whose profiled layers scale the split ones (profile_scales)."""
     cache, total = {}, None
     for b in sizes:
         if b not in cache:
-            cache[b] = layer_times(layer_costs(held, b), grads, machine, threads, crowding, again)
+            split_share = reference is not None and reference is not held
+            scales = profile_scales(layer_costs(reference, b), machine, threads) if split_share else None
+            cache[b] = layer_times(layer_costs(held, b), grads, machine, threads, crowding, again, scales)
         part = cache[b]
         if total is None:
             total = part

@@ -4,6 +4,7 @@ crowded cores), micro-batches and recomputation, and the reducer's messages with
 docstring says how each is modelled."""
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from pydtnn import recompute as recompute_module
@@ -131,11 +132,12 @@ def recomputed(model, mode, unit_slice=slice(None)):
             for p, _ in unit.named_layers(path)}
 
 
-def layer_times(costs, grads, machine, threads, crowding, again=frozenset()):
+def layer_times(costs, grads, machine, threads, crowding, again=frozenset(), scales=None):
     """([LayerTime], compute_s, memory_s, calls_s) of one forward and backward of `costs` (costs.layer_costs);
     the layers named in `again` run their forward twice, the second time in backward (recomputation). Where
     the machine's layer profile has a layer's measured times, its forward (call and phase) and its backward
-    (call and both phases) are scaled, each as a whole, to them (times crowding)."""
+    (call and both phases) are scaled, each as a whole, to them (times crowding); a layer it lacks whose kind and
+    algorithm `scales` has (profile_scales: a split layer) is scaled by that ratio of measured to roofline."""
     fixed = machine.overheads
     profile = machine.layer_profile
     times, compute_s, memory_s, calls_s = [], 0.0, 0.0, 0.0
@@ -144,6 +146,10 @@ def layer_times(costs, grads, machine, threads, crowding, again=frozenset()):
         parts = [phase_seconds(ph, c.kernel_class, machine, threads, crowding)
                  for ph in (c.forward, c.backward_data, c.backward_weights)]
         measured = profile.seconds(c, threads) if profile is not None else None
+        ratio = (scales or {}).get((c.kind, c.algorithm)) if measured is None else None
+        if ratio is not None:
+            measured = (ratio[0] * (call_fwd + parts[0][0]) / crowding,
+                        ratio[1] * (call_bwd + parts[1][0] + parts[2][0]) / crowding)
         if measured is not None:
             (call_fwd, call_bwd), parts = _to_measured(call_fwd, call_bwd, parts, measured, crowding)
         repeat = parts[0][0] if c.name in again else 0.0
@@ -159,6 +165,24 @@ def layer_times(costs, grads, machine, threads, crowding, again=frozenset()):
         times.append(LayerTime(c.name, c.kind, c.algorithm, fwd + call_fwd, bwd_data + repeat + call_bwd, bwd_weights,
                                heavier, grads.get(c.name, 0)))
     return times, compute_s, memory_s, calls_s
+
+
+def profile_scales(reference, machine, threads):
+    """{(kind, algorithm): (forward, backward) ratio of measured to roofline time}, the median over the layers of
+    `reference` (costs.layer_costs of a whole model) that the machine's layer profile has, for the layers it
+    lacks (the model's layers split over a group); {} without a profile."""
+    profile, ratios = machine.layer_profile, {}
+    for c in reference if profile is not None else ():
+        measured = profile.seconds(c, threads)
+        if measured is None:
+            continue
+        call_fwd, call_bwd = machine.overheads.call_s(c.kind)
+        parts = [phase_seconds(ph, c.kernel_class, machine, threads)[0]
+                 for ph in (c.forward, c.backward_data, c.backward_weights)]
+        roof = (call_fwd + parts[0], call_bwd + parts[1] + parts[2])
+        if roof[0] > 0 and roof[1] > 0:
+            ratios.setdefault((c.kind, c.algorithm), []).append((measured[0] / roof[0], measured[1] / roof[1]))
+    return {k: tuple(statistics.median(r[i] for r in v) for i in (0, 1)) for k, v in ratios.items()}
 
 
 def _to_measured(call_fwd, call_bwd, parts, measured, crowding):

@@ -172,8 +172,10 @@ def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algor
     """[Point] of `model` (built once, on a CPU backend) for every scheme and every value of every axis.
     reduction, algorithm, progress, density, micro_batches, recompute, zero (ZeRO's stage over the replicas):
     each point's plan's (predict.predict_plan; pipeline_micro_batches: the pipeline scheme's); on_point: called
-    once per point computed."""
+    once per point computed. A machine's layer profile is set aside (the roofline throughout), since measured
+    layers would not follow the rate and bandwidth axes."""
     points_out = []
+    machine = dataclasses.replace(machine, layer_profile=None)
     for scheme in SCHEMES:
         for axis in check_axes(axes):
             for value in axis_values(axis, machine, baseline, points):
