@@ -87,6 +87,8 @@ def test_a_machine_file_names_its_profile_relative_to_itself(profile, tmp_path):
     ('{"format": "pydtnn-layer-profile", "version": 1, "layers": {"x": {"1": {"4": [1.0]}}}}', "a bad entry"),
     ('{"format": "pydtnn-layer-profile", "version": 1, "layers": {"x": {"1": {"0": [1.0, 2.0]}}}}', "below 1"),
     ("[1, 2", "is not JSON"),
+    ('{"format": "pydtnn-layer-profile", "version": 1, "layers": {}, "about": [1]}', "expected a mapping"),
+    ('{"format": "pydtnn-layer-profile", "version": 1, "layers": {"x": {"1": {"4": [1.0, Infinity]}}}}', "a bad entry"),
 ])
 def test_a_bad_profile_is_one_error(tmp_path, text, says):
     path = tmp_path / "bad.json"
@@ -104,6 +106,27 @@ def test_profile_refuses_in_one_line(tmp_path, capsys, argv, says):
     assert main(["profile", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0] and not out.exists()
+
+
+def test_profile_checks_its_output_and_its_cpu_before_measuring(tmp_path, capsys, monkeypatch):
+    from pydtnn.perfmodel import layer_timing
+
+    monkeypatch.setattr(layer_timing, "measure", lambda *a, **k: pytest.fail("measured before refusing"))
+    assert main(["profile", "--model", MODEL, "--out", str(tmp_path / "no" / "p.json")]) == 2
+    assert "no" in capsys.readouterr().err.strip().splitlines()[-1]
+    other = tmp_path / "other.json"
+    layer_profile.save(layer_profile.LayerProfile({}, {"cpu": "another CPU"}), other)
+    assert main(["profile", "--model", MODEL, "--out", str(other), "--merge"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was measured on 'another CPU'" in err[0]
+
+
+def test_measuring_leaves_the_thread_count_as_it_was():
+    from pydtnn import runtime
+
+    runtime.configure(threads=1)
+    layer_timing.measure([MODEL], batches=(2,), threads=(2,), steps=1, warmup=0)
+    assert runtime.configured()["threads"] == 1
 
 
 def test_profile_writes_and_merges(tmp_path, capsys):
