@@ -209,9 +209,12 @@ def table(run):
 
 
 def plot(run, path):
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
+    colors = colormaps["tab20"]
     fig = Figure(figsize=(11, 4.4), constrained_layout=True)
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
@@ -225,12 +228,16 @@ def plot(run, path):
     for k, c in enumerate(run["cases"]):
         xs = [1e3 * r["measured_s"] for r in c["runs"]]
         ys = [1e3 * r["predicted_s"] for r in c["runs"]]
-        right.scatter(xs, ys, s=14, color=f"C{k % 10}", label=label(c))
-        right.scatter(xs[:1], ys[:1], s=60, facecolors="none", edgecolors=f"C{k % 10}")
+        right.scatter(xs, ys, s=14, color=colors(k % 20), label=label(c))
+        right.scatter(xs[:1], ys[:1], s=60, facecolors="none", edgecolors=colors(k % 20))
     top = max(max(1e3 * r["measured_s"], 1e3 * r["predicted_s"]) for c in run["cases"] for r in c["runs"])
     right.plot([0, top], [0, top], color="k", lw=0.8)
     right.set_xscale("log")
     right.set_yscale("log")
+    ticks = [t for t in (100, 200, 300, 500, 1000, 2000, 3000, 5000, 10000, 20000) if t <= 1.2 * top]
+    for axis in (right.xaxis, right.yaxis):
+        axis.set_minor_formatter(NullFormatter())
+        axis.set_ticks(ticks, [f"{t:g}" for t in ticks])
     right.set_xlabel("measured step (ms)")
     right.set_ylabel("predicted step (ms)")
     right.legend(fontsize=6)
