@@ -235,11 +235,9 @@ def _memory(args, plan, model, machine):
 def thread_list(text):
     """argparse type: a comma list of thread counts that includes 1 ("1,2")."""
     try:
-        values = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        values = []
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma list of thread counts >= 1 (1,2), got {text!r}")
+        values = count_list(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of thread counts >= 1 (1,2), got {text!r}") from None
     if values[0] != 1:
         raise argparse.ArgumentTypeError(f"expected 1 among the thread counts (rates are per thread), got {text!r}")
     return values
@@ -490,7 +488,7 @@ def add_profile(subparsers):
                                           "layer profile (JSON). A machine file's `layer_profile: FILE` makes the "
                                           "model take these times in place of its roofline "
                                           "(pydtnn/perfmodel/layer_profile.py).")
-    p.add_argument("--model", required=True, type=model_list, help="models of the zoo, comma separated")
+    p.add_argument("--model", required=True, type=name_list, help="models of the zoo, comma separated")
     p.add_argument("--out", required=True, help="the layer profile to write (JSON)")
     p.add_argument("--batch_sizes", type=count_list, default=[4, 8, 16, 32, 64, 128],
                    help="samples per step timed (default 4,8,16,32,64,128)")
@@ -500,14 +498,6 @@ def add_profile(subparsers):
     p.add_argument("--merge", action="store_true",
                    help="keep what --out holds, the layers measured again replaced")
     p.set_defaults(run=run_profile)
-
-
-def model_list(text):
-    """argparse type: a comma list of model names ("resnet20_cifar10,vgg16")."""
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected a comma list of models of the zoo, got {text!r}")
-    return names
 
 
 def run_profile(args):
