@@ -154,7 +154,7 @@ def test_split_layers_take_the_ratio_of_their_kind_in_the_whole_model():
                      for ph in (c.forward, c.backward_data, c.backward_weights))
         layers[c.signature] = {1: {4: (2 * (call_f + f), 2 * (call_b + bd + bw))}}
     m = dataclasses.replace(base, layer_profile=layer_profile.LayerProfile(layers))
-    scales = profile_scales(layer_costs(model, 4), m, 1)
+    scales = profile_scales(model, 4, m, 1)
     assert scales and all(v == pytest.approx((2.0, 2.0)) for v in scales.values())
     split, plain = predict(model, 4, 2, m, parallel="model"), predict(model, 4, 2, base, parallel="model")
     scaled = [(a, b) for a, b in zip(split.layers, plain.layers) if (a.kind, a.algorithm) in scales]

@@ -152,7 +152,7 @@ def _pipeline_parts(model, batch_size, stages, machine, micro_batches, schedule,
     costs = [{b: layer_costs(stage, b) for b in set(sizes)} for stage, _ in held]  # what crowding does not change
     group = [{b: split.group_messages(steps, b, itemsize, m, machine, algorithm) for b in set(sizes)}
              for _, steps in held]
-    scales = {b: profile_scales(layer_costs(model, b), machine, threads) for b in set(sizes)} if m > 1 else {}
+    scales = {b: profile_scales(model, b, machine, threads) for b in set(sizes)} if m > 1 else {}
     crowding = 1.0
     for attempt in range(8):  # a waiting stage sleeps and leaves its core: the cores are crowded by the busy share
         fwd, bwd, busy, first_times = _stage_times(held, sizes, costs, group, machine, threads, crowding, again,

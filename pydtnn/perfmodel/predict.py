@@ -233,7 +233,7 @@ def step_layers(held, sizes, grads, machine, threads, crowding, again=frozenset(
     for b in sizes:
         if b not in cache:
             split_share = reference is not None and reference is not held
-            scales = profile_scales(layer_costs(reference, b), machine, threads) if split_share else None
+            scales = profile_scales(reference, b, machine, threads) if split_share else None
             cache[b] = layer_times(layer_costs(held, b), grads, machine, threads, crowding, again, scales)
         part = cache[b]
         if total is None:

@@ -167,12 +167,14 @@ def layer_times(costs, grads, machine, threads, crowding, again=frozenset(), sca
     return times, compute_s, memory_s, calls_s
 
 
-def profile_scales(reference, machine, threads):
+def profile_scales(model, batch, machine, threads):
     """{(kind, algorithm): (forward, backward) ratio of measured to roofline time}, the median over the layers of
-    `reference` (costs.layer_costs of a whole model) that the machine's layer profile has, for the layers it
-    lacks (the model's layers split over a group); {} without a profile."""
+    the whole `model` at `batch` samples that the machine's layer profile has, for the layers it lacks (the
+    model's layers split over a group); {} without a profile (nothing costed)."""
+    from pydtnn.perfmodel.costs import layer_costs
+
     profile, ratios = machine.layer_profile, {}
-    for c in reference if profile is not None else ():
+    for c in layer_costs(model, batch) if profile is not None else ():
         measured = profile.seconds(c, threads)
         if measured is None:
             continue
