@@ -5,15 +5,16 @@ few batch sizes, which the performance model takes in place of its roofline wher
     save(profile, "layers.json")          # a machine file's `layer_profile: layers.json` makes predict() use it
     profile.seconds(cost, threads=1)      # (forward_s, backward_s) of a costs.LayerCost, or None
 
-A layer is known by its signature (costs.signature: its description, input and output shapes, algorithm,
-whether it computes dx, dtype), so the same layer at another place, in another model, a pipeline stage or a
-replica shares its times; a layer split over a model-parallel group has other shapes and keeps the roofline.
+A layer is known by its signature (costs.signature: its description, input and output shapes, parameters,
+algorithm, whether it computes dx, dtype), so the same layer at another place, in another model, a pipeline
+stage or a replica shares its times; a layer split over a model-parallel group has other shapes and keeps the
+roofline, scaled by its kind's ratio of measured to roofline time in the whole model (step_parts.profile_scales).
 A batch between two measured ones is interpolated linearly (a layer's time is close to a + b x batch); one
 outside them is extrapolated from the nearest two, never below half of the nearest one's time scaled by the
 batch ratio.
 
-Measured (layer_timing.py): each model built as pydtnn-perfmodel builds it (the design input, float32, the CPU backend's
-algorithm thresholds, as pydtnn-train --conv_autotune false runs), its own forward and backward through
+Measured (layer_timing.py): each model built as pydtnn-perfmodel builds it (the design input, float32, the CPU
+backend's algorithm thresholds, as pydtnn-train --conv_autotune false runs), its own forward and backward through
 Model.set_tracer's spans (each leaf layer's call, its Python overhead included), `warmup` untimed then `steps`
 timed steps per batch; a layer's time is the median over the steps, and a signature's the median over its
 layers. Blocks' combining steps are not spanned and keep the roofline. The file is JSON (FORMAT). This module
