@@ -35,8 +35,8 @@ each gets rate / NP: bandwidth = rate / NP. docs/distributed.md's check confirms
 16 MiB / rate = 0.134 s and 0.671 s. The link's latency is measured once per rate under the cap (the
 median one-way time of an 8-byte ping-pong over TCP), and the allreduce of 1 MiB at NP = 2 and 4 is timed
 next to its prediction, as a check of the bandwidth rule. The two-namespace mode (--nodes 2) is not
-used: its NP = 4 runs mix shared memory and TCP, where MPICH runs node-aware collectives that none of
-the flat algorithms describes.
+used here: its NP = 4 runs mix shared memory and TCP, where MPICH composes its allreduce over the nodes
+(Machine.node_aware_collectives); benchmarks/planner.py's two-node cases measure that.
 
 --from_json FILE keeps FILE's measurements (steps, layers, the emulated links' latencies) and predicts every
 configuration again with the code and the --machine file at hand, so a change to the model is judged

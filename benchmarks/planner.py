@@ -4,15 +4,19 @@ planner's first choice over the best measured step among them) and the rank corr
 measured orders.
 
     python benchmarks/planner.py [--out docs/planner_benchmark.json] [--plot docs/perfmodel_planner.png]
-                                 [--networks unlimited,1gbit,200mbit] [--top 5] [--warmup 2] [--steps 5]
-                                 [--rounds 2] [--only TEXT] [--resume]
+                                 [--machine F] [--models M1,M2]
+                                 [--networks unlimited,1gbit,200mbit,1gbit-2nodes] [--top 5] [--warmup 2]
+                                 [--steps 5] [--rounds 2] [--only TEXT] [--resume]
     python benchmarks/planner.py --from_json docs/planner_benchmark.json      # the table and plot again
 
-Cases: vgg11bn_cifar10, resnet20_cifar10 and mobilenetv1_cifar10 at np 2 and 4, 128 samples a step over the
-job, SGD with momentum, on each network of --networks (shared memory, or a rate that benchmarks/netem.py
-emulates on one node; VGG-11-BN not at 200 Mbit/s, where a case would take a quarter of an hour). The planner
-(pydtnn.perfmodel.planner.plan) predicts on --machine, with the emulated link from a probe of it as
-benchmarks/sharding.py does; its first --top layouts are taken (a bucket size's variants of one layout counted
+Cases: each model of --models (vgg11bn_cifar10, resnet20_cifar10, mobilenetv1_cifar10 and vgg16_cifar10 by
+default) at np 2 and 4, 128 samples a step over the job, SGD with momentum, on each network of --networks:
+shared memory ("unlimited"), a rate that benchmarks/netem.py emulates on one node ("1gbit", every rank in one
+namespace over TCP), or on two nodes ("1gbit-2nodes": np/2 ranks in each of two namespaces, shared memory inside
+a node, a veth pair capped at the rate each way between them). VGG-11-BN and VGG-16 are not run at 200 Mbit/s,
+where a case would take a quarter of an hour. The planner (pydtnn.perfmodel.planner.plan) predicts on --machine,
+with the emulated link from a probe of it as benchmarks/sharding.py does (on two nodes: the inter-node link,
+np/2 processes and half the cores per node, the MPI's node-aware allreduce, Machine.node_aware_collectives); its first --top layouts are taken (a bucket size's variants of one layout counted
 once), and `--parallel data` (the bucketed reducer at 25 MB) beside them. The first is the planner's choice
 (the default kept where nothing is predicted more than planner.MARGIN faster); the regret of the fastest
 predicted one is reported beside it. Each is trained in fresh processes for --warmup untimed and --steps timed
@@ -23,9 +27,11 @@ step is the slowest rank's span, the median over the timed steps (perfmodel_vali
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,15 +47,54 @@ import perfmodel_validation as validation  # noqa: E402
 from pydtnn.perfmodel import planner  # noqa: E402
 from pydtnn.perfmodel.mpi_links import mpiexec_path  # noqa: E402
 
-MODELS = ("vgg11bn_cifar10", "resnet20_cifar10", "mobilenetv1_cifar10")
+MODELS = ("vgg11bn_cifar10", "resnet20_cifar10", "mobilenetv1_cifar10", "vgg16_cifar10")
 NPS = (2, 4)
 GLOBAL_BATCH = 128
 RUN_TIMEOUT_S = 1800
-SKIPPED = {("vgg11bn_cifar10", "200mbit")}  # its 113 MB of gradients: 9 s a step at np 2, 15 minutes a case
+# 113 MB (VGG-11-BN) and 59 MB (VGG-16) of gradients: seconds a step at 200 Mbit/s, a quarter of an hour a case
+SKIPPED = {("vgg11bn_cifar10", "200mbit"), ("vgg16_cifar10", "200mbit")}
+TWO_NODES = "-2nodes"  # a network's suffix: the rate between two emulated nodes
 
 
 def label(case):
     return f"{case['model']} np{case['np']} {case['network']}"
+
+
+def rate_and_nodes(network):
+    """("1gbit", 2) of "1gbit-2nodes", ("1gbit", 1) of "1gbit"."""
+    return (network[: -len(TWO_NODES)], 2) if network.endswith(TWO_NODES) else (network, 1)
+
+
+def probe_two_nodes(rate):
+    """The link between two emulated nodes at `rate`, one rank each: {"rate", "nodes": 2, "bandwidth_bytes_per_s"
+    (the rate: each node's end of the veth pair has its own cap), "latency_s" (an 8-byte ping-pong's one-way
+    time), "allreduce": [{np, bytes, seconds}] (LINK_BYTES, through pydtnn's communicator, at np 2 and at np 4,
+    two ranks a node)}, by calibrate's MPI probe."""
+    out = {"rate": rate, "nodes": 2, "bandwidth_bytes_per_s": validation.parse_rate(rate) / 8, "allreduce": []}
+    for n in (2, 4):
+        proc = subprocess.run([sys.executable, validation.NETEM, "--rate", rate, "--nodes", "2", "--procs-per-node",
+                               str(n // 2), "--", mpiexec_path(), "-n", str(n), sys.executable, "-m",
+                               "pydtnn.perfmodel.mpi_probe", "--max_bytes", str(validation.LINK_BYTES)],
+                              capture_output=True, text=True, timeout=300, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"two-node link probe at {rate}, np {n}: exit status {proc.returncode}: "
+                               f"{proc.stderr.strip().splitlines()[-1:] or ''}")
+        rec = json.loads(proc.stdout.strip().splitlines()[-1])
+        out.setdefault("latency_s", rec["pingpong"][0][1])
+        size, seconds = rec["collectives"]["allreduce"][-1]
+        out["allreduce"].append({"np": n, "bytes": size, "seconds": seconds})
+    return out
+
+
+def machine_for(base, case, link):
+    """The machine of a case: perfmodel_validation.machine_for on one node; on two nodes np/2 processes on each,
+    half of base's cores each (the emulated nodes share this machine's), base's intra-node link (shared memory),
+    the probed link between them (sockets: Link.background), the MPI composing its allreduce over the nodes."""
+    if rate_and_nodes(case["network"])[1] == 1:
+        return validation.machine_for(base, case["np"], link)
+    m = dataclasses.replace(base, processes_per_node=case["np"] // 2, cores=max(1, base.cores // 2),
+                            node_aware_collectives=True)
+    return m.with_link("inter", bandwidth=link["bandwidth_bytes_per_s"], latency=link["latency_s"], background=True)
 
 
 def without_bucket(flags):
@@ -83,8 +128,12 @@ def command(case, flags, common, dataset, trace, warmup, steps):
              "--num_epochs", "1", "--learning_rate", validation.LR, "--tracing", "--tracer_output", trace,
              "--progress", "false", "--threads_per_process", "1", "--conv_autotune", "false"]
     train = [mpiexec_path(), "-n", str(case["np"]), *train]
-    if case["network"] != "unlimited":
-        train = [sys.executable, validation.NETEM, "--rate", case["network"], "--", *train]
+    rate, nodes = rate_and_nodes(case["network"])
+    if nodes == 2:
+        train = [sys.executable, validation.NETEM, "--rate", rate, "--nodes", "2", "--procs-per-node",
+                 str(case["np"] // 2), "--", *train]
+    elif rate != "unlimited":
+        train = [sys.executable, validation.NETEM, "--rate", rate, "--", *train]
     return train
 
 
@@ -153,7 +202,8 @@ def drive(args):
     if refusal:
         print(f"planner: the emulated networks skipped: {refusal}", file=sys.stderr)
         networks = ["unlimited"]
-    links = {rate: validation.probe_link(rate, nps=(2,)) for rate in networks if rate != "unlimited"}
+    links = {net: validation.probe_link(net, nps=(2,)) if rate_and_nodes(net)[1] == 1 else probe_two_nodes(
+        rate_and_nodes(net)[0]) for net in networks if net != "unlimited"}
     saved = {}
     if args.resume and os.path.exists(args.out):
         with open(args.out, encoding="utf-8") as f:
@@ -162,7 +212,7 @@ def drive(args):
            "global_batch_size": GLOBAL_BATCH, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
            "margin": planner.MARGIN,
            "links": links, "cases": [], "wall_s": 0.0}
-    cases = [{"model": m, "np": n, "network": net} for net in networks for m in MODELS for n in NPS
+    cases = [{"model": m, "np": n, "network": net} for net in networks for m in args.models.split(",") for n in NPS
              if (m, net) not in SKIPPED]
     cases = [c for c in cases if not args.only or args.only in label(c)]
     with tempfile.TemporaryDirectory(prefix="planner-") as tmp:
@@ -170,9 +220,10 @@ def drive(args):
             if label(case) in saved:
                 run["cases"].append(saved[label(case)])
                 continue
-            m = validation.machine_for(base, case["np"], links.get(case["network"]))
+            m = machine_for(base, case, links.get(case["network"]))
+            per_node = case["np"] // 2 if rate_and_nodes(case["network"])[1] == 2 and case["np"] > 2 else None
             choices, _, common = planner.plan(case["model"], case["np"], m, GLOBAL_BATCH, optimizer="sgd",
-                                              with_memory=False)
+                                              ranks_per_node=per_node, with_memory=False)
             dataset = parallelism.write_dataset(os.path.join(tmp, case["model"]), *models.defaults(case["model"]),
                                                 train_samples=4 * GLOBAL_BATCH)
             case.update(commit=run["commit"], common=list(common),
@@ -251,7 +302,9 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "planner_benchmark.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs", "perfmodel_planner.png"))
     p.add_argument("--machine", default=os.path.join(ROOT, "docs", "machine_xeon_avx512.yaml"))
-    p.add_argument("--networks", default="unlimited,1gbit,200mbit")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--networks", default="unlimited,1gbit,200mbit,1gbit-2nodes",
+                   help="unlimited (shared memory), a rate on one emulated node (1gbit), or on two (1gbit-2nodes)")
     p.add_argument("--top", type=int, default=5, help="the planner's first layouts measured (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")

@@ -237,3 +237,41 @@ def test_ab_step_compares_two_checkouts_step_for_step(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| simplecnn | 4 | 1 |" in out and "Median ratio over configurations" in out
     assert (tmp_path / "ab.json").exists()
+
+
+def test_planner_benchmark_runs_two_node_cases_in_two_namespaces_on_a_node_aware_machine(tmp_path, capsys):
+    """benchmarks/planner.py: a "RATE-2nodes" network launches the run under netem.py's two-node mode with np/2
+    ranks a node, and plans on half the cores a node, the probed link between the nodes and a node-aware MPI;
+    a saved run's table keeps each case's regret and rank correlation (--from_json)."""
+    import json
+
+    import planner as bench
+
+    from pydtnn.perfmodel import machine as machines
+
+    assert bench.rate_and_nodes("1gbit-2nodes") == ("1gbit", 2) and bench.rate_and_nodes("200mbit") == ("200mbit", 1)
+    case = {"model": "resnet20_cifar10", "np": 4, "network": "1gbit-2nodes"}
+    cmd = bench.command(case, ("--parallel", "data"), ("--model", "resnet20_cifar10"), [], "t.json", 1, 2)
+    assert cmd[cmd.index("--rate") + 1] == "1gbit" and cmd[cmd.index("--nodes") + 1] == "2"
+    assert cmd[cmd.index("--procs-per-node") + 1] == "2" and cmd[cmd.index("-n") + 1] == "4"
+    one = bench.command({**case, "network": "1gbit"}, (), (), [], "t.json", 1, 2)
+    assert "--nodes" not in one and one[one.index("--rate") + 1] == "1gbit"
+    base = machines.load(os.path.join(os.path.dirname(bench.HERE), "docs", "machine_vm.yaml"))
+    link = {"bandwidth_bytes_per_s": 1.25e8, "latency_s": 3e-5}
+    m = bench.machine_for(base, case, link)
+    assert (m.processes_per_node, m.cores, m.node_aware_collectives) == (2, 1, True)
+    assert m.link("inter") == machines.Link(3e-5, 1.25e8, background=True) and m.link("intra") == base.link("intra")
+    flat = bench.machine_for(base, {**case, "network": "1gbit"}, link)
+    assert (flat.processes_per_node, flat.node_aware_collectives) == (4, False)
+    runs = [{"flags": ["--parallel", "data"], "predicted_s": 0.30, "measured_s": 0.33},
+            {"flags": ["--parallel", "model"], "predicted_s": 0.40, "measured_s": 0.30},
+            {"flags": ["--parallel", "pipeline"], "predicted_s": 0.50, "measured_s": 0.60}]
+    saved = {"host": "test host", "commit": "abc", "wall_s": 1.0,
+             "cases": [bench.summarize({**case, "runs": runs})]}
+    assert saved["cases"][0]["regret"] == pytest.approx(1.1) and saved["cases"][0]["best"] == ["--parallel", "model"]
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    assert bench.main(["--from_json", str(path), "--plot", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| resnet20_cifar10 | 1gbit-2nodes | 4 | `--parallel data` | 300 | 330 | `--parallel model` | 300 | 1.100 |" in out
+    assert (tmp_path / "p.png").stat().st_size > 1000

@@ -101,6 +101,53 @@ def test_hierarchical_by_hand():
         rs_intra + ar_rab + ag_intra, rel=1e-12)
 
 
+def test_node_aware_by_hand():
+    """8 processes, 4 per node, an MPI that composes over the nodes: reduce to a leader inside each node, allreduce
+    among the 2 leaders, broadcast inside. Intra: alpha 1e-6, beta 1e-10; inter: alpha 1e-5, beta 1e-9."""
+    m = dataclasses.replace(machine(ppn=4, intra=(1e-6, 1e10), inter=(1e-5, 1e9)), node_aware_collectives=True)
+    reduce_tree = 2 * (1e-6 + 1e6 * (1e-10 + 5e-10))                       # binomial, 4 processes: 1.202e-3
+    reduce_rsg = (3 * 1e-6 + 0.75 * 1e6 * 6e-10) + (3 * 1e-6 + 0.75 * 1e-4)  # ring reduce-scatter + gather
+    ar_leaders = 2 * 1e-5 + 2 * 0.5 * 1e-3 + 0.5 * 1e6 * 5e-10              # ring, 2 leaders, whole gamma
+    bcast_rd = 2 * (2 * 1e-6 + 0.75 * 1e-4)                      # scatter + RD allgather: the cheapest in the node
+    assert reduce_rsg < reduce_tree
+    assert bcast_rd == pytest.approx(min(f(N, 4, 1e-6, 1e-10) for f in C.FORMULAS["broadcast"].values()), rel=1e-12)
+    expected = reduce_rsg + ar_leaders + bcast_rd
+    assert C.seconds("allreduce", "ring", N, 8, m) == pytest.approx(expected, rel=1e-12)
+    assert C.node_aware("allreduce", N, 8, m) == pytest.approx(expected, rel=1e-12)
+    bcast_leaders = (1 + 1) * 1e-5 + 2 * 0.5 * 1e-3                          # vdG among the 2 leaders
+    assert C.seconds("broadcast", "ring", N, 8, m) == pytest.approx(bcast_leaders + bcast_rd, rel=1e-12)
+    # one leader carries the whole buffer across: less than the flat ring over the 8 on the inter link
+    flat = C.seconds("allreduce", "ring", N, 8, m, level="inter")
+    assert expected < flat == pytest.approx(C.seconds("allreduce", "ring", N, 8, dataclasses.replace(
+        m, node_aware_collectives=False)), rel=1e-12)
+    # what MPICH does not compose stays flat, and so does a job on one node or a level named
+    assert C.seconds("allgather", "ring", N, 8, m) == C.seconds("allgather", "ring", N, 8, m, level="inter")
+    assert C.seconds("allreduce", "ring", N, 4, m) == C.seconds("allreduce", "ring", N, 4, m, level="intra")
+    assert C.seconds("allreduce", "hierarchical", N, 8, m) == pytest.approx(1.6135e-3, rel=1e-12)
+    with pytest.raises(ConfigError, match="node-aware 'allgather'"):
+        C.node_aware("allgather", N, 8, m)
+
+
+def test_node_aware_pays_the_inter_links_own_fit():
+    fit = Link(2e-5, 5e8)
+    base = machine(ppn=2, intra=(1e-6, 1e10), inter=(1e-5, 1e9))
+    m = dataclasses.replace(base, node_aware_collectives=True,
+                            links={"intra": base.links["intra"], "inter": Link(1e-5, 1e9, {"allreduce": fit})})
+    local = C.node_aware("allreduce", N, 4, m) - C.allreduce_ring(N, 2, 2e-5, 1 / 5e8, GAMMA)
+    plain = dataclasses.replace(m, links={"intra": base.links["intra"], "inter": Link(1e-5, 1e9)})
+    assert local == pytest.approx(C.node_aware("allreduce", N, 4, plain) - C.allreduce_ring(N, 2, 1e-5, 1e-9, GAMMA))
+
+
+def test_node_aware_collectives_in_the_machine_file(tmp_path):
+    m = dataclasses.replace(machine(ppn=2), node_aware_collectives=True)
+    assert to_dict(m)["node_aware_collectives"] is True and "node_aware_collectives" not in to_dict(machine())
+    path = tmp_path / "m.json"
+    save(m, str(path))
+    assert load(str(path)).node_aware_collectives is True
+    with pytest.raises(ConfigError, match="node_aware_collectives = 'yes' is invalid; expected true or false"):
+        from_dict({**to_dict(m), "node_aware_collectives": "yes"})
+
+
 @pytest.mark.parametrize("op", C.OPS)
 @pytest.mark.parametrize("p", [2, 3, 4, 7, 16])
 def test_hierarchical_with_one_process_per_node_is_the_flat_algorithm(op, p):

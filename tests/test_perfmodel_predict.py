@@ -252,6 +252,29 @@ def test_processes_beyond_a_node_pay_the_inter_node_link():
     assert across.comm_s > 5 * inside.comm_s
 
 
+def test_a_node_aware_mpi_reduces_across_nodes_with_one_leader_each_and_steps_on_both_links():
+    """machine.node_aware_collectives: the gradients' allreduces over 2 nodes of 2 cost collectives.node_aware (one
+    leader per node carries the buffer across); their three steps need both links to progress by themselves."""
+    model = mlp((300, 200, 100, 10))
+    sockets = machine(processes_per_node=2, links={"intra": Link(ALPHA, 1e10), "inter": Link(ALPHA, 1e8,
+                                                                                             background=True)})
+    aware = dataclasses.replace(sockets, node_aware_collectives=True)
+    flat, composed = (predict(model, 64, 4, m, reduction="bucketed", algorithm="ring") for m in (sockets, aware))
+    nbytes = sum(p.nbytes for _, p, _ in model.parameters())
+    assert composed.comm_s == pytest.approx(collectives.node_aware("allreduce", nbytes, 4, aware), rel=1e-9)
+    assert composed.comm_s < 0.8 * flat.comm_s
+    flat, composed = (predict(model, 64, 4, m, reduction="per_layer", algorithm="ring") for m in (sockets, aware))
+    assert flat.exposed_comm_s < flat.comm_s  # the inter link alone progresses the flat ring
+    assert composed.exposed_comm_s == pytest.approx(composed.comm_s)  # the shared-memory steps wait for test()
+    both = dataclasses.replace(aware, links={"intra": Link(ALPHA, 1e10, background=True),
+                                             "inter": Link(ALPHA, 1e8, background=True)})
+    assert predict(model, 64, 4, both, reduction="per_layer", algorithm="ring").exposed_comm_s < composed.comm_s
+    # inside one node the machine's MPI has nothing to compose
+    one = dataclasses.replace(aware, processes_per_node=4)
+    assert predict(model, 64, 4, one, reduction="bucketed").comm_s == pytest.approx(
+        predict(model, 64, 4, dataclasses.replace(one, node_aware_collectives=False), reduction="bucketed").comm_s)
+
+
 @pytest.mark.parametrize("bad,match", [({"parallel": "sequential"}, "parallel='sequential'"),
                                        ({"parallel": "pipeline", "schedule": "zigzag"}, "schedule='zigzag'"),
                                        ({"micro_batches": 0}, "micro_batches=0"),

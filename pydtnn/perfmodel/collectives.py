@@ -23,6 +23,9 @@ This is why recursive doubling costs more on 5 processes than on 8.
 
 Flat algorithms pay one link for every step: `level` ("intra" or "inter"; by default "intra" when all
 p processes fit on one node, "inter" otherwise). The hierarchical algorithm uses both (see hierarchical()).
+Where the machine's MPI library composes its collectives over the nodes (Machine.node_aware_collectives), an
+allreduce or broadcast over processes on more than one node, at the default level, is that composition with
+the named algorithm among the nodes (see node_aware()).
 Where the machine's link has a fit of its own for the operation (Link.collectives, measured by
 calibrate's MPI probe on that operation), alpha and beta are that fit's: the formula is the same, the
 link is the one that operation was seen to pay.
@@ -35,6 +38,7 @@ from pydtnn.errors import ConfigError
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
 HIERARCHICAL = "hierarchical"
+NODE_AWARE_OPS = ("allreduce", "broadcast")  # what MPICH composes over the nodes (its SMP collectives)
 
 
 def _fold(p):
@@ -222,11 +226,53 @@ def hierarchical(op, n, p, machine, inner="ring"):
     return inner_formula(n, nodes, A, B, g) + broadcast_binomial_tree(n, q, *local("broadcast"))
 
 
+def reduce_binomial_tree(n, p, alpha, beta, gamma):
+    """The whole buffer up a binomial tree to a root, added at each level: lg p (alpha + n beta + n gamma)."""
+    return _lg(p) * (alpha + n * (beta + gamma))
+
+
+def reduce_scatter_gather(n, p, alpha, beta, gamma):
+    """Ring reduce-scatter, then a gather of the p blocks to the root (MPICH's long-message reduce):
+    2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma."""
+    return reduce_scatter_ring(n, p, alpha, beta, gamma) + (p - 1) * alpha + (p - 1) / p * n * beta
+
+
+def node_aware(op, n, p, machine, inner="ring"):
+    """An MPI library's own two-level allreduce or broadcast (MPICH's SMP collectives): q = min(processes_per_node,
+    p) processes per node, N = ceil(p / q) nodes.
+      allreduce   reduce to each node's leader + `inner` allreduce among the N leaders + broadcast in the node
+      broadcast   `inner` broadcast among the N leaders + broadcast in the node
+    Unlike hierarchical(), whose inter-node step has every local rank carry its slice, one leader per node carries
+    the whole buffer across. The steps inside a node take the cheaper of their formulas (reduce: binomial tree or
+    reduce-scatter and gather; broadcast: every broadcast formula) on the intra link; the step among the nodes
+    pays the inter link's fit for `op` where it has one."""
+    if op not in NODE_AWARE_OPS:
+        raise ConfigError(f"node-aware {op!r}: expected one of {', '.join(NODE_AWARE_OPS)}")
+    inner_formula = _formula(op, inner)
+    _check_size(n, p)
+    p = int(p)
+    q = min(machine.processes_per_node, p)
+    nodes = -(-p // q)
+    intra, inter = machine.link("intra"), machine.link("inter").for_op(op)
+    g = machine.gamma
+    local = (n, q, intra.latency_s, intra.beta, g)
+    across = inner_formula(n, nodes, inter.latency_s, inter.beta, g)
+    spread = min(f(*local) for f in FORMULAS["broadcast"].values())
+    if op == "broadcast":
+        return across + spread
+    return min(reduce_binomial_tree(*local), reduce_scatter_gather(*local)) + across + spread
+
+
 def seconds(op, algorithm, nbytes, p, machine, level=None, inner="ring"):
     """Seconds for `op` over p processes on n = nbytes bytes (see the module's docstring for what n is)
     with `algorithm` on `machine`. level: the link a flat algorithm pays (None: default_level);
-    inner: the inter-node algorithm of "hierarchical" (which takes no level)."""
+    inner: the inter-node algorithm of "hierarchical" (which takes no level). A flat algorithm at the default level
+    over processes on more than one node is node_aware() where the machine's MPI composes `op` over the nodes."""
     _check_op(op)
+    _check_size(nbytes, p)
+    if (level is None and op in NODE_AWARE_OPS and machine.node_aware_collectives
+            and p > machine.processes_per_node and algorithm != HIERARCHICAL):
+        return node_aware(op, nbytes, p, machine, algorithm)
     if algorithm == HIERARCHICAL:
         if level is not None:
             raise ConfigError(f"level {level!r} applies to flat algorithms; {HIERARCHICAL} uses both the intra "

@@ -28,6 +28,8 @@ layout (YAML or JSON, same keys):
       layer_calls:                            # per layer kind (class name) where measured; others use the above
         ReLU: {forward_s: 1.0e-5, backward_s: 1.2e-5}
     layer_profile: layers.json                # measured layer times (pydtnn-perfmodel profile), relative to this file
+    node_aware_collectives: true              # the MPI library composes allreduce and broadcast over the nodes
+                                              # (MPICH's SMP collectives, on by default there; default false)
 """
 
 import dataclasses
@@ -44,7 +46,7 @@ KERNEL_CLASSES = ("gemm", "direct3x3", "depthwise", "elementwise")
 LEVELS = ("intra", "inter")
 FIELDS = ("name", "cores", "processes_per_node", "rates", "thread_scaling", "memory_bandwidth", "reduce_rate",
           "links")
-OPTIONAL_FIELDS = ("thread_scaling_by_class", "thread_serial_s", "overheads", "layer_profile")
+OPTIONAL_FIELDS = ("thread_scaling_by_class", "thread_serial_s", "overheads", "layer_profile", "node_aware_collectives")
 LINK_FIELDS = ("latency_s", "bandwidth_bytes_per_s")
 LINK_OPTIONAL_FIELDS = ("collectives", "background")
 OVERHEAD_FIELDS = ("layer_forward_s", "layer_backward_s", "parameter_s", "step_s", "oversubscribed_collective_s")
@@ -139,8 +141,11 @@ class Machine:
     speed-up of that class where it differs from thread_scaling; thread_serial_s[threads] the seconds of
     each kernel call (a layer's phase) that `threads` threads do not share (a small call gains less from
     threads than a large one; see threaded_seconds); overheads the fixed costs outside the arithmetic;
-    layer_profile a layer_profile.LayerProfile whose measured layers replace the roofline (None: none).
-    Every field is checked when it is made (ConfigError)."""
+    layer_profile a layer_profile.LayerProfile whose measured layers replace the roofline (None: none);
+    node_aware_collectives: the MPI library runs an allreduce or broadcast over processes on more than one node
+    in three steps, inside each node, among one leader per node, inside again (MPICH's SMP collectives,
+    MPIR_CVAR_ENABLE_SMP_COLLECTIVES, on by default; collectives.node_aware). Every field is checked when it
+    is made (ConfigError)."""
 
     name: str
     cores: int
@@ -154,6 +159,7 @@ class Machine:
     thread_serial_s: dict = dataclasses.field(default_factory=dict)
     overheads: Overheads = dataclasses.field(default_factory=lambda: Overheads())
     layer_profile: object = None  # a layer_profile.LayerProfile: measured layer times, used where it has them
+    node_aware_collectives: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.strip():
@@ -186,6 +192,9 @@ class Machine:
         if self.layer_profile is not None and not isinstance(self.layer_profile, LayerProfile):
             raise ConfigError(f"machine field layer_profile = {self.layer_profile!r} is invalid; expected a "
                               "LayerProfile (a file's layer_profile: the path of one)")
+        if not isinstance(self.node_aware_collectives, bool):
+            raise ConfigError(f"machine field node_aware_collectives = {self.node_aware_collectives!r} is invalid; "
+                              "expected true or false")
         if not isinstance(self.overheads, Overheads):
             raise ConfigError(f"machine field overheads = {self.overheads!r} is invalid; expected Overheads")
         _check_number("memory_bandwidth", self.memory_bandwidth, "bytes/s")
@@ -259,7 +268,8 @@ def to_dict(machine):
             "thread_serial_s": {int(t): float(s) for t, s in machine.thread_serial_s.items()},
             "overheads": _overheads_dict(machine.overheads),
             **({"layer_profile": machine.layer_profile.path} if machine.layer_profile is not None
-               and machine.layer_profile.path else {})}
+               and machine.layer_profile.path else {}),
+            **({"node_aware_collectives": True} if machine.node_aware_collectives else {})}
 
 
 def _overheads_dict(overheads):
@@ -332,7 +342,8 @@ def from_dict(data, source="machine description", folder="."):
             thread_serial_s={_threads(t): _number(s) for t, s in serial.items()},
             overheads=Overheads(**{k: _number(v) for k, v in overheads.items() if k != "layer_calls"},
                                 layer_calls={k: tuple(_number(c[f]) for f in CALL_FIELDS) for k, c in calls.items()}),
-            layer_profile=_profile(data.get("layer_profile"), folder, layer_profile))
+            layer_profile=_profile(data.get("layer_profile"), folder, layer_profile),
+            node_aware_collectives=data.get("node_aware_collectives", False))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 

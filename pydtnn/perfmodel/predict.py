@@ -171,10 +171,12 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     messages, durations = gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,
                                             len(sizes) > 1, zero, replicas, machine, algorithm, level)
     comm_s = sum(durations)
+    allreduces = m == 1 and zero < 2 and all(c == "allreduce" for _, c, _ in messages)
     collectives_per_step = (len(messages) + gathers if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
-    exposed = _exposed(messages, durations, end_of_backward, _unprogressed(machine, np, reduction, progress))
+    exposed = _exposed(messages, durations, end_of_backward, _unprogressed(machine, np, reduction, progress,
+                                                                                 allreduces))
     comm_s, exposed = comm_s + flight_s, exposed + gather_s  # ZeRO's allgathers: of the shards, or stage 3's
     return Prediction(
         model=name or model.name, batch_size=batch_size, np=np, threads=threads, parallel=parallel,
@@ -187,10 +189,15 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     )
 
 
-def _unprogressed(machine, np, reduction, progress):
+def _unprogressed(machine, np, reduction, progress, allreduces=True):
     """Whether the reduction's messages wait for the end of backward: blocking, or progress "test" where a link
-    they cross moves bytes only inside MPI calls (not Link.background)."""
-    levels = ("intra", "inter") if reduction == "hierarchical" else (collectives.default_level(np, machine),)
+    they cross moves bytes only inside MPI calls (not Link.background). Both levels (each step starts when a
+    test() finds the last one done) for the hierarchical reducer, and for the allreduces of a node-aware MPI over
+    the job's nodes (allreduces: the messages are allreduces over all np processes, collectives.node_aware)."""
+    composed = (machine.node_aware_collectives and allreduces and np > machine.processes_per_node
+                and reduction != "hierarchical")
+    levels = (("intra", "inter") if reduction == "hierarchical" or composed
+              else (collectives.default_level(np, machine),))
     background = all(machine.link(level).background for level in levels)
     return reduction == "blocking" or (progress == "test" and not background)
 
