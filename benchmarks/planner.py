@@ -238,20 +238,35 @@ def drive(args):
     return run
 
 
+def spread(case):
+    """How far apart one layout's rounds fall, the median over the case's layouts: (slowest - fastest) / fastest;
+    None without rounds. A regret below it is within the machine's own variation."""
+    apart = [(max(r["rounds_s"]) - min(r["rounds_s"])) / min(r["rounds_s"]) for r in case["runs"]
+             if len(r.get("rounds_s", ())) > 1]
+    return statistics.median(apart) if apart else None
+
+
 def table(run):
     lines = ["| model | network | np | planner's choice | predicted ms | measured ms | best measured | best ms | regret "
-             "| rank correlation |", "| --- | --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+             "| rank correlation | rounds apart |",
+             "| --- | --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for c in run["cases"]:
         first, best = c["runs"][0], min(c["runs"], key=lambda r: r["measured_s"])
         rho = "" if c["spearman"] is None else f"{c['spearman']:+.2f}"
+        apart = spread(c)
         lines.append(f"| {c['model']} | {c['network']} | {c['np']} | `{' '.join(first['flags'])}` | "
                      f"{1e3 * first['predicted_s']:.0f} | {1e3 * first['measured_s']:.0f} | "
-                     f"`{' '.join(best['flags'])}` | {1e3 * best['measured_s']:.0f} | {c['regret']:.3f} | {rho} |")
+                     f"`{' '.join(best['flags'])}` | {1e3 * best['measured_s']:.0f} | {c['regret']:.3f} | {rho} | "
+                     f"{'' if apart is None else f'{100 * apart:.0f}%'} |")
     regrets = [c["regret"] for c in run["cases"]]
     rhos = [c["spearman"] for c in run["cases"] if c["spearman"] is not None]
     lines.append("")
     lines.append(f"regret: median {statistics.median(regrets):.3f}, worst {max(regrets):.3f} over {len(regrets)} "
                  f"cases; rank correlation: median {statistics.median(rhos):+.2f}" if rhos else "")
+    apart = [(c["regret"], spread(c)) for c in run["cases"] if spread(c) is not None]
+    if apart:
+        lines.append(f"rounds apart: median {100 * statistics.median(a for _, a in apart):.0f}%; a regret beyond its "
+                     f"case's rounds apart in {sum(r - 1 > a for r, a in apart)} of {len(apart)} cases")
     fastest = [c["regret_fastest"] for c in run["cases"] if "regret_fastest" in c]
     if fastest:
         lines.append(f"the fastest predicted layout instead of the choice (no margin): regret median "

@@ -263,9 +263,9 @@ def test_planner_benchmark_runs_two_node_cases_in_two_namespaces_on_a_node_aware
     assert m.link("inter") == machines.Link(3e-5, 1.25e8, background=True) and m.link("intra") == base.link("intra")
     flat = bench.machine_for(base, {**case, "network": "1gbit"}, link)
     assert (flat.processes_per_node, flat.node_aware_collectives) == (4, False)
-    runs = [{"flags": ["--parallel", "data"], "predicted_s": 0.30, "measured_s": 0.33},
-            {"flags": ["--parallel", "model"], "predicted_s": 0.40, "measured_s": 0.30},
-            {"flags": ["--parallel", "pipeline"], "predicted_s": 0.50, "measured_s": 0.60}]
+    runs = [{"flags": ["--parallel", "data"], "predicted_s": 0.30, "measured_s": 0.33, "rounds_s": [0.33, 0.363]},
+            {"flags": ["--parallel", "model"], "predicted_s": 0.40, "measured_s": 0.30, "rounds_s": [0.36, 0.30]},
+            {"flags": ["--parallel", "pipeline"], "predicted_s": 0.50, "measured_s": 0.60, "rounds_s": [0.6, 0.6]}]
     saved = {"host": "test host", "commit": "abc", "wall_s": 1.0,
              "cases": [bench.summarize({**case, "runs": runs})]}
     assert saved["cases"][0]["regret"] == pytest.approx(1.1) and saved["cases"][0]["best"] == ["--parallel", "model"]
@@ -273,5 +273,6 @@ def test_planner_benchmark_runs_two_node_cases_in_two_namespaces_on_a_node_aware
     path.write_text(json.dumps(saved))
     assert bench.main(["--from_json", str(path), "--plot", str(tmp_path / "p.png")]) == 0
     out = capsys.readouterr().out
-    assert "| resnet20_cifar10 | 1gbit-2nodes | 4 | `--parallel data` | 300 | 330 | `--parallel model` | 300 | 1.100 |" in out
+    assert ("| resnet20_cifar10 | 1gbit-2nodes | 4 | `--parallel data` | 300 | 330 | `--parallel model` | 300 | 1.100 "
+            "| +0.50 | 10% |") in out  # rounds apart: the median of 10%, 20% and 0%
     assert (tmp_path / "p.png").stat().st_size > 1000

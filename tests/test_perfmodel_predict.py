@@ -269,6 +269,12 @@ def test_a_node_aware_mpi_reduces_across_nodes_with_one_leader_each_and_steps_on
     both = dataclasses.replace(aware, links={"intra": Link(ALPHA, 1e10, background=True),
                                              "inter": Link(ALPHA, 1e8, background=True)})
     assert predict(model, 64, 4, both, reduction="per_layer", algorithm="ring").exposed_comm_s < composed.comm_s
+    # one process a node: the composition is the leaders' allreduce alone, which the inter link progresses
+    lone = dataclasses.replace(aware, processes_per_node=1)
+    alone = predict(model, 64, 4, lone, reduction="per_layer", algorithm="ring")
+    assert alone.exposed_comm_s < alone.comm_s
+    assert alone.comm_s == pytest.approx(predict(model, 64, 4, dataclasses.replace(lone, node_aware_collectives=False),
+                                                 reduction="per_layer", algorithm="ring").comm_s)
     # inside one node the machine's MPI has nothing to compose
     one = dataclasses.replace(aware, processes_per_node=4)
     assert predict(model, 64, 4, one, reduction="bucketed").comm_s == pytest.approx(

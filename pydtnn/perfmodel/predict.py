@@ -193,9 +193,10 @@ def _unprogressed(machine, np, reduction, progress, allreduces=True):
     """Whether the reduction's messages wait for the end of backward: blocking, or progress "test" where a link
     they cross moves bytes only inside MPI calls (not Link.background). Both levels (each step starts when a
     test() finds the last one done) for the hierarchical reducer, and for the allreduces of a node-aware MPI over
-    the job's nodes (allreduces: the messages are allreduces over all np processes, collectives.node_aware)."""
-    composed = (machine.node_aware_collectives and allreduces and np > machine.processes_per_node
-                and reduction != "hierarchical")
+    the job's nodes with more than one process each (allreduces: the messages are allreduces over all np
+    processes, collectives.node_aware)."""
+    composed = (machine.node_aware_collectives and allreduces and np > machine.processes_per_node > 1
+                and reduction != "hierarchical")  # one process a node: the leaders' step alone
     levels = (("intra", "inter") if reduction == "hierarchical" or composed
               else (collectives.default_level(np, machine),))
     background = all(machine.link(level).background for level in levels)
