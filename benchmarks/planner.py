@@ -229,13 +229,18 @@ def drive(args):
             case.update(commit=run["commit"], common=list(common),
                         runs=measure_case(case, picked(choices, args.top), common, dataset, tmp, args))
             run["cases"].append(summarize(case))
-            run["wall_s"] = time.perf_counter() - t0
-            with open(args.out, "w", encoding="utf-8") as f:  # every case saved as it is measured
-                json.dump(run, f, indent=1)
+            save(run, args.out, t0)  # every case saved as it is measured
             print(f"[{i + 1}/{len(cases)}] {label(case)}: regret {case['regret']:.3f}, rank correlation "
                   f"{case['spearman'] if case['spearman'] is None else round(case['spearman'], 2)}", file=sys.stderr,
                   flush=True)
+    save(run, args.out, t0)  # and the saved cases after the last one measured (--resume)
     return run
+
+
+def save(run, path, t0):
+    run["wall_s"] = time.perf_counter() - t0
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(run, f, indent=1)
 
 
 def spread(case):
@@ -281,7 +286,7 @@ def plot(run, path):
     from matplotlib.ticker import NullFormatter
 
     colors = colormaps["tab20"]
-    fig = Figure(figsize=(11, 4.4), constrained_layout=True)
+    fig = Figure(figsize=(13, 4.4 if len(run["cases"]) <= 16 else 5.2), constrained_layout=True)
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
     names = [label(c) for c in run["cases"]]
@@ -306,7 +311,7 @@ def plot(run, path):
         axis.set_ticks(ticks, [f"{t:g}" for t in ticks])
     right.set_xlabel("measured step (ms)")
     right.set_ylabel("predicted step (ms)")
-    right.legend(fontsize=6)
+    right.legend(fontsize=6 if len(names) <= 16 else 5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     right.set_title("each case's measured layouts (circled: the planner's choice)", fontsize=9)
     fig.suptitle(f"The planner against measurement ({run['host']}, one thread per process)", fontsize=10)
     fig.savefig(path, dpi=100)
