@@ -297,21 +297,25 @@ def run_traced(argv, env, cwd, trace, np_, warmup, wait_s, label, timeout=RUN_TI
     return combine_ranks(per_rank), wall, foreign
 
 
-def probe_link(rate, nps=(2, 4)):
+def probe_link(rate, nps=(2, 4), nodes=1):
     """Under netem at `rate`: {"rate", "bandwidth_bytes_per_s" (the whole loopback's, from the rate),
     "latency_s" (an 8-byte ping-pong's one-way time, np 2), "allreduce": [{np, bytes, seconds}] (1 MiB)},
-    measured by calibrate's own MPI probe (pydtnn/perfmodel/mpi_probe.py)."""
-    out = {"rate": rate, "bandwidth_bytes_per_s": parse_rate(rate) / 8, "allreduce": []}
+    measured by calibrate's own MPI probe (pydtnn/perfmodel/mpi_probe.py). nodes=2: between two emulated nodes
+    of np/2 ranks each (netem.py --nodes 2; the rate is each node's end's own), with "nodes": 2, and the allreduce
+    through pydtnn's communicator (the probe's collectives), as the trainer runs it."""
+    out = {"rate": rate, **({"nodes": 2} if nodes == 2 else {}), "bandwidth_bytes_per_s": parse_rate(rate) / 8,
+           "allreduce": []}
     for n in nps:
-        proc = subprocess.run([sys.executable, NETEM, "--rate", rate, "--", mpiexec_path(), "-n", str(n),
+        two = ["--nodes", "2", "--procs-per-node", str(n // 2)] if nodes == 2 else []
+        proc = subprocess.run([sys.executable, NETEM, "--rate", rate, *two, "--", mpiexec_path(), "-n", str(n),
                                sys.executable, "-m", "pydtnn.perfmodel.mpi_probe", "--max_bytes", str(LINK_BYTES)],
                               capture_output=True, text=True, timeout=300, check=False)
         if proc.returncode:
-            raise RuntimeError(f"link probe at {rate}, np {n}: exit status {proc.returncode}: "
-                               f"{proc.stderr.strip().splitlines()[-1:] or ''}")
+            raise RuntimeError(f"link probe at {rate}{' on two nodes' if two else ''}, np {n}: exit status "
+                               f"{proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}")
         rec = json.loads(proc.stdout.strip().splitlines()[-1])
         out.setdefault("latency_s", rec["pingpong"][0][1])
-        size, seconds = rec["allreduce"][-1]
+        size, seconds = (rec["collectives"]["allreduce"] if two else rec["allreduce"])[-1]
         out["allreduce"].append({"np": n, "bytes": size, "seconds": seconds})
     return out
 

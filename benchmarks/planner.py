@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,27 +62,6 @@ def label(case):
 def rate_and_nodes(network):
     """("1gbit", 2) of "1gbit-2nodes", ("1gbit", 1) of "1gbit"."""
     return (network[: -len(TWO_NODES)], 2) if network.endswith(TWO_NODES) else (network, 1)
-
-
-def probe_two_nodes(rate):
-    """The link between two emulated nodes at `rate`, one rank each: {"rate", "nodes": 2, "bandwidth_bytes_per_s"
-    (the rate: each node's end of the veth pair has its own cap), "latency_s" (an 8-byte ping-pong's one-way
-    time), "allreduce": [{np, bytes, seconds}] (LINK_BYTES, through pydtnn's communicator, at np 2 and at np 4,
-    two ranks a node)}, by calibrate's MPI probe."""
-    out = {"rate": rate, "nodes": 2, "bandwidth_bytes_per_s": validation.parse_rate(rate) / 8, "allreduce": []}
-    for n in (2, 4):
-        proc = subprocess.run([sys.executable, validation.NETEM, "--rate", rate, "--nodes", "2", "--procs-per-node",
-                               str(n // 2), "--", mpiexec_path(), "-n", str(n), sys.executable, "-m",
-                               "pydtnn.perfmodel.mpi_probe", "--max_bytes", str(validation.LINK_BYTES)],
-                              capture_output=True, text=True, timeout=300, check=False)
-        if proc.returncode:
-            raise RuntimeError(f"two-node link probe at {rate}, np {n}: exit status {proc.returncode}: "
-                               f"{proc.stderr.strip().splitlines()[-1:] or ''}")
-        rec = json.loads(proc.stdout.strip().splitlines()[-1])
-        out.setdefault("latency_s", rec["pingpong"][0][1])
-        size, seconds = rec["collectives"]["allreduce"][-1]
-        out["allreduce"].append({"np": n, "bytes": size, "seconds": seconds})
-    return out
 
 
 def machine_for(base, case, link):
@@ -202,8 +180,8 @@ def drive(args):
     if refusal:
         print(f"planner: the emulated networks skipped: {refusal}", file=sys.stderr)
         networks = ["unlimited"]
-    links = {net: validation.probe_link(net, nps=(2,)) if rate_and_nodes(net)[1] == 1 else probe_two_nodes(
-        rate_and_nodes(net)[0]) for net in networks if net != "unlimited"}
+    links = {net: validation.probe_link(rate_and_nodes(net)[0], nps=(2,) if rate_and_nodes(net)[1] == 1 else (2, 4),
+                                        nodes=rate_and_nodes(net)[1]) for net in networks if net != "unlimited"}
     saved = {}
     if args.resume and os.path.exists(args.out):
         with open(args.out, encoding="utf-8") as f:
