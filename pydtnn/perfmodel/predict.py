@@ -140,8 +140,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     steps = plan(model, m) if m > 1 else []
     held = split.split_model(model, m) if m > 1 else model  # what one process holds and computes
     grads = parameter_bytes(held)
-    per_node = min(np, machine.processes_per_node)
-    crowding = max(1.0, per_node * threads / machine.cores)  # how much slower shared cores make everything
+    crowding = max(1.0, min(np, machine.processes_per_node) * threads / machine.cores)  # shared cores' slowdown
     sizes = micro_sizes(batch_size, micro_batches)
     again = recomputed(held, recompute)
     times, compute_s, memory_s, calls_s = step_layers(held, sizes, grads, machine, threads, crowding, again, model)
@@ -171,12 +170,11 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     messages, durations = gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,
                                             len(sizes) > 1, zero, replicas, machine, algorithm, level)
     comm_s = sum(durations)
-    allreduces = m == 1 and zero < 2 and all(c == "allreduce" for _, c, _ in messages)
     collectives_per_step = (len(messages) + gathers if replicas > 1 else 0) + len(group)
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
-    exposed = _exposed(messages, durations, end_of_backward, _unprogressed(machine, np, reduction, progress,
-                                                                                 allreduces))
+    exposed = _exposed(messages, durations, end_of_backward,
+                       _unprogressed(machine, np, reduction, progress, messages if m == 1 and zero < 2 else None))
     comm_s, exposed = comm_s + flight_s, exposed + gather_s  # ZeRO's allgathers: of the shards, or stage 3's
     return Prediction(
         model=name or model.name, batch_size=batch_size, np=np, threads=threads, parallel=parallel,
@@ -189,14 +187,14 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     )
 
 
-def _unprogressed(machine, np, reduction, progress, allreduces=True):
+def _unprogressed(machine, np, reduction, progress, messages=None):
     """Whether the reduction's messages wait for the end of backward: blocking, or progress "test" where a link
     they cross moves bytes only inside MPI calls (not Link.background). Both levels (each step starts when a
     test() finds the last one done) for the hierarchical reducer, and for the allreduces of a node-aware MPI over
-    the job's nodes with more than one process each (allreduces: the messages are allreduces over all np
-    processes, collectives.node_aware)."""
-    composed = (machine.node_aware_collectives and allreduces and np > machine.processes_per_node > 1
-                and reduction != "hierarchical")  # one process a node: the leaders' step alone
+    the job's nodes with more than one process each (messages: [(ready, collective, bytes)] over all np
+    processes, None where they run over groups of them; collectives.node_aware)."""
+    composed = (machine.node_aware_collectives and messages is not None and np > machine.processes_per_node > 1
+                and reduction != "hierarchical" and all(c == "allreduce" for _, c, _ in messages))
     levels = (("intra", "inter") if reduction == "hierarchical" or composed
               else (collectives.default_level(np, machine),))
     background = all(machine.link(level).background for level in levels)
