@@ -297,6 +297,13 @@ def run_traced(argv, env, cwd, trace, np_, warmup, wait_s, label, timeout=RUN_TI
     return combine_ranks(per_rank), wall, foreign
 
 
+def under_netem(rate, np_, nodes=1):
+    """The argv that runs a command of np_ ranks under netem.py at `rate`: every rank in one namespace, or with
+    nodes=2 np_/2 ranks in each of two (--nodes 2)."""
+    two = ["--nodes", "2", "--procs-per-node", str(np_ // 2)] if nodes == 2 else []
+    return [sys.executable, NETEM, "--rate", rate, *two, "--"]
+
+
 def probe_link(rate, nps=(2, 4), nodes=1):
     """Under netem at `rate`: {"rate", "bandwidth_bytes_per_s" (the whole loopback's, from the rate),
     "latency_s" (an 8-byte ping-pong's one-way time, np 2), "allreduce": [{np, bytes, seconds}] (1 MiB)},
@@ -306,16 +313,15 @@ def probe_link(rate, nps=(2, 4), nodes=1):
     out = {"rate": rate, **({"nodes": 2} if nodes == 2 else {}), "bandwidth_bytes_per_s": parse_rate(rate) / 8,
            "allreduce": []}
     for n in nps:
-        two = ["--nodes", "2", "--procs-per-node", str(n // 2)] if nodes == 2 else []
-        proc = subprocess.run([sys.executable, NETEM, "--rate", rate, *two, "--", mpiexec_path(), "-n", str(n),
-                               sys.executable, "-m", "pydtnn.perfmodel.mpi_probe", "--max_bytes", str(LINK_BYTES)],
+        proc = subprocess.run([*under_netem(rate, n, nodes), mpiexec_path(), "-n", str(n), sys.executable, "-m",
+                               "pydtnn.perfmodel.mpi_probe", "--max_bytes", str(LINK_BYTES)],
                               capture_output=True, text=True, timeout=300, check=False)
         if proc.returncode:
-            raise RuntimeError(f"link probe at {rate}{' on two nodes' if two else ''}, np {n}: exit status "
+            raise RuntimeError(f"link probe at {rate}{' on two nodes' if nodes == 2 else ''}, np {n}: exit status "
                                f"{proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}")
         rec = json.loads(proc.stdout.strip().splitlines()[-1])
         out.setdefault("latency_s", rec["pingpong"][0][1])
-        size, seconds = (rec["collectives"]["allreduce"] if two else rec["allreduce"])[-1]
+        size, seconds = (rec["collectives"]["allreduce"] if nodes == 2 else rec["allreduce"])[-1]
         out["allreduce"].append({"np": n, "bytes": size, "seconds": seconds})
     return out
 

@@ -9,21 +9,22 @@ measured orders.
                                  [--steps 5] [--rounds 2] [--only TEXT] [--resume]
     python benchmarks/planner.py --from_json docs/planner_benchmark.json      # the table and plot again
 
-Cases: each model of --models (vgg11bn_cifar10, resnet20_cifar10, mobilenetv1_cifar10 and vgg16_cifar10 by
-default) at np 2 and 4, 128 samples a step over the job, SGD with momentum, on each network of --networks:
-shared memory ("unlimited"), a rate that benchmarks/netem.py emulates on one node ("1gbit", every rank in one
-namespace over TCP), or on two nodes ("1gbit-2nodes": np/2 ranks in each of two namespaces, shared memory inside
-a node, a veth pair capped at the rate each way between them). VGG-11-BN and VGG-16 are not run at 200 Mbit/s,
-where a case would take a quarter of an hour. The planner (pydtnn.perfmodel.planner.plan) predicts on --machine,
-with the emulated link from a probe of it as benchmarks/sharding.py does (on two nodes: the inter-node link,
-np/2 processes and half the cores per node, the MPI's node-aware allreduce, Machine.node_aware_collectives); its first --top layouts are taken (a bucket size's variants of one layout counted
-once), and `--parallel data` (the bucketed reducer at 25 MB) beside them. The first is the planner's choice
-(the default kept where nothing is predicted more than planner.MARGIN faster); the regret of the fastest
-predicted one is reported beside it. Each is trained in fresh processes for --warmup untimed and --steps timed
-steps, --rounds times (interleaved: every layout once, then again; its least step kept), on random images
-written as CIFAR-10 files (benchmarks/parallelism.py's write_dataset: a small test set), one thread per
-process, every convolution with its threshold algorithm (--conv_autotune false, as the model costs it); a
-step is the slowest rank's span, the median over the timed steps (perfmodel_validation.run_traced).
+Cases: each model of --models (vgg11bn_cifar10, resnet20_cifar10, mobilenetv1_cifar10 and vgg16_cifar10 by default)
+at np 2 and 4, 128 samples a step over the job, SGD with momentum, on each network of --networks: shared memory
+("unlimited"), a rate that benchmarks/netem.py emulates on one node ("1gbit", every rank in one namespace over
+TCP), or on two nodes ("1gbit-2nodes": np/2 ranks in each of two namespaces, shared memory inside a node, a veth
+pair capped at the rate each way between them). VGG-11-BN and VGG-16 are not run at 200 Mbit/s, where a case would
+take a quarter of an hour. The planner (pydtnn.perfmodel.planner.plan) predicts on --machine, with the emulated
+link from a probe of it as benchmarks/sharding.py does (on two nodes: the inter-node link, np/2 processes and half
+the cores per node, the MPI's node-aware allreduce, Machine.node_aware_collectives); its first --top layouts are
+taken (a bucket size's variants of one layout counted once), and `--parallel data` (the bucketed reducer at 25 MB)
+beside them. The first is the planner's choice (the default kept where nothing is predicted more than
+planner.MARGIN faster); the regret of the fastest predicted one is reported beside it. Each is trained in fresh
+processes for --warmup untimed and --steps timed steps, --rounds times (interleaved: every layout once, then again;
+its least step kept), on random images written as CIFAR-10 files (benchmarks/parallelism.py's write_dataset: a
+small test set), one thread per process, every convolution with its threshold algorithm (--conv_autotune false, as
+the model costs it); a step is the slowest rank's span, the median over the timed steps
+(perfmodel_validation.run_traced).
 """
 
 import argparse
@@ -107,12 +108,7 @@ def command(case, flags, common, dataset, trace, warmup, steps):
              "--progress", "false", "--threads_per_process", "1", "--conv_autotune", "false"]
     train = [mpiexec_path(), "-n", str(case["np"]), *train]
     rate, nodes = rate_and_nodes(case["network"])
-    if nodes == 2:
-        train = [sys.executable, validation.NETEM, "--rate", rate, "--nodes", "2", "--procs-per-node",
-                 str(case["np"] // 2), "--", *train]
-    elif rate != "unlimited":
-        train = [sys.executable, validation.NETEM, "--rate", rate, "--", *train]
-    return train
+    return train if rate == "unlimited" else [*validation.under_netem(rate, case["np"], nodes), *train]
 
 
 def spearman(xs, ys):
@@ -180,8 +176,8 @@ def drive(args):
     if refusal:
         print(f"planner: the emulated networks skipped: {refusal}", file=sys.stderr)
         networks = ["unlimited"]
-    links = {net: validation.probe_link(rate_and_nodes(net)[0], nps=(2,) if rate_and_nodes(net)[1] == 1 else (2, 4),
-                                        nodes=rate_and_nodes(net)[1]) for net in networks if net != "unlimited"}
+    links = {net: validation.probe_link(rate, nps=(2,) if nodes == 1 else (2, 4), nodes=nodes)
+             for net in networks if net != "unlimited" for rate, nodes in [rate_and_nodes(net)]}
     saved = {}
     if args.resume and os.path.exists(args.out):
         with open(args.out, encoding="utf-8") as f:

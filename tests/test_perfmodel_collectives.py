@@ -126,6 +126,9 @@ def test_node_aware_by_hand():
     assert C.seconds("allreduce", "hierarchical", N, 8, m) == pytest.approx(1.6135e-3, rel=1e-12)
     with pytest.raises(ConfigError, match="node-aware 'allgather'"):
         C.node_aware("allgather", N, 8, m)
+    assert C.node_aware_levels("allreduce", 8, m) == ("intra", "inter")
+    assert C.node_aware_levels("allreduce", 8, dataclasses.replace(m, processes_per_node=1)) == ("inter",)
+    assert C.node_aware_levels("allreduce", 4, m) is None and C.node_aware_levels("allgather", 8, m) is None
 
 
 def test_node_aware_pays_the_inter_links_own_fit():

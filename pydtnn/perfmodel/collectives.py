@@ -237,6 +237,15 @@ def reduce_scatter_gather(n, p, alpha, beta, gamma):
     return reduce_scatter_ring(n, p, alpha, beta, gamma) + (p - 1) * alpha + (p - 1) / p * n * beta
 
 
+def node_aware_levels(op, p, machine):
+    """The links a node-aware MPI's `op` over p processes crosses, where the machine's MPI composes it over the
+    nodes (Machine.node_aware_collectives, an op of NODE_AWARE_OPS, processes on more than one node): ("inter",)
+    with one process a node (the leaders' step alone), else ("intra", "inter"); None where it runs flat."""
+    if not (machine.node_aware_collectives and op in NODE_AWARE_OPS and p > machine.processes_per_node):
+        return None
+    return ("inter",) if machine.processes_per_node == 1 else ("intra", "inter")
+
+
 def node_aware(op, n, p, machine, inner="ring"):
     """An MPI library's own two-level allreduce or broadcast (MPICH's SMP collectives): q = min(processes_per_node,
     p) processes per node, N = ceil(p / q) nodes.
@@ -270,8 +279,7 @@ def seconds(op, algorithm, nbytes, p, machine, level=None, inner="ring"):
     over processes on more than one node is node_aware() where the machine's MPI composes `op` over the nodes."""
     _check_op(op)
     _check_size(nbytes, p)
-    if (level is None and op in NODE_AWARE_OPS and machine.node_aware_collectives
-            and p > machine.processes_per_node and algorithm != HIERARCHICAL):
+    if level is None and algorithm != HIERARCHICAL and node_aware_levels(op, p, machine):
         return node_aware(op, nbytes, p, machine, algorithm)
     if algorithm == HIERARCHICAL:
         if level is not None:

@@ -190,13 +190,13 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
 def _unprogressed(machine, np, reduction, progress, messages=None):
     """Whether the reduction's messages wait for the end of backward: blocking, or progress "test" where a link
     they cross moves bytes only inside MPI calls (not Link.background). Both levels (each step starts when a
-    test() finds the last one done) for the hierarchical reducer, and for the allreduces of a node-aware MPI over
-    the job's nodes with more than one process each (messages: [(ready, collective, bytes)] over all np
-    processes, None where they run over groups of them; collectives.node_aware)."""
-    composed = (machine.node_aware_collectives and messages is not None and np > machine.processes_per_node > 1
-                and reduction != "hierarchical" and all(c == "allreduce" for _, c, _ in messages))
-    levels = (("intra", "inter") if reduction == "hierarchical" or composed
-              else (collectives.default_level(np, machine),))
+    test() finds the last one done) for the hierarchical reducer, and the levels a node-aware MPI's allreduce over
+    the job's nodes crosses (collectives.node_aware_levels; messages: [(ready, collective, bytes)] over all np
+    processes, None where they run over groups of them)."""
+    composed = (collectives.node_aware_levels("allreduce", np, machine)
+                if messages is not None and all(c == "allreduce" for _, c, _ in messages) else None)
+    levels = (("intra", "inter") if reduction == "hierarchical"
+              else composed or (collectives.default_level(np, machine),))
     background = all(machine.link(level).background for level in levels)
     return reduction == "blocking" or (progress == "test" and not background)
 
