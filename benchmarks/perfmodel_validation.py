@@ -6,8 +6,9 @@
     python benchmarks/perfmodel_validation.py --from_json docs/perfmodel_validation.json   # predict again, report
 
 A configuration is a model, a batch size per process, threads per process, a process count, a reducer
-(blocking, per_layer, bucketed; np > 1) and a network: "unlimited" (plain mpiexec: MPICH over shared
-memory, the machine file's intra-node link) or a rate emulated by benchmarks/netem.py (1gbit, 200mbit).
+(blocking, per_layer, bucketed, and topk at its default density 0.01; np > 1) and a network: "unlimited"
+(plain mpiexec: MPICH over shared memory, the machine file's intra-node link) or a rate emulated by
+benchmarks/netem.py (1gbit, 200mbit).
 
 Measured: each configuration in a fresh process (`python -m pydtnn`, under `mpiexec -n NP` when NP > 1,
 under netem.py for an emulated rate) on synthetic data with --tracing: WARMUP + STEPS steps of one epoch.
@@ -128,6 +129,7 @@ def full_configs():
     c += [Config("mobilenetv1_cifar10", 16, 1, 2, r, g) for r in REDUCERS]
     c += [Config("mobilenetv1_cifar10", 16, 1, 4, "per_layer", g), Config("resnet20_cifar10", 64, 1, 4, "bucketed", g),
           Config("vgg11bn_cifar10", 16, 1, 2, "blocking", g)]
+    c += [Config("vgg11bn_cifar10", 16, 1, 2, "topk", g), Config("resnet20_cifar10", 16, 1, 2, "topk", g)]  # density 0.01
     m = "200mbit"
     c += [Config("simplecnn", 16, 1, 2, "blocking", m), Config("simplecnn", 16, 1, 2, "per_layer", m),
           Config("simplecnn", 64, 1, 4, "bucketed", m)]

@@ -26,6 +26,7 @@ from pydtnn.perfmodel.step_parts import (
     profile_scales,
     recomputed,
     thread_speedup,
+    topk_selection_s,
     zero_costs,
 )
 
@@ -244,6 +245,7 @@ def _stage_after(stage, replicas, micro_batches, machine, threads, crowding, pas
     red += gather_s
     sent = sent + [None] * gathers
     upd = share * passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
-    upd += accumulation_s(nbytes, micro_batches, machine, threads, crowding) + passes_s
+    upd += (accumulation_s(nbytes, micro_batches, machine, threads, crowding) + passes_s
+            + topk_selection_s(reduction, nbytes, itemsize, shaping.get("density"), replicas, machine, threads, crowding))
     fixed = machine.overheads
     return red, len(sent), upd, (len(own) * fixed.parameter_s + fixed.step_s) * crowding

@@ -35,7 +35,8 @@ cut into pieces of at most reducers/base.py's PIECE_BYTES as the reducer cuts it
 - per_layer: one allreduce per gradient, started when its layer's backward ends;
 - bucketed: gradients packed in reverse parameter order into buckets (the first one small), each
   started when its last gradient is ready; hierarchical: the same buckets, each reduced in two levels;
-- topk: after backward, two allgathers of each replica's k indices (int64) and k values.
+- topk: after backward, two allgathers of each replica's k indices (int64) and k values, after the
+  selection's own passes over the gradients (step_parts.topk_selection_s).
 An MPI library progresses a non-blocking collective only inside MPI calls, and the reducers call
 test() between layers only: with progress="test" (the default, what MPICH does here) a collective's
 transfer does not advance during a layer's computation, so the reduction is as exposed as a blocking
@@ -70,6 +71,7 @@ from pydtnn.perfmodel.step_parts import (  # noqa: F401
     reducer_messages,
     reduction_seconds,
     thread_speedup,
+    topk_selection_s,
     zero_costs,
 )
 
@@ -146,12 +148,12 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     times, compute_s, memory_s, calls_s = step_layers(held, sizes, grads, machine, threads, crowding, again, model)
     forward_s = sum(t.forward_s for t in times)
     backward_s = sum(t.backward_data_s + t.backward_weights_s for t in times)
-    param_bytes = sum(grads.values())
+    param_bytes, itemsize = sum(grads.values()), model.backend.dtype.itemsize
     update_s = (update_passes or UPDATE_PASSES[optimizer]) * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
                                                          / crowding)
-    memory_s += accumulation_s(param_bytes, len(sizes), machine, threads, crowding)
+    memory_s += (accumulation_s(param_bytes, len(sizes), machine, threads, crowding)
+                 + topk_selection_s(reduction, param_bytes, itemsize, density, replicas, machine, threads, crowding))
     level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
-    itemsize = model.backend.dtype.itemsize
     share, zero_passes_s, flight_s, gather_s, gathers = zero_costs(zero, param_bytes, itemsize, replicas, machine,
                                                                    threads, crowding, algorithm, level, times,
                                                                    len(sizes), again)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from pydtnn import recompute as recompute_module
 from pydtnn.distributed import reducers
+from pydtnn.distributed.reducers.layout import topk_counts
 from pydtnn.perfmodel import collectives
 
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
@@ -208,6 +209,24 @@ def accumulation_s(param_bytes, micro_batches, machine, threads, crowding):
         return 0.0
     passes = 2 + 4 * (micro_batches - 1) + 2
     return passes * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
+
+
+TOPK_PASSES = 9.5  # TopKReducer.finish's passes over the gradients' bytes (topk_selection_s)
+LINE_BYTES = 64  # a cache line: what one scattered read or write of an entry moves
+
+
+def topk_selection_s(reduction, param_bytes, itemsize, density, replicas, machine, threads, crowding):
+    """Seconds of the topk reducer's own work after backward (TopKReducer.finish), 0.0 for the other reducers
+    or one replica: TOPK_PASSES over the gradients' bytes (this rank's weight applied 2, the residual added 3,
+    the magnitudes 2, the threshold compared 1.25, the sum's buffer cleared 1) and (2 + replicas) scattered
+    cache lines per sent entry (its value read, its residual cleared, and the replicas' sums added), all at
+    the memory bandwidth. density: the reducer's (None: its default); the selection "global"."""
+    if reduction != "topk" or replicas <= 1:
+        return 0.0
+    n = param_bytes // itemsize
+    k = topk_counts([n], reducers.defaults("topk")["density"] if density is None else density, "global")[0]
+    moved = TOPK_PASSES * param_bytes + (2 + replicas) * k * LINE_BYTES
+    return moved / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
 
 
 def reduction_seconds(collective, nbytes, p, machine, algorithm, level):
