@@ -1,4 +1,5 @@
-"""Weight initializers: He, Glorot and LeCun (uniform and normal), zeros, ones.
+"""Weight initializers: He, Glorot and LeCun (uniform and normal), GPT-2's normal (std 0.02, whatever the fans:
+gpt_normal, for embeddings and transformer projections), zeros, ones.
 
 Each takes (shape, fan_in, fan_out, rng, dtype) and returns a NumPy array; the caller moves it to
 its device. Randomness always comes from the Generator passed in (the backend's), never a global.
@@ -24,7 +25,8 @@ _RULES = {
     "lecun": lambda fi, fo: 1.0 / fi,
 }
 
-NAMES = tuple(f"{r}_{d}" for r in _RULES for d in ("uniform", "normal")) + ("zeros", "ones")
+GPT_STD = 0.02
+NAMES = tuple(f"{r}_{d}" for r in _RULES for d in ("uniform", "normal")) + ("gpt_normal", "zeros", "ones")
 
 
 def initialize(name, shape, fan_in, fan_out, rng, dtype=np.float32):
@@ -33,6 +35,8 @@ def initialize(name, shape, fan_in, fan_out, rng, dtype=np.float32):
         return np.zeros(shape, dtype)
     if name == "ones":
         return np.ones(shape, dtype)
+    if name == "gpt_normal":
+        return _normal(GPT_STD)(shape, rng).astype(dtype)
     rule, _, dist = name.partition("_")
     if rule not in _RULES or dist not in ("uniform", "normal"):
         raise ConfigError(f"unknown initializer {name!r}; expected one of {', '.join(NAMES)}")

@@ -23,6 +23,7 @@ from pydtnn.backends import CPUBackend
 from pydtnn.errors import ConfigError, ShapeError
 from pydtnn.layers.base import _join
 from pydtnn.layers.blocks import Container, Sequential
+from pydtnn.layers.transformer import Embedding
 
 
 class Model:
@@ -313,6 +314,16 @@ class Model:
     def flops(self):
         """Forward FLOPs per sample."""
         return self.root.flops()
+
+    def random_input(self, n, rng, dtype=None):
+        """A NumPy batch of n random inputs this model takes, drawn from Generator `rng`: token ids in the
+        vocabulary of a model whose first layer is an Embedding, else standard normal values; in `dtype`
+        (default: the backend's). What timing and memory measurements feed a model."""
+        dtype = self.backend.dtype if dtype is None else dtype
+        first = next((layer for _, layer in self.root.named_layers() if not layer.named_children()), None)
+        if isinstance(first, Embedding):
+            return rng.integers(0, first.vocab_size, (n, *self.input_shape)).astype(dtype)
+        return rng.standard_normal((n, *self.input_shape)).astype(dtype)
 
     def params_sha256(self, whole=None):
         """SHA-256 over all parameters in state-dict order, as little-endian bytes of their dtype; of the

@@ -122,6 +122,12 @@ def _conv(g, layer, x):
 
 def _dense(g, layer, x):
     inputs = [x, g.weight(_state_name(layer, "weight"), _numpy(layer, "weight"))]
+    if len(layer.input_shape) == 2:  # per token: x (N, T, I) @ W.T (+ b), MatMul broadcasting over N
+        y = g.node("MatMul", [x, g.node("Transpose", inputs[1:], _label(layer, "dense"), perm=[1, 0])],
+                   _label(layer, "dense"))
+        if layer.use_bias:
+            y = g.node("Add", [y, g.weight(_state_name(layer, "bias"), _numpy(layer, "bias"))], _label(layer, "dense"))
+        return y
     if layer.use_bias:
         inputs.append(g.weight(_state_name(layer, "bias"), _numpy(layer, "bias")))
     return g.node("Gemm", inputs, _label(layer, "dense"), transB=1)

@@ -31,3 +31,9 @@ def test_constants_dtype_and_unknown():
     assert set(NAMES) >= {"he_uniform", "glorot_normal", "lecun_uniform", "zeros", "ones"}
     with pytest.raises(ConfigError, match="unknown initializer 'xavier'"):
         initialize("xavier", (3,), 1, 1, np.random.default_rng(0))
+
+
+def test_gpt_normal_has_std_002_whatever_the_fans():
+    for fans in ((300, 100), (4, 50_000)):
+        a = initialize("gpt_normal", (400, 500), *fans, np.random.default_rng(5), np.float64)
+        assert a.std() == pytest.approx(0.02, rel=0.01) and abs(a.mean()) < 1e-3

@@ -373,3 +373,62 @@ def test_a_5x5_direct_convolution_counts_its_25_taps():
     assert five.algorithm == "direct"
     assert five.backward_data.flops == 2 * 2 * 16 * 16 * 8 * 16 * 25
     assert five.forward.flops == 2 * 2 * 16 * 16 * 16 * 8 * 25 + 2 * 16 * 16 * 16  # macs and the bias
+
+
+# -- transformer layers (perfmodel/transformer_costs.py) ------------------------------------------------------
+def transformer_models():
+    from pydtnn.layers import (
+        Embedding,
+        LayerNorm,
+        PatchEmbedding,
+        PositionalEmbedding,
+        SequencePool,
+        TransformerBlock,
+    )
+    from pydtnn.layers.transformer import ClassToken
+
+    gpt = Model([Embedding(17, 8), PositionalEmbedding(), TransformerBlock(8, 2, causal=True, dropout=0.1,
+                                                                            attention_dropout=0.1),
+                 LayerNorm(), Dense(17)], (6,))
+    vit = Model([PatchEmbedding(8, 2), ClassToken(), PositionalEmbedding(), TransformerBlock(8, 4, approximate="tanh"),
+                 LayerNorm(), SequencePool("mean"), Dense(3)], (1, 4, 4))
+    return gpt, vit
+
+
+def test_transformer_layers_have_costs_and_their_forward_flops_are_layer_flops():
+    for model in transformer_models():
+        costs = {c.name: c for c in layer_costs(model, 3)}
+        checked = 0
+        for path, layer in model.layers():
+            if not isinstance(layer, Container) and type(layer).flops is not Layer.flops:
+                assert costs[path].forward.flops == 3 * layer.flops(), (path, layer)
+                checked += 1
+        assert checked >= 6
+
+
+def test_attention_by_hand():
+    """N 2, T 3, D 4, 2 heads, not causal, no dropout: A = 2*2*3*3 = 36 scores, E = 24 elements."""
+    from pydtnn.layers import MultiHeadAttention
+
+    c, layer = only([MultiHeadAttention(2)], (3, 4), need_dx_first=True)
+    n, t, d, a, e = 2, 3, 4, 36, 24
+    gemm = 2 * n * t * d * 3 * d + 2 * 2 * n * t * t * d + 2 * n * t * d * d
+    assert (c.kind, c.kernel_class) == ("MultiHeadAttention", "gemm")
+    assert c.forward == PhaseCost(gemm + 5 * a + 4 * e, (2 + 8) * a * F32 + 14 * e * F32)
+    assert c.forward.flops == n * layer.flops()
+    assert c.backward_data == PhaseCost(2 * (2 * 2 * n * t * t * d) + 2 * n * t * d * d + 2 * n * t * 3 * d * d + 6 * a,
+                                        11 * a * F32 + 18 * e * F32)
+    assert c.backward_weights == PhaseCost(2 * n * t * d * 3 * d + 2 * n * t * d * d + 4 * e, 4 * e * F32 + 4 * d * d * F32)
+
+
+def test_measurements_feed_a_token_model_ids_it_takes():
+    """Model.random_input: ids inside the vocabulary for an Embedding first (random normal values would be
+    refused), so the memory model and the gradient order run on token models too."""
+    from pydtnn.perfmodel.memory import predict_memory
+
+    gpt, vit = transformer_models()
+    ids = gpt.random_input(5, np.random.default_rng(0))
+    assert ids.shape == (5, 6) and ids.min() >= 0 and ids.max() <= 16 and (ids == np.round(ids)).all()
+    assert len(np.unique(ids)) > 5 and vit.random_input(2, np.random.default_rng(0)).shape == (2, 1, 4, 4)
+    assert predict_memory(gpt, 4).parts["activations"] > 0
+    assert gradient_ready_order(gpt)[:2] == ["4.weight", "4.bias"]

@@ -18,7 +18,10 @@ methods and nothing else of a backend: no layer asks whether a method exists or 
     channel_moments / channel_affine / channel_sums / channel_centered_dot / channel_affine_dx
                                                                    BatchNorm otherwise (running or
                                                                    synchronized statistics)
-    dropout_mask                                                   Dropout
+    layernorm_forward / layernorm_backward                         LayerNorm (over the last axis)
+    gelu_forward / gelu_backward / erf                             GELU, exact or tanh form
+    softmax_forward / softmax_backward                             attention weights (the last axis)
+    dropout_mask                                                   Dropout, attention dropout
     sgd_update / adam_update / adam_moments                        SGD, Adam, AdamW, Nadam
 
 Arrays are NCHW; per-channel statistics and coefficients are float64 (C,); tensors keep their dtype.
@@ -26,7 +29,11 @@ The update methods are the one definition of their math: the compiled CPU kernel
 kernels do the same operations in the same order and are tested against these.
 """
 
+import math
+
 import numpy as np
+
+GELU_C = math.sqrt(2 / math.pi)
 
 
 class _SampleStreamsScope:
@@ -220,6 +227,63 @@ class Backend:
         """v (C,) in like's dtype, shaped to broadcast against like (N, C) or (N, C, H, W)."""
         shape = (1, -1) + (1,) * (like.ndim - 2)
         return v.astype(like.dtype).reshape(shape)
+
+    # -- transformer operations: over the last axis of (N, ..., D) ------------------------------------
+    def layernorm_forward(self, x, weight, bias, eps):
+        """y = (x - mean) / sqrt(var + eps) * weight + bias over the last axis, var the biased variance:
+        (y, xhat, inv_std), xhat the normalized x and inv_std (N, ..., 1), in x's dtype."""
+        mean = x.mean(axis=-1, keepdims=True)
+        xhat = x - mean
+        inv_std = 1 / self.xp.sqrt((xhat * xhat).mean(axis=-1, keepdims=True) + x.dtype.type(eps))
+        xhat *= inv_std
+        return xhat * weight + bias, xhat, inv_std
+
+    def layernorm_backward(self, dy, xhat, inv_std, weight, dweight, dbias):
+        """Gradients of layernorm_forward: dweight and dbias written in place (summed over every axis but
+        the last); returns dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight."""
+        lead = tuple(range(dy.ndim - 1))
+        dy.sum(axis=lead, out=dbias)
+        (dy * xhat).sum(axis=lead, out=dweight)
+        g = dy * weight
+        dx = g - g.mean(axis=-1, keepdims=True)
+        dx -= xhat * (g * xhat).mean(axis=-1, keepdims=True)
+        dx *= inv_std
+        return dx
+
+    def erf(self, x):
+        """The error function, element-wise, in x's dtype (here math.erf per element: the reference)."""
+        return np.frompyfunc(math.erf, 1, 1)(x).astype(x.dtype)
+
+    def gelu_forward(self, x, approximate="none"):
+        """GELU: x * Phi(x), Phi the standard normal CDF 0.5 * (1 + erf(x / sqrt 2)); approximate="tanh":
+        0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))) (PyTorch's two forms)."""
+        if approximate == "tanh":
+            t = self.xp.tanh(x.dtype.type(GELU_C) * (x + x.dtype.type(0.044715) * x * x * x))
+            return x.dtype.type(0.5) * x * (1 + t)
+        return x.dtype.type(0.5) * x * (1 + self.erf(x * x.dtype.type(1 / math.sqrt(2))))
+
+    def gelu_backward(self, dy, x, approximate="none"):
+        """dy * GELU'(x): Phi(x) + x * phi(x) (phi the normal density), or the tanh form's derivative."""
+        f = x.dtype.type
+        if approximate == "tanh":
+            t = self.xp.tanh(f(GELU_C) * (x + f(0.044715) * x * x * x))
+            d = f(0.5) * (1 + t) + f(0.5) * x * (1 - t * t) * f(GELU_C) * (1 + f(3 * 0.044715) * x * x)
+        else:
+            d = f(0.5) * (1 + self.erf(x * f(1 / math.sqrt(2)))) + x * self.xp.exp(f(-0.5) * x * x) * f(
+                1 / math.sqrt(2 * math.pi))
+        return dy * d
+
+    def softmax_forward(self, x):
+        """Softmax over the last axis, a row of -inf giving zeros (a fully masked row) rather than NaN."""
+        m = x.max(axis=-1, keepdims=True)
+        e = self.xp.exp(x - self.xp.where(self.xp.isfinite(m), m, 0))
+        s = e.sum(axis=-1, keepdims=True)
+        e /= self.xp.where(s > 0, s, 1)
+        return e
+
+    def softmax_backward(self, dy, y):
+        """dx = y * (dy - sum(dy * y)) over the last axis."""
+        return y * (dy - (dy * y).sum(axis=-1, keepdims=True))
 
     # -- dropout ---------------------------------------------------------------------------------
     def dropout_mask(self, shape, rate, dtype, stream=None):

@@ -47,7 +47,10 @@ CHANNELWISE = (BatchNorm, ReLU, ReLU6, LeakyReLU, Sigmoid, Tanh, MaxPool2D, AvgP
 
 
 def kind_of(layer):
-    """'split' (Conv2D with one group, Dense), 'channelwise', 'block' or 'whole' (needs the whole input)."""
+    """'split' (Conv2D with one group, Dense), 'channelwise', 'block' or 'whole' (needs the whole input: so
+    is a Dense over tokens, whose features are the last axis, not the channel axis this module splits)."""
+    if isinstance(layer, Dense) and len(layer.input_shape) == 2:
+        return "whole"
     if isinstance(layer, Dense) or (isinstance(layer, Conv2D) and layer.groups == 1):
         return "split"
     if isinstance(layer, Conv2D) and layer.groups == layer.filters == layer.input_shape[0]:

@@ -104,3 +104,27 @@ class Softmax(_Elementwise):
     def backward(self, dy):
         y = self.take_saved("y")
         return y * (dy - (dy * y).sum(axis=1, keepdims=True))
+
+
+class GELU(_Elementwise):
+    """y = x * Phi(x), Phi the standard normal CDF (approximate="none", exact through erf), or PyTorch's
+    tanh form (approximate="tanh"): 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))). Keeps x."""
+
+    cost = 8
+    FORMS = ("none", "tanh")
+
+    def __init__(self, approximate="none"):
+        super().__init__()
+        if approximate not in self.FORMS:
+            raise ValueError(f"GELU approximate must be one of {', '.join(self.FORMS)}, got {approximate!r}")
+        self.approximate = approximate
+
+    def describe(self):
+        return "GELU()" if self.approximate == "none" else f"GELU({self.approximate})"
+
+    def forward(self, x, training=True):
+        self.x = x if training else None
+        return self.backend.gelu_forward(x, self.approximate)
+
+    def backward(self, dy):
+        return self.backend.gelu_backward(dy, self.take_saved("x"), self.approximate)

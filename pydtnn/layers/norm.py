@@ -125,3 +125,39 @@ class BatchNorm(Layer):
 
 
 BatchNormalization = BatchNorm  # PyDTNN's name
+
+
+class LayerNorm(Layer):
+    """y = weight * (x - mean) / sqrt(var + eps) + bias over the last axis (features), per token or sample.
+
+    x: (D,) or (T, D) per sample; weight and bias (D,) (PyTorch's nn.LayerNorm over the last dimension, its
+    names). Statistics are each row's own, the same in training and evaluation: nothing crosses samples,
+    so data parallelism needs no synchronization. The backend computes both directions
+    (layernorm_forward / layernorm_backward)."""
+
+    def __init__(self, eps=1e-5):
+        super().__init__()
+        self.eps = float(eps)
+
+    def describe(self):
+        return "LayerNorm()"
+
+    def build(self, input_shape, dtype=np.float32, backend=None):
+        super().build(input_shape, dtype, backend)
+        if len(self.input_shape) not in (1, 2):
+            self.expect_rank(2, "(tokens, features) or (features,)")
+        d = self.input_shape[-1]
+        self.add_param("weight", self.xp.ones(d, self.dtype))
+        self.add_param("bias", self.xp.zeros(d, self.dtype))
+
+    def forward(self, x, training=True):
+        y, xhat, inv_std = self.backend.layernorm_forward(x, self.params["weight"], self.params["bias"], self.eps)
+        self.xhat, self.inv_std = (xhat, inv_std) if training else (None, None)
+        return y
+
+    def backward(self, dy):
+        return self.backend.layernorm_backward(dy, self.take_saved("xhat"), self.take_saved("inv_std"),
+                                               self.params["weight"], self.grads["weight"], self.grads["bias"])
+
+    def flops(self):
+        return 8 * int(np.prod(self.input_shape))

@@ -2,6 +2,7 @@
 
 costs.py          FLOPs and bytes moved per layer and phase of a training step on the CPU backend
 conv_costs.py     the same for a Conv2D: its algorithm's cost (the entry's, in backends/cpu/conv_*.py) plus bias and dW
+transformer_costs.py the same for LayerNorm, GELU and the layers of layers/transformer.py
 phase_cost.py     PhaseCost (FLOPs and bytes of one phase)
 machine.py        Machine, Link: a machine description (rates, bandwidths, links), read and written as YAML/JSON
 collectives.py    alpha-beta-gamma costs of allreduce, allgather, reduce-scatter and broadcast, by algorithm

@@ -9,9 +9,9 @@ Each cost is read from the built layer and from what the backend chose for it wh
 one measured when the backend autotunes; the compiled 2x2 path for pooling, compiled or NumPy
 BatchNorm and ReLU), and follows the code of that algorithm in `pydtnn/backends/cpu/`. A training step
 has three phases per layer: forward, backward_data (dL/dx) and backward_weights (dL/dW and dL/db).
-Every layer's formulas are below except Conv2D's: each convolution algorithm's are next to its code
-(its entry in backends/cpu/conv_algorithms.py names them), and conv_costs.py adds what every algorithm
-shares; each phase's cost is a PhaseCost (phase_cost.py).
+Every layer's formulas are below except Conv2D's and the transformer layers': each convolution algorithm's
+are next to its code (its entry in backends/cpu/conv_algorithms.py names them), conv_costs.py adds what every
+algorithm shares, and transformer_costs.py holds LayerNorm's, GELU's and layers/transformer.py's; each phase's cost is a PhaseCost (phase_cost.py).
 
 Units: FLOPs count a multiply-add as 2; bytes are memory traffic. Notation in the formulas below:
 N batch, s bytes per element of the model's dtype, X and Y the elements of a layer's input and output
@@ -34,6 +34,7 @@ Counting rules, the same for every layer:
   as name), placed after the layers of its paths. A Sequential costs nothing of its own.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,7 @@ from pydtnn.layers import (
 )
 from pydtnn.perfmodel.conv_costs import conv2d
 from pydtnn.perfmodel.phase_cost import ZERO, PhaseCost
+from pydtnn.perfmodel.transformer_costs import FORMULAS as TRANSFORMER_FORMULAS
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ def gradient_ready_order(model):
     saved_rng = backend.rng.bit_generator.state
     model.add_grad_ready_hook(record)
     try:
-        x = np.random.default_rng(0).standard_normal((1,) + model.input_shape).astype(backend.dtype)
+        x = model.random_input(1, np.random.default_rng(0))
         y = model.forward(backend.asarray(x), training=True)
         model.backward(backend.xp.ones_like(y))
     finally:
@@ -242,13 +244,14 @@ def _size(shape):
 
 
 def _dense(layer, n, need_dx):
-    """Dense, GEMMs through backend.matmul; I = in_features, O = units:
+    """Dense, GEMMs through backend.matmul; I = in_features, O = units, N the rows (samples x tokens):
     forward         2*N*I*O (+ N*O bias) flops; reads x and W, writes y (+ y read and written for bias)
     backward_data   2*N*I*O flops; reads dy and W, writes dx
     backward_weights 2*N*I*O (+ N*O) flops; reads dy and x, writes dW (+ reads dy for db)
     """
     s = layer.dtype.itemsize
-    i, o = layer.input_shape[0], layer.units
+    i, o = layer.input_shape[-1], layer.units
+    n *= math.prod(layer.input_shape[:-1])
     x, y, w = n * i * s, n * o * s, i * o * s
     gemm = 2 * n * i * o
     bias_f = PhaseCost(n * o, 2 * y) if layer.use_bias else ZERO
@@ -471,4 +474,5 @@ _FORMULAS = (  # (layer class, formula(layer, n, need_dx) -> (algorithm, kernel_
     (ConcatenationBlock, _concatenation),
     (Gather, _gather),
     (SumGrad, _sum_grad),
+    *TRANSFORMER_FORMULAS,  # transformer_costs.py
 )

@@ -46,7 +46,7 @@ def _model_times(model, batch, steps, warmup):
     from pydtnn.profiling.tracer import Tracer
 
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, *model.input_shape)).astype(np.float32)
+    x = model.random_input(batch, rng, np.float32)
     dy = rng.standard_normal((batch, *model.output_shape)).astype(np.float32) / batch
     spans = {}
     model.train()

@@ -88,7 +88,7 @@ def probe(model, optimizer, recompute="none", sizes=PROBES, zero=0, replicas=1):
         clone.reindex()  # its index of layers by identity, made again for the copies
         run = passes(clone, recompute)
         rng = np.random.default_rng(0)
-        x = rng.standard_normal((n, *clone.input_shape)).astype(clone.backend.dtype)
+        x = clone.random_input(n, rng)
         dy = rng.standard_normal((n, *clone.output_shape)).astype(clone.backend.dtype)
         tracemalloc.start()
         try:

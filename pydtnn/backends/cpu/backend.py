@@ -193,6 +193,13 @@ class CPUBackend(Backend, Workspace):
     def relu_backward(self, dy, y, cap=None):
         return elementwise.relu_backward(self, dy, y, cap)
 
+    # -- GELU ------------------------------------------------------------------------------------
+    def gelu_forward(self, x, approximate="none"):
+        return elementwise.gelu_forward(self, x, approximate)
+
+    def gelu_backward(self, dy, x, approximate="none"):
+        return elementwise.gelu_backward(self, dy, x, approximate)
+
     # -- batch normalization -------------------------------------------------------------------
     def channel_sums(self, a):
         return normalization.sums(self, a)

@@ -1,7 +1,9 @@
-"""The convolution bias and ReLU (capped too: ReLU6) on the CPU: compiled one-pass kernels
+"""The convolution bias, ReLU (capped too: ReLU6) and GELU on the CPU: compiled one-pass kernels
 (kernels/elementwise.py) split over the threads in contiguous runs, or NumPy."""
 
 import numpy as np
+
+from pydtnn.backends.base import Backend
 
 
 def bias_forward(b, y, bias):
@@ -67,4 +69,30 @@ def relu_backward(b, dy, y, cap=None):
     if cap is not None:
         kernels, args = (elementwise.relu_cap_backward, elementwise.relu_cap_backward_chunks), (*args, dy.dtype.type(cap))
     b.split_compiled(*kernels, dy.size, args, 3 * dy.nbytes)
+    return dx
+
+
+def gelu_forward(b, x, approximate="none"):
+    """GELU (backends/base.py's formulas): one compiled pass, or the generic NumPy form."""
+    if b.kernels != "numba":
+        return Backend.gelu_forward(b, x, approximate)
+    from pydtnn.backends.cpu.kernels import elementwise
+
+    x = np.ascontiguousarray(x)
+    y = np.empty_like(x)
+    b.split_compiled(elementwise.gelu_forward, elementwise.gelu_forward_chunks, x.size,
+                     (x.reshape(-1), y.reshape(-1), approximate == "tanh"), 2 * x.nbytes)
+    return y
+
+
+def gelu_backward(b, dy, x, approximate="none"):
+    """dy * GELU'(x): one compiled pass, or the generic NumPy form."""
+    if b.kernels != "numba":
+        return Backend.gelu_backward(b, dy, x, approximate)
+    from pydtnn.backends.cpu.kernels import elementwise
+
+    dy, x = np.ascontiguousarray(dy), np.ascontiguousarray(x)
+    dx = np.empty_like(dy)
+    b.split_compiled(elementwise.gelu_backward, elementwise.gelu_backward_chunks, dy.size,
+                     (dy.reshape(-1), x.reshape(-1), dx.reshape(-1), approximate == "tanh"), 3 * dy.nbytes)
     return dx

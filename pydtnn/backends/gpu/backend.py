@@ -180,6 +180,12 @@ class GPUBackend(Backend):
     def relu_backward(self, dy, y, cap=None):
         return elementwise_kernels()[1](dy, y, y.dtype.type(cap or 0), cap is not None)
 
+    def erf(self, x):
+        """CuPy's element-wise erf (GELU's exact form; the rest of GELU is the generic CuPy code)."""
+        from cupyx.scipy.special import erf
+
+        return erf(x)
+
     def _bn_partials(self, mode, x, dy=None, mean=None):
         """bn_partials' S partial sums per channel of x (N, C, L...) (and of dy), float64 (C, S) each."""
         cp = self.cupy

@@ -1,5 +1,7 @@
-"""The convolution bias (added to y, summed from dy) and ReLU, capped or not (one pass each way, no boolean
-temporaries)."""
+"""The convolution bias (added to y, summed from dy), ReLU, capped or not, and GELU (one pass each way, no
+boolean temporaries)."""
+
+import math
 
 import numba
 
@@ -107,3 +109,42 @@ def relu_cap_backward(dy, y, dx, cap, lo, hi):
 def relu_cap_backward_chunks(n, t, dy, y, dx, cap):
     for i in numba.prange(t):
         relu_cap_backward(dy, y, dx, cap, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def gelu_forward(x, y, tanh_form, lo, hi):
+    """y = GELU(x) over the flat elements lo..hi-1: x * Phi(x) (erf), or with tanh_form PyTorch's tanh
+    approximation (backends/base.py's formulas)."""
+    xr, yr = x[lo:hi], y[lo:hi]
+    for i in range(xr.shape[0]):
+        v = xr[i]
+        if tanh_form:
+            yr[i] = 0.5 * v * (1.0 + math.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+        else:
+            yr[i] = 0.5 * v * (1.0 + math.erf(v * 0.7071067811865476))
+
+
+@_pjit
+def gelu_forward_chunks(n, t, x, y, tanh_form):
+    for i in numba.prange(t):
+        gelu_forward(x, y, tanh_form, n * i // t, n * (i + 1) // t)
+
+
+@_exact
+def gelu_backward(dy, x, dx, tanh_form, lo, hi):
+    """dx = dy * GELU'(x) over the flat elements lo..hi-1."""
+    gr, xr, dr = dy[lo:hi], x[lo:hi], dx[lo:hi]
+    for i in range(gr.shape[0]):
+        v = xr[i]
+        if tanh_form:
+            t = math.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))
+            d = 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * v * v)
+        else:
+            d = 0.5 * (1.0 + math.erf(v * 0.7071067811865476)) + v * math.exp(-0.5 * v * v) * 0.3989422804014327
+        dr[i] = gr[i] * d
+
+
+@_pjit
+def gelu_backward_chunks(n, t, dy, x, dx, tanh_form):
+    for i in numba.prange(t):
+        gelu_backward(dy, x, dx, tanh_form, n * i // t, n * (i + 1) // t)
