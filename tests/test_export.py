@@ -145,6 +145,12 @@ def test_blocks(tmp_path):
     check_export(perturb(model), tmp_path / "blocks.onnx")
 
 
+def test_dense_over_tokens(tmp_path):
+    """(N, T, F) through two Dense layers, with and without bias: MatMul with the transposed weight (and Add)."""
+    model = Model([Dense(6), Tanh(), Dense(3, use_bias=False)], (4, 5), backend=CPUBackend(seed=1))
+    check_export(perturb(model), tmp_path / "tokens.onnx")
+
+
 def test_identity_model(tmp_path):
     model = Model([Dropout(0.3)], (2, 3, 3))
     check_export(model, tmp_path / "identity.onnx")

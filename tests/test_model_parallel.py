@@ -205,6 +205,15 @@ def test_partition_splits_by_output_channels_and_gathers_where_a_whole_tensor_is
     assert model.grad_buffer.size == sum(g.size for _, _, g in model.parameters())
 
 
+def test_a_dense_over_tokens_is_not_split_by_channels():
+    """Its features are the last axis, not the channel axis the split cuts: it runs whole on every rank."""
+    model = Model([Dense(6), ReLU(), Dense(3)], (4, 5))
+    whole = {k: v.copy() for k, v in model.state_dict().items()}
+    model_parallel.partition(model, FakeGroup(1, 2))
+    assert [type(layer).__name__ for _, layer in model.root.children] == ["Dense", "ReLU", "Dense"]
+    assert all(np.array_equal(v, whole[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("name", ["resnet20_cifar10", "googlenet_cifar10", "vgg11bn_cifar10"])
 def test_plan_lists_what_partition_does(name):
     """plan() (the performance model's input) names every collective partition() inserts, in order, with
