@@ -111,6 +111,10 @@ def parse_args(argv=None):
     for k, v in layered.items():
         if k not in given:
             setattr(args, k, v)
+    if args.optimizer is None:  # the model family's (ViT: AdamW), else SGD; a model file's: SGD
+        from pydtnn.models.families import default_optimizer
+
+        args.optimizer = default_optimizer(None if args.model_file else args.model)
     args.explicit = set(given)  # flags given on the command line (they win over a resumed run's)
     args.notes = notes  # lines for the run to print (rank 0) before it starts
     return args

@@ -116,7 +116,7 @@ def _build(model, opset, batch_size, contract=None, with_preprocessing=False):
         raise ConfigError(f"model {model.name!r} has {size / 2**30:.1f} GiB of float32 state{what}; an ONNX file "
                           f"without external data holds at most 2 GiB: export it for a smaller input shape")
 
-    g = Graph(onnx)
+    g = Graph(onnx, opset)
     x = preprocessing_nodes(g, contract, INPUT, onnx.TensorProto.FLOAT) if with_preprocessing else INPUT
     y = export_layer(g, model.root, x)
     if y == x:  # the model is the identity (e.g. only Dropout)

@@ -109,7 +109,8 @@ def _optimizer_flags(p):
     f = p.flag
 
     g = p.add_argument_group("optimizer")
-    f(g, "optimizer", default="sgd", choices=optim.NAMES, help="default sgd")
+    f(g, "optimizer", default=None, choices=optim.NAMES,
+      help="default: the model family's (adamw for ViT, see docs/models.md), else sgd")
     f(g, "learning_rate", type=non_negative_float, default=None,
       help="per process, before --learning_rate_scaling; default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_LR.items())
            + " (sgd: 0.005 for VGG without BatchNorm, see docs/models.md)")

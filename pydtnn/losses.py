@@ -64,7 +64,8 @@ class Loss:
 class SoftmaxCrossEntropy(Loss):
     """Cross entropy of softmax(y), fused with the softmax: the loss that goes on raw logits.
 
-    y: logits (N, K). target: int class labels (N,) in [0, K), or class probabilities (N, K).
+    y: logits (N, K). target: int class labels (N,) in [0, K), or class probabilities (N, K). A sequence's
+    logits (N, T, K) with int labels (N, T) (next-token prediction) are its N*T rows: the mean over every token.
     With label smoothing eps the target distribution is q = (1 - eps) * target + eps / K.
     L = -mean_n sum_k q[n, k] * log_softmax(y)[n, k];  dL/dy = (softmax(y) * sum_k q - q) / N.
     Same as torch.nn.functional.cross_entropy(y, target, label_smoothing=eps).
@@ -79,14 +80,19 @@ class SoftmaxCrossEntropy(Loss):
             raise ConfigError(f"{self.name}: label_smoothing must be in [0, 1], got {label_smoothing}")
         self.label_smoothing = label_smoothing
         self.probs = self.labels = self.q = None
+        self.shape = None  # the logits' shape: backward gives dy in it
 
     def __repr__(self):
         return f"SoftmaxCrossEntropy(label_smoothing={self.label_smoothing})"
 
     def value(self, y, target):
         xp = array_module(y)
+        self.shape = y.shape
+        if y.ndim == 3 and target.ndim == 2 and target.shape == y.shape[:2]:  # tokens: N*T rows
+            y, target = y.reshape(-1, y.shape[-1]), target.reshape(-1)
         if y.ndim != 2:
-            raise ShapeError(f"{self.name}: expects logits (N, K), got shape {y.shape}")
+            raise ShapeError(f"{self.name}: expects logits (N, K), or (N, T, K) with labels (N, T), got shape "
+                             f"{y.shape}{f' with targets {target.shape}' if y.ndim == 3 else ''}")
         _check_nonempty(self.name, y)
         n, k = y.shape
         eps = self.label_smoothing
@@ -116,7 +122,7 @@ class SoftmaxCrossEntropy(Loss):
             dy = self.probs - self.label_smoothing / k
             dy[array_module(dy).arange(n), self.labels] -= 1 - self.label_smoothing
         dy *= 1 / n
-        return dy
+        return dy.reshape(self.shape)
 
 
 class BinaryCrossEntropy(Loss):

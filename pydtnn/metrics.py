@@ -10,7 +10,8 @@ Names accepted by `get` (and by the CLI's `--metrics accuracy,top5_accuracy`):
                     (aliases regression_mse, regression_mae)
 
 Scores y may be logits or probabilities: the ranking is the same. Classification targets are int
-labels (N,) or one-hot/probability rows (N, K), reduced to labels by argmax. Ties in y are broken
+labels (N,) or one-hot/probability rows (N, K), reduced to labels by argmax; a sequence's scores
+(N, T, K) with labels (N, T) count every token (next-token accuracy). Ties in y are broken
 towards the lower class index, like argmax, so top1_accuracy == accuracy always.
 Works on NumPy or CuPy arrays alike (the array module of y). With read=False a metric returns
 its value as a 0-d array of y's module instead, not read back from the device (the trainer adds
@@ -25,8 +26,16 @@ from pydtnn.errors import ConfigError, ShapeError
 from pydtnn.losses import check_batch_labels
 
 
+def _tokens(y, target):
+    """(y, target) with a sequence's (N, T, K) scores and (N, T) labels as N*T rows; others as they are."""
+    if y.ndim == 3 and target.ndim == 2 and target.shape == y.shape[:2]:
+        return y.reshape(-1, y.shape[-1]), target.reshape(-1)
+    return y, target
+
+
 def accuracy(y, target, read=True):
     """Fraction of rows of y (N, K) whose argmax is the target class."""
+    y, target = _tokens(y, target)
     labels = _labels(y, target, "accuracy")
     hits = (y.argmax(axis=1) == labels).sum()
     return float(hits) / y.shape[0] if read else hits / y.shape[0]
@@ -40,6 +49,7 @@ def top_k_accuracy(y, target, k=5, read=True):
     """
     if int(k) != k or k < 1:
         raise ConfigError(f"top_k_accuracy: k must be a positive integer, got {k!r}")
+    y, target = _tokens(y, target)
     labels = _labels(y, target, f"top{k}_accuracy")
     xp = array_module(y)
     n, num_classes = y.shape

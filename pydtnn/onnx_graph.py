@@ -43,8 +43,9 @@ INPUT, OUTPUT = "input", "output"  # the graph's tensor names
 class Graph:
     """Nodes and initializers in the order they are made; every tensor name is unique."""
 
-    def __init__(self, onnx):
+    def __init__(self, onnx, opset=17):
         self.helper, self.numpy_helper = onnx.helper, onnx.numpy_helper
+        self.opset = int(opset)  # the graph's opset: some operators differ by version (onnx_transformer.py)
         self.nodes, self.initializers, self.used = [], [], {INPUT}
         self._constants = {}
 
@@ -225,6 +226,15 @@ _EXPORTERS = {  # exact types: a subclass may compute something else, so it is r
     Tanh: _simple("Tanh", "tanh"),
     Softmax: _simple("Softmax", "softmax", axis=1),
 }
+
+
+def _register_transformer_layers():
+    from pydtnn.onnx_transformer import exporters
+
+    _EXPORTERS.update(exporters(_sequential, _state_name, _numpy, _label))
+
+
+_register_transformer_layers()
 
 
 def export_layer(g, layer, x):

@@ -151,6 +151,36 @@ def test_dense_over_tokens(tmp_path):
     check_export(perturb(model), tmp_path / "tokens.onnx")
 
 
+@pytest.mark.parametrize("opset", [17, 18])
+def test_transformers(opset, tmp_path):
+    """A ViT (patches, class token, positions, blocks, LayerNorm, class-token pooling) and a token model
+    (ids through an Embedding, a causal block with tanh GELU, mean pooling: ReduceMean's axes an attribute
+    before opset 18 and an input from it), each against onnxruntime at several batch sizes."""
+    from pydtnn.layers import Embedding, LayerNorm, PositionalEmbedding, SequencePool, TransformerBlock
+
+    vit = models.create("vit_tiny_cifar10", input_shape=(1, 28, 28), backend=CPUBackend(seed=1), depth=2)
+    tokens = Model([Embedding(17, 8), PositionalEmbedding(), TransformerBlock(8, 2, causal=True, approximate="tanh"),
+                    LayerNorm(), SequencePool("mean"), Dense(5)], (6,), backend=CPUBackend(seed=1))
+    for i, model in enumerate((vit, tokens)):
+        rng = np.random.default_rng(i)
+        for _, _, p in model.parameters():  # LayerNorm's, the biases and the class token away from 1 and 0 too
+            p[...] = rng.normal(0, 0.3, p.shape)
+        path = tmp_path / f"t{i}.onnx"
+        to_onnx(model, path, opset=opset)
+        for n in (3, 1):
+            x = model.random_input(n, rng, np.float32)
+            assert_close(run_onnx(path, x), model.forward(x, training=False))
+
+
+def test_layernorm_before_opset_17_is_refused_and_nothing_written(tmp_path):
+    from pydtnn.layers import LayerNorm
+
+    model = Model([Dense(4), LayerNorm()], (3, 5))
+    with pytest.raises(ConfigError, match="LayerNormalization needs opset 17 or later; expected --opset 17 or more"):
+        to_onnx(model, tmp_path / "ln.onnx", opset=16)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_identity_model(tmp_path):
     model = Model([Dropout(0.3)], (2, 3, 3))
     check_export(model, tmp_path / "identity.onnx")

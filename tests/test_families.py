@@ -9,7 +9,6 @@ from pydtnn.data.pad import PaddedDataset
 from pydtnn.errors import ConfigError
 from pydtnn.losses import SoftmaxCrossEntropy
 from pydtnn.models.families import FAMILIES, recipe, resolve, variant
-from pydtnn.optim import SGD
 
 
 def params_of(variant_name, shape, classes=10):
@@ -125,21 +124,25 @@ DIGIT_FAMILIES = sorted(f for f in FAMILIES if f not in ("inceptionv3", "densene
 
 
 def _losses(family, shape, train, processes=2, steps=None):
-    """Losses of SGD steps at the command line's defaults for this family (learning rate, batch size
-    per process) as `processes` processes take them: global batch batch x processes, the rate scaled
-    by `processes`. Families whose recipe has small batches take more steps."""
-    from pydtnn.models.families import DEFAULT_LR
+    """Losses of steps of the family's default optimizer (SGD with momentum 0.9, AdamW for ViT) at the command
+    line's defaults for this family (learning rate, batch size per process) as `processes` processes take
+    them: global batch batch x processes, the rate scaled by `processes`. Families whose recipe has small
+    batches take more steps."""
+    from pydtnn import optim
+    from pydtnn.models.families import DEFAULT_LR, default_optimizer
 
     backend = CPUBackend(seed=0)
     choice, model = resolve(family, shape, train.num_classes, build=lambda v, s: models.create(
         v, input_shape=s, num_classes=train.num_classes, backend=backend))
     if choice.input_shape != tuple(train.input_shape):
         train = PaddedDataset(train, choice.input_shape)
-    r = recipe(choice.name)
-    lr = r.get("learning_rate", DEFAULT_LR["sgd"]) * processes
+    name = default_optimizer(choice.name)
+    r = recipe(choice.name, name)
+    lr = r.get("learning_rate", DEFAULT_LR[name]) * processes
     n = r["batch_size"] * processes
     steps = steps or max(8, 768 // n)  # 768 samples: 8 steps at the default batch, 24 for VGG's small ones
-    opt, loss_fn = SGD(model.parameters(), lr=lr, momentum=0.9), SoftmaxCrossEntropy()
+    opt = optim.create(name, model.parameters(), lr=lr, **({"momentum": 0.9} if name == "sgd" else {}))
+    loss_fn = SoftmaxCrossEntropy()
     order, out = np.random.default_rng(0).permutation(len(train)), []
     for step in range(steps):
         x, y = train.get_batch(np.sort(order[step * n:(step + 1) * n]), np.float32)
@@ -195,3 +198,15 @@ def test_family_default_learning_rate_trains_on_larger_images(family):
     losses = _losses(family, shape, train, steps=8)
     assert np.all(np.isfinite(losses)), losses
     assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+
+
+def test_vit_families_default_to_adamw_and_others_to_sgd():
+    from pydtnn.cli import parse_args
+    from pydtnn.models.families import default_optimizer
+
+    assert [default_optimizer(n) for n in ("vit", "vit_small", "vit_tiny_cifar10", "resnet20", None)] == [
+        "adamw", "adamw", "adamw", "sgd", "sgd"]
+    assert parse_args(["--model", "vit"]).optimizer == "adamw"
+    assert parse_args(["--model", "vit", "--optimizer", "sgd"]).optimizer == "sgd"
+    assert parse_args(["--model", "resnet20"]).optimizer == "sgd"
+    assert recipe("vit_small_cifar10", "adamw") == {"batch_size": 64, "num_epochs": 4, "lr_schedulers": "cosine"}

@@ -237,3 +237,22 @@ def test_transformer_block(causal, approximate):
 def test_transformer_block_refuses_another_width():
     with pytest.raises(Exception, match=r"TransformerBlock\(8\): expects tokens \(T, 8\), got \(4, 6\)"):
         TransformerBlock(8, 2).build((4, 6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_softmax_equals_numpy_and_torch_with_masked_rows(dtype):
+    """The CPU backend's compiled softmax over the last axis against its NumPy form and torch, rows of -inf
+    (zeros out) and partly masked rows (a causal mask) included; and its backward."""
+    rng = np.random.default_rng(0)
+    x = (3 * rng.standard_normal((2, 3, 5, 5))).astype(dtype)
+    x += np.triu(np.full((5, 5), -np.inf, dtype), 1)
+    x[1, 2, 4] = -np.inf
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    tol = 1e-12 if dtype == np.float64 else 2e-6
+    compiled, plain = CPUBackend(dtype, kernels="numba"), CPUBackend(dtype, kernels="numpy")
+    y = compiled.softmax_forward(x)
+    np.testing.assert_allclose(y, plain.softmax_forward(x), rtol=tol, atol=tol)
+    want = torch.softmax(torch.tensor(x[:1]), -1).numpy()
+    np.testing.assert_allclose(y[:1], want, rtol=tol, atol=tol)
+    assert not y[1, 2, 4].any() and y.dtype == dtype
+    np.testing.assert_allclose(compiled.softmax_backward(dy, y), plain.softmax_backward(dy, y), rtol=tol, atol=tol)

@@ -74,6 +74,21 @@ def test_cross_entropy(shape, kind, smoothing):
                 lambda ty, tt: F.cross_entropy(ty, tt, label_smoothing=smoothing))
 
 
+@pytest.mark.parametrize("shape", [(2, 5, 7), (1, 1, 3), (3, 4, 100)])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_over_tokens_is_the_mean_over_every_token(shape, smoothing):
+    """Next-token logits (N, T, V) with labels (N, T): torch's cross entropy of the N*T rows."""
+    rng = np.random.default_rng(3)
+    y, target = 3 * rng.standard_normal(shape), rng.integers(0, shape[2], shape[:2])
+    both_checks(lambda: losses.SoftmaxCrossEntropy(label_smoothing=smoothing), y, target,
+                lambda ty, tt: F.cross_entropy(ty.reshape(-1, shape[2]), tt.reshape(-1), label_smoothing=smoothing))
+
+
+def test_cross_entropy_over_tokens_refuses_labels_of_another_shape():
+    with pytest.raises(ShapeError, match=r"got shape \(2, 5, 7\) with targets \(2, 4\)"):
+        losses.SoftmaxCrossEntropy().forward(np.zeros((2, 5, 7)), np.zeros((2, 4), np.int64))
+
+
 def test_cross_entropy_unnormalized_probability_targets():
     """Rows that do not sum to 1 (torch accepts them): dL/dy = softmax * sum(q) - q, not softmax - q."""
     rng = np.random.default_rng(1)

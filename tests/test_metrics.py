@@ -127,3 +127,12 @@ def test_get_by_name():
 def test_unknown_metric(name):
     with pytest.raises(ConfigError, match=f"unknown metric '{name}'.*accuracy.*top5_accuracy"):
         metrics.get(name)
+
+
+def test_accuracy_over_tokens_counts_every_token():
+    rng = np.random.default_rng(0)
+    y, target = rng.standard_normal((3, 5, 7)), rng.integers(0, 7, (3, 5))
+    want = float((y.argmax(axis=2) == target).mean())
+    assert metrics.accuracy(y, target) == pytest.approx(want)
+    assert metrics.get("top7_accuracy")(y, target) == 1.0
+    assert metrics.get("top1_accuracy")(y, target) == pytest.approx(want)

@@ -73,6 +73,14 @@ def head_swap(count, features, classes=10, old=1000):
     return count - (features + 1) * (old - classes)
 
 
+def vit_params(dim, depth, mlp, tokens=64, channels=3, patch=4, classes=10):
+    """A ViT by hand: the patch convolution, the class token, positions of tokens + 1, per block two LayerNorms,
+    the attention's input (3 x dim x dim + 3 x dim) and output projections, the MLP's two Dense; the final
+    LayerNorm and the head."""
+    block = 4 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) + (dim * mlp + mlp) + (mlp * dim + dim)
+    return (channels * patch * patch * dim + dim) + dim + (tokens + 1) * dim + depth * block + 2 * dim + dim * classes + classes
+
+
 EXPECTED_PARAMS = {
     **TORCHVISION,
     # simplecnn: 3x3 convs 1->16, 16->32, Dense 32*7*7->64, 64->10; simplemlp: 784-256-128-10
@@ -94,6 +102,8 @@ EXPECTED_PARAMS = {
     # becomes one 3x3 conv 3->192 + BN (5,568); fc 1024 -> 10
     "googlenet_cifar10": head_swap(6_624_904 - (9408 + 128 + 4096 + 128 + 110592 + 384) + (27 * 192 + 384), 1024),
     "mobilenetv1_cifar10": head_swap(4_231_976, 1024),
+    "vit_tiny_cifar10": vit_params(64, 6, 128),
+    "vit_small_cifar10": vit_params(128, 6, 256),
 }
 
 # the numbers the docstrings and the report quote, as literals, so a formula slip shows
@@ -105,6 +115,7 @@ assert EXPECTED_PARAMS["mobilenetv1_cifar10"] == 3_217_226
 assert EXPECTED_PARAMS["vgg16_cifar10"] == 33_638_218
 assert EXPECTED_PARAMS["alexnet_cifar10"] == 23_272_266
 assert EXPECTED_PARAMS["lenet5"] == 61_706
+assert EXPECTED_PARAMS["vit_tiny_cifar10"] == 208_970
 
 
 def test_registry_lists_every_model():

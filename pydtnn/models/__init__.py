@@ -22,7 +22,7 @@ from pydtnn.backends import CPUBackend
 from pydtnn.errors import ConfigError
 from pydtnn.layers import Sequential
 from pydtnn.model import Model
-from pydtnn.models import alexnet, densenet, inception, lenet, mobilenet, resnet, simple, vgg
+from pydtnn.models import alexnet, densenet, inception, lenet, mobilenet, resnet, simple, transformer, vgg
 from pydtnn.models.family_table import FAMILIES, family_of, pick
 
 # (default input shape, default number of classes) of each dataset
@@ -73,6 +73,8 @@ _REGISTRY = {
         ("inceptionv3_imagenet", inception.inceptionv3_imagenet, IMAGENET_299),
         ("mobilenetv1_cifar10", mobilenet.mobilenetv1_cifar10, CIFAR10),
         ("mobilenetv1_imagenet", mobilenet.mobilenetv1_imagenet, IMAGENET),
+        ("vit_tiny_cifar10", transformer.vit_tiny_cifar10, CIFAR10),
+        ("vit_small_cifar10", transformer.vit_small_cifar10, CIFAR10),
     ]
 }
 

@@ -22,6 +22,9 @@ FAMILIES = {
     "googlenet": _variants("googlenet"),
     "inceptionv3": _variants("inceptionv3", cifar=False),
     "mobilenetv1": _variants("mobilenetv1"),
+    "vit_tiny": _variants("vit_tiny", imagenet=False),
+    "vit": _variants("vit_tiny", imagenet=False),  # the tiny one
+    "vit_small": _variants("vit_small", imagenet=False),
 }
 
 

@@ -193,12 +193,18 @@ class CPUBackend(Backend, Workspace):
     def relu_backward(self, dy, y, cap=None):
         return elementwise.relu_backward(self, dy, y, cap)
 
-    # -- GELU ------------------------------------------------------------------------------------
+    # -- GELU and softmax -------------------------------------------------------------------------
     def gelu_forward(self, x, approximate="none"):
         return elementwise.gelu_forward(self, x, approximate)
 
     def gelu_backward(self, dy, x, approximate="none"):
         return elementwise.gelu_backward(self, dy, x, approximate)
+
+    def softmax_forward(self, x):
+        return elementwise.softmax_forward(self, x)
+
+    def softmax_backward(self, dy, y):
+        return elementwise.softmax_backward(self, dy, y)
 
     # -- batch normalization -------------------------------------------------------------------
     def channel_sums(self, a):

@@ -1,4 +1,4 @@
-"""The convolution bias, ReLU (capped too: ReLU6) and GELU on the CPU: compiled one-pass kernels
+"""The convolution bias, ReLU (capped too: ReLU6), GELU and softmax over the last axis on the CPU: compiled one-pass kernels
 (kernels/elementwise.py) split over the threads in contiguous runs, or NumPy."""
 
 import numpy as np
@@ -73,15 +73,20 @@ def relu_backward(b, dy, y, cap=None):
 
 
 def gelu_forward(b, x, approximate="none"):
-    """GELU (backends/base.py's formulas): one compiled pass, or the generic NumPy form."""
+    """GELU (backends/base.py's formulas): one compiled pass (float32's exact form with a rational erf within
+    4.2e-7 of erf, which vectorizes; libm's erf otherwise), or the generic NumPy form."""
     if b.kernels != "numba":
         return Backend.gelu_forward(b, x, approximate)
     from pydtnn.backends.cpu.kernels import elementwise
 
     x = np.ascontiguousarray(x)
     y = np.empty_like(x)
-    b.split_compiled(elementwise.gelu_forward, elementwise.gelu_forward_chunks, x.size,
-                     (x.reshape(-1), y.reshape(-1), approximate == "tanh"), 2 * x.nbytes)
+    if x.dtype == np.float32 and approximate == "none":  # erf by kernels.elementwise.erf32: vectorized
+        kernels, args = (elementwise.gelu32_forward, elementwise.gelu32_forward_chunks), (x.reshape(-1), y.reshape(-1))
+    else:
+        kernels = elementwise.gelu_forward, elementwise.gelu_forward_chunks
+        args = (x.reshape(-1), y.reshape(-1), approximate == "tanh")
+    b.split_compiled(*kernels, x.size, args, 2 * x.nbytes)
     return y
 
 
@@ -93,6 +98,38 @@ def gelu_backward(b, dy, x, approximate="none"):
 
     dy, x = np.ascontiguousarray(dy), np.ascontiguousarray(x)
     dx = np.empty_like(dy)
-    b.split_compiled(elementwise.gelu_backward, elementwise.gelu_backward_chunks, dy.size,
-                     (dy.reshape(-1), x.reshape(-1), dx.reshape(-1), approximate == "tanh"), 3 * dy.nbytes)
+    args = (dy.reshape(-1), x.reshape(-1), dx.reshape(-1))
+    if x.dtype == np.float32 and approximate == "none":
+        kernels = elementwise.gelu32_backward, elementwise.gelu32_backward_chunks
+    else:
+        kernels, args = (elementwise.gelu_backward, elementwise.gelu_backward_chunks), (*args, approximate == "tanh")
+    b.split_compiled(*kernels, dy.size, args, 3 * dy.nbytes)
+    return dx
+
+
+def softmax_forward(b, x):
+    """Softmax over the last axis: a compiled pass per row (rows split over the threads), or NumPy's."""
+    if b.kernels != "numba":
+        return Backend.softmax_forward(b, x)
+    from pydtnn.backends.cpu.kernels import elementwise
+
+    x = np.ascontiguousarray(x)
+    y = np.empty_like(x)
+    rows = x.reshape(-1, x.shape[-1])
+    b.split_compiled(elementwise.softmax_rows, elementwise.softmax_rows_chunks, rows.shape[0],
+                     (rows, y.reshape(rows.shape)), 2 * x.nbytes)
+    return y
+
+
+def softmax_backward(b, dy, y):
+    """y * (dy - sum(dy * y)) over the last axis: compiled per row, or NumPy's."""
+    if b.kernels != "numba":
+        return Backend.softmax_backward(b, dy, y)
+    from pydtnn.backends.cpu.kernels import elementwise
+
+    dy, y = np.ascontiguousarray(dy), np.ascontiguousarray(y)
+    dx = np.empty_like(dy)
+    k = dy.shape[-1]
+    b.split_compiled(elementwise.softmax_rows_backward, elementwise.softmax_rows_backward_chunks, dy.size // k,
+                     (dy.reshape(-1, k), y.reshape(-1, k), dx.reshape(-1, k)), 3 * dy.nbytes)
     return dx
