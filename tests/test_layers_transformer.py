@@ -21,14 +21,7 @@ from pydtnn.layers import (
     TransformerBlock,
 )
 from pydtnn.testing import check_against_torch, check_gradients
-
-DTYPES = [np.float64, np.float32]
-
-
-def both_checks(make, x_shape, torch_fn, training=True):
-    check_gradients(make(), x_shape, training=training)
-    for dtype in DTYPES:
-        check_against_torch(make(), x_shape, torch_fn, dtype=dtype, training=training)
+from test_layers import DTYPES, both_checks
 
 
 # -- LayerNorm, GELU, Dense over tokens --------------------------------------------------------------------

@@ -90,25 +90,26 @@ def attention(layer, n, need_dx):
     """MultiHeadAttention, GEMMs (through backend.matmul and batched xp.matmul over (N, H)) and the softmax of
     the (N, H, T, T) scores, A = N*H*T*T of them:
     forward          2*NT*D*3D (q, k, v) + 2*N*T*T*D twice (scores, weights x values) + 2*NT*D*D (out); the
-                     bias adds; the scores scaled (2*A), masked when causal (3*A), the softmax (8*A: max,
-                     x - max, exp, sum, divide) and with dropout its mask (4*A as float32 and 2*A*s) and
-                     product (3*A*s); x, q|k|v (3E), o and y read and written once each
+                     bias adds; the scores scaled (2*A), masked when causal (3*A), the softmax (compiled: one
+                     pass, 2*A; NumPy: 8*A, max, x - max, exp, sum, divide) and with dropout its mask (4*A as
+                     float32 and 2*A*s) and product (3*A*s); x, q|k|v (3E), o and y read and written once each
     backward_data    the same GEMMs twice over but the input projection's dx once (2*NT*3D*D); the softmax's
-                     backward (9*A), its dropout (3*A), the scaling (2*A); dq, dk, dv stacked and copied (6E)
+                     backward (compiled 3*A, NumPy 9*A), its dropout (3*A), the scaling (2*A); dq, dk, dv
+                     stacked and copied (6E)
     backward_weights 2*NT*D*3D + 2*NT*D*D and the biases' sums (4E read)
     """
     t, d = layer.input_shape
     s = layer.dtype.itemsize
     e, a = n * t * d, n * layer.heads * t * t
     gemm_f = 2 * n * t * d * 3 * d + 2 * 2 * n * t * t * d + 2 * n * t * d * d
-    soft_f = 5 * a
-    f_bytes = (2 + 3 * (1 if layer.causal else 0) + 8) * a * s + (2 * 3 * e + 4 * e + 4 * e) * s
-    b_bytes = (9 + 2) * a * s + (3 * 3 * e + 6 * e + 3 * e) * s
+    soft_f, soft_b = (2, 3) if layer.backend.kernels == "numba" else (8, 9)
+    f_bytes = (2 + 3 * (1 if layer.causal else 0) + soft_f) * a * s + (2 * 3 * e + 4 * e + 4 * e) * s
+    b_bytes = (soft_b + 2) * a * s + (3 * 3 * e + 6 * e + 3 * e) * s
     if layer.dropout:
         f_bytes += 4 * a + 5 * a * s
         b_bytes += 3 * a * s
     bwd_gemm = 2 * (2 * 2 * n * t * t * d) + 2 * n * t * d * d + (2 * n * t * 3 * d * d if need_dx else 0)
-    fwd = PhaseCost(gemm_f + soft_f + 4 * e, f_bytes)
+    fwd = PhaseCost(gemm_f + 5 * a + 4 * e, f_bytes)
     bwd_d = PhaseCost(bwd_gemm + 6 * a, b_bytes)
     bwd_w = PhaseCost(2 * n * t * d * 3 * d + 2 * n * t * d * d + 4 * e, 4 * e * s + 4 * d * d * s)
     return None, "gemm", fwd, bwd_d, bwd_w
