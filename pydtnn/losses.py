@@ -87,7 +87,7 @@ class SoftmaxCrossEntropy(Loss):
 
     def value(self, y, target):
         xp = array_module(y)
-        self.shape = y.shape
+        shape = y.shape
         if y.ndim == 3 and target.ndim == 2 and target.shape == y.shape[:2]:  # tokens: N*T rows
             y, target = y.reshape(-1, y.shape[-1]), target.reshape(-1)
         if y.ndim != 2:
@@ -105,7 +105,7 @@ class SoftmaxCrossEntropy(Loss):
                 q = q * (1 - eps) + eps / k
         z = y - y.max(axis=1, keepdims=True)  # <= 0: exp never overflows, and the max term is exp(0) = 1
         logp = z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
-        self.probs, self.labels, self.q = xp.exp(logp), labels, q
+        self.probs, self.labels, self.q, self.shape = xp.exp(logp), labels, q, shape
         if q is None:
             per_sample = -(1 - eps) * xp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
             if eps:
@@ -204,6 +204,8 @@ def check_host_targets(loss, target, output_shape):
             raise DataError(f"{loss.name}: target value {bad} out of range; expected probabilities in [0, 1]")
     elif target.ndim == 1 and target.dtype.kind in "iu" and len(output_shape) == 1:
         check_batch_labels(target, len(target), output_shape[0], loss.name)
+    elif target.ndim == 2 and target.dtype.kind in "iu" and len(output_shape) == 2:  # tokens (N, T), scores (T, K)
+        check_batch_labels(target.reshape(-1), target.size, output_shape[-1], loss.name)
 
 
 def check_batch_labels(target, n, k, who):

@@ -210,3 +210,12 @@ def test_vit_families_default_to_adamw_and_others_to_sgd():
     assert parse_args(["--model", "vit", "--optimizer", "sgd"]).optimizer == "sgd"
     assert parse_args(["--model", "resnet20"]).optimizer == "sgd"
     assert recipe("vit_small_cifar10", "adamw") == {"batch_size": 64, "num_epochs": 4, "lr_schedulers": "cosine"}
+
+
+def test_the_performance_model_takes_the_family_optimizer_where_none_is_given():
+    from pydtnn.perfmodel.cli import build_parser, update_class
+
+    parser = build_parser()
+    assert update_class(parser.parse_args(["predict", "--model", "vit", "--batch_size", "8"])) == "adam"
+    assert update_class(parser.parse_args(["memory", "--model", "resnet20_cifar10", "--batch_size", "8"])) == "sgd_momentum"
+    assert update_class(parser.parse_args(["predict", "--model", "vit", "--batch_size", "8", "--optimizer", "sgd"])) == "sgd"

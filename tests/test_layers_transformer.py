@@ -90,6 +90,15 @@ def test_embedding_against_torch_and_its_gradient_sums_repeated_ids():
     assert layer.grads["weight"][3].any() and not layer.grads["weight"][4].any()
 
 
+def test_an_embedding_after_another_layer_is_refused():
+    from pydtnn.errors import ShapeError
+    from pydtnn.model import Model
+
+    with pytest.raises(ShapeError, match="token ids have no gradient, so an Embedding must come first in its model"):
+        Model([Dense(4), Embedding(11, 4)], (3,))
+    assert Model([Embedding(11, 4), Dense(2)], (3,)).output_shape == (3, 2)
+
+
 @pytest.mark.parametrize("bad,message", [
     (np.array([[0, 11]]), "token id 11 outside the vocabulary; expected 0 to 10"),
     (np.array([[-1, 2]]), "token id -1 outside the vocabulary; expected 0 to 10"),

@@ -89,6 +89,18 @@ def test_cross_entropy_over_tokens_refuses_labels_of_another_shape():
         losses.SoftmaxCrossEntropy().forward(np.zeros((2, 5, 7)), np.zeros((2, 4), np.int64))
 
 
+def test_token_labels_are_checked_on_the_host_and_a_refused_batch_keeps_the_last_state():
+    loss = losses.SoftmaxCrossEntropy()
+    losses.check_host_targets(loss, np.array([[0, 6]]), (2, 7))
+    with pytest.raises(DataError, match=r"label 7 \(sample 1 of the batch\) out of range; expected labels in \[0, 7\)"):
+        losses.check_host_targets(loss, np.array([[0, 7]]), (2, 7))
+    y = np.random.default_rng(0).standard_normal((2, 3, 4))
+    loss.forward(y, np.zeros((2, 3), np.int64))
+    with pytest.raises(ShapeError):
+        loss.forward(np.zeros((5, 6, 7)), np.zeros((5, 2), np.int64))
+    assert loss.backward().shape == (2, 3, 4)
+
+
 def test_cross_entropy_unnormalized_probability_targets():
     """Rows that do not sum to 1 (torch accepts them): dL/dy = softmax * sum(q) - q, not softmax - q."""
     rng = np.random.default_rng(1)

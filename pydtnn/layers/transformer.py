@@ -39,12 +39,16 @@ class Embedding(Layer):
         self.vocab_size, self.dim, self.weight_init = int(vocab_size), int(dim), weight_init
         if self.vocab_size < 1 or self.dim < 1:
             raise ValueError(f"Embedding needs vocab_size and dim >= 1, got {vocab_size!r} and {dim!r}")
+        self.need_dx = False  # ids have no gradient: a layer before it would wait for one (build refuses that)
 
     def describe(self):
         return f"Embedding({self.vocab_size}, {self.dim})"
 
     def build(self, input_shape, dtype=np.float32, backend=None):
         super().build(input_shape, dtype, backend)
+        if self.need_dx:
+            raise ShapeError(f"{self.name}: token ids have no gradient, so an Embedding must come first in its model; "
+                             f"expected it as the first layer")
         self.expect_rank(1, "(tokens,) of token ids")
         self.add_param("weight", self.init(self.weight_init, (self.vocab_size, self.dim), self.vocab_size, self.dim))
         self.output_shape = (self.input_shape[0], self.dim)

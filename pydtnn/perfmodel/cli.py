@@ -177,8 +177,9 @@ def add_step_flags(p):
     p.add_argument("--progress", choices=PROGRESS, default="test",
                    help="when a started collective progresses: test (the default: only inside MPI calls) or thread "
                         "(all the time: the reducers' progress thread, or a library that progresses on its own)")
-    p.add_argument("--optimizer", choices=tuple(UPDATE_PASSES), default="sgd_momentum",
-                   help="the update's passes over the parameters (default sgd_momentum)")
+    p.add_argument("--optimizer", choices=tuple(UPDATE_PASSES), default=None,
+                   help="the update's passes over the parameters (default: adam for a model whose family trains "
+                        "with an Adam-family optimizer, as ViT does, else sgd_momentum)")
     add_data_flags(p)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--machine", help="machine description, YAML or JSON (default: built-in 2-core VM values)")
@@ -190,7 +191,7 @@ def run_predict(args):
     from pydtnn.perfmodel.table import table
 
     machine, plan, name, model = _step_plan(args)
-    p = predict_plan(model, plan, machine, update_passes=UPDATE_PASSES[args.optimizer], algorithm=args.algorithm,
+    p = predict_plan(model, plan, machine, update_passes=UPDATE_PASSES[update_class(args)], algorithm=args.algorithm,
                      name=name, recompute=args.recompute, schedule=args.pipeline_schedule,
                      stage_starts=args.stage_boundaries.split(",") if args.stage_boundaries else None)
     if args.json:
@@ -224,11 +225,21 @@ def _step_plan(args):
     return machine, plan, name, model
 
 
+def update_class(args):
+    """--optimizer of predict and memory, or where not given the model family's (models/families.py) as its update
+    class: "adam" for the Adam family, else "sgd_momentum" (pydtnn-train's SGD default)."""
+    from pydtnn.models.families import default_optimizer
+
+    if args.optimizer is not None:
+        return args.optimizer
+    return "adam" if default_optimizer(args.model) in ("adam", "adamw", "nadam") else "sgd_momentum"
+
+
 def _memory(args, plan, model, machine):
     """The plan's memory.Memory."""
     from pydtnn.perfmodel.memory import OPTIMIZERS, plan_memory
 
-    return plan_memory(model, plan, OPTIMIZERS[args.optimizer], args.recompute, args.pipeline_schedule,
+    return plan_memory(model, plan, OPTIMIZERS[update_class(args)], args.recompute, args.pipeline_schedule,
                        args.stage_boundaries.split(",") if args.stage_boundaries else None, machine)
 
 
@@ -431,7 +442,9 @@ def add_plan(subparsers):
                    help="GB (10^9 bytes) a process may hold for training, beside the interpreter and libraries "
                         "(default: no limit)")
     p.add_argument("--ranks_per_node", type=positive_int, help="processes per node: adds the hierarchical reducer")
-    p.add_argument("--optimizer", choices=NAMES, default="sgd", help="the optimizer (default sgd, with momentum)")
+    p.add_argument("--optimizer", choices=NAMES, default=None,
+                   help="the optimizer (default: the model family's, as pydtnn-train: adamw for ViT, else sgd with "
+                        "momentum)")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print every layout, and the refused ones, as one JSON object")
     p.set_defaults(run=run_plan)
@@ -442,12 +455,15 @@ def run_plan(args):
 
     from pydtnn.perfmodel import planner
 
+    from pydtnn.models.families import default_optimizer
+
     machine = machine_from(args)
+    optimizer = args.optimizer or default_optimizer(args.model)
     limit = None if args.memory_per_process is None else args.memory_per_process * 1e9
     layouts = planner.candidates(args.np, args.ranks_per_node)  # a bad --ranks_per_node: one line, first
     with tqdm(total=len(layouts), unit="layout", file=sys.stderr, disable=not sys.stderr.isatty(),
               leave=False) as bar:
-        choices, refused, common = planner.plan(args.model, args.np, machine, args.global_batch_size, limit, args.optimizer,
+        choices, refused, common = planner.plan(args.model, args.np, machine, args.global_batch_size, limit, optimizer,
                                         args.ranks_per_node, on_layout=bar.update)
     planner.check_fits(choices, refused, limit, args.model, args.np)
     fitting = [c for c in choices if c.fits]
@@ -455,7 +471,7 @@ def run_plan(args):
         print(json.dumps({"model": args.model, "np": args.np, "machine": machine.name,
                           "global_batch_size": int(common[common.index("--global_batch_size") + 1]),
                           "memory_per_process_bytes": limit,
-                          "optimizer": args.optimizer, "common_flags": list(common),
+                          "optimizer": optimizer, "common_flags": list(common),
                           "layouts": [c.to_dict(common) for c in choices],
                           "refused": [{"flags": list(f), "reason": r} for f, r in refused]}))
         return 0

@@ -218,9 +218,11 @@ LINE_BYTES = 64  # a cache line: what one scattered read or write of an entry mo
 def topk_selection_s(reduction, param_bytes, itemsize, density, replicas, machine, threads, crowding):
     """Seconds of the topk reducer's own work after backward (TopKReducer.finish), 0.0 for the other reducers
     or one replica: TOPK_PASSES over the gradients' bytes (this rank's weight applied 2, the residual added 3,
-    the magnitudes 2, the threshold compared 1.25, the sum's buffer cleared 1) and (2 + replicas) scattered
-    cache lines per sent entry (its value read, its residual cleared, and the replicas' sums added), all at
-    the memory bandwidth. density: the reducer's (None: its default); the selection "global"."""
+    the magnitudes 2, the threshold compared 1.25 and its mask read 0.25, the sum's buffer cleared 1) and
+    (2 + replicas) scattered cache lines per sent entry (its value read, its residual cleared, and the replicas'
+    sums added), all at the memory bandwidth. That is the reducer over the model's own gradient buffer, as the
+    trainer runs it; over packed copies (a Python API without the buffer) it also copies them in and out.
+    density: the reducer's (None: its default); the selection "global"."""
     if reduction != "topk" or replicas <= 1:
         return 0.0
     n = param_bytes // itemsize
