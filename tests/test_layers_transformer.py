@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_layers import DTYPES, both_checks
 
 from pydtnn.backends import CPUBackend
 from pydtnn.layers import (
@@ -21,7 +22,6 @@ from pydtnn.layers import (
     TransformerBlock,
 )
 from pydtnn.testing import check_against_torch, check_gradients
-from test_layers import DTYPES, both_checks
 
 
 # -- LayerNorm, GELU, Dense over tokens --------------------------------------------------------------------

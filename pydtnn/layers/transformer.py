@@ -69,8 +69,7 @@ class Embedding(Layer):
         ids = self.take_saved("ids")
         g = self.grads["weight"]
         g[...] = 0
-        self.xp.add.at(g, ids.reshape(-1), dy.reshape(-1, self.dim))
-        return None
+        self.xp.add.at(g, ids.reshape(-1), dy.reshape(-1, self.dim))  # no dL/dx: None
 
     def flops(self):
         return 0

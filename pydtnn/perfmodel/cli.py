@@ -453,9 +453,8 @@ def add_plan(subparsers):
 def run_plan(args):
     from tqdm import tqdm
 
-    from pydtnn.perfmodel import planner
-
     from pydtnn.models.families import default_optimizer
+    from pydtnn.perfmodel import planner
 
     machine = machine_from(args)
     optimizer = args.optimizer or default_optimizer(args.model)
