@@ -39,6 +39,7 @@ setup(
     },
     entry_points={"console_scripts": ["pydtnn-train=pydtnn.cli:main", "pydtnn-plot=pydtnn.plot:main",
                                         "pydtnn-export=pydtnn.export:main",
+                                        "pydtnn-generate=pydtnn.generate:main",
                                         "pydtnn-perfmodel=pydtnn.perfmodel.cli:main"]},
     classifiers=["Programming Language :: Python :: 3"],
 )

@@ -27,6 +27,83 @@ class _Concat(_Sum):
         return torch.cat([p(x) for p in self.paths], dim=1)
 
 
+class _Embedding(nn.Embedding):
+    """nn.Embedding over ids given as floats (as pydtnn's data pipeline gives them)."""
+
+    def forward(self, x):
+        return super().forward(x.long())
+
+
+class _Learned(nn.Module):
+    """A learned tensor `weight` added (positions) or prepended (a class token) to (N, T, D) tokens."""
+
+    def __init__(self, shape, name, prepend):
+        super().__init__()
+        self.name, self.prepend = name, prepend
+        setattr(self, name, nn.Parameter(torch.zeros(shape)))
+
+    def forward(self, x):
+        w = getattr(self, self.name)
+        return torch.cat([w.expand(x.shape[0], 1, -1), x], dim=1) if self.prepend else x + w
+
+
+class _Tokens(nn.Module):
+    def forward(self, x):
+        return x.flatten(2).transpose(1, 2)
+
+
+class _Pool(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x):
+        return x[:, 0] if self.mode == "cls" else x.mean(dim=1)
+
+
+class _Attention(nn.Module):
+    """Self-attention as a PyTorch user writes it (nanoGPT's): one input projection, the heads through
+    F.scaled_dot_product_attention (causal or not, dropout on the weights), the output projection;
+    pydtnn's parameter names and order."""
+
+    def __init__(self, d, heads, causal, dropout):
+        super().__init__()
+        self.heads, self.causal, self.dropout = heads, causal, dropout
+        self.in_proj_weight = nn.Parameter(torch.zeros(3 * d, d))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * d))
+        self.out_proj_weight = nn.Parameter(torch.zeros(d, d))
+        self.out_proj_bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        n, t, d = x.shape
+        qkv = nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias)
+        q, k, v = qkv.view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                                       is_causal=self.causal)
+        return nn.functional.linear(o.transpose(1, 2).reshape(n, t, d), self.out_proj_weight, self.out_proj_bias)
+
+
+def _transformer_module(layer):
+    """The torch module of a transformer layer (pydtnn.layers.transformer, LayerNorm, GELU), else None."""
+    if isinstance(layer, L.Embedding):
+        return _Embedding(layer.vocab_size, layer.dim)
+    if isinstance(layer, L.PositionalEmbedding):
+        return _Learned(layer.input_shape, "weight", prepend=False)
+    if isinstance(layer, L.ClassToken):
+        return _Learned((1, layer.input_shape[1]), "class_token", prepend=True)
+    if isinstance(layer, L.Tokens):
+        return _Tokens()
+    if isinstance(layer, L.SequencePool):
+        return _Pool(layer.mode)
+    if isinstance(layer, L.MultiHeadAttention):
+        return _Attention(layer.input_shape[1], layer.heads, layer.causal, layer.dropout)
+    if isinstance(layer, L.LayerNorm):
+        return nn.LayerNorm(layer.input_shape[-1], layer.eps)
+    if isinstance(layer, L.GELU):
+        return nn.GELU(approximate=layer.approximate)
+    return None
+
+
 def _convert(layer, dtype):
     """torch module for one pydtnn layer (weights copied), with parameters of `dtype`."""
     if isinstance(layer, L.Sequential):
@@ -42,7 +119,9 @@ def _convert(layer, dtype):
         if not symmetric:
             m = nn.Sequential(nn.ZeroPad2d((g.pl, g.pr, g.pt, g.pb)), m)
     elif isinstance(layer, L.Dense):
-        m = nn.Linear(layer.input_shape[0], layer.units, bias=layer.use_bias)
+        m = nn.Linear(layer.input_shape[-1], layer.units, bias=layer.use_bias)
+    elif _transformer_module(layer) is not None:
+        m = _transformer_module(layer)
     elif isinstance(layer, L.BatchNorm):
         m = (nn.BatchNorm1d if len(layer.input_shape) == 1 else nn.BatchNorm2d)(layer.input_shape[0], layer.eps,
                                                                                  layer.momentum)

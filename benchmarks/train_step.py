@@ -7,7 +7,8 @@
     python benchmarks/train_step.py --from_json FILE [FILE ...] [--out FILE] [--plot FILE.png]
 
 pydtnn: `Trainer.train_step`, what `fit` runs per batch: forward with training=True, SoftmaxCrossEntropy,
-backward, SGD(momentum=0.9).step(). PyTorch: the same network built by torch_equivalent.to_torch from the
+backward, SGD(momentum=0.9).step() (or AdamW with --optimizer adamw). Token models (gpt_nano) take random
+token ids and score every position. PyTorch: the same network built by torch_equivalent.to_torch from the
 same pydtnn model (same layers, same initial weights), trained by the loop a PyTorch user writes:
 opt.zero_grad(); loss = nn.CrossEntropyLoss()(net(x), y); loss.backward(); opt.step(); loss.item().
 Both in float32 on synthetic data (three random batches, rotated, so caches flatter neither side).
@@ -83,10 +84,23 @@ def peak_rss_mb():
 
 
 def synthetic_batches(batch, shape, classes):
-    """Three (x, y) batches: x float32 (batch, *shape) standard normal, y int64 labels in [0, classes)."""
+    """Three (x, y) batches: x float32 (batch, *shape) standard normal, y int64 labels in [0, classes); for a
+    token model (shape (T,)), x token ids in [0, classes) (as float32) and y (batch, T) next tokens."""
     rng = np.random.default_rng([batch, 7])
+    if len(shape) == 1:
+        return [(rng.integers(0, classes, (batch, shape[0])).astype(np.float32), rng.integers(0, classes, (batch, shape[0])))
+                for _ in range(3)]
     return [(rng.standard_normal((batch,) + tuple(shape), dtype=np.float32), rng.integers(0, classes, batch))
             for _ in range(3)]
+
+
+def torch_optimizer(name, params):
+    """The PyTorch optimizer the pydtnn worker's `optim.create(name, ...)` matches: SGD with momentum, or AdamW."""
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
 def time_steps(step, warmup, steps):
@@ -118,9 +132,10 @@ def pydtnn_worker(args):
     if model.params_sha256() != args.sha256:
         raise SystemExit(f"train_step.py: pydtnn {args.model} from seed 0 has parameters {model.params_sha256()[:12]}, "
                          f"the driver's had {args.sha256[:12]}: the two libraries would not start equal")
-    opt = optim.create("sgd", model.parameters(), lr=LR, momentum=MOMENTUM)
+    options = {"lr": LR, "weight_decay": 0.01} if args.optimizer == "adamw" else {"lr": LR, "momentum": MOMENTUM}
+    opt = optim.create(args.optimizer, model.parameters(), **options)
     trainer = Trainer(model, losses.SoftmaxCrossEntropy(), opt, progress=False)
-    data = synthetic_batches(args.batch, model.input_shape, model.output_shape[0])
+    data = synthetic_batches(args.batch, model.input_shape, model.output_shape[-1])
     blas_threads = args.threads
     # pydtnn's thread pool, BLAS at one thread inside each chunk: runtime.configure, or in checkouts older
     # than pydtnn/runtime.py, backends/threads.py (asked by file: an editable install of another checkout
@@ -149,7 +164,7 @@ def torch_worker(args):
     torch.set_num_threads(args.threads)
     import_mb = peak_rss_mb()
     net = torch.load(args.twin, weights_only=False).train()
-    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = torch_optimizer(args.optimizer, net.parameters())
     loss_fn = nn.CrossEntropyLoss()
     shape = tuple(args.shape)
     data = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in synthetic_batches(args.batch, shape, args.classes)]
@@ -157,7 +172,8 @@ def torch_worker(args):
     def step(i):
         x, y = data[i % 3]
         opt.zero_grad()
-        loss = loss_fn(net(x), y)
+        out = net(x)
+        loss = loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1))  # a token model: every position
         loss.backward()
         opt.step()
         return loss.item()
@@ -196,7 +212,8 @@ def run_worker(lib, name, batch, threads, steps, args, prepared, tmp):
     """One fresh process measuring one configuration; returns its record."""
     result = os.path.join(tmp, "result.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", lib, "--model", name, "--batch", str(batch),
-           "--threads", str(threads), "--warmup", str(args.warmup), "--steps", str(steps), "--result", result]
+           "--threads", str(threads), "--warmup", str(args.warmup), "--steps", str(steps), "--result", result,
+           "--optimizer", getattr(args, "optimizer", "sgd")]  # ab_step.py passes its own args (SGD)
     if lib == "pydtnn":
         cmd += ["--sha256", prepared["sha256"]] + (["--conv_autotune"] if args.conv_autotune else [])
     else:
@@ -249,7 +266,7 @@ def prepare(name, tmp):
     twin = os.path.join(tmp, f"{name}.pt")
     torch.save(to_torch(model), twin)
     return {"sha256": model.params_sha256(), "twin": twin, "shape": list(model.input_shape),
-            "classes": model.output_shape[0], "params": model.count_params()}
+            "classes": model.output_shape[-1], "params": model.count_params()}
 
 
 def drive(args):
@@ -369,7 +386,8 @@ def report(run):
     isa = f" ({m['isa']})" if m.get("isa") else ""  # records written before the ISA was recorded have none
     lines = [(f"{m['cpu']}{isa}, {m['cpus']} cores; Python {m['python']}, NumPy {m['numpy']} with {m['blas']}, "
              f"PyTorch {m['torch']}"), "",
-             (f"pydtnn at {commit} ({src['path']}). float32, SGD(lr={LR}, momentum={MOMENTUM}), softmax "
+             (f"pydtnn at {commit} ({src['path']}). float32, "
+             f"{'AdamW(lr=' + str(LR) + ', weight_decay=0.01)' if a.get('optimizer') == 'adamw' else f'SGD(lr={LR}, momentum={MOMENTUM})'}, softmax "
              f"cross-entropy; {a['warmup']} warm-up step(s), then the median of {steps} timed steps; "
              f"script wall time {run['wall_s']:.0f} s."
              + (" Convolution algorithms measured per layer shape (autotune)." if a.get("conv_autotune") else "")),
@@ -523,6 +541,8 @@ def main():
     p.add_argument("--conv_autotune", action="store_true",
                    help="pydtnn measures each convolution shape's algorithm (CPUBackend(autotune=True), its cache "
                         "in ~/.cache/pydtnn) instead of the threshold choice")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="SGD with momentum 0.9 (default), or AdamW (weight decay 0.01), lr 0.001 both")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 32, 1 thread, 1 warm-up + 2 timed steps")
     p.add_argument("--out", help="also write the report (markdown) here")
     p.add_argument("--json", help="also write every record here")

@@ -34,14 +34,18 @@ NOTES = """
 `--model` (and `pydtnn.models.create`) also takes a family name: `vgg11` ... `vgg19`, `vgg11bn` ...
 `vgg19bn`, `resnet18` ... `resnet152`, `resnet20` ... `resnet110`, `densenet121`, `densenet169`,
 `densenet201`, `densenet100` (DenseNet-BC-100), `alexnet`, `googlenet`, `inceptionv3`, `mobilenetv1`,
-`vit` (`vit_tiny`) and `vit_small`. It picks the variant that fits the data (`pydtnn/models/families.py`),
-and the run's header says which:
+`vit` (`vit_tiny`) and `vit_small`, and for text `gpt` (`gpt_nano`; `gpt_mini` by its name). It picks the variant
+that fits the data (`pydtnn/models/families.py`), and the run's header says which:
 
 - A family with a CIFAR-10 and an ImageNet variant takes the CIFAR-10 one for images of at most 64
   pixels a side and the ImageNet one for larger images. A family with one variant takes it.
 - A model adapts to the data in two ways only: its first layer takes the data's channels, its last
   layer gives the data's classes. The header lists each adaptation (`first layer takes 1 channel
   (designed for 3)`); the architecture is otherwise the named one.
+- A token model (`gpt_nano`, `gpt_mini`) takes windows of token ids from a text dataset (docs/datasets.md,
+  "Text"): its context is the window (`--context_length`, default the design's 128 or 256) and its vocabulary
+  the text's (`a vocabulary of 111 tokens (designed for 256)`). A token model given images, or an image model
+  given text, stops with one line naming what it takes.
 - Images smaller than the variant's design size are zero-padded, centred, up to it when that takes
   at most 1.5 times the pixels: the embedded 28x28 digits become 32x32 for every CIFAR-10 variant,
   so `pydtnn-train --model vgg16` trains VGG-16 as designed for 32x32 images. Otherwise the model is
@@ -54,7 +58,8 @@ and the run's header says which:
   hundred or so updates and dies at 0.05, so it takes 16 samples per process at 0.005 with a cosine
   decay, for 7 epochs; MobileNet v1 takes 0.025 (at 0.05 per process its loss climbs from 2.7 to 6);
   the ViTs take AdamW (0.001 per process, weight decay 0.01) with a cosine decay for 4 epochs (with SGD
-  the loss was still 2.1 after 115 updates on Fashion-MNIST, with AdamW 1.3 after 68).
+  the loss was still 2.1 after 115 updates on Fashion-MNIST, with AdamW 1.3 after 68); the GPTs take AdamW
+  with a cosine decay too, for 5 epochs.
   The flags override any of these. tests/test_families.py runs every family's defaults on the digits,
   as two processes would, and checks that the loss falls.
 - `vit` at its defaults on Fashion-MNIST (`mpiexec -n 2 python -m pydtnn --model vit --dataset fashion_mnist
@@ -100,6 +105,17 @@ and the run's header says which:
     Smaller than ImageNet's ViT-Ti/S (dim 192/384, 12 blocks), sized to train on two CPU cores in
     minutes; any image whose sides are multiples of 4 works. The conv/dense column counts the patch
     convolution and the Dense layers, not the attention's projections.
+- **Text models** (`gpt_nano`, `gpt_mini`; input: T token ids, output: T x vocabulary next-token logits):
+  GPT-2's layout as nanoGPT writes it (Radford et al. 2019): token and learned position embeddings, pre-norm
+  blocks with causal self-attention and a GELU MLP of 4x the width, a final LayerNorm and a linear head at
+  every position (not tied to the embedding). `gpt_nano`: dim 64, 4 blocks of 4 heads, context 128;
+  `gpt_mini`: dim 128, 6 blocks of 8 heads, context 256. Listed with 256 byte tokens; a character vocabulary
+  makes the embedding and head smaller (`gpt_nano` on the fortunes text: 222,575 parameters).
+  `pydtnn-generate --checkpoint DIR --prompt TEXT [--tokens 200] [--temperature 0.8] [--top_k 40]
+  [--samples 1] [--seed 0]` samples text from a trained one with the vocabulary its checkpoint holds: each
+  token drawn from the softmax of the logits over the temperature, among the top_k most likely (0: all;
+  temperature 0: the most likely), given the last T tokens; a character outside the vocabulary in the prompt
+  is refused in one line.
 - **MNIST**: `lenet5` (LeCun et al. 1998, tanh and average pooling, full C3 connectivity),
   `simplecnn`, `simplemlp`.
 
@@ -197,7 +213,7 @@ def facts(name):
     model = models.create(name)
     leaves = leaf_layers(model)
     weight_layers = sum(isinstance(layer, (Conv2D, Dense)) for layer in leaves)
-    return (tuple(model.input_shape), model.output_shape[0], model.count_params(), round(model.flops() / 1e9, 3),
+    return (tuple(model.input_shape), model.output_shape[-1], model.count_params(), round(model.flops() / 1e9, 3),
             weight_layers, len(leaves))
 
 

@@ -297,6 +297,7 @@ def export_from_args(args):
     """Check the output, build (or load) the model the flags name and write it; returns (model, input
     contract or None, path)."""
     from pydtnn import checkpoint
+    from pydtnn.data.datasets import TEXT
     from pydtnn.files import TMP, check_distinct, check_writable
 
     if args.model_file is not None and args.checkpoint is None:
@@ -317,6 +318,11 @@ def export_from_args(args):
             raise ConfigError(f"--dataset {args.dataset}: the checkpoint {args.checkpoint} was trained on {dataset}; "
                               f"leave --dataset out")
         dataset = dataset or args.dataset
+        if dataset in TEXT:  # token ids in, nothing to preprocess: the graph takes them as float32, as the model does
+            if args.with_preprocessing:
+                raise ConfigError(f"--with_preprocessing: the checkpoint {args.checkpoint} was trained on the text "
+                                  f"dataset {dataset}, whose model takes token ids, not images; leave it out")
+            dataset = None
         _check_preprocessing(args, dataset, f"the checkpoint {args.checkpoint} does not say what data it was "
                                             f"trained on")
         model = model_from_checkpoint(args.checkpoint, manifest, args.model_file)

@@ -90,11 +90,16 @@ def _model_and_data_flags(p):
 
     g = p.add_argument_group("dataset")
     f(g, "dataset", default="mnist5k", help=f"{', '.join(data.NAMES)} (default mnist5k: 5,000 embedded MNIST digits)")
-    f(g, "dataset_train_path", default=None, help="directory holding the training files")
+    f(g, "dataset_train_path", default=None,
+      help="directory holding the training files (a text dataset: a UTF-8 file or a folder of them)")
     f(g, "dataset_test_path", default=None, help="directory holding the test files (default: the training one)")
     f(g, "download", type=parse_bool, default=False,
-      help="fetch mnist, fashion_mnist, cifar10 or cifar100 into the data directory ($PYDTNN_DATA, else "
-           "~/.cache/pydtnn) when no copy is there; a copy already there is always found")
+      help="fetch mnist, fashion_mnist, cifar10, cifar100 or tiny_shakespeare into the data directory ($PYDTNN_DATA, "
+           "else ~/.cache/pydtnn) when no copy is there; a copy already there is always found")
+    f(g, "context_length", type=positive_int, default=None,
+      help="a text dataset's window of tokens (default: the model's design context, 128 for a model file)")
+    f(g, "tokenizer", choices=("chars", "bytes"), default="chars",
+      help="a text dataset's tokens: its characters (the vocabulary saved with the checkpoint) or UTF-8 bytes")
     f(g, "validation_split", type=fraction, default=0.0, help="fraction of the training set held out for validation")
     f(g, "test_as_validation", type=parse_bool, default=False, help="validate on the test set after every epoch")
     _add_dataset_flags(p, g)

@@ -8,6 +8,9 @@ Names accepted by `get` (and by the CLI's `--metrics accuracy,top5_accuracy`):
                     top5_accuracy, top3_accuracy, ...
     mse, mae        mean squared / absolute error over all elements
                     (aliases regression_mse, regression_mae)
+    bits_per_token  the targets' cross-entropy under softmax(y) in bits (alias bpc): bits per character
+                    where tokens are characters or bytes; a record that has it also gets its
+                    perplexity, 2 ** bits_per_token (`with_perplexity`)
 
 Scores y may be logits or probabilities: the ranking is the same. Classification targets are int
 labels (N,) or one-hot/probability rows (N, K), reduced to labels by argmax; a sequence's scores
@@ -19,6 +22,7 @@ them up on the GPU and reads the sums every few steps).
 """
 
 import functools
+import math
 import re
 
 from pydtnn.backends import array_module
@@ -72,6 +76,26 @@ def mae(y, target, read=True):
     return float(v) if read else v
 
 
+def bits_per_token(y, target, read=True):
+    """Mean over rows (tokens) of -log2 softmax(y)[target]: the loss in bits, whatever the loss function."""
+    y, target = _tokens(y, target)
+    labels = _labels(y, target, "bits_per_token")
+    xp = array_module(y)
+    top = y.max(axis=1, keepdims=True)
+    log_sum = top[:, 0] + xp.log(xp.exp(y - top).sum(axis=1))
+    nats = log_sum - xp.take_along_axis(y, labels[:, None], axis=1)[:, 0]
+    v = nats.astype(xp.float64).mean() / math.log(2)
+    return float(v) if read else v
+
+
+def with_perplexity(record, prefix=""):
+    """`record` with prefix + "perplexity" = 2 ** its prefix + "bits_per_token", where it has that value."""
+    bits = record.get(prefix + "bits_per_token")
+    if bits is not None:
+        record[prefix + "perplexity"] = 2.0 ** bits if bits < 1024 else math.inf
+    return record
+
+
 def _labels(y, target, who):
     """Int labels (N,) from labels or one-hot/probability rows (N, K), checked against y (N, K)."""
     if y.ndim != 2 or y.shape[0] == 0:
@@ -106,10 +130,12 @@ _FUNCTIONS = {
     "regression_mse": mse,
     "mae": mae,
     "regression_mae": mae,
+    "bits_per_token": bits_per_token,
+    "bpc": bits_per_token,
 }
 
 NAMES = tuple(_FUNCTIONS)
-_ALIASES = {"categorical_accuracy": "accuracy", "regression_mse": "mse", "regression_mae": "mae"}
+_ALIASES = {"categorical_accuracy": "accuracy", "regression_mse": "mse", "regression_mae": "mae", "bpc": "bits_per_token"}
 
 
 def canonical(name):

@@ -72,6 +72,8 @@ def shape_text(shape, sep=", "):
 
 def describe_input(contract, input_shape, with_preprocessing=False, batch="N"):
     """One sentence: what the graph's input "input" holds (dtype, layout, shape, and the pixels' transform)."""
+    if len(input_shape) == 1:  # a token model (a GPT)
+        return f"float32 token ids ({batch}, {input_shape[0]}), whole numbers in the model's vocabulary"
     if contract is None:
         return (f"float32 NCHW ({batch}, {shape_text(input_shape)}); the data the model was trained on is not "
                 f"recorded (export with --dataset NAME to record it)")
@@ -122,9 +124,9 @@ class Pixels:
 
 def dataset_pixels(dataset):
     """Pixels of `dataset` (a pydtnn.data name), read from its loader's constants; None for synthetic
-    data (no pixels). ConfigError for a name pydtnn.data does not know."""
+    data and text (no pixels). ConfigError for a name pydtnn.data does not know."""
     from pydtnn.data import cifar, imagenet
-    from pydtnn.data.datasets import NAMES, SHAPES
+    from pydtnn.data.datasets import NAMES, SHAPES, TEXT
     from pydtnn.suggest import did_you_mean
 
     if dataset in cifar.LAYOUTS:
@@ -134,7 +136,7 @@ def dataset_pixels(dataset):
         return Pixels(1 / 255, imagenet.IMAGENET_MEAN, imagenet.IMAGENET_STD, SHAPES[dataset][0], None)
     if dataset in ("mnist5k", "mnist", "fashion_mnist"):  # IDX files: grey images, scaled only
         return Pixels(1 / 255, None, None, *SHAPES[dataset])
-    if dataset == "synthetic":
+    if dataset == "synthetic" or dataset in TEXT:  # generated floats, or token ids: no pixels
         return None
     raise ConfigError(f"unknown dataset {dataset!r}{did_you_mean(str(dataset), NAMES) or ';'} expected one of "
                       f"{', '.join(NAMES)}")

@@ -33,11 +33,26 @@ def check_combinations(args):
     if "model_checkpoint" in chosen_schedulers(args) and not args.checkpoint_dir:
         raise ConfigError("model_checkpoint needs --checkpoint_dir DIR")
     check_memory_limit(args)
+    check_text_flags(args)
     pipelined = args.parallel == "pipeline" or args.pipeline_stages is not None
     if not pipelined and (args.stage_boundaries is not None or "pipeline_schedule" in args.explicit):
         flag = "--stage_boundaries" if args.stage_boundaries is not None else "--pipeline_schedule"
         raise ConfigError(f"{flag} applies to --parallel pipeline (or hybrid with --pipeline_stages); got --parallel "
                           f"{args.parallel or 'data'}")
+
+
+def check_text_flags(args):
+    """--context_length and --tokenizer apply to text datasets only; a text dataset reports bits per token (and
+    perplexity) beside accuracy unless --metrics says otherwise."""
+    from pydtnn.data import TEXT
+
+    text = args.dataset in TEXT and not args.use_synthetic_data
+    for flag in ("context_length", "tokenizer"):
+        if flag in args.explicit and not text and not (flag == "context_length" and args.use_synthetic_data):
+            raise ConfigError(f"--{flag} applies to a text dataset ({', '.join(TEXT)}); got --dataset {args.dataset}"
+                              f"{' with --use_synthetic_data' if args.use_synthetic_data else ''}: leave --{flag} out")
+    if text and "metrics" not in args.explicit:
+        args.metrics = "accuracy,bits_per_token"
 
 
 def profile_path(rank=0, size=1):

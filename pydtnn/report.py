@@ -39,7 +39,7 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
         yield f"pydtnn:   adapted: {note}"
     dataset = "synthetic" if args.use_synthetic_data else args.dataset
     yield (f"pydtnn: data {dataset}: {len(train):,} train, {len(val) if val else 0:,} validation, "
-           f"{len(test) if test else 0:,} test; {'x'.join(map(str, data_shape))} images, {train.num_classes} classes")
+           f"{len(test) if test else 0:,} test; {samples_text(train, data_shape)}")
     per_stage = ("one per process" if eff["model_parallel_size"] == 1 else
                  f"each split over {eff['model_parallel_size']} processes by output channels")
     if eff.get("pipeline_stages", 1) > 1 and eff["replicas"] > 1:
@@ -126,11 +126,20 @@ def models_table():
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += ["", f"Family names pick a variant by image size (up to {SMALL_SIDE} pixels a side: the CIFAR-10 one); "
-              "see docs/models.md:"]
+              "token families take text; see docs/models.md:"]
     for family, v in sorted(FAMILIES.items()):
-        picks = " / ".join(n for n in (v["cifar10"], v["imagenet"]) if n)
+        picks = " / ".join(n for n in (v["cifar10"], v["imagenet"], v.get("text")) if n)
         lines.append(f"  {family:<12} {picks}")
     return "\n".join(lines)
+
+
+def samples_text(train, data_shape):
+    """What a dataset's samples are, for the header: images and classes, or token windows and vocabulary."""
+    tokenizer = getattr(train, "tokenizer", None)
+    if tokenizer is not None:
+        kind = "characters" if tokenizer.kind == "chars" else "bytes"
+        return f"windows of {data_shape[0]} tokens, a vocabulary of {train.num_classes} {kind}"
+    return f"{'x'.join(map(str, data_shape))} images, {train.num_classes} classes"
 
 
 def announce_compilation(backend, say):

@@ -133,6 +133,8 @@ def save_checkpoint(directory, trainer, epoch, config, effective=None):
         "callbacks": [getattr(c, "state_dict", dict)() for c in trainer.callbacks],
         "history": trainer.history,
     }
+    if effective and "tokenizer" in effective:  # a text model's vocabulary: what its ids mean
+        meta["tokenizer"] = effective["tokenizer"]
     checkpoint.save(directory, trainer.model, trainer.optimizer, meta, write=trainer.is_root,
                     extra=reducer_state(trainer))
     if not trainer.is_root:

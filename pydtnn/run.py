@@ -85,6 +85,9 @@ def run(args):
                             batchnorm_sync=BatchNormSync(replicas) if args.sync_batchnorm else None)
     effective = effective_values(args, choice, options, plan, schedules)
     effective["data_shape"] = list(data_shape)  # the images before any padding: what an exported graph takes
+    tokenizer = getattr(datasets[0], "tokenizer", None)
+    if tokenizer is not None:  # a text dataset's ids mean its vocabulary's characters: kept with every checkpoint
+        effective["tokenizer"] = tokenizer.to_dict()
     if corrected:
         effective["topk_momentum"] = corrected  # the optimizer's momentum is 0: the reducer applies this one
     trainer = Trainer(model, loss, optimizer, metrics=metric_names(args), seed=args.seed,
@@ -96,6 +99,7 @@ def run(args):
                       recompute=args.recompute, data_workers=args.data_workers)
     start_epoch = 0
     if args.resume:
+        check_tokenizer(args.resume, tokenizer)
         start_epoch = resume(args.resume, trainer, options["lr"] if "learning_rate" in args.explicit else None,
                              scaled=world > 1 and args.learning_rate_scaling and args.global_batch_size is None)
     check_agreement(comm, model, datasets, start_epoch)  # a stage's state layout and name are the whole model's
@@ -361,17 +365,55 @@ def load_datasets(args, comm=None):
             shape, classes = (3, 32, 32), 10
         else:
             shape, classes = models.defaults(variant(args.model, (3, 32, 32)))  # a family: its small-image variant
-        train, test = data.load("synthetic", input_shape=shape, num_classes=classes, seed=args.seed)
+        if len(shape) == 1:  # a token model: random token windows
+            from pydtnn.data.text import random_text
+
+            train, test = random_text(args.context_length or shape[0], classes, args.seed)
+        else:
+            train, test = data.load("synthetic", input_shape=shape, num_classes=classes, seed=args.seed)
     else:
         first = comm is None or comm.size == 1 or comm.rank == 0
         if args.download and not first:
             comm.barrier()  # rank 0 has fetched (or failed, and ended the job)
         train, test = data.load(args.dataset, args.dataset_train_path, args.dataset_test_path,
-                                download=args.download and first)
+                                download=args.download and first, **text_options(args))
         if args.download and first and comm is not None and comm.size > 1:
             comm.barrier()
     train, val = data.resolve_validation(train, test, args.validation_split, args.test_as_validation, args.seed)
     return train, val, test
+
+
+def check_tokenizer(directory, tokenizer):
+    """ConfigError unless the checkpoint in `directory` was trained on token ids of this `tokenizer` (None: the data
+    has none): a resumed text model must read the same ids as the same characters."""
+    from pydtnn.data.text import Tokenizer
+
+    where = os.path.join(directory, checkpoint.META_FILE)
+    saved = checkpoint.read_meta(directory).get("tokenizer")
+    if saved is None and tokenizer is None:
+        return
+    if saved is None or tokenizer is None:
+        raise ConfigError(f"{where} was trained on {'text' if saved else 'data without a tokenizer'}, but this run's "
+                          f"data {'is not text' if saved else 'is text'}; expected the checkpoint's kind of data")
+    saved = Tokenizer.from_dict(saved, f"{where}: meta.tokenizer")
+    if saved != tokenizer:
+        raise ConfigError(f"{where} was trained on {saved!r}{f' {saved.vocabulary[:60]!r}' if saved.vocabulary else ''}, "
+                          f"this text gives {tokenizer!r}; expected the same text (or --tokenizer) as the saved run")
+
+
+def text_options(args):
+    """A text dataset's loader options from the flags: the window (default: the model's design context) and the
+    tokenizer; {} for any other dataset (where --context_length is refused by preflight)."""
+    if args.dataset not in data.TEXT:
+        return {}
+    context = args.context_length
+    if context is None:
+        from pydtnn.data.text import DEFAULT_CONTEXT
+        from pydtnn.models.families import variant
+
+        shape = None if args.model_file else models.defaults(variant(args.model, (DEFAULT_CONTEXT,)))[0]
+        context = shape[0] if shape is not None and len(shape) == 1 else DEFAULT_CONTEXT
+    return {"context_length": context, "tokenizer": args.tokenizer}
 
 
 def augmented(train, args):

@@ -272,7 +272,7 @@ class Trainer:
                 self._callback("on_batch_end", step, None)
         bar.close()
         means, seen = readings.totals(self.comm)  # one reduction per epoch
-        record = {"epoch": epoch + 1, **means}
+        record = metric_fns.with_perplexity({"epoch": epoch + 1, **means})
         record.setdefault("accuracy", None)
         return record, seen
 
@@ -329,7 +329,8 @@ class Trainer:
     def evaluate_as(self, prefix, data, batch_size=256):
         """{prefix_loss, prefix_<metric>...} of evaluate(data), all None when data is None."""
         keys = ("loss",) + tuple(dict.fromkeys(self.metric_names + ("accuracy",)))
-        values = self.evaluate(data, batch_size) if data is not None else {}
+        keys += ("perplexity",) if "bits_per_token" in keys else ()
+        values = metric_fns.with_perplexity(self.evaluate(data, batch_size)) if data is not None else {}
         return {f"{prefix}_{k}": values.get(k) for k in keys}
 
     def _callback(self, hook, *args):

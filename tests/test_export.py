@@ -153,15 +153,17 @@ def test_dense_over_tokens(tmp_path):
 
 @pytest.mark.parametrize("opset", [17, 18])
 def test_transformers(opset, tmp_path):
-    """A ViT (patches, class token, positions, blocks, LayerNorm, class-token pooling) and a token model
+    """A ViT (patches, class token, positions, blocks, LayerNorm, class-token pooling), a token model
     (ids through an Embedding, a causal block with tanh GELU, mean pooling: ReduceMean's axes an attribute
-    before opset 18 and an input from it), each against onnxruntime at several batch sizes."""
+    before opset 18 and an input from it) and a GPT (logits at every position), each against onnxruntime at
+    several batch sizes."""
     from pydtnn.layers import Embedding, LayerNorm, PositionalEmbedding, SequencePool, TransformerBlock
 
     vit = models.create("vit_tiny_cifar10", input_shape=(1, 28, 28), backend=CPUBackend(seed=1), depth=2)
     tokens = Model([Embedding(17, 8), PositionalEmbedding(), TransformerBlock(8, 2, causal=True, approximate="tanh"),
                     LayerNorm(), SequencePool("mean"), Dense(5)], (6,), backend=CPUBackend(seed=1))
-    for i, model in enumerate((vit, tokens)):
+    gpt = models.create("gpt_nano", input_shape=(12,), num_classes=30, backend=CPUBackend(seed=1), depth=2)
+    for i, model in enumerate((vit, tokens, gpt)):
         rng = np.random.default_rng(i)
         for _, _, p in model.parameters():  # LayerNorm's, the biases and the class token away from 1 and 0 too
             p[...] = rng.normal(0, 0.3, p.shape)

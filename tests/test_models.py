@@ -81,6 +81,13 @@ def vit_params(dim, depth, mlp, tokens=64, channels=3, patch=4, classes=10):
     return (channels * patch * patch * dim + dim) + dim + (tokens + 1) * dim + depth * block + 2 * dim + dim * classes + classes
 
 
+def gpt_params(dim, depth, mlp, context, vocab=256):
+    """A GPT by hand: token and position embeddings, per block two LayerNorms, the attention's projections and
+    the MLP's two Dense; the final LayerNorm and the head over the vocabulary."""
+    block = 4 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) + (dim * mlp + mlp) + (mlp * dim + dim)
+    return vocab * dim + context * dim + depth * block + 2 * dim + dim * vocab + vocab
+
+
 EXPECTED_PARAMS = {
     **TORCHVISION,
     # simplecnn: 3x3 convs 1->16, 16->32, Dense 32*7*7->64, 64->10; simplemlp: 784-256-128-10
@@ -104,6 +111,8 @@ EXPECTED_PARAMS = {
     "mobilenetv1_cifar10": head_swap(4_231_976, 1024),
     "vit_tiny_cifar10": vit_params(64, 6, 128),
     "vit_small_cifar10": vit_params(128, 6, 256),
+    "gpt_nano": gpt_params(64, 4, 256, 128),
+    "gpt_mini": gpt_params(128, 6, 512, 256),
 }
 
 # the numbers the docstrings and the report quote, as literals, so a formula slip shows
@@ -116,6 +125,7 @@ assert EXPECTED_PARAMS["vgg16_cifar10"] == 33_638_218
 assert EXPECTED_PARAMS["alexnet_cifar10"] == 23_272_266
 assert EXPECTED_PARAMS["lenet5"] == 61_706
 assert EXPECTED_PARAMS["vit_tiny_cifar10"] == 208_970
+assert EXPECTED_PARAMS["gpt_nano"] == 241_280
 
 
 def test_registry_lists_every_model():
@@ -153,7 +163,8 @@ def shapes_only_backend():
 def test_builds_at_default_shape_with_expected_params(name):
     model = models.create(name, backend=shapes_only_backend())
     shape, classes = models.defaults(name)
-    assert model.input_shape == shape and model.output_shape == (classes,)
+    per_token = shape[:1] if len(shape) == 1 else ()  # a token model scores every position
+    assert model.input_shape == shape and model.output_shape == (*per_token, classes)
     assert model.count_params() == EXPECTED_PARAMS[name]
 
 
@@ -178,8 +189,9 @@ def test_forward_backward_of_every_model(name):
     classes = models.defaults(name)[1]
     model = models.create(name, input_shape=shape, backend=CPUBackend(np.float32, seed=1))
     rng = np.random.default_rng(0)
-    y = model.forward(rng.standard_normal((2,) + shape).astype(np.float32), training=True)
-    assert y.shape == (2, classes) and y.dtype == np.float32
+    y = model.forward(model.random_input(2, rng, np.float32), training=True)  # token ids for a GPT
+    per_token = shape[:1] if len(shape) == 1 else ()
+    assert y.shape == (2, *per_token, classes) and y.dtype == np.float32
     assert np.isfinite(y).all()
     model.backward(rng.standard_normal(y.shape).astype(np.float32))
     for pname, _, g in model.parameters():

@@ -38,6 +38,7 @@ CHANGES = {
     "np": ([], ["--np", "8"]),
     "accumulation_steps": (RESNET, ["--accumulation_steps", "4"]),
     "recompute": ([], ["--recompute", "all"]),
+    "context_length": (["--model", "gpt", "--dataset", "text"], ["--context_length", "64"]),
     "pipeline_stages": (["--parallel", "pipeline", "--pipeline_stages", "2", "--np", "2"],
                         ["--pipeline_stages", "4", "--np", "4"]),
     "pipeline_schedule": (["--parallel", "pipeline", "--pipeline_stages", "4", "--accumulation_steps", "4"],

@@ -10,6 +10,8 @@ data directory (`locate(name)`), downloaded there first when download=True (--do
     cifar100         CIFAR-100 binary version (train.bin, test.bin; fine labels)
     imagenet         ImageNet as train/<class>/*.JPEG + val/<class>/*.JPEG, or .npy shards
     synthetic        generated images, any shape and number of classes (options below)
+    text             next-token windows of a UTF-8 text file or folder (default: the fortunes package)
+    tiny_shakespeare Karpathy's Tiny Shakespeare (1.1 MB), a text dataset fetched with download=True
 
 docs/datasets.md gives each layout, where to get the files and the normalization.
 """
@@ -22,7 +24,7 @@ import tempfile
 
 import numpy as np
 
-from pydtnn.data import cifar, imagenet, synthetic
+from pydtnn.data import cifar, imagenet, synthetic, text
 from pydtnn.data.dataset import ArrayDataset
 from pydtnn.data.download import cache_dir, download, extract_tar, human_size, say, temp_file
 from pydtnn.data.folder import require_folder
@@ -98,7 +100,11 @@ LOADERS = {
     "cifar100": lambda train_path=None, test_path=None: cifar.load_cifar("cifar100", train_path, test_path),
     "imagenet": imagenet.load_imagenet,
     "synthetic": load_synthetic,
+    "text": text.load_text,
+    "tiny_shakespeare": lambda train_path=None, test_path=None, context_length=text.DEFAULT_CONTEXT, tokenizer="chars":
+        text.load_text(_shakespeare_file(train_path), test_path, context_length, tokenizer, "tiny_shakespeare"),
 }
+TEXT = ("text", "tiny_shakespeare")  # token datasets: options context_length and tokenizer, no fixed sample shape
 NAMES = tuple(LOADERS)
 # (C, H, W) and classes of each dataset's images as its loader gives them (ImageNet: the evaluation view's
 # centre crop), known without reading a file: what the performance model and the ONNX export build for.
@@ -140,6 +146,10 @@ REMOTE = {
         (_KRIZ, "cifar-10-binary.tar.gz", 170052171,
          "c4a38c50a1bc5f3a1c5537f2155ab9d68f9f25eb1ed8d9ddda3db29a59bca1dd"),
     ],
+    "tiny_shakespeare": [  # SHA-256 and size as tensorflow_datasets/url_checksums/tiny_shakespeare.txt records them
+        (("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/",), "input.txt", 1115394,
+         "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"),
+    ],
     "cifar100": [
         (_KRIZ, "cifar-100-binary.tar.gz", 168513733,
          "58a81ae192c23a4be8b1804d68e518ed807d710a4eb253b1f2a199162a40d8ec"),
@@ -155,7 +165,16 @@ class DatasetNotFound(DataError, ConfigError):
 
 
 def _layout(name):
+    if name in TEXT:
+        return "input.txt (UTF-8 text)" if name == "tiny_shakespeare" else "UTF-8 text"
     return cifar.layout(name) if name in cifar.LAYOUTS else IDX_LAYOUT
+
+
+def _shakespeare_file(path):
+    """Tiny Shakespeare's input.txt in a fetched folder, or the file given."""
+    if path is not None and os.path.isdir(path) and os.path.isfile(os.path.join(path, "input.txt")):
+        return os.path.join(path, "input.txt")
+    return path
 
 
 def _unknown(name):

@@ -18,6 +18,11 @@ channels). The rules, per layer, in the order the forward pass meets them (docs/
   whole input. A split tensor is gathered before it (allgather over the channel axis); backward,
   each rank keeps its channels of dy. When the layer after the gather is split by channels, the
   gather's backward sums the dx shares and scatters them in one reduce-scatter.
+- A TransformerBlock is split Megatron's way (Shoeybi et al. 2019): its attention by heads (q, k, v and
+  out_proj's columns of this rank's heads), its MLP's fc by columns and proj by rows; LayerNorms and the
+  residuals stay whole. Each branch's split part starts with SumGrad (dx summed in backward) and ends with
+  SumOutput (the ranks' shares of the output summed forward, one allreduce; out_proj's and proj's bias
+  added by rank 0 alone): one allreduce per sub-block forward and one backward.
 - Residual and concatenation blocks take a whole input; each path ends whole (gathered).
 - The model's output is whole: the loss and the metrics see what one process sees.
 
@@ -27,6 +32,7 @@ only as slices; Sharding gathers them whole for checkpoints and hashes, and cuts
 """
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,6 +47,7 @@ from pydtnn.layers.dense import Dense
 from pydtnn.layers.dropout import Dropout
 from pydtnn.layers.norm import BatchNorm
 from pydtnn.layers.pool import AdaptiveAvgPool2D, AvgPool2D, GlobalAvgPool2D, MaxPool2D
+from pydtnn.layers.transformer import TransformerBlock
 
 CHANNELWISE = (BatchNorm, ReLU, ReLU6, LeakyReLU, Sigmoid, Tanh, MaxPool2D, AvgPool2D, GlobalAvgPool2D,
                AdaptiveAvgPool2D, Dropout)
@@ -49,6 +56,8 @@ CHANNELWISE = (BatchNorm, ReLU, ReLU6, LeakyReLU, Sigmoid, Tanh, MaxPool2D, AvgP
 def kind_of(layer):
     """'split' (Conv2D with one group, Dense), 'channelwise', 'block' or 'whole' (needs the whole input: so
     is a Dense over tokens, whose features are the last axis, not the channel axis this module splits)."""
+    if isinstance(layer, TransformerBlock):
+        return "megatron"
     if isinstance(layer, Dense) and len(layer.input_shape) == 2:
         return "whole"
     if isinstance(layer, Dense) or (isinstance(layer, Conv2D) and layer.groups == 1):
@@ -180,33 +189,87 @@ class SumGrad(Layer):
         return self.group.allreduce(dy, self.path or "sum dx")
 
 
+class SumOutput(Layer):
+    """Whole -> whole: forward, the sum over the group of each rank's share of the output (allreduce);
+    backward, the identity (every rank's share has the same gradient). Megatron's "g" after a row split."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def describe(self):
+        return "SumOutput()"
+
+    def forward(self, x, training=True):
+        return self.group.allreduce(x, self.path or "sum output")
+
+    def backward(self, dy):
+        return dy
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How an array is cut over the ranks: along `axis`, which holds `blocks` equal blocks (q, k and v: 3), rank r
+    holding rows bounds[r]:bounds[r + 1] of each block."""
+
+    bounds: tuple
+    axis: int = 0
+    blocks: int = 1
+
+    @property
+    def whole(self):
+        return self.bounds[-1]
+
+
 class Sharding:
     """Which state arrays are sliced, and how to make them whole or cut them again.
 
-    slices: {state name: (lo, hi, whole length)} along axis 0, for parameters and buffers. Every
-    rank of the group must call gather() and full_state() together: they are collectives.
+    slices: {state name: Cut}, for parameters and buffers. Every rank of the group must call gather() and
+    full_state() together: they are collectives.
     """
 
     def __init__(self, group, slices):
         self.group, self.slices = group, slices
 
     def bounds(self, name):
-        return shard_bounds(self.slices[name][2], self.group.size)
+        return list(self.slices[name].bounds)
 
     def whole_shape(self, name, shape):
-        return (self.slices[name][2],) + tuple(shape[1:]) if name in self.slices else tuple(shape)
+        if name not in self.slices:
+            return tuple(shape)
+        c = self.slices[name]
+        return tuple(c.blocks * c.whole if i == c.axis else s for i, s in enumerate(shape))
 
     def gather(self, name, a):
         """The whole array of state `name` (NumPy); `a` is this rank's slice (returned as is if unsliced)."""
         a = a.get() if is_device_array(a) else np.asarray(a)
-        return a if name not in self.slices else self.group.gather_rows(a, self.bounds(name))
+        if name not in self.slices:
+            return a
+        c = self.slices[name]
+        if c.axis == 0 and c.blocks == 1:
+            return self.group.gather_rows(a, list(c.bounds))
+        piece = np.ascontiguousarray(np.moveaxis(a, c.axis, 0))  # (blocks x own rows, rest)
+        rest = piece.shape[1:]
+        rows = np.diff(c.bounds)
+        pieces = self.group.gather_rows(piece, [0, *np.cumsum(rows * c.blocks).tolist()])
+        whole = np.empty((c.blocks, c.whole) + rest, a.dtype)
+        for r, (lo, hi) in enumerate(zip(c.bounds[:-1], c.bounds[1:])):
+            first = c.blocks * lo
+            whole[:, lo:hi] = pieces[first : first + c.blocks * (hi - lo)].reshape((c.blocks, hi - lo) + rest)
+        return np.ascontiguousarray(np.moveaxis(whole.reshape((c.blocks * c.whole,) + rest), 0, c.axis))
 
     def cut(self, name, a):
         """This rank's slice of the whole array `a` of state `name` (a itself if unsliced or already cut)."""
         if name not in self.slices:
             return a
-        lo, hi, whole = self.slices[name]
-        return a[lo:hi] if a.shape[0] == whole and hi - lo != whole else a
+        c = self.slices[name]
+        lo, hi = c.bounds[self.group.rank], c.bounds[self.group.rank + 1]
+        if a.shape[c.axis] != c.blocks * c.whole or hi - lo == c.whole:
+            return a
+        if c.axis == 0 and c.blocks == 1:
+            return a[lo:hi]
+        rows = np.concatenate([np.arange(k * c.whole + lo, k * c.whole + hi) for k in range(c.blocks)])
+        return array_module(a).take(a, rows, axis=c.axis)
 
     def param_of_slot(self, slot_name):
         """'features.0.weight' of an optimizer array named 'features.0.weight.momentum_buffer'."""
@@ -232,9 +295,10 @@ def partition(model, comm):
         rng.bit_generator.state = state
     slices = {}
     for path, layer in model.root.named_layers():
-        if id(layer) in rewrite.owners:
-            for k in list(layer.params) + list(layer.buffers):
-                slices[_join(path, k)] = rewrite.owners[id(layer)]
+        cuts = rewrite.owners.get(id(layer), {})
+        for k in list(layer.params) + list(layer.buffers):
+            if k in cuts:
+                slices[_join(path, k)] = cuts[k]
     model.reindex()
     model.sharding = Sharding(rewrite.group, slices)
     return model.sharding
@@ -248,7 +312,8 @@ def plan(model, size):
     the share of its channels that rank 0 (which holds the most) computes (1.0: the whole layer);
     {"layer": path, "op": "allgather", "elements": E, "backward": "slice" | "reduce_scatter"} for a gather
     before layer `path` ("output" at a path's or the model's end) of E whole elements per sample;
-    {"layer": path, "op": "sum_dx", "elements": E} for an allreduce of dx in backward.
+    {"layer": path, "op": "sum_dx", "elements": E} for an allreduce of dx in backward;
+    {"layer": path, "op": "sum_output", "elements": E} for an allreduce of the output forward (Megatron's).
     """
     rewrite = _Rewrite(_Ranks(0, size), apply=False)
     rewrite.run(model)
@@ -283,6 +348,11 @@ class _Rewrite:
             kind = kind_of(child)
             if kind == "sequential":
                 form = self.walk(child, form)
+            elif kind == "megatron":
+                if form is not None:
+                    out.append(self.gather(name, child, form, reduce_grad=False))
+                    form = None
+                self.megatron(child)
             elif kind == "split":
                 if _channels(child) < size:
                     raise ConfigError(f"{child.name} has {_channels(child)} output channels, fewer than the {size} "
@@ -318,6 +388,46 @@ class _Rewrite:
         if self.apply:
             seq.children = out
         return form
+
+    def megatron(self, block):
+        """Split TransformerBlock `block` Megatron's way (the module's docstring); its input and output are whole."""
+        size, rank = self.group.size, self.group.rank
+        branches = dict(block.children)
+        attention, mlp = (dict(branches[k].children)[""] for k in ("attention", "mlp"))
+        attn = dict(attention.children)["attn"]
+        fc, gelu, proj = (dict(mlp.children)[k] for k in ("fc", "gelu", "proj"))
+        for what, count in (("heads", attn.heads), ("MLP columns", fc.units)):
+            if count < size:
+                raise ConfigError(f"{block.name} has {count} {what}, fewer than the {size} processes it would be split "
+                                  f"over; expected a model-parallel size of at most {count}")
+        heads, columns = shard_bounds(attn.heads, size), shard_bounds(fc.units, size)
+        hd = attn.head_dim
+        for path, first, last, parts in ((attention, attn, attn, {attn: heads}),
+                                         (mlp, fc, proj, {fc: columns, gelu: columns, proj: columns})):
+            children = []
+            for name, layer in path.children:
+                if layer is first:
+                    self.steps.append({"layer": layer.path, "op": "sum_dx", "elements": _count(layer.input_shape)})
+                    if self.apply:
+                        children.append((f"{name}:sum_dx", _built(SumGrad(self.group), layer.input_shape, layer)))
+                if layer in parts:
+                    b = parts[layer]
+                    kind = "channelwise" if layer is gelu else "split"
+                    self.steps.append({"layer": layer.path, "kind": kind,
+                                       "fraction": (b[rank + 1] - b[rank]) / b[-1]})
+                else:
+                    self.steps.append({"layer": layer.path, "kind": "whole", "fraction": 1.0})
+                children.append((name, layer))
+                if layer is last:
+                    self.steps.append({"layer": layer.path, "op": "sum_output",
+                                       "elements": _count(layer.output_shape)})
+                    if self.apply:
+                        children.append((f"{name}:sum", _built(SumOutput(self.group), layer.output_shape, layer)))
+            if self.apply:
+                path.children = children
+        if self.apply:
+            _split_attention(attn, heads, hd, rank, self.owners)
+            _split_mlp(fc, gelu, proj, columns, rank, self.owners)
 
     def leaf(self, layer):
         """A block path that is one layer (plan() only: partition() makes every path a Sequential)."""
@@ -405,8 +515,45 @@ def _slice(layer, bounds, group, owners, split_input):
     for k, v in whole.items():
         own = layer.params.get(k, layer.buffers.get(k))
         own[...] = layer.backend.asarray(v[lo:hi], dtype=own.dtype)
-    if whole:
-        owners[id(layer)] = (lo, hi, bounds[-1])
+    owners[id(layer)] = dict.fromkeys(whole, Cut(tuple(bounds)))
+
+
+def _whole_state(layer):
+    return {k: layer.backend.to_numpy(v).copy() for k, v in layer.params.items()}
+
+
+def _split_attention(attn, heads, hd, rank, owners):
+    """Rebuild MultiHeadAttention `attn` for this rank's heads: rows of q, k and v, columns of out_proj."""
+    lo, hi = heads[rank], heads[rank + 1]
+    whole, d = _whole_state(attn), attn.input_shape[1]
+    attn.head_range, attn.bias_here = (lo, hi), rank == 0
+    attn.build(attn.input_shape, attn.dtype, attn.backend)
+    rows = np.concatenate([np.arange(k * d + lo * hd, k * d + hi * hd) for k in range(3)])
+    own = {"in_proj_weight": whole["in_proj_weight"][rows], "in_proj_bias": whole["in_proj_bias"][rows],
+           "out_proj_weight": whole["out_proj_weight"][:, lo * hd : hi * hd], "out_proj_bias": whole["out_proj_bias"]}
+    for k, v in own.items():
+        attn.params[k][...] = attn.backend.asarray(v, dtype=attn.params[k].dtype)
+    cut = tuple(b * hd for b in heads)
+    owners[id(attn)] = {"in_proj_weight": Cut(cut, 0, 3), "in_proj_bias": Cut(cut, 0, 3),
+                        "out_proj_weight": Cut(cut, 1)}
+
+
+def _split_mlp(fc, gelu, proj, columns, rank, owners):
+    """Rebuild the MLP for this rank's columns: fc's rows (its output features), proj's columns (its inputs)."""
+    lo, hi = columns[rank], columns[rank + 1]
+    fc_whole, proj_whole = _whole_state(fc), _whole_state(proj)
+    t = fc.input_shape[0]
+    fc.units = hi - lo
+    fc.build(fc.input_shape, fc.dtype, fc.backend)
+    gelu.build((t, hi - lo), gelu.dtype, gelu.backend)
+    proj.bias_here = rank == 0
+    proj.build((t, hi - lo), proj.dtype, proj.backend)
+    for layer, k, v in ((fc, "weight", fc_whole["weight"][lo:hi]), (proj, "weight", proj_whole["weight"][:, lo:hi]),
+                        *((fc, "bias", fc_whole["bias"][lo:hi]),) * fc.use_bias,
+                        *((proj, "bias", proj_whole["bias"]),) * proj.use_bias):
+        layer.params[k][...] = layer.backend.asarray(v, dtype=layer.params[k].dtype)
+    owners[id(fc)] = dict.fromkeys(fc_whole, Cut(tuple(columns)))
+    owners[id(proj)] = {"weight": Cut(tuple(columns), 1)}
 
 
 def layout(comm, parallel, model_parallel_size):

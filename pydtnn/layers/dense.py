@@ -16,6 +16,7 @@ class Dense(Layer):
         super().__init__()
         self.units, self.use_bias = int(units), use_bias
         self.weight_init, self.bias_init = weight_init, bias_init
+        self.bias_here = True  # False where ranks each give a share of the sum (Megatron's row split): one adds it
 
     def describe(self):
         return f"Dense({self.units}{'' if self.use_bias else ', no bias'})"
@@ -34,7 +35,7 @@ class Dense(Layer):
         x2 = x.reshape(-1, x.shape[-1])  # tokens: one GEMM over every (sample, token) row
         self.x = x2 if training else None  # kept only when backward will need it
         y = self.backend.matmul(x2, self.params["weight"].T)
-        if self.use_bias:
+        if self.use_bias and self.bias_here:
             y += self.params["bias"]
         return y.reshape(x.shape[:-1] + (self.units,))
 

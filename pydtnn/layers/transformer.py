@@ -203,6 +203,9 @@ class MultiHeadAttention(Layer):
     def __init__(self, heads, causal=False, dropout=0.0, weight_init="glorot_uniform"):
         super().__init__()
         self.heads, self.causal, self.dropout, self.weight_init = int(heads), bool(causal), float(dropout), weight_init
+        # Megatron's split (pydtnn.distributed.model_parallel): this rank computes heads [lo, hi) of `heads`, its
+        # output is its share of the sum over the ranks, and one rank of them adds out_proj_bias (bias_here)
+        self.head_range, self.bias_here = None, True
         if self.heads < 1:
             raise ValueError(f"MultiHeadAttention needs heads >= 1, got {heads!r}")
         if not 0 <= self.dropout < 1:
@@ -210,7 +213,8 @@ class MultiHeadAttention(Layer):
 
     def describe(self):
         extra = (", causal" if self.causal else "") + (f", dropout {self.dropout}" if self.dropout else "")
-        return f"MultiHeadAttention({self.heads} heads{extra})"
+        heads = f"{self.heads} heads" if self.head_range is None else f"heads {self.head_range[0]}:{self.head_range[1]} of {self.heads}"
+        return f"MultiHeadAttention({heads}{extra})"
 
     def build(self, input_shape, dtype=np.float32, backend=None):
         super().build(input_shape, dtype, backend)
@@ -219,9 +223,12 @@ class MultiHeadAttention(Layer):
         if d % self.heads:
             raise ShapeError(f"{self.name}: {d} features do not split into {self.heads} heads; expected a multiple "
                              f"of {self.heads}")
-        self.add_param("in_proj_weight", self.init(self.weight_init, (3 * d, d), d, 3 * d))
-        self.add_param("in_proj_bias", self.xp.zeros(3 * d, self.dtype))
-        self.add_param("out_proj_weight", self.init(self.weight_init, (d, d), d, d))
+        lo, hi = self.head_range or (0, self.heads)
+        self.head_dim, self.local_heads = d // self.heads, hi - lo
+        inner = self.local_heads * self.head_dim  # d, unless split by heads
+        self.add_param("in_proj_weight", self.init(self.weight_init, (3 * inner, d), d, 3 * d))
+        self.add_param("in_proj_bias", self.xp.zeros(3 * inner, self.dtype))
+        self.add_param("out_proj_weight", self.init(self.weight_init, (d, inner), d, d))
         self.add_param("out_proj_bias", self.xp.zeros(d, self.dtype))
         self.causal_bias = None
         if self.causal:  # added to the scores: -inf above the diagonal
@@ -230,7 +237,7 @@ class MultiHeadAttention(Layer):
     def forward(self, x, training=True):
         xp, b = self.xp, self.backend
         n, t, d = x.shape
-        h, hd = self.heads, d // self.heads
+        h, hd = self.local_heads, self.head_dim
         x2 = x.reshape(n * t, d)
         qkv = b.matmul(x2, self.params["in_proj_weight"].T)
         qkv += self.params["in_proj_bias"]
@@ -241,12 +248,15 @@ class MultiHeadAttention(Layer):
             scores += self.causal_bias
         a = b.softmax_forward(scores)
         keep = None
-        if training and self.dropout:
-            keep = b.dropout_mask(a.shape, self.dropout, a.dtype, layer_stream(self.path))
+        if training and self.dropout:  # the whole layer's mask, these heads' part of it
+            lo, hi = self.head_range or (0, self.heads)
+            keep = b.dropout_mask((n, self.heads, t, t), self.dropout, a.dtype, layer_stream(self.path))
+            keep = keep if self.head_range is None else xp.ascontiguousarray(keep[:, lo:hi])
         ad = a * keep if keep is not None else a
-        o = xp.ascontiguousarray(xp.matmul(ad, v).transpose(0, 2, 1, 3)).reshape(n * t, d)
+        o = xp.ascontiguousarray(xp.matmul(ad, v).transpose(0, 2, 1, 3)).reshape(n * t, h * hd)
         y = b.matmul(o, self.params["out_proj_weight"].T)
-        y += self.params["out_proj_bias"]
+        if self.bias_here:
+            y += self.params["out_proj_bias"]
         self.saved = (x2, q, k, v, a, keep, ad, o) if training else None
         return y.reshape(n, t, d)
 
@@ -254,7 +264,7 @@ class MultiHeadAttention(Layer):
         xp, b = self.xp, self.backend
         x2, q, k, v, a, keep, ad, o = self.take_saved("saved")
         n, t, d = dy.shape
-        h, hd = self.heads, d // self.heads
+        h, hd = self.local_heads, self.head_dim
         dy2 = dy.reshape(n * t, d)
         b.matmul(dy2.T, o, out=self.grads["out_proj_weight"])
         dy2.sum(axis=0, out=self.grads["out_proj_bias"])
@@ -267,7 +277,7 @@ class MultiHeadAttention(Layer):
         ds *= dy.dtype.type(1 / math.sqrt(hd))
         dq = xp.matmul(ds, k)
         dk = xp.matmul(ds.transpose(0, 1, 3, 2), q)
-        dqkv = xp.ascontiguousarray(xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)).reshape(n * t, 3 * d)
+        dqkv = xp.ascontiguousarray(xp.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4)).reshape(n * t, 3 * h * hd)
         b.matmul(dqkv.T, x2, out=self.grads["in_proj_weight"])
         dqkv.sum(axis=0, out=self.grads["in_proj_bias"])
         if not self.need_dx:
@@ -276,7 +286,9 @@ class MultiHeadAttention(Layer):
 
     def flops(self):
         t, d = self.input_shape
-        return 2 * t * d * 3 * d + 2 * 2 * t * t * d + 5 * self.heads * t * t + 2 * t * d * d + 4 * t * d  # + biases
+        h = self.local_heads
+        inner = h * self.head_dim
+        return 2 * t * d * 3 * inner + 2 * 2 * t * t * inner + 5 * h * t * t + 2 * t * inner * d + 4 * t * d  # + biases
 
 
 class TransformerBlock(Sequential):

@@ -28,6 +28,7 @@ from pydtnn.models.family_table import FAMILIES, family_of, pick
 # (default input shape, default number of classes) of each dataset
 IMAGENET, IMAGENET_299 = ((3, 224, 224), 1000), ((3, 299, 299), 1000)
 CIFAR10, MNIST = ((3, 32, 32), 10), ((1, 28, 28), 10)
+BYTES_128, BYTES_256 = ((128,), 256), ((256,), 256)  # windows of byte tokens (a text dataset's, any vocabulary)
 
 # name -> (builder, default input shape, default number of classes)
 _REGISTRY = {
@@ -75,6 +76,8 @@ _REGISTRY = {
         ("mobilenetv1_imagenet", mobilenet.mobilenetv1_imagenet, IMAGENET),
         ("vit_tiny_cifar10", transformer.vit_tiny_cifar10, CIFAR10),
         ("vit_small_cifar10", transformer.vit_small_cifar10, CIFAR10),
+        ("gpt_nano", transformer.gpt_nano, BYTES_128),
+        ("gpt_mini", transformer.gpt_mini, BYTES_256),
     ]
 }
 

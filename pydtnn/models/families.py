@@ -56,12 +56,15 @@ def resolve(name, input_shape, num_classes, build=None):
     design_shape, design_classes = models.defaults(chosen)
     shape = tuple(int(s) for s in input_shape)
     notes = []
+    check_kind(chosen, shape, design_shape)
     if chosen != name:
-        notes.append(f"{name} is {chosen} for {'x'.join(map(str, shape))} images")
+        what = f"windows of {shape[0]} tokens" if len(shape) == 1 else f"{'x'.join(map(str, shape))} images"
+        notes.append(f"{name} is {chosen} for {what}")
     if len(shape) == 3 and shape[0] != design_shape[0]:
         notes.append(f"first layer takes {shape[0]} channel{'s' * (shape[0] != 1)} (designed for {design_shape[0]})")
     if num_classes != design_classes:
-        notes.append(f"last layer gives {num_classes} classes (designed for {design_classes})")
+        notes.append(f"a vocabulary of {num_classes} tokens (designed for {design_classes})" if len(shape) == 1 else
+                     f"last layer gives {num_classes} classes (designed for {design_classes})")
     if len(shape) == 3 and len(design_shape) == 3:
         h, w = max(shape[1], design_shape[1]), max(shape[2], design_shape[2])
         if (h, w) != shape[1:] and h * w <= MAX_PAD_AREA * shape[1] * shape[2]:
@@ -76,6 +79,18 @@ def resolve(name, input_shape, num_classes, build=None):
         raise ConfigError(f"model {chosen} cannot take {'x'.join(map(str, shape))} images (its design input is "
                           f"{'x'.join(map(str, design_shape))}): {e}; use a dataset with larger images "
                           f"(imagenet) or a model for small images ({', '.join(small)})") from None
+
+
+def check_kind(chosen, shape, design_shape):
+    """ConfigError where a token model (input (T,)) is given images, or an image model token windows."""
+    if (len(shape) == 1) == (len(design_shape) == 1):
+        return
+    if len(design_shape) == 1:
+        raise ConfigError(f"model {chosen} takes windows of token ids (a text dataset: --dataset text or "
+                          f"tiny_shakespeare); got {'x'.join(map(str, shape))} images")
+    tokens = sorted(f for f, v in FAMILIES.items() if v.get("text"))
+    raise ConfigError(f"model {chosen} takes images; got windows of {shape[0]} tokens (a text dataset): expected a "
+                      f"token model ({', '.join(tokens)})")
 
 
 # How a family trains from the command line where --learning_rate, --batch_size, --num_epochs or
@@ -93,6 +108,7 @@ RECIPES = {
     # ViT with SGD (momentum 0.9, 0.05 per process) is still at a loss of 2.1 on Fashion-MNIST after 115 updates at
     # np 2, where AdamW at 0.001 per process is at 1.3 after 68: transformers train with Adam-family optimizers
     **{f: {"optimizer": "adamw", "num_epochs": 4, "lr_schedulers": "cosine"} for f in ("vit", "vit_tiny", "vit_small")},
+    **{f: {"optimizer": "adamw", "num_epochs": 5, "lr_schedulers": "cosine"} for f in ("gpt", "gpt_nano", "gpt_mini")},
 }
 DEFAULT_RECIPE = {"batch_size": 64, "num_epochs": 10, "lr_schedulers": ""}
 # what a first run of a family looks like, where it would otherwise look broken (printed in the header)

@@ -25,6 +25,8 @@ FAMILIES = {
     "vit_tiny": _variants("vit_tiny", imagenet=False),
     "vit": _variants("vit_tiny", imagenet=False),  # the tiny one
     "vit_small": _variants("vit_small", imagenet=False),
+    # token models: "text" is the variant for (T,) token windows (a text dataset); they take no images
+    "gpt": {"cifar10": None, "imagenet": None, "text": "gpt_nano"},
 }
 
 
@@ -38,7 +40,10 @@ def family_of(name):
 
 def pick(family, input_shape):
     """The variant of `family` (a key of FAMILIES) for samples of input_shape (C, H, W): the CIFAR-10 one for
-    images of at most SMALL_SIDE pixels a side, else the ImageNet one; a family with one variant takes it."""
+    images of at most SMALL_SIDE pixels a side, else the ImageNet one; a family with one variant takes it. A token
+    family's variant is its "text" one, whatever the shape (building it for images then says what it takes)."""
     variants = FAMILIES[family]
+    if variants.get("text"):
+        return variants["text"]
     small = len(input_shape) == 3 and max(input_shape[1:]) <= SMALL_SIDE
     return variants["cifar10" if small else "imagenet"] or variants["imagenet"] or variants["cifar10"]

@@ -57,9 +57,11 @@ def load(path, input_shape, num_classes, backend=None):
         if error is None:  # not from the file's code nor a user's mistake: ours
             raise
         raise error from None
-    if tuple(model.output_shape) != (classes,):
+    want = (shape[0], classes) if len(shape) == 1 else (classes,)  # token windows: a score per token and class
+    if tuple(model.output_shape) != want:
+        what = "per token" if len(shape) == 1 else "per class of the data"
         raise ConfigError(f"model file {path}: the model gives outputs of shape {model.output_shape} per sample; "
-                          f"expected ({classes},), one score per class of the data: end it with Dense(num_classes)")
+                          f"expected {want}, one score {what}: end it with Dense(num_classes)")
     return model
 
 

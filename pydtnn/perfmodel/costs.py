@@ -42,7 +42,7 @@ import numpy as np
 from pydtnn.backends.cpu import CPUBackend
 from pydtnn.backends.cpu import pooling as cpu_pooling
 from pydtnn.backends.geometry import positions, touched, window_layout
-from pydtnn.distributed.model_parallel import Gather, SumGrad
+from pydtnn.distributed.model_parallel import Gather, SumGrad, SumOutput
 from pydtnn.errors import ConfigError
 from pydtnn.layers import (
     AdaptiveAvgPool2D,
@@ -450,7 +450,8 @@ def _gather(layer, n, need_dx):
 
 
 def _sum_grad(layer, n, need_dx):
-    """model_parallel.SumGrad: the identity forward; backward an allreduce of dy in place (communication)."""
+    """model_parallel.SumGrad: the identity forward; backward an allreduce of dy in place (communication).
+    SumOutput: forward an allreduce of y in place (communication); backward the identity."""
     return None, "elementwise", ZERO, ZERO, ZERO
 
 
@@ -473,6 +474,6 @@ _FORMULAS = (  # (layer class, formula(layer, n, need_dx) -> (algorithm, kernel_
     (AdditionBlock, _addition),
     (ConcatenationBlock, _concatenation),
     (Gather, _gather),
-    (SumGrad, _sum_grad),
+    ((SumGrad, SumOutput), _sum_grad),
     *TRANSFORMER_FORMULAS,  # transformer_costs.py
 )

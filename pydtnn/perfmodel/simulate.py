@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pydtnn import optim
 from pydtnn.data.datasets import SHAPES as DATASET_SHAPES
+from pydtnn.data.datasets import TEXT
 from pydtnn.errors import ConfigError
 from pydtnn.plan import RunPlan, optimizer_options
 
@@ -31,7 +32,7 @@ MODELLED = ("model", "model_file", "dataset", "batch_size", "global_batch_size",
             "nesterov", "decay", "parallel", "model_parallel_size", "non_blocking_mpi", "reduction",
             "gradient_compression", "reduction_progress", "bucket_size_mb", "density", "threads_per_process",
             "machine", "np", "accumulation_steps", "recompute", "pipeline_stages", "pipeline_schedule",
-            "stage_boundaries", "zero", "memory_per_process")
+            "stage_boundaries", "zero", "memory_per_process", "context_length")
 REFUSED = {
     "enable_gpu": "a GPU's step (the model predicts CPU processes)",
     "enable_nccl": "NCCL's reductions (the model predicts CPU processes)",
@@ -58,6 +59,7 @@ OUTSIDE_A_STEP = (
     "early_stopping_patience", "stop_at_loss_metric", "stop_at_loss_threshold", "model_checkpoint_save_freq",
     "learning_rate_scaling", "drop_last", "stall_timeout", "tracing", "tracer_output", "profile", "seed",
     "metrics_file", "history_file", "checkpoint_dir", "resume", "overwrite", "config", "progress", "data_workers",
+    "tokenizer",
 )
 
 
@@ -86,6 +88,20 @@ def dataset_data(name):
                           f"{', '.join(DATASET_SHAPES)}, or --input_shape C,H,W with --num_classes N in its place")
     shape, classes = DATASET_SHAPES[name]
     return Data(shape, classes, f"--dataset {name}")
+
+
+def text_data(args):
+    """Data of a text dataset without reading it: windows of --context_length tokens (default: the model's design
+    context), a vocabulary of 256 tokens (bytes; a text's characters are fewer, which the head's cost barely sees)."""
+    from pydtnn.data.text import DEFAULT_CONTEXT
+    from pydtnn.models import defaults, names
+
+    context = args.context_length
+    if context is None:
+        chosen = args.model if args.model in names() else pick(args.model, (DEFAULT_CONTEXT,))
+        shape = defaults(chosen)[0]
+        context = shape[0] if len(shape) == 1 else DEFAULT_CONTEXT
+    return Data((context,), 256, f"--dataset {args.dataset}, modelled as bytes")
 
 
 def pick(name, shape=None):
@@ -139,6 +155,9 @@ def build(args):
         data = dataset_data(args.dataset)
         model = model_file.load(args.model_file, data.shape, data.classes, CPUBackend(args.dtype))
         return model.name, model
+    if args.dataset in TEXT and not args.use_synthetic_data:
+        return build_model(args.model, text_data(args), dtype=args.dtype,
+                           say=lambda line: print(f"pydtnn: {line}", file=sys.stderr, flush=True))
     if args.model in models.names():
         return build_model(args.model, dtype=args.dtype)
     if args.dataset not in DATASET_SHAPES:

@@ -15,7 +15,8 @@ cost their copies (costs.py), and their calls count among the fixed costs.
 Communication in a group (blocking, on the critical path: nothing overlaps it). For each gather before
 a layer that needs a whole tensor of E elements per sample: an allgather of batch x E elements forward;
 backward, a reduce-scatter of the same size where the next layer is split (else nothing: each rank keeps
-its slice). For each sum of dx: an allreduce of batch x E elements in backward. Groups are consecutive
+its slice). For each sum of dx: an allreduce of batch x E elements in backward; for each sum of a
+transformer block's split outputs (Megatron's), one forward. Groups are consecutive
 ranks: the intra-node link while M fits on a node, the inter-node one otherwise.
 
 Across groups (hybrid): each replica's gradients, the split layers' slices (their share of the bytes),
@@ -56,6 +57,8 @@ def group_messages(steps, batch_size, itemsize, m, machine, algorithm):
                 out.append(("backward", "reduce_scatter", nbytes, cost("reduce_scatter", nbytes)))
         elif s.get("op") == "sum_dx":
             out.append(("backward", "allreduce", nbytes, cost("allreduce", nbytes)))
+        elif s.get("op") == "sum_output":  # Megatron's sum of the row-split outputs
+            out.append(("forward", "allreduce", nbytes, cost("allreduce", nbytes)))
     return out
 
 

@@ -97,21 +97,23 @@ def attention(layer, n, need_dx):
                      backward (compiled 3*A, NumPy 9*A), its dropout (3*A), the scaling (2*A); dq, dk, dv
                      stacked and copied (6E)
     backward_weights 2*NT*D*3D + 2*NT*D*D and the biases' sums (4E read)
+    Split by heads (Megatron's), the GEMMs' inner D is this rank's heads' share and H its heads.
     """
     t, d = layer.input_shape
     s = layer.dtype.itemsize
-    e, a = n * t * d, n * layer.heads * t * t
-    gemm_f = 2 * n * t * d * 3 * d + 2 * 2 * n * t * t * d + 2 * n * t * d * d
+    i = layer.local_heads * layer.head_dim  # D, or this rank's heads' share of it (Megatron's split)
+    e, a = n * t * d, n * layer.local_heads * t * t
+    gemm_f = 2 * n * t * d * 3 * i + 2 * 2 * n * t * t * i + 2 * n * t * i * d
     soft_f, soft_b = (2, 3) if layer.backend.kernels == "numba" else (8, 9)
     f_bytes = (2 + 3 * (1 if layer.causal else 0) + soft_f) * a * s + (2 * 3 * e + 4 * e + 4 * e) * s
     b_bytes = (soft_b + 2) * a * s + (3 * 3 * e + 6 * e + 3 * e) * s
     if layer.dropout:
         f_bytes += 4 * a + 5 * a * s
         b_bytes += 3 * a * s
-    bwd_gemm = 2 * (2 * 2 * n * t * t * d) + 2 * n * t * d * d + (2 * n * t * 3 * d * d if need_dx else 0)
+    bwd_gemm = 2 * (2 * 2 * n * t * t * i) + 2 * n * t * d * i + (2 * n * t * 3 * i * d if need_dx else 0)
     fwd = PhaseCost(gemm_f + 5 * a + 4 * e, f_bytes)
     bwd_d = PhaseCost(bwd_gemm + 6 * a, b_bytes)
-    bwd_w = PhaseCost(2 * n * t * d * 3 * d + 2 * n * t * d * d + 4 * e, 4 * e * s + 4 * d * d * s)
+    bwd_w = PhaseCost(2 * n * t * d * 3 * i + 2 * n * t * i * d + 4 * e, 4 * e * s + 4 * d * i * s)
     return None, "gemm", fwd, bwd_d, bwd_w
 
 
