@@ -14,7 +14,8 @@ Loss curves, in this process at one thread: vit_tiny for the embedded digits (1x
 and gpt_nano on the fortunes text (characters, context 128, batch 32), each library from the pydtnn model's
 initial weights (copied into the twin), the same batches in the same order (pydtnn's epoch order, windows
 without random shifts), AdamW (lr 0.001, weight decay 0.01), float32, no dropout. The table compares the mean
-training loss of the last 20 steps.
+training loss of the last 100 steps, and the loss of the trained models on the held-out set (the digits' 1,000
+test images; the text's 2,000 test windows).
 """
 
 import argparse
@@ -28,23 +29,23 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TAIL = 20  # steps whose mean loss is compared
+TAIL = 100  # steps whose mean training loss is compared
 LR, DECAY = 0.001, 0.01
 
 
 def curve_data(name):
-    """(pydtnn model, its data: a function step -> (x, y)) of one loss curve."""
+    """(pydtnn model, its data: a function step -> (x, y), the held-out set) of one loss curve."""
     from pydtnn import data, models
     from pydtnn.backends import CPUBackend
     from pydtnn.data.dataset import batch_slices, epoch_order
 
     if name == "vit_tiny":
-        train, _ = data.load("mnist5k")
+        train, test = data.load("mnist5k")
         model = models.create("vit_tiny_cifar10", input_shape=train.input_shape, num_classes=10,
                               backend=CPUBackend(seed=0))
         batch = 64
     else:
-        train, _ = data.load("text", context_length=128)
+        train, test = data.load("text", context_length=128)
         model = models.create("gpt_nano", input_shape=train.input_shape, num_classes=train.num_classes,
                               backend=CPUBackend(seed=0))
         batch = 32
@@ -55,7 +56,20 @@ def curve_data(name):
         a, b = slices[i]
         return train.get_batch(epoch_order(len(train), 0, epoch)[a:b], np.float32)
 
-    return model, get
+    return model, get, test
+
+
+def held_out_loss(forward, test, batch=250):
+    """Mean cross-entropy of forward(x) -> logits over every sample of `test` (NumPy arrays in and out)."""
+    total, n = 0.0, 0
+    for a in range(0, len(test), batch):
+        x, y = test.get_batch(np.arange(a, min(a + batch, len(test))), np.float32)
+        logits = forward(x)
+        z = logits.astype(np.float64).reshape(-1, logits.shape[-1])
+        z -= z.max(axis=1, keepdims=True)
+        nats = np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(z)), y.reshape(-1)]
+        total, n = total + nats.sum() / (nats.size / len(x)), n + len(x)
+    return total / n
 
 
 def curves(steps, say):
@@ -70,7 +84,7 @@ def curves(steps, say):
     torch.set_num_threads(1)
     out = {}
     for name in ("vit_tiny", "gpt_nano"):
-        model, get = curve_data(name)
+        model, get, test = curve_data(name)
         twin = to_torch(model).train()
         trainer = Trainer(model, losses.SoftmaxCrossEntropy(),
                           optim.create("adamw", model.parameters(), lr=LR, weight_decay=DECAY), progress=False)
@@ -92,9 +106,14 @@ def curves(steps, say):
             opt.step()
             theirs.append(loss.item())
         seconds["torch"] = time.perf_counter() - t0
-        out[name] = {"pydtnn": ours, "torch": theirs, "seconds": seconds}
+        twin.eval()
+        with torch.no_grad():
+            held = {"pydtnn": held_out_loss(lambda x, m=model: m.forward(x, training=False), test),
+                    "torch": held_out_loss(lambda x, t=twin: t(torch.from_numpy(x)).numpy(), test)}
+        out[name] = {"pydtnn": ours, "torch": theirs, "seconds": seconds, "held_out": held}
         say(f"{name}: last {TAIL} steps' mean loss {np.mean(ours[-TAIL:]):.4f} (pydtnn), "
-            f"{np.mean(theirs[-TAIL:]):.4f} (PyTorch); {seconds['pydtnn']:.0f} s and {seconds['torch']:.0f} s")
+            f"{np.mean(theirs[-TAIL:]):.4f} (PyTorch); held-out loss {held['pydtnn']:.4f} and {held['torch']:.4f}; "
+            f"{seconds['pydtnn']:.0f} s and {seconds['torch']:.0f} s")
     return out
 
 
@@ -111,12 +130,14 @@ def timing(args, tmp):
 
 
 def curve_table(result, steps):
-    lines = [(f"| model | steps | pydtnn loss (mean of the last {TAIL}) | PyTorch loss | difference | pydtnn s | "
-              "PyTorch s |"), "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [(f"| model | steps | training loss, mean of the last {TAIL} steps: pydtnn / PyTorch | difference | "
+              "held-out loss after the last step: pydtnn / PyTorch | difference | seconds: pydtnn / PyTorch |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in result.items():
         a, b = np.mean(r["pydtnn"][-TAIL:]), np.mean(r["torch"][-TAIL:])
-        lines.append(f"| {name} | {steps} | {a:.4f} | {b:.4f} | {100 * (a - b) / b:+.2f}% | "
-                     f"{r['seconds']['pydtnn']:.0f} | {r['seconds']['torch']:.0f} |")
+        ha, hb = r["held_out"]["pydtnn"], r["held_out"]["torch"]
+        lines.append(f"| {name} | {steps} | {a:.4f} / {b:.4f} | {100 * (a - b) / b:+.2f}% | {ha:.4f} / {hb:.4f} | "
+                     f"{100 * (ha - hb) / hb:+.2f}% | {r['seconds']['pydtnn']:.0f} / {r['seconds']['torch']:.0f} |")
     return "\n".join(lines)
 
 

@@ -26,3 +26,19 @@ class ConfigError(PydtnnError, ValueError):
 
 class TrainingDiverged(PydtnnError, FloatingPointError):
     """The loss became NaN or Inf; parameters keep the last finite values."""
+
+
+def command_status(body, program="pydtnn"):
+    """Exit status of a command's body(): 0; 2 and one line `PROGRAM: error: ...` on stderr for a user error
+    (a PydtnnError); 130 on Ctrl-C. What pydtnn-export, pydtnn-plot and pydtnn-generate return."""
+    import sys
+
+    try:
+        body()
+    except PydtnnError as e:
+        print(f"{program}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{program}: error: interrupted", file=sys.stderr, flush=True)
+        return 130
+    return 0

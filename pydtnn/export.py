@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from pydtnn.errors import ConfigError, DataError, PydtnnError
+from pydtnn.errors import ConfigError, DataError, command_status
 from pydtnn.onnx_graph import INPUT, OUTPUT, Graph, export_layer, state_bytes
 from pydtnn.onnx_input import (
     InputContract,
@@ -161,7 +161,7 @@ def model_from_checkpoint(directory, manifest=None, model_file=None):
     saved_file = _saved_flags(manifest, where).get("model_file")
     if isinstance(saved_file, str) and model_file is None:
         raise ConfigError(f"checkpoint {directory} holds the model of --model_file {saved_file[:300]}; a checkpoint "
-                          f"never runs code by itself: give --model_file {saved_file[:300]} to export it")
+                          f"never runs code by itself: give --model_file {saved_file[:300]} to rebuild it")
     if model_file is not None:
         from pydtnn.models import model_file as from_file
 
@@ -370,15 +370,16 @@ def _zoo_model(args):
 
 def main(argv=None):
     """`pydtnn-export`: 0 on success; 2 and one line `pydtnn: error: ...` on a user error, no file written."""
-    try:
-        args = build_parser().parse_args(argv)
-        model, contract, path = export_from_args(args)
-    except PydtnnError as e:
-        print(f"pydtnn: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print("pydtnn: error: interrupted", file=sys.stderr, flush=True)
-        return 130
+    done = {}
+
+    def body():
+        done["args"] = build_parser().parse_args(argv)
+        done["result"] = export_from_args(done["args"])
+
+    status = command_status(body)
+    if status:
+        return status
+    args, (model, contract, path) = done["args"], done["result"]
     batch = "N" if args.batch_size is None else args.batch_size
     given = describe_input(contract, model.input_shape, args.with_preprocessing, batch)
     print(f"pydtnn-export: wrote {path} ({model.name}, input {given}; output ({batch}, "

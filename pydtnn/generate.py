@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from pydtnn.errors import ConfigError, PydtnnError
+from pydtnn.errors import ConfigError, command_status
 
 
 def next_token_probabilities(logits, temperature=1.0, top_k=0):
@@ -60,8 +60,9 @@ def sample(model, tokenizer, prompt, tokens=200, temperature=0.8, top_k=40, rng=
     return [tokenizer.decode(s) for s in seqs]
 
 
-def load(directory):
-    """(model, tokenizer) of a checkpoint pydtnn-train wrote on a text dataset; ConfigError for any other."""
+def load(directory, model_file=None):
+    """(model, tokenizer) of a checkpoint pydtnn-train wrote on a text dataset; ConfigError for any other.
+    model_file: the Python file a model trained with --model_file was built from (a checkpoint runs no code)."""
     import os
 
     from pydtnn import checkpoint
@@ -75,7 +76,7 @@ def load(directory):
         raise ConfigError(f"{where} holds no tokenizer: the checkpoint is not of a model trained on a text dataset; "
                           f"expected one written by pydtnn-train --dataset text (or tiny_shakespeare) --checkpoint_dir")
     tokenizer = Tokenizer.from_dict(saved, f"{where}: meta.tokenizer")
-    model = model_from_checkpoint(directory, manifest)
+    model = model_from_checkpoint(directory, manifest, model_file)
     if len(model.input_shape) != 1 or model.output_shape[-1] != tokenizer.vocab_size:
         raise ConfigError(f"{where}: model {model.name} takes {model.input_shape} and gives {model.output_shape}; "
                           f"expected a token model over {tokenizer.vocab_size} tokens")
@@ -88,9 +89,12 @@ def build_parser():
     p = Parser(prog="pydtnn-generate", allow_abbrev=False,
                description="Sample text from a GPT trained by pydtnn-train on a text dataset.")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory written by pydtnn-train --checkpoint_dir")
+    p.add_argument("--model_file", "--model-file", dest="model_file",
+                   help="the Python file the model was trained from (pydtnn-train --model_file)")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--tokens", type=positive_int, default=200, help="tokens to generate (default 200)")
-    p.add_argument("--temperature", type=non_negative_float, default=0.8, help="softmax temperature (default 0.8; 0: always the most likely token)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.8,
+                   help="softmax temperature (default 0.8; 0: always the most likely token)")
     p.add_argument("--top_k", "--top-k", dest="top_k", type=non_negative_int, default=40,
                    help="draw among the k most likely tokens (default 40; 0: all)")
     p.add_argument("--samples", type=positive_int, default=1, help="independent samples (default 1)")
@@ -100,23 +104,23 @@ def build_parser():
 
 def main(argv=None):
     """0 with the samples on stdout; 2 and one line `pydtnn: error: ...` on a user error."""
-    try:
-        args = build_parser().parse_args(argv)
-        model, tokenizer = load(args.checkpoint)
+    texts = []
+
+    def body():
         from tqdm import tqdm
 
         from pydtnn.files import is_terminal
 
+        args = build_parser().parse_args(argv)
+        model, tokenizer = load(args.checkpoint, args.model_file)
         with tqdm(total=args.tokens, desc="pydtnn-generate", unit="token", disable=not is_terminal(sys.stderr),
                   leave=False) as progress:
-            texts = sample(model, tokenizer, args.prompt, args.tokens, args.temperature, args.top_k,
-                           np.random.default_rng(args.seed), args.samples, progress.update)
-    except PydtnnError as e:
-        print(f"pydtnn: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print("pydtnn: error: interrupted", file=sys.stderr, flush=True)
-        return 130
+            texts.extend(sample(model, tokenizer, args.prompt, args.tokens, args.temperature, args.top_k,
+                                np.random.default_rng(args.seed), args.samples, progress.update))
+
+    status = command_status(body)
+    if status:
+        return status
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1} ---")

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from pydtnn.errors import DataError, PydtnnError
+from pydtnn.errors import DataError, command_status
 
 PLOTTED = ("loss", "accuracy", "val_loss", "val_accuracy")  # the values drawn from each epoch record
 METRICS_LIMIT = 256 << 20  # bytes: a metrics file holds one short line per epoch; anything this big is not one
@@ -129,16 +129,11 @@ def build_parser():
 
 def main(argv=None):
     """`pydtnn-plot`: 0 on success; 2 and one line `pydtnn-plot: error: ...` on a user error, no file written."""
-    try:
+    def body():
         args = build_parser().parse_args(argv)
         print(plot(args.metrics_file, args.output, args.title))
-    except PydtnnError as e:
-        print(f"pydtnn-plot: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print("pydtnn-plot: error: interrupted", file=sys.stderr, flush=True)
-        return 130
-    return 0
+
+    return command_status(body, "pydtnn-plot")
 
 
 if __name__ == "__main__":

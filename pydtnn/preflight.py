@@ -46,12 +46,22 @@ def check_text_flags(args):
     perplexity) beside accuracy unless --metrics says otherwise."""
     from pydtnn.data import TEXT
 
-    text = args.dataset in TEXT and not args.use_synthetic_data
+    synthetic = args.use_synthetic_data or args.dataset == "synthetic"
+    text = args.dataset in TEXT and not synthetic
     for flag in ("context_length", "tokenizer"):
-        if flag in args.explicit and not text and not (flag == "context_length" and args.use_synthetic_data):
+        if flag in args.explicit and not text and not (flag == "context_length" and synthetic):
             raise ConfigError(f"--{flag} applies to a text dataset ({', '.join(TEXT)}); got --dataset {args.dataset}"
                               f"{' with --use_synthetic_data' if args.use_synthetic_data else ''}: leave --{flag} out")
-    if text and "metrics" not in args.explicit:
+    if not text:
+        return
+    for flag, given in (("flip_images", args.flip_images), ("crop_images", args.crop_images),
+                        ("validation_split", args.validation_split)):
+        if given:
+            instead = ("; --test_as_validation validates on the held-out end of the text" if flag == "validation_split"
+                       else "")
+            raise ConfigError(f"--{flag} {given} does not apply to text (--dataset {args.dataset}): its windows "
+                              f"overlap the training ones, or it is for images; leave it out{instead}")
+    if "metrics" not in args.explicit:
         args.metrics = "accuracy,bits_per_token"
 
 

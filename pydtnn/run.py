@@ -397,7 +397,8 @@ def check_tokenizer(directory, tokenizer):
                           f"data {'is not text' if saved else 'is text'}; expected the checkpoint's kind of data")
     saved = Tokenizer.from_dict(saved, f"{where}: meta.tokenizer")
     if saved != tokenizer:
-        raise ConfigError(f"{where} was trained on {saved!r}{f' {saved.vocabulary[:60]!r}' if saved.vocabulary else ''}, "
+        chars = f" {saved.vocabulary[:60]!r}" if saved.vocabulary else ""
+        raise ConfigError(f"{where} was trained on {saved!r}{chars}, "
                           f"this text gives {tokenizer!r}; expected the same text (or --tokenizer) as the saved run")
 
 
@@ -406,6 +407,7 @@ def text_options(args):
     tokenizer; {} for any other dataset (where --context_length is refused by preflight)."""
     if args.dataset not in data.TEXT:
         return {}
+    tokenizer = saved_tokenizer(args) or args.tokenizer
     context = args.context_length
     if context is None:
         from pydtnn.data.text import DEFAULT_CONTEXT
@@ -413,7 +415,26 @@ def text_options(args):
 
         shape = None if args.model_file else models.defaults(variant(args.model, (DEFAULT_CONTEXT,)))[0]
         context = shape[0] if shape is not None and len(shape) == 1 else DEFAULT_CONTEXT
-    return {"context_length": context, "tokenizer": args.tokenizer}
+    return {"context_length": context, "tokenizer": tokenizer}
+
+
+def saved_tokenizer(args):
+    """The Tokenizer of the checkpoint a text run resumes or takes its weights from (its ids mean that vocabulary's
+    characters), or None; ConfigError where --tokenizer asks for another kind."""
+    from pydtnn.data.text import Tokenizer
+
+    for flag, path in (("--resume", args.resume), ("--weights_and_bias_filename", args.weights_and_bias_filename)):
+        if not path or not os.path.isfile(os.path.join(path, checkpoint.META_FILE)):
+            continue
+        saved = checkpoint.read_meta(path).get("tokenizer")
+        if saved is None:
+            return None
+        tokenizer = Tokenizer.from_dict(saved, f"{os.path.join(path, checkpoint.META_FILE)}: meta.tokenizer")
+        if "tokenizer" in args.explicit and args.tokenizer != tokenizer.kind:
+            raise ConfigError(f"--tokenizer {args.tokenizer}: the checkpoint of {flag} {path} reads text as "
+                              f"{tokenizer.kind}; leave --tokenizer out")
+        return tokenizer
+    return None
 
 
 def augmented(train, args):

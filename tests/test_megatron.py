@@ -81,10 +81,14 @@ def test_the_whole_state_is_gathered_back_from_every_rank_s_blocks_and_columns()
         rank, size = 0, 3
 
         def gather_rows(self, piece, bounds):
-            return np.concatenate([np.moveaxis(s[name], cut.axis, 0) for s in states])
+            pieces = [np.moveaxis(s[name], cut.axis, 0) for s in states]
+            assert list(bounds) == np.cumsum([0] + [len(p) for p in pieces]).tolist()  # each rank's rows, in order
+            np.testing.assert_array_equal(piece, pieces[0])
+            return np.concatenate(pieces)
 
     sharding = model_parallel.Sharding(Gathering(), ranks[0].sharding.slices)
-    assert {c.blocks for c in sharding.slices.values()} == {1, 3} and {c.axis for c in sharding.slices.values()} == {0, 1}
+    cuts = sharding.slices.values()
+    assert {c.blocks for c in cuts} == {1, 3} and {c.axis for c in cuts} == {0, 1}
     for name, cut in sharding.slices.items():
         np.testing.assert_array_equal(sharding.gather(name, states[0][name]), whole[name])
 
@@ -98,7 +102,8 @@ def test_plan_names_the_sums_partition_inserts_and_the_model_prices_them():
     model_parallel.partition(model, FakeGroup(0, 2))
     inserted = [type(layer).__name__ for _, layer in model.root.named_layers()
                 if isinstance(layer, model_parallel.SumGrad | model_parallel.SumOutput | model_parallel.Gather)]
-    planned = [{"sum_dx": "SumGrad", "sum_output": "SumOutput", "allgather": "Gather"}[s["op"]] for s in steps if "op" in s]
+    kinds = {"sum_dx": "SumGrad", "sum_output": "SumOutput", "allgather": "Gather"}
+    planned = [kinds[s["op"]] for s in steps if "op" in s]
     assert planned == inserted == ["SumGrad", "SumOutput", "SumGrad", "SumOutput"]
     shares = {s["layer"]: s["fraction"] for s in steps if "kind" in s}
     assert shares["0.attention.attn"] == 2 / 3 and shares["0.mlp.fc"] == shares["0.mlp.proj"] == 0.5

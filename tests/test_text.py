@@ -82,7 +82,8 @@ def test_load_text_reads_a_file_or_folder_and_holds_out_the_end_as_the_test_set(
     write(folder / "a.txt", "first part " * 10)
     write(folder / "b.txt", "second part " * 10)
     write(folder / ".hidden", "\0\0\0")  # dot files are not read
-    tr, te = load_text(str(folder), write(tmp_path / "test.txt", "a test part " * 5), context_length=4, tokenizer="bytes")
+    tr, te = load_text(str(folder), write(tmp_path / "test.txt", "a test part " * 5), context_length=4,
+                       tokenizer="bytes")
     assert tr.tokenizer.decode(tr.tokens) == "first part " * 10 + "\n\n" + "second part " * 10
     assert te.tokenizer.decode(te.tokens) == "a test part " * 5
 
@@ -91,6 +92,7 @@ def test_load_text_reads_a_file_or_folder_and_holds_out_the_end_as_the_test_set(
     (b"", "empty"),
     (b"   \n\n", "empty"),
     (b"\x7fELF\x02\x01\x01\x00\x00\x00" + bytes(200), "binary file"),
+    (b"plain text " * 10000 + b"\x00", "a NUL among them"),  # past the first 64 KiB
     (b"caf\xe9 au lait " * 20, "not UTF-8"),
 ])
 def test_bad_text_files_are_refused_naming_the_file(tmp_path, content, match):
@@ -119,6 +121,11 @@ def test_the_command_line_refuses_bad_text_in_one_line_with_exit_2(tmp_path, cap
         assert len(err) == 1 and match in err[0], err
     assert main(["--dataset", "mnist5k", "--context_length", "5"]) == 2
     assert "--context_length applies to a text dataset" in capsys.readouterr().err
+    text = write(tmp_path / "t.txt", PROSE)
+    for flag, value in (("--validation_split", "0.1"), ("--flip_images", "true"), ("--crop_images", "true")):
+        assert main(["--model", "gpt_nano", "--dataset", "text", "--dataset_train_path", text, flag, value]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{flag} " in err[0] and "does not apply to text" in err[0], err
 
 
 def test_the_default_text_is_the_fortunes_package_without_overstrikes():
@@ -181,6 +188,13 @@ def test_generation_reads_only_the_prompt_s_positions_and_is_drawn_by_the_seed()
     assert p[0, 0] == p[0, 3] == 0 and p[0, 1] == pytest.approx(1 / (1 + math.exp(-2)))
     np.testing.assert_array_equal(next_token_probabilities(np.array([[0.0, 5.0, 1.0]]), 0), [[0, 1, 0]])
     tok = Tokenizer("chars", "".join(chr(97 + i) for i in range(26)) + " .,\n")
+    greedy = sample(model, tok, "hello", 3, temperature=0)[0]
+    ids = list(tok.encode("hello"))
+    for _ in range(3):  # the logits at the last real position, whatever fills the rest of the window
+        x = rng.integers(0, 30, (1, 12)).astype(np.float32)
+        x[0, :len(ids)] = ids
+        ids.append(int(model.forward(x)[0, len(ids) - 1].argmax()))
+    assert greedy == tok.decode(ids)
     a = sample(model, tok, "hello", 20, 1.0, 0, np.random.default_rng(5), samples=2)
     b = sample(model, tok, "hello", 20, 1.0, 0, np.random.default_rng(5), samples=2)
     assert a == b and all(s.startswith("hello") and len(s) == 25 for s in a) and a[0] != a[1]
@@ -218,4 +232,11 @@ def test_the_vocabulary_is_saved_with_the_checkpoint_and_generation_export_and_r
     other = write(tmp_path / "other.txt", PROSE.upper())
     assert main([*common, "--dataset_train_path", other, "--num_epochs", "2", "--resume", str(ckpt)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "expected the same text" in err[0]
+    assert len(err) == 1 and "'T' is not in the vocabulary" in err[0], err
+    # another text made of the trained characters is read with the checkpoint's ids (here: fewer characters)
+    subset = write(tmp_path / "subset.txt", "it was the age of wisdom, it was the age of folly. " * 20)
+    assert main([*common, "--dataset_train_path", subset, "--evaluate_only", "true",
+                 "--weights_and_bias_filename", str(ckpt)]) == 0
+    assert main([*common, "--dataset_train_path", subset, "--evaluate_only", "true", "--tokenizer", "bytes",
+                 "--weights_and_bias_filename", str(ckpt)]) == 2
+    assert "reads text as chars; leave --tokenizer out" in capsys.readouterr().err

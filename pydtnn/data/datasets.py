@@ -355,7 +355,7 @@ def source_folders(name, train_path=None, test_path=None):
         raise _unknown(name)
     found = [train_path, test_path]
     if train_path is None:
-        found.append(EMBEDDED_DIR if name == "mnist5k" else None)
+        found.append(EMBEDDED_DIR if name == "mnist5k" else text.FORTUNES if name == "text" else None)
         if name in REMOTE:
             try:
                 found.append(locate(name))
@@ -380,6 +380,9 @@ def source_files(name, train_path=None, test_path=None):
         for split, where in (("train", dirs[:1]), ("test", test_dirs[:1])):
             for d in where:  # the files, directly or in the archive's folder
                 files += [os.path.join(base, f) for base in (d, os.path.join(d, spec["folder"])) for f in spec[split]]
+    elif name in TEXT:  # a file given, or every file of the folders read
+        files += [os.fspath(p) for p in (train_path, test_path) if p and not os.path.isdir(p)]
+        folders += dirs
     elif name == "imagenet":
         for d in {*dirs, *test_dirs}:
             files += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".npy")]

@@ -41,7 +41,8 @@ class Tokenizer:
         self.kind = kind
         if kind == "chars":
             if not isinstance(vocabulary, str) or not vocabulary:
-                raise DataError(f"a character tokenizer needs its vocabulary (a non-empty string), got {vocabulary!r:.60}")
+                raise DataError(f"a character tokenizer needs its vocabulary (a non-empty string), got "
+                                f"{vocabulary!r:.60}")
             if len(set(vocabulary)) != len(vocabulary):
                 raise DataError("a character vocabulary lists a character twice; expected each once")
             self.vocabulary = vocabulary
@@ -63,9 +64,13 @@ class Tokenizer:
 
     def encode(self, text):
         """Token ids (uint8 for bytes, uint16 or uint32 for characters) of a string."""
-        if self.kind == "bytes":
-            return np.frombuffer(text.encode("utf-8"), np.uint8).copy()
-        codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        try:
+            if self.kind == "bytes":
+                return np.frombuffer(text.encode("utf-8"), np.uint8).copy()
+            codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        except UnicodeEncodeError as e:  # a lone surrogate (bytes that were not UTF-8, decoded by Python's escape)
+            raise ConfigError(f"character {text[e.start]!r} at position {e.start} is not a Unicode character; "
+                              f"expected UTF-8 text") from None
         order = np.argsort(self._table)
         pos = np.searchsorted(self._table[order], codes)
         pos = np.minimum(pos, len(order) - 1)
@@ -180,10 +185,10 @@ def read_text(path, what="text"):
         raw = f.read()
     if not raw.strip():
         raise DataError(f"{path}: an empty {what} file; expected UTF-8 text")
-    head = raw[: 1 << 16]
-    junk = sum(head.count(bytes([b])) for b in _BINARY)
-    if b"\0" in head or junk > len(head) * MAX_CONTROL:
-        raise DataError(f"{path}: a binary file ({junk} control bytes in its first {len(head):,}); expected UTF-8 text")
+    junk, nul = len(raw) - len(raw.translate(None, bytes(sorted(_BINARY)))), b"\0" in raw
+    if nul or junk > len(raw) * MAX_CONTROL:
+        raise DataError(f"{path}: a binary file ({junk:,} control bytes of {len(raw):,}"
+                        f"{', a NUL among them' if nul else ''}); expected UTF-8 text")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -194,7 +199,8 @@ def read_text(path, what="text"):
 def read_fortunes(folder=FORTUNES):
     """The cookie files of a fortune(6) folder (each X with its index X.dat), the '%' lines between the
     quotations made blank lines, the overstrikes of a terminal's bold and underline ("_\bx") and bells dropped."""
-    names = sorted(n[:-4] for n in os.listdir(folder) if n.endswith(".dat") and os.path.isfile(os.path.join(folder, n[:-4])))
+    names = sorted(n[:-4] for n in os.listdir(folder)
+                   if n.endswith(".dat") and os.path.isfile(os.path.join(folder, n[:-4])))
     if not names:
         raise DataError(f"{folder} holds no fortune files (X beside its index X.dat); expected the Debian package "
                         f"fortunes' folder")
@@ -214,8 +220,9 @@ def default_text():
 
 def load_text(train_path=None, test_path=None, context_length=DEFAULT_CONTEXT, tokenizer="chars", name="text"):
     """(train, test) TextDatasets: train_path's text (default: the fortunes package), test_path's, or else the
-    last TEST_FRACTION of the training text."""
-    if tokenizer not in TOKENIZERS:
+    last TEST_FRACTION of the training text. tokenizer: a kind (the vocabulary fitted to the texts), or a
+    Tokenizer (a trained model's: a character outside its vocabulary is refused)."""
+    if not isinstance(tokenizer, Tokenizer) and tokenizer not in TOKENIZERS:
         raise ConfigError(f"--tokenizer {tokenizer!r}; expected one of {', '.join(TOKENIZERS)}")
     if train_path is None:
         text, where = default_text()
@@ -226,7 +233,7 @@ def load_text(train_path=None, test_path=None, context_length=DEFAULT_CONTEXT, t
     else:
         cut = int(len(text) * (1 - TEST_FRACTION))
         text, test_text = text[:cut], text[cut:]
-    tok = Tokenizer.fit(tokenizer, [text, test_text])
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.fit(tokenizer, [text, test_text])
     t = int(context_length)
     if t < 1:
         raise ConfigError(f"--context_length {context_length!r}; expected a positive number of tokens")

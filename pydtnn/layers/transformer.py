@@ -213,7 +213,8 @@ class MultiHeadAttention(Layer):
 
     def describe(self):
         extra = (", causal" if self.causal else "") + (f", dropout {self.dropout}" if self.dropout else "")
-        heads = f"{self.heads} heads" if self.head_range is None else f"heads {self.head_range[0]}:{self.head_range[1]} of {self.heads}"
+        lo, hi = self.head_range or (0, self.heads)
+        heads = f"{self.heads} heads" if self.head_range is None else f"heads {lo}:{hi} of {self.heads}"
         return f"MultiHeadAttention({heads}{extra})"
 
     def build(self, input_shape, dtype=np.float32, backend=None):
