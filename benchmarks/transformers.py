@@ -20,6 +20,7 @@ test images; the text's 2,000 test windows).
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -60,16 +61,15 @@ def curve_data(name):
 
 
 def held_out_loss(forward, test, batch=250):
-    """Mean cross-entropy of forward(x) -> logits over every sample of `test` (NumPy arrays in and out)."""
-    total, n = 0.0, 0
+    """Mean cross-entropy (nats) of forward(x) -> logits over every sample of `test` (NumPy arrays in and out):
+    pydtnn.metrics' bits per token, weighted by the batches' sizes."""
+    from pydtnn import metrics
+
+    total = 0.0
     for a in range(0, len(test), batch):
         x, y = test.get_batch(np.arange(a, min(a + batch, len(test))), np.float32)
-        logits = forward(x)
-        z = logits.astype(np.float64).reshape(-1, logits.shape[-1])
-        z -= z.max(axis=1, keepdims=True)
-        nats = np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(z)), y.reshape(-1)]
-        total, n = total + nats.sum() / (nats.size / len(x)), n + len(x)
-    return total / n
+        total += metrics.bits_per_token(forward(x).astype(np.float64), y) * len(x)
+    return total / len(test) * math.log(2)
 
 
 def curves(steps, say):

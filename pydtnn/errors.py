@@ -29,16 +29,15 @@ class TrainingDiverged(PydtnnError, FloatingPointError):
 
 
 def command_status(body, program="pydtnn"):
-    """Exit status of a command's body(): 0; 2 and one line `PROGRAM: error: ...` on stderr for a user error
-    (a PydtnnError); 130 on Ctrl-C. What pydtnn-export, pydtnn-plot and pydtnn-generate return."""
+    """Exit status of a command's body(): what it returns (None: 0); 2 and one line `PROGRAM: error: ...` on
+    stderr for a user error (a PydtnnError); 130 on Ctrl-C. What every pydtnn command but pydtnn-train returns."""
     import sys
 
     try:
-        body()
+        return body() or 0
     except PydtnnError as e:
         print(f"{program}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         print(f"{program}: error: interrupted", file=sys.stderr, flush=True)
         return 130
-    return 0

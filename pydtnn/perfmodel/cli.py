@@ -17,7 +17,7 @@ import json
 import math
 import sys
 
-from pydtnn.errors import PydtnnError
+from pydtnn.errors import command_status
 
 PROG = "pydtnn-perfmodel"
 
@@ -557,15 +557,11 @@ def build_parser():
 
 def main(argv=None):
     """`pydtnn-perfmodel`: the subcommand's exit code; 2 and one line on a user error."""
-    try:
+    def body():
         args = build_parser().parse_args(argv)
         return args.run(args)
-    except PydtnnError as e:
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: error: interrupted", file=sys.stderr, flush=True)
-        return 130
+
+    return command_status(body, PROG)
 
 
 if __name__ == "__main__":
