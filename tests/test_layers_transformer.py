@@ -2,6 +2,8 @@
 (LayerNorm, GELU in both forms, Dense over tokens, Embedding, positions, the class token, sequence pooling,
 patch embedding, multi-head self-attention with and without the causal mask, the pre-norm block)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from test_layers import DTYPES, both_checks
 
 from pydtnn.backends import CPUBackend
+from pydtnn.backends.cpu import tuning
 from pydtnn.layers import (
     GELU,
     ClassToken,
@@ -25,11 +28,12 @@ from pydtnn.testing import check_against_torch, check_gradients
 
 
 # -- LayerNorm, GELU, Dense over tokens --------------------------------------------------------------------
+@pytest.mark.parametrize("kernels", ["numba", "numpy"])
 @pytest.mark.parametrize("x_shape", [(3, 5, 8), (4, 7), (2, 1, 6)])
-def test_layernorm(x_shape):
+def test_layernorm(x_shape, kernels):
     def make():
         layer = LayerNorm()
-        layer.build(x_shape[1:], np.float64)
+        layer.build(x_shape[1:], np.float64, CPUBackend(np.float64, kernels=kernels))
         rng = np.random.default_rng(1)  # weight and bias away from 1 and 0, so their gradients are checked
         layer.params["weight"][...] = rng.uniform(0.5, 1.5, x_shape[-1])
         layer.params["bias"][...] = rng.standard_normal(x_shape[-1])
@@ -40,7 +44,7 @@ def test_layernorm(x_shape):
         layer = make()
         if dtype == np.float32:
             w, bias = layer.params["weight"].copy(), layer.params["bias"].copy()
-            layer.build(x_shape[1:], np.float32)
+            layer.build(x_shape[1:], np.float32, CPUBackend(np.float32, kernels=kernels))
             layer.params["weight"][...], layer.params["bias"][...] = w, bias
         check_against_torch(layer, x_shape, lambda x, p: F.layer_norm(x, x.shape[-1:], p["weight"], p["bias"]),
                             dtype=dtype)
@@ -258,3 +262,64 @@ def test_compiled_softmax_equals_numpy_and_torch_with_masked_rows(dtype):
     np.testing.assert_allclose(y[:1], want, rtol=tol, atol=tol)
     assert not y[1, 2, 4].any() and y.dtype == dtype
     np.testing.assert_allclose(compiled.softmax_backward(dy, y), plain.softmax_backward(dy, y), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_softmax_scaled_and_causal_equals_numpy_and_torch(dtype):
+    """softmax(scale * x) with the causal mask applied inside the softmax (what attention calls): the compiled
+    kernel against the NumPy form and torch's masked softmax, forward and backward (torch autograd); the entries
+    above the diagonal are never read (NaN there changes nothing)."""
+    rng = np.random.default_rng(3)
+    t, scale = 7, 0.35
+    x = (3 * rng.standard_normal((2, 3, t, t))).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    tol = 1e-12 if dtype == np.float64 else 2e-6
+    mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+    tx = torch.tensor(x, requires_grad=True)
+    want = torch.softmax((scale * tx).masked_fill(mask, -torch.inf), -1)
+    want.backward(torch.tensor(dy))
+    compiled, plain = CPUBackend(dtype, kernels="numba"), CPUBackend(dtype, kernels="numpy")
+    junk = x.copy()
+    junk[..., np.triu_indices(t, 1)[0], np.triu_indices(t, 1)[1]] = np.nan
+    for b in (compiled, plain):
+        y = b.softmax_forward(junk, scale, causal=True)
+        np.testing.assert_allclose(y, want.detach().numpy(), rtol=tol, atol=tol)
+        assert not y[..., np.triu_indices(t, 1)[0], np.triu_indices(t, 1)[1]].any() and y.dtype == dtype
+        np.testing.assert_allclose(b.softmax_backward(dy, y, scale), tx.grad.numpy(), rtol=tol, atol=tol)
+    full = torch.softmax(torch.tensor(scale * x.astype(np.float64)), -1).numpy()
+    np.testing.assert_allclose(compiled.softmax_forward(x, scale), full, rtol=tol, atol=tol)
+
+
+def test_compiled_float32_exp_is_within_1e7_of_exp_and_keeps_its_special_values():
+    """kernels.elementwise.exp32 (the float32 softmax's and GELU's exp) against float64 exp over float32's
+    range, 0 below its subnormals, NaN and infinities as exp gives them."""
+    from pydtnn.backends.cpu.kernels.elementwise import exp32
+
+    v = np.concatenate([np.linspace(-87.3, 88.3, 20001), -np.logspace(-8, 1, 200), [0.0]]).astype(np.float32)
+    got = np.array([exp32(e) for e in v])  # float32 results, boxed as Python floats
+    assert np.array_equal(got, got.astype(np.float32))
+    want = np.exp(v.astype(np.float64))
+    assert np.max(np.abs(got - want) / want) < 1e-7
+    special = np.array([exp32(np.float32(e)) for e in (-np.inf, -100.0, 100.0, np.inf, np.nan)])
+    assert special[0] == 0 and special[1] == 0 and special[2] == np.inf and special[3] == np.inf
+    assert np.isnan(special[4])
+
+
+def test_batched_matmul_split_over_threads_equals_numpy_on_strided_views():
+    """CPUBackend.batched_matmul over two threads (the attention's products on views of (N, T, 3, heads, hd),
+    written into a transposed view) equals np.matmul bit for bit: each sample's products are the same calls."""
+    from pydtnn.backends.cpu import threads
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((6, 5, 3, 2, 4)).astype(np.float32).transpose(2, 0, 3, 1, 4)  # (N, heads, T, hd)
+    b = CPUBackend(np.float32, tuning=dataclasses.replace(tuning.DEFAULT, split_min_bytes=0))
+    before = threads.threads()
+    threads.set_threads(2)
+    try:
+        scores = b.batched_matmul(q, k.transpose(0, 1, 3, 2))
+        out = np.empty((6, 5, 2, 4), np.float32)  # (N, T, heads, hd)
+        b.batched_matmul(scores, v, out=out.transpose(0, 2, 1, 3))
+    finally:
+        threads.set_threads(before)
+    np.testing.assert_array_equal(scores, np.matmul(q, k.transpose(0, 1, 3, 2)))
+    np.testing.assert_array_equal(out, np.matmul(scores, v).transpose(0, 2, 1, 3))

@@ -414,13 +414,23 @@ def test_attention_by_hand():
     n, t, d, a, e = 2, 3, 4, 36, 24
     gemm = 2 * n * t * d * 3 * d + 2 * 2 * n * t * t * d + 2 * n * t * d * d
     assert (c.kind, c.kernel_class) == ("MultiHeadAttention", "gemm")
-    assert c.forward == PhaseCost(gemm + 5 * a + 4 * e, (2 + 2) * a * F32 + 14 * e * F32)  # compiled softmax
+    assert c.forward == PhaseCost(gemm + 5 * a + 4 * e, 2 * a * F32 + 12 * e * F32)  # compiled softmax, scaled inside
     assert c.forward.flops == n * layer.flops()
     assert c.backward_data == PhaseCost(2 * (2 * 2 * n * t * t * d) + 2 * n * t * d * d + 2 * n * t * 3 * d * d + 6 * a,
-                                        5 * a * F32 + 18 * e * F32)
+                                        3 * a * F32 + 12 * e * F32)
     c, _ = only([MultiHeadAttention(2, causal=True)], (3, 4), kernels="numpy")  # NumPy's softmax passes; the mask
-    assert c.forward.bytes == (2 + 3 + 8) * a * F32 + 14 * e * F32 and c.backward_data.bytes == 11 * a * F32 + 18 * e * F32
+    assert c.forward.bytes == (2 + 2 + 8) * a * F32 + 12 * e * F32 and c.backward_data.bytes == 11 * a * F32 + 12 * e * F32
     assert c.backward_weights == PhaseCost(2 * n * t * d * 3 * d + 2 * n * t * d * d + 4 * e, 4 * e * F32 + 4 * d * d * F32)
+
+
+def test_layernorm_by_hand():
+    """N 2, T 3, D 4: E = 24; the compiled kernels' passes (3*E*s and 8*E*s) or NumPy's (13 and 23)."""
+    from pydtnn.layers import LayerNorm
+
+    e = 24
+    for kernels, f_bytes, b_bytes in (("numba", 3, 8), ("numpy", 13, 23)):
+        c, _ = only([LayerNorm()], (3, 4), kernels=kernels)
+        assert c.forward == PhaseCost(8 * e, f_bytes * e * F32) and c.backward_data == PhaseCost(10 * e, b_bytes * e * F32)
 
 
 def test_measurements_feed_a_token_model_ids_it_takes():

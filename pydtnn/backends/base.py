@@ -9,6 +9,7 @@ methods and nothing else of a backend: no layer asks whether a method exists or 
     backend.xp, backend.dtype, backend.rng, backend.reseed(key), backend.sample_streams_for(streams)
     asarray / to_numpy / batch_to_device / upload / synchronize    moving data
     matmul                                                         Dense
+    batched_matmul                                                 attention's products per (sample, head)
     conv2d_plan / conv2d_forward / conv2d_backward                 Conv2D (a plan chosen once per layer)
     bias_forward / bias_backward                                   a convolution's bias
     maxpool2d_* / avgpool2d_*                                      MaxPool2D, AvgPool2D
@@ -20,7 +21,7 @@ methods and nothing else of a backend: no layer asks whether a method exists or 
                                                                    synchronized statistics)
     layernorm_forward / layernorm_backward                         LayerNorm (over the last axis)
     gelu_forward / gelu_backward / erf                             GELU, exact or tanh form
-    softmax_forward / softmax_backward                             attention weights (the last axis)
+    softmax_forward / softmax_backward                             attention weights (the last axis; scaled, causal)
     dropout_mask                                                   Dropout, attention dropout
     sgd_update / adam_update / adam_moments                        SGD, Adam, AdamW, Nadam
 
@@ -109,6 +110,11 @@ class Backend:
     # -- dense ---------------------------------------------------------------------------------
     def matmul(self, a, b, out=None):
         """a (M, K) @ b (K, N), into out when given."""
+        return self.xp.matmul(a, b, out=out)
+
+    def batched_matmul(self, a, b, out=None):
+        """a (B, ..., M, K) @ b (B, ..., K, N), one product per leading index (views with any strides: the
+        heads of attention), into out when given."""
         return self.xp.matmul(a, b, out=out)
 
     # -- convolution -----------------------------------------------------------------------------
@@ -273,17 +279,28 @@ class Backend:
                 1 / math.sqrt(2 * math.pi))
         return dy * d
 
-    def softmax_forward(self, x):
-        """Softmax over the last axis, a row of -inf giving zeros (a fully masked row) rather than NaN."""
+    def softmax_forward(self, x, scale=1.0, causal=False):
+        """Softmax of scale * x (scale > 0) over the last axis, a row of -inf giving zeros (a fully masked
+        row) rather than NaN. causal: x ends in square (T, T) blocks of attention scores, and query i sees
+        keys 0..i only (the entries above the diagonal are taken as -inf, whatever x holds there)."""
+        xp = self.xp
+        if scale != 1:
+            x = x * x.dtype.type(scale)
+        if causal:
+            t = x.shape[-1]
+            x = xp.where(xp.asarray(np.tril(np.ones((t, t), bool))), x, x.dtype.type(-np.inf))
         m = x.max(axis=-1, keepdims=True)
-        e = self.xp.exp(x - self.xp.where(self.xp.isfinite(m), m, 0))
+        e = xp.exp(x - xp.where(xp.isfinite(m), m, 0))
         s = e.sum(axis=-1, keepdims=True)
-        e /= self.xp.where(s > 0, s, 1)
+        e /= xp.where(s > 0, s, 1)
         return e
 
-    def softmax_backward(self, dy, y):
-        """dx = y * (dy - sum(dy * y)) over the last axis."""
-        return y * (dy - (dy * y).sum(axis=-1, keepdims=True))
+    def softmax_backward(self, dy, y, scale=1.0):
+        """dx = scale * y * (dy - sum(dy * y)) over the last axis: the gradient of softmax_forward(x, scale)."""
+        dx = y * (dy - (dy * y).sum(axis=-1, keepdims=True))
+        if scale != 1:
+            dx *= dx.dtype.type(scale)
+        return dx
 
     # -- dropout ---------------------------------------------------------------------------------
     def dropout_mask(self, shape, rate, dtype, stream=None):

@@ -25,13 +25,16 @@ def _elements(layer, n):
 
 
 def layernorm(layer, n, need_dx):
-    """LayerNorm (backend.layernorm_forward / _backward, NumPy expressions over the last axis): forward 8*E
-    flops; the mean read (X), x - mean (2), its square (3) and mean (1), xhat scaled (2), weight and bias
-    applied (4): 13*E*s bytes. backward 10*E flops; dbias and dweight summed (1 + 3 + 1), g = dy*weight (2), its
-    mean (1) and subtraction (3), g*xhat (3), its mean (1) and product with xhat (3), subtracted (3) and scaled
-    (2): 23*E*s; the (D,) parameters and the per-row statistics are left out."""
+    """LayerNorm (backend.layernorm_forward / _backward over the last axis): forward 8*E flops, backward 10*E.
+    Compiled (a row's passes while it is in cache): forward x read, xhat and y written (3*E*s); backward dbias
+    and dweight summed by NumPy (1 + 3 + 1) and dx's pass (dy and xhat read, dx written: 3): 8*E*s. NumPy: forward
+    the mean read (X), x - mean (2), its square (3) and mean (1), xhat scaled (2), weight and bias applied (4):
+    13*E*s; backward the sums (5), g = dy*weight (2), its mean (1) and subtraction (3), g*xhat (3), its mean (1)
+    and product with xhat (3), subtracted (3) and scaled (2): 23*E*s. The (D,) parameters and the per-row
+    statistics are left out."""
     e, s = _elements(layer, n), layer.dtype.itemsize
-    return None, "elementwise", PhaseCost(8 * e, 13 * e * s), PhaseCost(10 * e, 23 * e * s), ZERO
+    f_bytes, b_bytes = (3, 8) if layer.backend.kernels == "numba" else (13, 23)
+    return None, "elementwise", PhaseCost(8 * e, f_bytes * e * s), PhaseCost(10 * e, b_bytes * e * s), ZERO
 
 
 def gelu(layer, n, need_dx):
@@ -87,15 +90,16 @@ def tokens(layer, n, need_dx):
 
 
 def attention(layer, n, need_dx):
-    """MultiHeadAttention, GEMMs (through backend.matmul and batched xp.matmul over (N, H)) and the softmax of
-    the (N, H, T, T) scores, A = N*H*T*T of them:
+    """MultiHeadAttention, GEMMs (through backend.matmul and backend.batched_matmul over (N, H)) and the softmax
+    of the (N, H, T, T) scores, A = N*H*T*T of them:
     forward          2*NT*D*3D (q, k, v) + 2*N*T*T*D twice (scores, weights x values) + 2*NT*D*D (out); the
-                     bias adds; the scores scaled (2*A), masked when causal (3*A), the softmax (compiled: one
-                     pass, 2*A; NumPy: 8*A, max, x - max, exp, sum, divide) and with dropout its mask (4*A as
-                     float32 and 2*A*s) and product (3*A*s); x, q|k|v (3E), o and y read and written once each
+                     bias adds; the softmax of the scaled scores, masked when causal (compiled: one pass with the
+                     scale and the mask inside, 2*A; NumPy: the scaling 2*A, the mask 2*A, then max, x - max,
+                     exp, sum, divide 8*A) and with dropout its mask (4*A as float32 and 2*A*s) and product
+                     (3*A*s); x, q|k|v (3E), o (written by the GEMM in place) and y read and written once each
     backward_data    the same GEMMs twice over but the input projection's dx once (2*NT*3D*D); the softmax's
-                     backward (compiled 3*A, NumPy 9*A), its dropout (3*A), the scaling (2*A); dq, dk, dv
-                     stacked and copied (6E)
+                     backward (compiled, scaled inside: 3*A; NumPy 9*A and the scaling 2*A), its dropout (3*A);
+                     dq, dk, dv written in place by their GEMMs
     backward_weights 2*NT*D*3D + 2*NT*D*D and the biases' sums (4E read)
     Split by heads (Megatron's), the GEMMs' inner D is this rank's heads' share and H its heads.
     """
@@ -104,9 +108,11 @@ def attention(layer, n, need_dx):
     i = layer.local_heads * layer.head_dim  # D, or this rank's heads' share of it (Megatron's split)
     e, a = n * t * d, n * layer.local_heads * t * t
     gemm_f = 2 * n * t * d * 3 * i + 2 * 2 * n * t * t * i + 2 * n * t * i * d
-    soft_f, soft_b = (2, 3) if layer.backend.kernels == "numba" else (8, 9)
-    f_bytes = (2 + 3 * (1 if layer.causal else 0) + soft_f) * a * s + (2 * 3 * e + 4 * e + 4 * e) * s
-    b_bytes = (soft_b + 2) * a * s + (3 * 3 * e + 6 * e + 3 * e) * s
+    compiled = layer.backend.kernels == "numba"
+    soft_f = 2 if compiled else 2 + (2 if layer.causal else 0) + 8
+    soft_b = 3 if compiled else 9 + 2
+    f_bytes = soft_f * a * s + 12 * e * s
+    b_bytes = soft_b * a * s + 12 * e * s
     if layer.dropout:
         f_bytes += 4 * a + 5 * a * s
         b_bytes += 3 * a * s

@@ -89,6 +89,20 @@ class CPUBackend(Backend, Workspace):
         self.split(b.shape[1], columns, self.gemm_bytes(2 * a.shape[0] * a.shape[1] * b.shape[1], a, b, out))
         return out
 
+    def batched_matmul(self, a, b, out=None):
+        """a (B, ..., M, K) @ b (B, ..., K, N) into out when given; split over the leading axis B (the
+        batch's samples), each thread's NumPy matmul a BLAS call per product of its samples."""
+        if out is None:
+            out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
+                           np.result_type(a, b))
+
+        def samples(lo, hi):
+            np.matmul(a[lo:hi], b[lo:hi], out=out[lo:hi])
+
+        flops = 2 * out.size * a.shape[-1]
+        self.split(out.shape[0], samples, self.gemm_bytes(flops, a, b, out))
+        return out
+
     # -- convolution -------------------------------------------------------------------------------
     def conv2d_plan(self, g, weight_shape):
         """The algorithm for this layer: conv_plan.choose's, or with autotune the cached measured one (a
@@ -200,11 +214,11 @@ class CPUBackend(Backend, Workspace):
     def gelu_backward(self, dy, x, approximate="none"):
         return elementwise.gelu_backward(self, dy, x, approximate)
 
-    def softmax_forward(self, x):
-        return elementwise.softmax_forward(self, x)
+    def softmax_forward(self, x, scale=1.0, causal=False):
+        return elementwise.softmax_forward(self, x, scale, causal)
 
-    def softmax_backward(self, dy, y):
-        return elementwise.softmax_backward(self, dy, y)
+    def softmax_backward(self, dy, y, scale=1.0):
+        return elementwise.softmax_backward(self, dy, y, scale)
 
     # -- batch normalization -------------------------------------------------------------------
     def channel_sums(self, a):
@@ -228,6 +242,16 @@ class CPUBackend(Backend, Workspace):
         if self.kernels == "numba":
             return normalization.compiled_backward(self, dy, x, mean, inv_std, weight)
         return super().batchnorm_backward(dy, x, mean, inv_std, weight)
+
+    def layernorm_forward(self, x, weight, bias, eps):
+        if self.kernels == "numba":
+            return normalization.layernorm_forward(self, x, weight, bias, eps)
+        return super().layernorm_forward(x, weight, bias, eps)
+
+    def layernorm_backward(self, dy, xhat, inv_std, weight, dweight, dbias):
+        if self.kernels == "numba":
+            return normalization.layernorm_backward(self, dy, xhat, inv_std, weight, dweight, dbias)
+        return super().layernorm_backward(dy, xhat, inv_std, weight, dweight, dbias)
 
     # -- optimizer updates ---------------------------------------------------------------------
     def sgd_update(self, p, g, buf, tmp, lr, weight_decay, momentum, dampening, nesterov, first):

@@ -107,29 +107,30 @@ def gelu_backward(b, dy, x, approximate="none"):
     return dx
 
 
-def softmax_forward(b, x):
-    """Softmax over the last axis: a compiled pass per row (rows split over the threads), or NumPy's."""
+def softmax_forward(b, x, scale=1.0, causal=False):
+    """Softmax of scale * x over the last axis, causal as backends/base.py's: a compiled pass per row (rows
+    split over the threads; float32's exp by kernels.elementwise.exp32), or NumPy's."""
     if b.kernels != "numba":
-        return Backend.softmax_forward(b, x)
+        return Backend.softmax_forward(b, x, scale, causal)
     from pydtnn.backends.cpu.kernels import elementwise
 
     x = np.ascontiguousarray(x)
     y = np.empty_like(x)
     rows = x.reshape(-1, x.shape[-1])
     b.split_compiled(elementwise.softmax_rows, elementwise.softmax_rows_chunks, rows.shape[0],
-                     (rows, y.reshape(rows.shape)), 2 * x.nbytes)
+                     (rows, y.reshape(rows.shape), x.dtype.type(scale), bool(causal)), 2 * x.nbytes)
     return y
 
 
-def softmax_backward(b, dy, y):
-    """y * (dy - sum(dy * y)) over the last axis: compiled per row, or NumPy's."""
+def softmax_backward(b, dy, y, scale=1.0):
+    """scale * y * (dy - sum(dy * y)) over the last axis: compiled per row, or NumPy's."""
     if b.kernels != "numba":
-        return Backend.softmax_backward(b, dy, y)
+        return Backend.softmax_backward(b, dy, y, scale)
     from pydtnn.backends.cpu.kernels import elementwise
 
     dy, y = np.ascontiguousarray(dy), np.ascontiguousarray(y)
     dx = np.empty_like(dy)
     k = dy.shape[-1]
     b.split_compiled(elementwise.softmax_rows_backward, elementwise.softmax_rows_backward_chunks, dy.size // k,
-                     (dy.reshape(-1, k), y.reshape(-1, k), dx.reshape(-1, k)), 3 * dy.nbytes)
+                     (dy.reshape(-1, k), y.reshape(-1, k), dx.reshape(-1, k), dy.dtype.type(scale)), 3 * dy.nbytes)
     return dx

@@ -9,6 +9,8 @@ NumPy: per-channel sums are matrix-vector products per row, centered dot product
 of tuning.batchnorm_chunk_bytes (a chunk, its centered copy and the matching dy fit in L2), and the
 per-channel coefficients are written out to one sample's shape (C, H, W): NumPy multiplies or adds two
 contiguous operands about twice as fast as an operand that repeats one value per channel row.
+
+Layer normalization (the last axis) has compiled kernels only: each row's passes while it is in cache.
 """
 
 import numpy as np
@@ -116,3 +118,35 @@ def compiled_backward(b, dy, x, mean, inv_std, weight):
     kernels = normalization.batchnorm_backward, normalization.batchnorm_backward_chunks
     b.split_compiled(*kernels, x3.shape[1], args, nbytes)
     return dx.reshape(dy.shape), db, dw
+
+
+def layernorm_forward(b, x, weight, bias, eps):
+    """backends/base.py's layernorm_forward, compiled: each row's statistics and both passes over it while it
+    is in cache, rows split over the threads (each row one thread's: the thread count changes nothing)."""
+    from pydtnn.backends.cpu.kernels import normalization
+
+    x = np.ascontiguousarray(x)
+    y, xhat = np.empty_like(x), np.empty_like(x)
+    inv_std = np.empty(x.shape[:-1] + (1,), x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    args = (rows, weight.astype(x.dtype), bias.astype(x.dtype), float(eps), y.reshape(rows.shape),
+            xhat.reshape(rows.shape), inv_std.reshape(-1))
+    b.split_compiled(normalization.layernorm_forward, normalization.layernorm_forward_chunks, rows.shape[0], args,
+                     3 * x.nbytes)
+    return y, xhat, inv_std
+
+
+def layernorm_backward(b, dy, xhat, inv_std, weight, dweight, dbias):
+    """backends/base.py's layernorm_backward: dweight and dbias summed by NumPy, dx by a compiled pass per row."""
+    from pydtnn.backends.cpu.kernels import normalization
+
+    dy = np.ascontiguousarray(dy)
+    lead = tuple(range(dy.ndim - 1))
+    dy.sum(axis=lead, out=dbias)
+    (dy * xhat).sum(axis=lead, out=dweight)
+    dx = np.empty_like(dy)
+    d = dy.shape[-1]
+    args = (dy.reshape(-1, d), xhat.reshape(-1, d), inv_std.reshape(-1), weight.astype(dy.dtype), dx.reshape(-1, d))
+    b.split_compiled(normalization.layernorm_backward, normalization.layernorm_backward_chunks, dy.size // d, args,
+                     3 * dy.nbytes)
+    return dx

@@ -5,10 +5,13 @@ import math
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from pydtnn.backends.cpu.kernels.jit import exact as _exact
 from pydtnn.backends.cpu.kernels.jit import jit as _jit
 from pydtnn.backends.cpu.kernels.jit import parallel as _pjit
+from pydtnn.backends.cpu.kernels.jit import reassoc as _reassoc
 
 
 @_exact
@@ -203,12 +206,12 @@ def gelu32_forward_chunks(n, t, x, y):
 
 @_jit
 def gelu32_backward(dy, x, dx, lo, hi):
-    """dx = dy * (Phi(x) + x * phi(x)) over the flat float32 elements lo..hi-1, erf by erf32."""
+    """dx = dy * (Phi(x) + x * phi(x)) over the flat float32 elements lo..hi-1, erf by erf32, exp by exp32."""
     f = numba.float32
     gr, xr, dr = dy[lo:hi], x[lo:hi], dx[lo:hi]
     for i in range(gr.shape[0]):
         v = xr[i]
-        d = f(0.5) * (f(1.0) + erf32(v * f(0.7071067811865476))) + v * math.exp(f(-0.5) * v * v) * f(0.3989422804014327)
+        d = f(0.5) * (f(1.0) + erf32(v * f(0.7071067811865476))) + v * exp32(f(-0.5) * v * v) * f(0.3989422804014327)
         dr[i] = gr[i] * d
 
 
@@ -219,46 +222,99 @@ def gelu32_backward_chunks(n, t, dy, x, dx):
 
 
 @_exact
-def softmax_rows(x, y, lo, hi):
-    """y[r] = softmax(x[r]) for rows lo..hi-1 of x (R, K), a row of -inf giving zeros (backends/base.py's)."""
+def exp32(v):
+    """exp of a float32 value without a libm call (loops over it vectorize): v = n ln2 + r with |r| <= ln2 / 2,
+    exp(r) by Cephes' expf polynomial and 2^n written into the exponent bits; within 1e-7 relative of exp.
+    Below -87.3 (where float32's exp turns subnormal) it gives 0; NaN and +inf pass through, as exp's.
+    Compiled without fastmath (inlined, it keeps its own flags): reassociated, n ln2's two parts would merge."""
+    f = numba.float32
+    c = min(max(v, f(-87.3)), f(88.3))
+    biased = np.int32(c * f(1.4426950408889634) + f(128.5))  # n + 128, n = round(c / ln 2): positive, so truncated
+    n = f(biased) - f(128.0)
+    r = c - n * f(0.693359375)
+    r = r - n * f(-2.12194440e-4)  # ln 2 in two parts: n * ln 2 exactly enough for every n in range
+    p = f(1.9875691500e-4)
+    p = p * r + f(1.3981999507e-3)
+    p = p * r + f(8.3334519073e-3)
+    p = p * r + f(4.1665795894e-2)
+    p = p * r + f(1.6666665459e-1)
+    p = p * r + f(5.0000001201e-1)
+    e = (p * r * r + r + f(1.0)) * np.int32((biased - np.int32(1)) << np.int32(23)).view(np.float32)
+    if v < f(-87.3):
+        e = f(0.0)
+    if v > f(88.3) or v != v:
+        e = v if v != v else f(np.inf)
+    return e
+
+
+def fexp(v):
+    """exp in the value's own precision: exp32 for float32, libm's exp for float64 (compiled code only)."""
+    return math.exp(v)
+
+
+@overload(fexp, jit_options={"cache": True})
+def _fexp(v):
+    if isinstance(v, types.Float) and v.bitwidth == 32:
+        return lambda v: exp32(v)
+    return lambda v: math.exp(v)
+
+
+@numba.njit(nogil=True, fastmath={"nnan", "nsz", "reassoc"}, error_model="numpy", cache=True)
+def _row_max(r, n):
+    """max of r[:n], n >= 1 (vectorized: NaN need not win here, the caller's exp of it gives NaN)."""
+    m = r[0]
+    for j in range(1, n):
+        m = max(m, r[j])
+    return m
+
+
+@_reassoc
+def softmax_rows(x, y, scale, causal, lo, hi):
+    """y[r] = softmax(scale * x[r]) for rows lo..hi-1 of x (R, K), scale > 0, a row of -inf giving zeros
+    (backends/base.py's). causal: x holds square blocks of attention scores (R a multiple of K), row r the
+    scores of query r % K, which sees its first r % K + 1 keys only: the rest read as -inf (not read at
+    all) and come out 0."""
     z = x.dtype.type(0)
+    k = x.shape[1]
     for r in range(lo, hi):
         xr, yr = x[r], y[r]
-        m = xr[0]
-        for j in range(1, xr.shape[0]):
-            m = max(m, xr[j])
+        n = r % k + 1 if causal else k
+        m = _row_max(xr, n)
         if m == -np.inf:
             yr[:] = z
             continue
         s = z
-        for j in range(xr.shape[0]):
-            e = math.exp(xr[j] - m)
+        for j in range(n):
+            e = fexp((xr[j] - m) * scale)
             yr[j] = e
             s += e
         inv = x.dtype.type(1) / s
-        for j in range(xr.shape[0]):
+        for j in range(n):
             yr[j] *= inv
+        for j in range(n, k):
+            yr[j] = z
 
 
 @_pjit
-def softmax_rows_chunks(n, t, x, y):
+def softmax_rows_chunks(n, t, x, y, scale, causal):
     for i in numba.prange(t):
-        softmax_rows(x, y, n * i // t, n * (i + 1) // t)
+        softmax_rows(x, y, scale, causal, n * i // t, n * (i + 1) // t)
 
 
 @_jit
-def softmax_rows_backward(dy, y, dx, lo, hi):
-    """dx[r] = y[r] * (dy[r] - sum(dy[r] * y[r])) for rows lo..hi-1 of (R, K)."""
+def softmax_rows_backward(dy, y, dx, scale, lo, hi):
+    """dx[r] = scale * y[r] * (dy[r] - sum(dy[r] * y[r])) for rows lo..hi-1 of (R, K): the gradient of
+    softmax(scale * x) (y's zeros, a causal mask's included, give zeros)."""
     for r in range(lo, hi):
         gr, yr, dr = dy[r], y[r], dx[r]
         s = gr.dtype.type(0)
         for j in range(gr.shape[0]):
             s += gr[j] * yr[j]
         for j in range(gr.shape[0]):
-            dr[j] = yr[j] * (gr[j] - s)
+            dr[j] = scale * yr[j] * (gr[j] - s)
 
 
 @_pjit
-def softmax_rows_backward_chunks(n, t, dy, y, dx):
+def softmax_rows_backward_chunks(n, t, dy, y, dx, scale):
     for i in numba.prange(t):
-        softmax_rows_backward(dy, y, dx, n * i // t, n * (i + 1) // t)
+        softmax_rows_backward(dy, y, dx, scale, n * i // t, n * (i + 1) // t)

@@ -22,6 +22,9 @@ jit = numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True)
 # without fastmath's no-NaN and no-infinity assumptions, for kernels whose results depend on them
 exact = numba.njit(nogil=True, error_model="numpy", cache=True)
 parallel = numba.njit(parallel=True, nogil=True, cache=True)
+# reassociating (so sums over a row vectorize) but keeping infinities and NaN: for kernels whose inputs may hold
+# -inf (masked attention scores) or a diverged NaN that must reach the loss
+reassoc = numba.njit(nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"}, error_model="numpy", cache=True)
 
 MODULES = ("col2im", "conv3x3", "convkxk", "depthwise3x3", "elementwise", "normalization", "pooling", "updates",
            "vectors", "winograd")

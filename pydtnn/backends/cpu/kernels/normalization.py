@@ -1,4 +1,5 @@
-"""Training-mode batch normalization: every pass over one channel's samples while they are in cache."""
+"""Training-mode batch normalization: every pass over one channel's samples while they are in cache; layer
+normalization: every pass over one row (a token's features) while it is in cache."""
 
 import numba
 import numpy as np
@@ -95,3 +96,58 @@ def batchnorm_backward(dy, x, mean, inv_std, weight, dx, db, dw, c0, c1):
 def batchnorm_backward_chunks(n, t, dy, x, mean, inv_std, weight, dx, db, dw):
     for i in numba.prange(t):
         batchnorm_backward(dy, x, mean, inv_std, weight, dx, db, dw, n * i // t, n * (i + 1) // t)
+
+
+@_jit
+def layernorm_forward(x, weight, bias, eps, y, xhat, inv_std, lo, hi):
+    """Layer normalization of rows lo..hi-1 of x (R, D): the row's mean and biased variance (centered) in
+    float64, xhat = (x - mean) * inv_std and y = xhat * weight + bias in x's dtype; inv_std (R,) receives
+    1 / sqrt(var + eps) in x's dtype."""
+    d = x.shape[1]
+    t = x.dtype.type
+    for r in range(lo, hi):
+        xr, hr, yr = x[r], xhat[r], y[r]
+        s = 0.0
+        for j in range(d):
+            s += np.float64(xr[j])
+        mu = s / d
+        q = 0.0
+        for j in range(d):
+            c = np.float64(xr[j]) - mu
+            q += c * c
+        mf, inv = t(mu), t(1.0 / np.sqrt(q / d + eps))
+        for j in range(d):
+            h = (xr[j] - mf) * inv
+            hr[j] = h
+            yr[j] = h * weight[j] + bias[j]
+        inv_std[r] = inv
+
+
+@_pjit
+def layernorm_forward_chunks(n, t, x, weight, bias, eps, y, xhat, inv_std):
+    for i in numba.prange(t):
+        layernorm_forward(x, weight, bias, eps, y, xhat, inv_std, n * i // t, n * (i + 1) // t)
+
+
+@_jit
+def layernorm_backward(dy, xhat, inv_std, weight, dx, lo, hi):
+    """dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight, for rows lo..hi-1 of (R, D), the
+    two means accumulated in float64."""
+    d = dy.shape[1]
+    t = dy.dtype.type
+    for r in range(lo, hi):
+        gr, hr, dr = dy[r], xhat[r], dx[r]
+        s1, s2 = 0.0, 0.0
+        for j in range(d):
+            g = gr[j] * weight[j]
+            s1 += np.float64(g)
+            s2 += np.float64(g * hr[j])
+        m1, m2, inv = t(s1 / d), t(s2 / d), inv_std[r]
+        for j in range(d):
+            dr[j] = inv * (gr[j] * weight[j] - m1 - hr[j] * m2)
+
+
+@_pjit
+def layernorm_backward_chunks(n, t, dy, xhat, inv_std, weight, dx):
+    for i in numba.prange(t):
+        layernorm_backward(dy, xhat, inv_std, weight, dx, n * i // t, n * (i + 1) // t)
