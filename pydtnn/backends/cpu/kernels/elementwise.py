@@ -242,8 +242,8 @@ def exp32(v):
     e = (p * r * r + r + f(1.0)) * np.int32((biased - np.int32(1)) << np.int32(23)).view(np.float32)
     if v < f(-87.3):
         e = f(0.0)
-    if v > f(88.3) or v != v:
-        e = v if v != v else f(np.inf)
+    if v > f(88.3) or math.isnan(v):
+        e = v if math.isnan(v) else f(np.inf)
     return e
 
 
