@@ -9,7 +9,8 @@ methods and nothing else of a backend: no layer asks whether a method exists or 
     backend.xp, backend.dtype, backend.rng, backend.reseed(key), backend.sample_streams_for(streams)
     asarray / to_numpy / batch_to_device / upload / synchronize    moving data
     matmul                                                         Dense
-    batched_matmul                                                 attention's products per (sample, head)
+    batched_matmul                                                 products per (sample, head)
+    attention_forward / attention_backward                         scaled dot-product attention of the heads
     conv2d_plan / conv2d_forward / conv2d_backward                 Conv2D (a plan chosen once per layer)
     bias_forward / bias_backward                                   a convolution's bias
     maxpool2d_* / avgpool2d_*                                      MaxPool2D, AvgPool2D
@@ -114,8 +115,12 @@ class Backend:
 
     def batched_matmul(self, a, b, out=None):
         """a (B, ..., M, K) @ b (B, ..., K, N), one product per leading index (views with any strides: the
-        heads of attention), into out when given."""
-        return self.xp.matmul(a, b, out=out)
+        heads of attention), into out (any strides) when given."""
+        r = self.xp.matmul(a, b)
+        if out is None:
+            return r
+        out[...] = r
+        return out
 
     # -- convolution -----------------------------------------------------------------------------
     def conv2d_plan(self, g, weight_shape):
@@ -278,6 +283,34 @@ class Backend:
             d = f(0.5) * (1 + self.erf(x * f(1 / math.sqrt(2)))) + x * self.xp.exp(f(-0.5) * x * x) * f(
                 1 / math.sqrt(2 * math.pi))
         return dy * d
+
+    def attention_forward(self, qkv, scale, causal, keep=None):
+        """Scaled dot-product self-attention of H heads: qkv (N, T, 3, H, hd), each token's q, k and v as the
+        input projection writes them. Returns (o, a): a (N, H, T, T) = softmax(scale * q k^T) per head, query i
+        seeing keys 0..i only when causal (0 beyond), and o (N, T, H, hd) = (a * keep) v, keep (N, H, T, T)
+        dropout's mask on the weights (None: no dropout)."""
+        q, k, v = qkv.transpose(2, 0, 3, 1, 4)  # (N, H, T, hd) views
+        a = self.softmax_forward(self.batched_matmul(q, k.transpose(0, 1, 3, 2)), scale, causal)
+        n, t, _, h, hd = qkv.shape
+        o = self.xp.empty((n, t, h, hd), qkv.dtype)
+        self.batched_matmul(a * keep if keep is not None else a, v, out=o.transpose(0, 2, 1, 3))
+        return o, a
+
+    def attention_backward(self, do, qkv, a, scale, causal, keep=None):
+        """Gradients of attention_forward from do (N, T, H, hd): dqkv (N, T, 3, H, hd), dq, dk and dv in q's, k's
+        and v's places (a's zeros carry the causal mask)."""
+        q, k, v = qkv.transpose(2, 0, 3, 1, 4)
+        do = do.transpose(0, 2, 1, 3)
+        dqkv = self.xp.empty(qkv.shape, qkv.dtype)  # dq, dk and dv written in place by their products
+        dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)
+        self.batched_matmul((a * keep if keep is not None else a).transpose(0, 1, 3, 2), do, out=dv)
+        da = self.batched_matmul(do, v.transpose(0, 1, 3, 2))
+        if keep is not None:
+            da *= keep
+        ds = self.softmax_backward(da, a, scale)
+        self.batched_matmul(ds, k, out=dq)
+        self.batched_matmul(ds.transpose(0, 1, 3, 2), q, out=dk)
+        return dqkv
 
     def softmax_forward(self, x, scale=1.0, causal=False):
         """Softmax of scale * x (scale > 0) over the last axis, a row of -inf giving zeros (a fully masked

@@ -198,8 +198,8 @@ class MultiHeadAttention(Layer):
     q, k, v = x @ in_proj_weight.T + in_proj_bias, cut in three then in `heads` heads of D / heads;
     per head a = softmax(q k^T / sqrt(D / heads)) (a token sees only itself and earlier ones when causal),
     dropped out at rate `dropout` in training; y = concat(a v) @ out_proj_weight.T + out_proj_bias. The
-    heads' products are the backend's batched GEMMs over (N, heads), written straight into and read straight
-    from the (N, T, D) layouts of the projections; the softmax, its scale and mask are the backend's."""
+    heads' scaled dot-product attention is the backend's (attention_forward / attention_backward), reading q, k
+    and v where the input projection writes them and writing the heads' outputs side by side."""
 
     def __init__(self, heads, causal=False, dropout=0.0, weight_init="glorot_uniform"):
         super().__init__()
@@ -240,42 +240,31 @@ class MultiHeadAttention(Layer):
         x2 = x.reshape(n * t, d)
         qkv = b.matmul(x2, self.params["in_proj_weight"].T)
         qkv += self.params["in_proj_bias"]
-        q, k, v = qkv.reshape(n, t, 3, h, hd).transpose(2, 0, 3, 1, 4)  # each (N, heads, T, hd), views
-        # softmax of the scores scaled by 1/sqrt(hd), a query seeing itself and earlier keys when causal
-        a = b.softmax_forward(b.batched_matmul(q, k.transpose(0, 1, 3, 2)), 1 / math.sqrt(hd), self.causal)
         keep = None
         if training and self.dropout:  # the whole layer's mask, these heads' part of it
             lo, hi = self.head_range or (0, self.heads)
-            keep = b.dropout_mask((n, self.heads, t, t), self.dropout, a.dtype, layer_stream(self.path))
+            keep = b.dropout_mask((n, self.heads, t, t), self.dropout, x.dtype, layer_stream(self.path))
             keep = keep if self.head_range is None else xp.ascontiguousarray(keep[:, lo:hi])
-        ad = a * keep if keep is not None else a
-        o = xp.empty((n, t, h, hd), x.dtype)  # the heads' outputs side by side: (N, T, heads, hd)
-        b.batched_matmul(ad, v, out=o.transpose(0, 2, 1, 3))
+        # each head's softmax(q k^T / sqrt(hd)) (a query seeing itself and earlier keys when causal), dropped
+        # out, times v: the heads' outputs side by side, (N, T, heads, hd)
+        o, a = b.attention_forward(qkv.reshape(n, t, 3, h, hd), 1 / math.sqrt(hd), self.causal, keep)
         o = o.reshape(n * t, h * hd)
         y = b.matmul(o, self.params["out_proj_weight"].T)
         if self.bias_here:
             y += self.params["out_proj_bias"]
-        self.saved = (x2, q, k, v, a, keep, ad, o) if training else None
+        self.saved = (x2, qkv, a, keep, o) if training else None
         return y.reshape(n, t, d)
 
     def backward(self, dy):
-        xp, b = self.xp, self.backend
-        x2, q, k, v, a, keep, ad, o = self.take_saved("saved")
+        b = self.backend
+        x2, qkv, a, keep, o = self.take_saved("saved")
         n, t, d = dy.shape
         h, hd = self.local_heads, self.head_dim
         dy2 = dy.reshape(n * t, d)
         b.matmul(dy2.T, o, out=self.grads["out_proj_weight"])
         dy2.sum(axis=0, out=self.grads["out_proj_bias"])
-        do = b.matmul(dy2, self.params["out_proj_weight"]).reshape(n, t, h, hd).transpose(0, 2, 1, 3)
-        dqkv = xp.empty((n, t, 3, h, hd), dy.dtype)  # dq, dk, dv written into their places in (N, T, 3 D)
-        dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)
-        b.batched_matmul(ad.transpose(0, 1, 3, 2), do, out=dv)
-        da = b.batched_matmul(do, v.transpose(0, 1, 3, 2))
-        if keep is not None:
-            da *= keep
-        ds = b.softmax_backward(da, a, 1 / math.sqrt(hd))
-        b.batched_matmul(ds, k, out=dq)
-        b.batched_matmul(ds.transpose(0, 1, 3, 2), q, out=dk)
+        do = b.matmul(dy2, self.params["out_proj_weight"]).reshape(n, t, h, hd)
+        dqkv = b.attention_backward(do, qkv.reshape(n, t, 3, h, hd), a, 1 / math.sqrt(hd), self.causal, keep)
         dqkv = dqkv.reshape(n * t, 3 * h * hd)
         b.matmul(dqkv.T, x2, out=self.grads["in_proj_weight"])
         dqkv.sum(axis=0, out=self.grads["in_proj_bias"])
