@@ -196,7 +196,8 @@ def _parallel_flags(p):
       help="gradient reduction: one allreduce after backward, one per gradient as layers finish "
            "(= --non_blocking_mpi), buckets started as they fill (default), buckets reduced within each "
            "node then between nodes (hierarchical), or each rank's largest entries with error feedback "
-           "(topk, --density); docs/distributed.md")
+           "(topk, --density), or a low-rank approximation of each matrix with error feedback (powersgd, --rank); "
+           "docs/distributed.md")
     f(g, "gradient_compression", choices=reducers.COMPRESSIONS, default="none",
       help="wire format of gradient reductions: fp16 halves the bytes, rounds every gradient to fp16 "
            "(each scaled by a power of two into its range)")
@@ -204,18 +205,7 @@ def _parallel_flags(p):
       help="bucketed, hierarchical: bucket size in MB (default 25)")
     f(g, "ranks_per_node", type=positive_int, default=None,
       help="hierarchical: processes per node, consecutive ranks (default: those sharing memory)")
-    f(g, "density", type=share, default=0.01,
-      help="topk: the share of gradient entries each process sends per step, in (0, 1] (default 0.01)")
-    f(g, "topk_selection", choices=("global", "per_layer"), default="global",
-      help="topk: the largest entries of all gradients together (global, the default) or of each layer's gradient "
-           "separately (per_layer, as Deep Gradient Compression selects)")
-    f(g, "density_warmup_epochs", type=non_negative_int, default=0,
-      help="topk: epochs over which the density falls geometrically from 0.25 to --density (Deep Gradient "
-           "Compression's warm-up; default 0: --density from the first step)")
-    f(g, "momentum_correction", type=parse_bool, default=False,
-      help="topk with SGD: each process applies SGD's momentum to its own gradients before selecting, and clears "
-           "what it sends (Deep Gradient Compression's momentum correction and factor masking); the optimizer "
-           "then runs without momentum (default false)")
+    _lossy_reduction_flags(f, g)
     f(g, "reduction_progress", choices=reducers.PROGRESS, default="test",
       help="per_layer, bucketed: how outstanding gradient allreduces advance during backward: test (MPI entered "
            "between layers, the default) or thread (a helper thread enters MPI every 0.2 ms; needs "
@@ -234,6 +224,26 @@ def _parallel_flags(p):
       help="BLAS threads per process when several are launched (default 1; 0 leaves the library's choice; at most "
            "4 per core this process may use and at least 64, at any process count)")
 
+
+
+def _lossy_reduction_flags(f, g):
+    """The options of the reducers that send less than the gradients (topk, powersgd), in group g."""
+    f(g, "density", type=share, default=0.01,
+      help="topk: the share of gradient entries each process sends per step, in (0, 1] (default 0.01)")
+    f(g, "topk_selection", choices=("global", "per_layer"), default="global",
+      help="topk: the largest entries of all gradients together (global, the default) or of each layer's gradient "
+           "separately (per_layer, as Deep Gradient Compression selects)")
+    f(g, "density_warmup_epochs", type=non_negative_int, default=0,
+      help="topk: epochs over which the density falls geometrically from 0.25 to --density (Deep Gradient "
+           "Compression's warm-up; default 0: --density from the first step)")
+    f(g, "momentum_correction", type=parse_bool, default=False,
+      help="topk with SGD: each process applies SGD's momentum to its own gradients before selecting, and clears "
+           "what it sends (Deep Gradient Compression's momentum correction and factor masking); the optimizer "
+           "then runs without momentum (default false)")
+    f(g, "rank", type=positive_int, default=4,
+      help="powersgd: the rank of each gradient matrix's approximation (default 4)")
+    f(g, "powersgd_start_step", type=non_negative_int, default=0,
+      help="powersgd: steps that send every gradient whole before the low-rank ones start (default 0)")
 
 
 def _device_and_output_flags(p):

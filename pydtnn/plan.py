@@ -23,7 +23,8 @@ PARALLEL = ("sequential", "data", "model", "hybrid", "pipeline")
 # the flags that set the reducers' options (reducers.defaults(name) names each strategy's); an option no flag
 # sets keeps its default (first_bucket_mb), or is the run's to decide (topk's momentum: --momentum_correction)
 OPTION_FLAGS = {"bucket_mb": "bucket_size_mb", "ranks_per_node": "ranks_per_node", "density": "density",
-                "warmup_epochs": "density_warmup_epochs", "selection": "topk_selection"}
+                "warmup_epochs": "density_warmup_epochs", "selection": "topk_selection", "rank": "rank",
+                "start_step": "powersgd_start_step"}
 
 
 def _named(name, value, flags):

@@ -226,7 +226,8 @@ def check_reducer_state(trainer, extras, where, saved_ranks=None):
 
 def restore_reducer(trainer, extras):
     """Give each rank its saved reducer state: its own row at the saved process count; at another count rank 0
-    takes the sum of the rows (topk: every gradient not yet sent stays in the run) and the others zeros. A run
+    takes the sum of the rows (topk: every gradient not yet sent stays in the run) and the others zeros, but
+    every rank row 0 of what the reducer keeps the same on every rank (its shared_state). A run
     without such a reducer (one process) has nowhere to put it: it says what is dropped."""
     reducer, prefix = trainer.reducer, f"{checkpoint.EXTRA}reducer."
     state = {k[len(prefix):]: v for k, v in extras.items() if k.startswith(prefix)}
@@ -241,6 +242,8 @@ def restore_reducer(trainer, extras):
     for name, every in state.items():
         if every.shape[0] == size:
             row = every[rank]
+        elif name in reducer.shared_state:  # the same on every rank (powersgd's Q): any row is every rank's
+            row = every[0]
         else:
             row = every.sum(axis=0) if rank == 0 else np.zeros_like(every[0])
         mine[name] = own_columns(trainer, row)
@@ -264,6 +267,8 @@ def resume(directory, trainer, lr=None, scaled=False):
     extras = {}
     meta = checkpoint.load(directory, trainer.model, trainer.optimizer, check_meta=check, extras=extras)
     restore_reducer(trainer, extras)
+    if trainer.reducer is not None:  # a reducer that counts steps (powersgd's start) counts on from the saved one
+        trainer.reducer.resume_at(meta["step"])
     checkpoint.set_rng_state(trainer.model.backend.rng, meta["rng"])
     base = meta["base_lr"] * (trainer.world_size / meta.get("world_size", 1) if scaled else 1)
     for s, state in zip(trainer.schedules, meta["schedules"]):

@@ -70,7 +70,7 @@ def run(args):
     options, lr_note = scaled_optimizer_options(args, family, world, mp_size * plan.layout.pipeline_stages)
     strategy = plan.reduction.name
     corrected = momentum_correction(args, strategy, options)  # SGD's momentum, moved into the topk reducer
-    check_topk_flags(args, strategy)
+    check_reducer_flags(args, strategy)
     optimizer, reducer = optimizer_and_reducer(args, plan, model, options, grad_comm, corrected)
     loss = losses.create(args.loss_func)
     step = None
@@ -240,13 +240,16 @@ def scaled_optimizer_options(args, family, world, mp_size):
                      f"--learning_rate_scaling false keeps {base:g})")
 
 
-def check_topk_flags(args, strategy):
-    """ConfigError where a topk flag is given to a run that reduces otherwise, or its warm-up outlasts the run."""
-    for flag, given in (("--topk_selection", args.topk_selection != "global"),
-                        ("--density_warmup_epochs", bool(args.density_warmup_epochs))):
-        if given and strategy != "topk":
-            raise ConfigError(f"{flag} applies to the topk reducer over several processes; this run reduces with "
-                              f"{strategy or 'nothing (one process)'}: add --reduction topk and launch 2 or more "
+def check_reducer_flags(args, strategy):
+    """ConfigError where a topk or powersgd flag is given to a run that reduces otherwise, or topk's warm-up outlasts
+    the run."""
+    for flag, given, wanted in (("--topk_selection", args.topk_selection != "global", "topk"),
+                                ("--density_warmup_epochs", bool(args.density_warmup_epochs), "topk"),
+                                ("--rank", "rank" in args.explicit, "powersgd"),
+                                ("--powersgd_start_step", "powersgd_start_step" in args.explicit, "powersgd")):
+        if given and strategy != wanted:
+            raise ConfigError(f"{flag} applies to the {wanted} reducer over several processes; this run reduces with "
+                              f"{strategy or 'nothing (one process)'}: add --reduction {wanted} and launch 2 or more "
                               f"processes, or leave {flag} out")
     if strategy == "topk" and args.density_warmup_epochs > args.num_epochs:
         raise ConfigError(f"--density_warmup_epochs {args.density_warmup_epochs} is more than --num_epochs "

@@ -65,6 +65,8 @@ def main():
     p.add_argument("--strategies", default="blocking,per_layer,bucketed")
     p.add_argument("--ranks_per_node", type=int, default=0, help="hierarchical: ranks per emulated node")
     p.add_argument("--density", type=float, default=1.0, help="topk: the share of entries each rank sends")
+    p.add_argument("--rank", type=int, default=4, help="powersgd: the rank of each matrix's approximation")
+    p.add_argument("--min_compression_rate", type=float, default=2.0, help="powersgd: which matrices it compresses")
     p.add_argument("--progress", default="test", help="per_layer, bucketed: test or thread")
     p.add_argument("--piece_kb", type=float, default=0, help="cut messages into pieces this small (0: default)")
     args = p.parse_args()
@@ -93,6 +95,8 @@ def main():
                 options["ranks_per_node"] = args.ranks_per_node
             if strategy == "topk":
                 options["density"] = args.density
+            if strategy == "powersgd":
+                options.update(rank=args.rank, min_compression_rate=args.min_compression_rate)
             if args.progress != "test":
                 options["progress"] = args.progress
             reducer = reducers.create(strategy, comm, **options) if comm.size > 1 else None

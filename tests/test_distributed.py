@@ -184,6 +184,25 @@ def test_progress_thread_is_refused_where_the_reducer_cannot_use_it(tmp_path):
     assert r.returncode == 0 and "final:" in r.stdout, r.stderr[-2000:]
 
 
+def resumed_equals_whole(base, tmp_path, check_part=None):
+    """Run the command `base` (mpiexec ... -m pydtnn and its flags, checkpointing each epoch) for 2 epochs into
+    tmp_path/full and for 1 into tmp_path/part, check_part(part's optimizer state) if given, resume part for the
+    second epoch, and assert that both end with the same model and optimizer files, bit for bit."""
+    from safetensors.numpy import load_file
+
+    for extra in (["--num_epochs", "2", "--checkpoint_dir", "full"], ["--num_epochs", "1", "--checkpoint_dir", "part"]):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+    if check_part is not None:
+        check_part(load_file(str(tmp_path / "part" / "optimizer.safetensors")))
+    r = subprocess.run(base[:4] + ["-m", "pydtnn", "--resume", "part", "--num_epochs", "2"], capture_output=True,
+                       text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        full, part = load_file(str(tmp_path / "full" / name)), load_file(str(tmp_path / "part" / name))
+        assert full.keys() == part.keys() and all(np.array_equal(full[k], part[k]) for k in full), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("corrected", [False, True])
 def test_a_topk_run_resumes_bit_identically_with_every_ranks_residual(tmp_path, corrected):
@@ -195,15 +214,7 @@ def test_a_topk_run_resumes_bit_identically_with_every_ranks_residual(tmp_path, 
     base = [MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--dataset", "mnist5k",
             "--dtype", "float64", "--global_batch_size", "32", "--steps_per_epoch", "4", "--progress", "false",
             "--reduction", "topk", "--density", "0.1", "--momentum_correction", str(corrected).lower()]
-    for extra in (["--num_epochs", "2", "--checkpoint_dir", "full"], ["--num_epochs", "1", "--checkpoint_dir", "part"]):
-        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
-        assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run(base[:4] + ["-m", "pydtnn", "--resume", "part", "--num_epochs", "2"], capture_output=True,
-                       text=True, timeout=120, env=ENV, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        full, part = load_file(str(tmp_path / "full" / name)), load_file(str(tmp_path / "part" / name))
-        assert full.keys() == part.keys() and all(np.array_equal(full[k], part[k]) for k in full), name
+    resumed_equals_whole(base, tmp_path)
     r = subprocess.run(base[:4] + ["-m", "pydtnn", "--resume", "part", "--num_epochs", "3", "--momentum_correction",
                                    str(not corrected).lower()], capture_output=True, text=True, timeout=120, env=ENV,
                        cwd=tmp_path)  # the other kind of reducer state: refused before anything is restored

@@ -33,6 +33,7 @@ CHANGES = {
     "reduction_progress": (RESNET, ["--reduction_progress", "thread"]),
     "bucket_size_mb": (RESNET, ["--bucket_size_mb", "0.01"]),
     "density": (["--reduction", "topk"], ["--density", "0.5"]),
+    "rank": (["--reduction", "powersgd"], ["--rank", "1"]),
     "threads_per_process": ([], ["--threads_per_process", "2"]),
     "machine": ([], ["--machine", "MACHINE"]),
     "np": ([], ["--np", "8"]),

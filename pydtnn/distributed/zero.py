@@ -106,15 +106,15 @@ def shard_map(offsets, size, spans=None):
 
 
 def check_stage(stage, reduction=None, compression="none", progress="test", nccl=False):
-    """ConfigError where --zero is not 0, 1, 2 or 3, or its stage cannot take the run's reduction: topk at any
-    stage; at stages 2 and 3, which reduce-scatter through MPI themselves, during backward, another --reduction
+    """ConfigError where --zero is not 0, 1, 2 or 3, or its stage cannot take the run's reduction: topk or powersgd at any
+    stage (powersgd too); at stages 2 and 3, which reduce-scatter through MPI themselves, during backward, another --reduction
     than bucketed or blocking, a compressed wire format, a progress thread or NCCL."""
     if stage not in STAGES:
         raise ConfigError(f"--zero {stage!r}: expected one of {', '.join(map(str, STAGES))}")
-    if stage and reduction == "topk":
-        raise ConfigError(f"--zero {stage} with --reduction topk: topk leaves each replica its own residual, not "
-                          f"an average to shard; expected a dense --reduction (bucketed, blocking, per_layer, "
-                          f"hierarchical) or --zero 0")
+    if stage and reduction in ("topk", "powersgd"):
+        raise ConfigError(f"--zero {stage} with --reduction {reduction}: {reduction} leaves each replica its own "
+                          f"residual, not an average to shard; expected a dense --reduction (bucketed, blocking, "
+                          f"per_layer, hierarchical) or --zero 0")
     if stage < 2:
         return
     for given, what, want in ((reduction not in (None, "bucketed", "blocking"), f"--reduction {reduction}",

@@ -25,8 +25,8 @@ from pydtnn.perfmodel.step_parts import (
     phase_seconds,
     profile_scales,
     recomputed,
+    reducer_work_s,
     thread_speedup,
-    topk_selection_s,
     zero_costs,
 )
 
@@ -40,7 +40,7 @@ def message_seconds(nbytes, machine, level):
 def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, schedule="1f1b", stage_starts=None,
                      reduction="bucketed", threads=1, algorithm="ring", progress="test", optimizer="sgd_momentum",
                      bucket_mb=None, first_bucket_mb=None, name=None, model_parallel_size=None, density=None,
-                     compression="none", update_passes=None, recompute="none", zero=0):
+                     compression="none", update_passes=None, recompute="none", zero=0, rank=None):
     """The Prediction of a pipeline's step: np / (stages x M) pipelines of `stages` stages, each stage's layers
     split over M = model_parallel_size consecutive processes (default 1), the model cut as pydtnn-train cuts it
     (pipeline.Cut.of: balanced unit_seconds, or at stage_starts), batch_size samples per pipeline in
@@ -74,7 +74,7 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     outputs = batch_size * int(math_prod(model.output_shape)) * itemsize
     bcast = sum(collectives.seconds("broadcast", "binomial_tree", n, stages, machine) for n in (outputs, 8))
     passes = update_passes or UPDATE_PASSES[optimizer]
-    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density}
+    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank}
     after = [_stage_after(stage, replicas, len(sizes), machine, threads, crowding, passes, reduction, algorithm,
                           compression, collectives.default_level(np, machine), shaping, zero) for stage, _ in held]
     tail = max(red + upd + fix for red, _, upd, fix in after)
@@ -236,8 +236,10 @@ def _stage_after(stage, replicas, micro_batches, machine, threads, crowding, pas
     stage 2 (step_parts.zero_messages), and the shards allgathered (counted in the reduction)."""
     itemsize = stage.backend.dtype.itemsize
     own = [(n, g.nbytes) for n, _, g in stage.parameters()]
-    sent, durations = gradient_messages(own, [], 0.0, reduction, itemsize, compression, shaping, True, zero, replicas,
-                                        machine, algorithm, level) if own and replicas > 1 else ([], [])
+    shapes = [g.shape for _, _, g in stage.parameters()]
+    sent, durations = ([], []) if not own or replicas <= 1 else gradient_messages(
+        own, [], 0.0, reduction, itemsize, compression, {**shaping, "shapes": shapes}, True, zero, replicas, machine,
+        algorithm, level)
     red = sum(durations)
     nbytes = sum(nb for _, nb in own)
     share, passes_s, _, gather_s, gathers = zero_costs(zero, nbytes, itemsize, replicas, machine, threads, crowding,
@@ -246,6 +248,7 @@ def _stage_after(stage, replicas, micro_batches, machine, threads, crowding, pas
     sent = sent + [None] * gathers
     upd = share * passes * nbytes / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
     upd += (accumulation_s(nbytes, micro_batches, machine, threads, crowding) + passes_s
-            + topk_selection_s(reduction, nbytes, itemsize, shaping.get("density"), replicas, machine, threads, crowding))
+            + reducer_work_s(reduction, shapes, itemsize, shaping.get("density"), shaping.get("rank"), replicas,
+                             machine, threads, crowding))
     fixed = machine.overheads
     return red, len(sent), upd, (len(own) * fixed.parameter_s + fixed.step_s) * crowding

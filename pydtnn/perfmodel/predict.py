@@ -37,6 +37,8 @@ cut into pieces of at most reducers/base.py's PIECE_BYTES as the reducer cuts it
   started when its last gradient is ready; hierarchical: the same buckets, each reduced in two levels;
 - topk: after backward, two allgathers of each replica's k indices (int64) and k values, after the
   selection's own passes over the gradients (step_parts.topk_selection_s).
+- powersgd: after backward, two allreduces, of every compressed matrix's P with the gradients sent whole and
+  of every Q, after the products and passes of step_parts.powersgd_s.
 An MPI library progresses a non-blocking collective only inside MPI calls, and the reducers call
 test() between layers only: with progress="test" (the default, what MPICH does here) a collective's
 transfer does not advance during a layer's computation, so the reduction is as exposed as a blocking
@@ -69,6 +71,7 @@ from pydtnn.perfmodel.step_parts import (  # noqa: F401
     profile_scales,
     recomputed,
     reducer_messages,
+    reducer_work_s,
     reduction_seconds,
     thread_speedup,
     topk_selection_s,
@@ -110,14 +113,14 @@ def _check_arguments(parallel, reduction, progress, optimizer, algorithm, recomp
 def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
             optimizer="sgd_momentum", bucket_mb=None, first_bucket_mb=None, parallel="data", name=None,
             model_parallel_size=None, density=None, compression="none", update_passes=None, micro_batches=1,
-            recompute="none", pipeline_stages=None, schedule="1f1b", stage_starts=None, zero=0):
+            recompute="none", pipeline_stages=None, schedule="1f1b", stage_starts=None, zero=0, rank=None):
     """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
     model replica (per process with data parallelism) over np processes, each with `threads` threads, on
     `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
     model_parallel_size (perfmodel/split.py). compression: the gradients' wire format ("none", "fp16":
     half the bytes, and a small allreduce of scales before each message; reducers.messages).
     update_passes: the update's passes over the parameters' bytes (update_passes()), else UPDATE_PASSES's
-    of `optimizer`. bucket_mb, first_bucket_mb, density: the reducer's options where it takes them; None (not
+    of `optimizer`. bucket_mb, first_bucket_mb, density, rank: the reducer's options where it takes them; None (not
     given) is the reducer's own default (reducers.defaults). micro_batches: the batch cut into that many, their
     gradients summed, reduced once (--micro_batches); recompute: "none", "segments" or "all" (the layers whose
     forward runs again in backward are costed twice). parallel "pipeline" (pipeline_stages = np), or "hybrid"
@@ -136,7 +139,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                                 progress=progress, optimizer=optimizer, bucket_mb=bucket_mb,
                                 first_bucket_mb=first_bucket_mb, name=name, model_parallel_size=model_parallel_size,
                                 density=density, compression=compression, update_passes=update_passes,
-                                recompute=recompute, zero=zero)
+                                recompute=recompute, zero=zero, rank=rank)
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
     replicas = np // m
     steps = plan(model, m) if m > 1 else []
@@ -151,22 +154,22 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     param_bytes, itemsize = sum(grads.values()), model.backend.dtype.itemsize
     update_s = (update_passes or UPDATE_PASSES[optimizer]) * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
                                                          / crowding)
+    shapes = [g.shape for _, _, g in held.parameters()]
     memory_s += (accumulation_s(param_bytes, len(sizes), machine, threads, crowding)
-                 + topk_selection_s(reduction, param_bytes, itemsize, density, replicas, machine, threads, crowding))
+                 + reducer_work_s(reduction, shapes, itemsize, density, rank, replicas, machine, threads, crowding))
     level = None if m == 1 else collectives.default_level(np, machine)  # replicas span the job's nodes
     share, zero_passes_s, flight_s, gather_s, gathers = zero_costs(zero, param_bytes, itemsize, replicas, machine,
                                                                    threads, crowding, algorithm, level, times,
                                                                    len(sizes), again)
     update_s, memory_s = update_s * share, memory_s + zero_passes_s
-    group = [g for b in sizes for g in split.group_messages(steps, b, model.backend.dtype.itemsize, m, machine,
-                                                            algorithm)]
+    group = [g for b in sizes for g in split.group_messages(steps, b, itemsize, m, machine, algorithm)]
     group_s = sum(seconds for *_, seconds in group)  # blocking, on the critical path
     fixed = machine.overheads
-    overhead_s = (calls_s + len(model.parameters()) * fixed.parameter_s * crowding
-                  + fixed.step_s * crowding)
+    overhead_s = calls_s + (len(model.parameters()) * fixed.parameter_s + fixed.step_s) * crowding
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
-    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density}
+    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank,
+               "shapes": shapes}
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
     messages, durations = gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,
@@ -225,7 +228,7 @@ def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algo
     lay, red = plan.layout, plan.reduction
     if red.name is not None:  # a plan built in Python is checked as the flags' are: what the run would refuse
         reducers.validate(red.name, red.compression, red.progress)
-    shaping = {k: v for k, v in red.options.items() if k in ("bucket_mb", "first_bucket_mb", "density")}
+    shaping = {k: v for k, v in red.options.items() if k in ("bucket_mb", "first_bucket_mb", "density", "rank")}
     return predict(model, plan.batch_size or batch_size, lay.world_size, machine, reduction=red.name or "bucketed",
                    threads=plan.threads or 1, algorithm=algorithm, progress=red.progress, compression=red.compression,
                    update_passes=update_passes, parallel="data" if lay.parallel == "sequential" else lay.parallel,

@@ -32,7 +32,7 @@ MODELLED = ("model", "model_file", "dataset", "batch_size", "global_batch_size",
             "nesterov", "decay", "parallel", "model_parallel_size", "non_blocking_mpi", "reduction",
             "gradient_compression", "reduction_progress", "bucket_size_mb", "density", "threads_per_process",
             "machine", "np", "accumulation_steps", "recompute", "pipeline_stages", "pipeline_schedule",
-            "stage_boundaries", "zero", "memory_per_process", "context_length")
+            "stage_boundaries", "zero", "memory_per_process", "context_length", "rank")
 REFUSED = {
     "enable_gpu": "a GPU's step (the model predicts CPU processes)",
     "enable_nccl": "NCCL's reductions (the model predicts CPU processes)",
@@ -46,7 +46,9 @@ REFUSED = {
     "evaluate_only": "an evaluation (it predicts a training step)",
 }
 # Flags whose effect the model cannot know in advance: the prediction is made without it, and says so.
-NOTED = {"conv_autotune": "each convolution is costed with its threshold algorithm; the run measures the algorithms "
+NOTED = {"powersgd_start_step": "the steps before --powersgd_start_step send every gradient whole; the prediction is "
+                                "of the low-rank steps after it",
+         "conv_autotune": "each convolution is costed with its threshold algorithm; the run measures the algorithms "
                           "(--conv_autotune, the default) and may take faster ones"}
 OUTSIDE_A_STEP = (
     "help", "list_models", "num_epochs", "steps_per_epoch", "evaluate", "weights_and_bias_filename", "summary",
@@ -215,6 +217,8 @@ def simulate(args, defaults, say=print):
     say(memory_table(memory, name))
     if args.conv_autotune is not False:  # None: the run's default, env.conv_autotune(), measures
         print(f"pydtnn: --simulate: {NOTED['conv_autotune']}", file=sys.stderr, flush=True)
+    if args.powersgd_start_step:
+        print(f"pydtnn: --simulate: {NOTED['powersgd_start_step']}", file=sys.stderr, flush=True)
     say(f"pydtnn: simulated, nothing trained: {duration(p.step_s)} a step, {rate(p.samples_per_second)} samples/s "
         f"over {p.np} process(es)")
     return p

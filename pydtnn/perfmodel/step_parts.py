@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from pydtnn import recompute as recompute_module
 from pydtnn.distributed import reducers
-from pydtnn.distributed.reducers.layout import topk_counts
+from pydtnn.distributed.reducers.layout import powersgd_matrices, topk_counts
 from pydtnn.perfmodel import collectives
 
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
@@ -231,6 +231,35 @@ def topk_selection_s(reduction, param_bytes, itemsize, density, replicas, machin
     return moved / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
 
 
+POWERSGD_PASSES = 13  # PowerSGDReducer.finish's passes over the gradients' bytes (powersgd_s)
+
+
+def powersgd_s(reduction, shapes, itemsize, rank, replicas, machine, threads, crowding):
+    """Seconds of the powersgd reducer's own work after backward (PowerSGDReducer.finish), 0.0 for the other
+    reducers or one replica: per compressed n x m matrix at rank r (layout.powersgd_matrices, PyTorch's rule) the
+    products M Q, M^T P and P Q^T (6 n m r flops) and P's QR (4 n r^2) at the machine's GEMM rate, and
+    POWERSGD_PASSES over the gradients' bytes at the memory bandwidth (packed with this rank's weight 2, the
+    residual added 3, M read by two products 2, the approximation written 1, the residual updated 3, unpacked
+    2). rank: the reducer's (None: its default); shapes: the gradients' shapes."""
+    if reduction != "powersgd" or replicas <= 1:
+        return 0.0
+    own = reducers.defaults("powersgd")
+    mats = powersgd_matrices(shapes, own["rank"] if rank is None else rank, own["min_compression_rate"])
+    flops = sum(6 * n * m * r + 4 * n * r * r for n, m, r in (mat for mat in mats if mat))
+    nbytes = sum(math.prod(s) for s in shapes) * itemsize
+    speedup = thread_speedup(machine, threads)
+    return (flops / (machine.rates["gemm"] * speedup) + POWERSGD_PASSES * nbytes / (machine.memory_bandwidth * speedup)
+            ) * crowding
+
+
+def reducer_work_s(reduction, shapes, itemsize, density, rank, replicas, machine, threads, crowding):
+    """Seconds of a reducer's own work after backward over gradients of these shapes: topk's selection
+    (topk_selection_s), powersgd's products and passes (powersgd_s); 0.0 for the dense reducers."""
+    nbytes = sum(math.prod(s) for s in shapes) * itemsize
+    return (topk_selection_s(reduction, nbytes, itemsize, density, replicas, machine, threads, crowding)
+            + powersgd_s(reduction, shapes, itemsize, rank, replicas, machine, threads, crowding))
+
+
 def reduction_seconds(collective, nbytes, p, machine, algorithm, level):
     """Seconds of one reducer message of nbytes per replica over p replicas: an allreduce, or an allgather (topk)
     of every replica's nbytes."""
@@ -248,11 +277,12 @@ def reducer_messages(params, times, forward_s, reduction, itemsize, compression=
     """[(seconds into the step when the message can start, collective, bytes per replica)] in the order the
     reducer starts them (reducers.messages); params: [(parameter name, gradient bytes)] in state-dict order;
     options: the reducer's own that shape its messages (those it does not take are left out). after: every
-    gradient is reported at the end of backward (micro-batches: the reducer replays them after the last)."""
+    gradient is reported at the end of backward (micro-batches: the reducer replays them after the last); options
+    "shapes": the gradients' shapes, where the reducer's messages follow them (powersgd)."""
     when = ready_times(params, times, forward_s, after)
     own = reducers.defaults(reduction)
     sent = reducers.messages(reduction, [n // itemsize for _, n in params], itemsize, compression,
-                             **{k: v for k, v in options.items() if k in own})
+                             shapes=options.get("shapes"), **{k: v for k, v in options.items() if k in own})
     end = forward_s + sum(lt.backward_data_s + lt.backward_weights_s for lt in times)  # of backward
     starts = [end if m.params is None else max(when[i] for i in m.params) for m in sent]
     return sorted(((s, m.collective, m.nbytes) for s, m in zip(starts, sent)), key=lambda x: x[0])

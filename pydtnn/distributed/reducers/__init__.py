@@ -20,6 +20,7 @@ from pydtnn.distributed.reducers.blocking import BlockingReducer
 from pydtnn.distributed.reducers.bucketed import BucketedReducer
 from pydtnn.distributed.reducers.hierarchical import HierarchicalReducer
 from pydtnn.distributed.reducers.per_layer import PerLayerReducer
+from pydtnn.distributed.reducers.powersgd import PowerSGDReducer
 from pydtnn.distributed.reducers.topk import TopKReducer
 from pydtnn.errors import ConfigError
 
@@ -56,6 +57,8 @@ STRATEGIES = {s.name: s for s in (
     Strategy("hierarchical", HierarchicalReducer, COMPRESSIONS, ("test",), ("cpu",), layout.bucketed_messages),
     # each rank's largest entries travel as they are (indices and values), summed on arrival
     Strategy("topk", TopKReducer, ("none",), ("test",), DEVICES, layout.topk_messages),
+    # low-rank: each matrix's P and Q summed in two allreduces after backward, the small gradients whole
+    Strategy("powersgd", PowerSGDReducer, ("none",), ("test",), DEVICES, layout.powersgd_messages),
 )}
 NAMES = tuple(STRATEGIES)
 
@@ -99,7 +102,8 @@ def create(name, comm, **options):
     """Reducer `name` over Communicator `comm`; options: compression ("none", "fp16" or a compression object
     of pydtnn.distributed.compression), progress ("test" or "thread"), and the strategy's own (defaults(name):
     bucket_mb and first_bucket_mb for bucketed and hierarchical, ranks_per_node for hierarchical, density,
-    momentum, warmup_epochs and selection for topk: defaults(name)). The combination is checked first
+    momentum, warmup_epochs and selection for topk, rank, start_step and min_compression_rate for powersgd:
+    defaults(name)). The combination is checked first
     (validate, with comm.device)."""
     compression = compression_of(options.get("compression", "none"))
     validate(name, compression.name, options.get("progress", "test"), comm.device)
@@ -111,9 +115,10 @@ def create(name, comm, **options):
     return STRATEGIES[name].cls(comm, **{**options, "compression": compression})
 
 
-def messages(name, counts, itemsize, compression="none", **options):
+def messages(name, counts, itemsize, compression="none", shapes=None, **options):
     """[layout.Message] that strategy `name` sends per step, in the order it lays them out (before any
     reordering by readiness), for gradients of `counts` entries each (parameter order) of `itemsize` bytes,
+    and of `shapes` (parameter order; powersgd's messages need them, the others' do not),
     with `compression` on the wire ("none", "fp16": layout.compressed), cut at base.PIECE_BYTES as the
     reducer cuts them; options: any of the strategy's own (defaults(name)), of which those that shape its
     messages are used (bucket_mb, density, ...); an option not given (or None) takes the reducer's default."""
@@ -125,7 +130,13 @@ def messages(name, counts, itemsize, compression="none", **options):
     fn = STRATEGIES[name].messages
     shaping = inspect.signature(fn).parameters
     given = {k: v for k, v in options.items() if v is not None}
-    sent = fn(counts, itemsize, base.PIECE_BYTES, **{k: v for k, v in {**own, **given}.items() if k in shaping})
+    if "shapes" in shaping:
+        if shapes is None or len(shapes) != len(counts):
+            raise ConfigError(f"{name} reducer: its messages follow the gradients' shapes; expected one shape per "
+                              f"gradient, got {'none' if shapes is None else len(shapes)} for {len(counts)}")
+        given["shapes"] = [tuple(s) for s in shapes]
+    sent = fn(counts, itemsize, base.PIECE_BYTES,
+              **{k: v for k, v in {**own, **given}.items() if k in shaping})
     wire = compression_of(compression).wire_dtype
     if wire is None:
         return sent
@@ -142,6 +153,7 @@ __all__ = [
     "BucketedReducer",
     "HierarchicalReducer",
     "PerLayerReducer",
+    "PowerSGDReducer",
     "Reducer",
     "TopKReducer",
     "create",

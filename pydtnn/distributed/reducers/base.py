@@ -55,6 +55,7 @@ class Reducer:
     """
 
     name = None
+    shared_state = ()  # names in state_dict() that every rank holds alike (restored from any rank's row)
 
     def __init__(self, comm, compression="none", progress="test"):
         """comm: a Communicator; compression: "none", "fp16" or a compression object; progress: "test" or
@@ -113,6 +114,9 @@ class Reducer:
 
     def begin_epoch(self, epoch):
         """Called by the trainer before each epoch (0-based); topk's density warm-up follows it."""
+
+    def resume_at(self, step):
+        """Called on resume with the updates done so far (the optimizer's count); powersgd's start follows it."""
 
     def begin_step(self, weight):
         self.weight = weight

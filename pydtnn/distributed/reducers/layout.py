@@ -100,3 +100,27 @@ def topk_messages(counts, itemsize, piece_bytes, density, selection):
     """Two allgathers after backward: each rank's k int64 indices and k values (k from topk_counts)."""
     k = sum(topk_counts(counts, density, selection))
     return [Message("allgather", None, k * 8), Message("allgather", None, k * itemsize)]
+
+
+def powersgd_matrices(shapes, rank, min_compression_rate):
+    """[(n, m, r), or None] per gradient of these shapes: a gradient of two or more dimensions as the matrix of its
+    first dimension by the rest (n x m; a convolution's Cout x Cin*kh*kw) at rank r = min(rank, n, m), where r
+    makes it at least min_compression_rate times smaller ((n + m) r x rate <= n m, PyTorch's rule); None for a
+    gradient sent as it is (biases, normalizations' vectors, matrices too small to gain)."""
+    out = []
+    for shape in shapes:
+        n = shape[0] if len(shape) >= 2 else 0
+        m = math.prod(shape[1:]) if n else 0
+        r = min(rank, n, m)
+        out.append((n, m, r) if n and (n + m) * r * min_compression_rate <= n * m else None)
+    return out
+
+
+def powersgd_messages(counts, itemsize, piece_bytes, rank, min_compression_rate, shapes):
+    """Two allreduces after backward: every compressed gradient's P (n x r, powersgd_matrices) and the entries of
+    the gradients sent as they are, then every Q (m x r); the second only where some gradient is compressed."""
+    mats = powersgd_matrices(shapes, rank, min_compression_rate)
+    first = sum(mat[0] * mat[2] if mat else count for count, mat in zip(counts, mats))
+    second = sum(mat[1] * mat[2] for mat in mats if mat)
+    out = _pieced(None, first, itemsize, piece_bytes)
+    return out + (_pieced(None, second, itemsize, piece_bytes) if second else [])
