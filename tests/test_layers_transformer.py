@@ -323,3 +323,16 @@ def test_batched_matmul_split_over_threads_equals_numpy_on_strided_views():
         threads.set_threads(before)
     np.testing.assert_array_equal(scores, np.matmul(q, k.transpose(0, 1, 3, 2)))
     np.testing.assert_array_equal(out, np.matmul(scores, v).transpose(0, 2, 1, 3))
+
+
+def test_compiled_softmax_keeps_a_nan_among_masked_entries_and_refuses_non_square_causal_scores():
+    """A row of -inf with a NaN in it is NaN, as NumPy's softmax gives it (not zeros); a causal softmax of scores
+    that are not (..., T, T) is refused on both paths."""
+    x = np.full((2, 3), -np.inf, np.float32)
+    x[0, 2] = np.nan
+    for kernels in ("numba", "numpy"):
+        b = CPUBackend(np.float32, kernels=kernels)
+        y = b.softmax_forward(x)
+        assert np.isnan(y[0]).all() and not y[1].any()
+        with pytest.raises(Exception, match=r"a causal softmax takes scores \(\.\.\., T, T\).*\(2, 3\)"):
+            b.softmax_forward(x, causal=True)

@@ -160,14 +160,15 @@ def test_sharded_replicas_end_where_data_parallelism_ends(plain, tmp_path, n, st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 @pytest.mark.parametrize("opt,flags", [
     ("sgd", ["--momentum", "0"]), ("sgd", ["--nesterov", "true", "--decay", "1e-3"]), ("adamw", []),
     ("rmsprop", ["--decay", "1e-3"]), ("nadam", []), ("adam", ["--accumulation_steps", "3"]),
     ("sgd", ["--lr_schedulers", "warm_up", "--warm_up_epochs", "1"])])
 def test_every_optimizer_sharded_ends_where_data_parallelism_ends(tmp_path, opt, flags, n):
     """Every optimizer, weight decay, Nesterov, gradient accumulation and a learning-rate schedule: --zero 1, 2
-    and 3 at np 2 and 3 end with plain data parallelism's parameters after 10 steps (within 1e-12)."""
+    and 3 at np 3 (uneven shards, cut inside parameters; np 2 and 3 with SGD and Adam above) end with plain data
+    parallelism's parameters after 10 steps (within 1e-12)."""
     for z in ("0", "1", "2", "3"):
         r = train(n, tmp_path / f"{z}.jsonl", "--optimizer", opt, *flags, "--zero", z, "--checkpoint_dir",
                   str(tmp_path / z))

@@ -35,6 +35,8 @@ import math
 
 import numpy as np
 
+from pydtnn.errors import ShapeError
+
 GELU_C = math.sqrt(2 / math.pi)
 
 
@@ -317,6 +319,7 @@ class Backend:
         row) rather than NaN. causal: x ends in square (T, T) blocks of attention scores, and query i sees
         keys 0..i only (the entries above the diagonal are taken as -inf, whatever x holds there)."""
         xp = self.xp
+        check_causal(x, causal)
         if scale != 1:
             x = x * x.dtype.type(scale)
         if causal:
@@ -325,7 +328,7 @@ class Backend:
         m = x.max(axis=-1, keepdims=True)
         e = xp.exp(x - xp.where(xp.isfinite(m), m, 0))
         s = e.sum(axis=-1, keepdims=True)
-        e /= xp.where(s > 0, s, 1)
+        e /= xp.where((s > 0) | xp.isnan(s), s, 1)  # a fully masked row gives zeros, a NaN in the row NaN
         return e
 
     def softmax_backward(self, dy, y, scale=1.0):
@@ -404,6 +407,12 @@ class Backend:
         xp.divide(m, s, out=s)
         s *= lr / (1 - beta1**step)
         p -= s
+
+
+def check_causal(x, causal):
+    """ShapeError unless x ends in square blocks of scores (queries by keys) where the causal mask applies."""
+    if causal and (x.ndim < 2 or x.shape[-2] != x.shape[-1]):
+        raise ShapeError(f"a causal softmax takes scores (..., T, T), queries by keys; got shape {tuple(x.shape)}")
 
 
 def batchnorm_dx_coefficients(weight, mean, inv_std, mean_dy, mean_dy_xhat):

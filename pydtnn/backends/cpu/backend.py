@@ -91,10 +91,12 @@ class CPUBackend(Backend, Workspace):
 
     def batched_matmul(self, a, b, out=None):
         """a (B, ..., M, K) @ b (B, ..., K, N) into out when given; split over the leading axis B (the
-        batch's samples), each thread's NumPy matmul a BLAS call per product of its samples."""
+        batch's samples), each thread's NumPy matmul a BLAS call per product of its samples. Operands whose
+        leading axes differ (broadcast) are NumPy's, unsplit."""
+        if a.shape[:-2] != b.shape[:-2]:
+            return super().batched_matmul(a, b, out)
         if out is None:
-            out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
-                           np.result_type(a, b))
+            out = np.empty(a.shape[:-1] + (b.shape[-1],), np.result_type(a, b))
 
         def samples(lo, hi):
             np.matmul(a[lo:hi], b[lo:hi], out=out[lo:hi])

@@ -3,7 +3,7 @@
 
 import numpy as np
 
-from pydtnn.backends.base import Backend
+from pydtnn.backends.base import Backend, check_causal
 
 
 def bias_forward(b, y, bias):
@@ -114,6 +114,7 @@ def softmax_forward(b, x, scale=1.0, causal=False):
         return Backend.softmax_forward(b, x, scale, causal)
     from pydtnn.backends.cpu.kernels import elementwise
 
+    check_causal(x, causal)
     x = np.ascontiguousarray(x)
     y = np.empty_like(x)
     rows = x.reshape(-1, x.shape[-1])

@@ -226,7 +226,7 @@ def exp32(v):
     """exp of a float32 value without a libm call (loops over it vectorize): v = n ln2 + r with |r| <= ln2 / 2,
     exp(r) by Cephes' expf polynomial and 2^n written into the exponent bits; within 1e-7 relative of exp.
     Below -87.3 (where float32's exp turns subnormal) it gives 0; NaN and +inf pass through, as exp's.
-    Compiled without fastmath (inlined, it keeps its own flags): reassociated, n ln2's two parts would merge."""
+    Compiled without fastmath, whoever calls it (jit.exact): reassociated, n ln2's two parts would merge."""
     f = numba.float32
     c = min(max(v, f(-87.3)), f(88.3))
     biased = np.int32(c * f(1.4426950408889634) + f(128.5))  # n + 128, n = round(c / ln 2): positive, so truncated
@@ -280,8 +280,12 @@ def softmax_rows(x, y, scale, causal, lo, hi):
         xr, yr = x[r], y[r]
         n = r % k + 1 if causal else k
         m = _row_max(xr, n)
-        if m == -np.inf:
+        if m == -np.inf:  # every entry -inf (a NaN among them is not seen by _row_max: it is looked for here)
             yr[:] = z
+            for j in range(n):
+                if math.isnan(xr[j]):
+                    yr[:] = xr[j]
+                    break
             continue
         s = z
         for j in range(n):

@@ -20,7 +20,8 @@ if isa.VECTOR_BITS != isa.native_bits():
 
 jit = numba.njit(nogil=True, fastmath=True, error_model="numpy", cache=True)
 # without fastmath's no-NaN and no-infinity assumptions, for kernels whose results depend on them
-exact = numba.njit(nogil=True, error_model="numpy", cache=True)
+# (fastmath=False said outright: a function compiled without the option takes its caller's flags)
+exact = numba.njit(nogil=True, fastmath=False, error_model="numpy", cache=True)
 parallel = numba.njit(parallel=True, nogil=True, cache=True)
 # reassociating (so sums over a row vectorize) but keeping infinities and NaN: for kernels whose inputs may hold
 # -inf (masked attention scores) or a diverged NaN that must reach the loss
