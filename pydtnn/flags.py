@@ -227,7 +227,17 @@ def _parallel_flags(p):
 
 
 def _lossy_reduction_flags(f, g):
-    """The options of the reducers that send less than the gradients (topk, powersgd), in group g."""
+    """The options of the reducers that send less than the gradients (topk, powersgd, local SGD), in group g."""
+    f(g, "local_sgd", type=non_negative_int, default=0,
+      help="local SGD: each process steps on its own gradients, and every H steps (and at each epoch's end) the "
+           "processes average their parameters and optimizer state; replaces --reduction (default 0: off); "
+           "docs/distributed.md")
+    f(g, "average", choices=("plain", "weighted"), default="plain",
+      help="--local_sgd: each process's copy weighted 1/P (plain, the default) or by its share of the samples "
+           "since the last average (weighted)")
+    f(g, "post_local_sgd", type=non_negative_int, default=0,
+      help="--local_sgd: the first K steps are data parallel (gradients summed every step), the local steps "
+           "after them (post-local SGD; default 0)")
     f(g, "density", type=share, default=0.01,
       help="topk: the share of gradient entries each process sends per step, in (0, 1] (default 0.01)")
     f(g, "topk_selection", choices=("global", "per_layer"), default="global",

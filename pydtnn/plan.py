@@ -24,7 +24,19 @@ PARALLEL = ("sequential", "data", "model", "hybrid", "pipeline")
 # sets keeps its default (first_bucket_mb), or is the run's to decide (topk's momentum: --momentum_correction)
 OPTION_FLAGS = {"bucket_mb": "bucket_size_mb", "ranks_per_node": "ranks_per_node", "density": "density",
                 "warmup_epochs": "density_warmup_epochs", "selection": "topk_selection", "rank": "rank",
-                "start_step": "powersgd_start_step"}
+                "start_step": "powersgd_start_step", "every": "local_sgd", "average": "average",
+                "post_local": "post_local_sgd"}
+
+
+def local_sgd_reduction(args):
+    """"local_sgd" where --local_sgd H is given (H >= 1), None where it is not; a ConfigError where --reduction
+    names another reducer beside it, or names local_sgd without it."""
+    if args.local_sgd and args.reduction not in (None, "local_sgd"):
+        raise ConfigError(f"--local_sgd {args.local_sgd} replaces the gradient reduction: each process steps on its "
+                          f"own gradients; leave --reduction {args.reduction} out")
+    if args.reduction == "local_sgd" and not args.local_sgd:
+        raise ConfigError("--reduction local_sgd needs --local_sgd H, the steps between averages (H >= 1)")
+    return "local_sgd" if args.local_sgd else None
 
 
 def _named(name, value, flags):
@@ -143,7 +155,7 @@ class Reduction:
         else bucketed; None with one replica."""
         if replicas == 1:
             return cls(None, args.gradient_compression, args.reduction_progress)
-        name = args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
+        name = local_sgd_reduction(args) or args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
         device = "nccl" if args.enable_nccl else "gpu" if args.enable_gpu else "cpu"
         reducers.validate(name, args.gradient_compression, args.reduction_progress, device)
         options = {key: getattr(args, OPTION_FLAGS[key]) for key in reducers.defaults(name) if key in OPTION_FLAGS}

@@ -209,10 +209,13 @@ def check_reducer_state(trainer, extras, where, saved_ranks=None):
     saved = {k[len(prefix):]: v for k, v in extras.items() if k.startswith(prefix)}
     own = trainer.reducer.state_dict() if trainer.reducer is not None else {}
     if saved and own and set(saved) != set(own):
-        how = ("give --momentum_correction true as the saved run did" if "velocity" in saved else
-               "the saved run had no --momentum_correction: resume without it")
-        raise ConfigError(f"{where}: the checkpoint's topk reducer state is {', '.join(sorted(saved))}, this run's "
-                          f"is {', '.join(sorted(own))}; {how}")
+        if "q" not in saved and "q" not in own:  # both topk's: with and without momentum correction
+            how = ("give --momentum_correction true as the saved run did" if "velocity" in saved else
+                   "the saved run had no --momentum_correction: resume without it")
+        else:  # another reducer's state (topk's residual and velocity, powersgd's residual and q)
+            how = "resume with the --reduction the saved run had"
+        raise ConfigError(f"{where}: the checkpoint's reducer state is {', '.join(sorted(saved))}, this run's reducer "
+                          f"keeps {', '.join(sorted(own))}; {how}")
     width = sum(int(np.prod(shape, dtype=np.int64)) for _, shape in whole_columns(trainer.model))
     for name, every in saved.items():
         shape = (width,) if name in own else None
@@ -233,8 +236,8 @@ def restore_reducer(trainer, extras):
     state = {k[len(prefix):]: v for k, v in extras.items() if k.startswith(prefix)}
     if state and (reducer is None or not reducer.state_dict()) and any(np.any(v) for v in state.values()):
         rows = next(iter(state.values())).shape[0]
-        trainer.log(f"pydtnn: note: the checkpoint's reducer state ({', '.join(sorted(state))}: gradients its {rows} "
-                    f"processes had not sent yet) is dropped: this run has no reducer to hold it")
+        trainer.log(f"pydtnn: note: the checkpoint's reducer state ({', '.join(sorted(state))} of its {rows} "
+                    f"processes: what they had not sent yet) is dropped: this run has no reducer to hold it")
     if reducer is None or not state or not reducer.state_dict():
         return
     rank, size = trainer.comm.rank, trainer.comm.size

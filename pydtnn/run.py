@@ -241,16 +241,20 @@ def scaled_optimizer_options(args, family, world, mp_size):
 
 
 def check_reducer_flags(args, strategy):
-    """ConfigError where a topk or powersgd flag is given to a run that reduces otherwise, or topk's warm-up outlasts
-    the run."""
+    """ConfigError where a topk, powersgd or local SGD flag is given to a run that reduces otherwise, or topk's
+    warm-up outlasts the run."""
     for flag, given, wanted in (("--topk_selection", args.topk_selection != "global", "topk"),
                                 ("--density_warmup_epochs", bool(args.density_warmup_epochs), "topk"),
                                 ("--rank", "rank" in args.explicit, "powersgd"),
-                                ("--powersgd_start_step", "powersgd_start_step" in args.explicit, "powersgd")):
+                                ("--powersgd_start_step", "powersgd_start_step" in args.explicit, "powersgd"),
+                                ("--local_sgd", bool(args.local_sgd), "local_sgd"),
+                                ("--average", "average" in args.explicit, "local_sgd"),
+                                ("--post_local_sgd", "post_local_sgd" in args.explicit, "local_sgd")):
         if given and strategy != wanted:
+            add = "--local_sgd H" if wanted == "local_sgd" else f"--reduction {wanted}"
             raise ConfigError(f"{flag} applies to the {wanted} reducer over several processes; this run reduces with "
-                              f"{strategy or 'nothing (one process)'}: add --reduction {wanted} and launch 2 or more "
-                              f"processes, or leave {flag} out")
+                              f"{strategy or 'nothing (one process)'}: add {add} and launch 2 or more processes, or "
+                              f"leave {flag} out")
     if strategy == "topk" and args.density_warmup_epochs > args.num_epochs:
         raise ConfigError(f"--density_warmup_epochs {args.density_warmup_epochs} is more than --num_epochs "
                           f"{args.num_epochs}: the density would never reach --density {args.density:g}; give at "

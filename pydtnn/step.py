@@ -43,7 +43,8 @@ def span(tracer, cat):
 def reduce_and_update(optimizer, reducer=None, tracer=None, replay=False):
     """Wait for the gradients' reduction (reducer.finish: they are then the weighted average over the ranks),
     then the optimizer's step. replay: first report every gradient ready, after a backward that ran inside
-    reducer.no_sync(). reducer None: the gradients are this process's own (or already reduced)."""
+    reducer.no_sync(); then the reducer's after_update. reducer None: the gradients are this process's own (or
+    already reduced)."""
     if reducer is not None:
         with span(tracer, "reduce"):
             if replay:
@@ -51,6 +52,8 @@ def reduce_and_update(optimizer, reducer=None, tracer=None, replay=False):
             reducer.finish()
     with span(tracer, "optimizer"):
         optimizer.step()
+    if reducer is not None:
+        reducer.after_update(optimizer)  # local SGD's average of the replicas, every so many steps
 
 
 def micro_bounds(n, micro_batches):

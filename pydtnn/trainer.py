@@ -165,6 +165,8 @@ class Trainer:
                 record, seen = self._train_epoch(train, epoch, epochs, batch_size, steps_per_epoch, drop_last)
                 t_train = time.perf_counter() - t0
                 train_time, train_samples = train_time + t_train, train_samples + seen
+                if self.reducer is not None:  # local SGD averages what its replicas hold apart
+                    self.reducer.end_epoch(self.optimizer)
                 self._average_buffers()  # before validation, so every rank evaluates the same model
                 record.update(self.evaluate_as("val", val, batch_size))
                 record["lr"] = getattr(self.optimizer, "lr", None)

@@ -67,6 +67,9 @@ def main():
     p.add_argument("--density", type=float, default=1.0, help="topk: the share of entries each rank sends")
     p.add_argument("--rank", type=int, default=4, help="powersgd: the rank of each matrix's approximation")
     p.add_argument("--min_compression_rate", type=float, default=2.0, help="powersgd: which matrices it compresses")
+    p.add_argument("--every", type=int, default=4, help="local_sgd: steps between averages")
+    p.add_argument("--average", default="plain", help="local_sgd: plain or weighted")
+    p.add_argument("--post_local", type=int, default=0, help="local_sgd: data-parallel steps first")
     p.add_argument("--progress", default="test", help="per_layer, bucketed: test or thread")
     p.add_argument("--piece_kb", type=float, default=0, help="cut messages into pieces this small (0: default)")
     args = p.parse_args()
@@ -97,6 +100,8 @@ def main():
                 options["density"] = args.density
             if strategy == "powersgd":
                 options.update(rank=args.rank, min_compression_rate=args.min_compression_rate)
+            if strategy == "local_sgd":
+                options.update(every=args.every, average=args.average, post_local=args.post_local)
             if args.progress != "test":
                 options["progress"] = args.progress
             reducer = reducers.create(strategy, comm, **options) if comm.size > 1 else None
@@ -107,6 +112,9 @@ def main():
                         callbacks=callbacks, seed=3, accumulation_steps=args.accumulate, sync_batchnorm=args.sync_bn)
             broadcast_state(comm, model, opt)
             t.fit(train, epochs=EPOCHS, batch_size=GLOBAL_BATCH // comm.size)
+            if strategy == "local_sgd":  # every rank's parameters: the replicas' average at the end of the epoch
+                save_file({n: np.ascontiguousarray(p) for n, p, _ in model.parameters()},
+                          os.path.join(args.out, f"{strategy}-{dtype}-rank{comm.rank}.safetensors"))
             if comm.rank == 0:
                 params = {n: np.ascontiguousarray(p) for n, p, _ in model.parameters()}
                 save_file(params, os.path.join(args.out, f"{strategy}-{dtype}.safetensors"),

@@ -184,6 +184,15 @@ def test_progress_thread_is_refused_where_the_reducer_cannot_use_it(tmp_path):
     assert r.returncode == 0 and "final:" in r.stdout, r.stderr[-2000:]
 
 
+def refused_in_one_line(tmp_path, flags, words):
+    """pydtnn-train of simplecnn at np 2 with `flags` exits 2 with one line on stderr that holds `words`."""
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--num_epochs",
+                        "1", "--steps_per_epoch", "1", "--progress", "false", *flags], capture_output=True, text=True,
+                       timeout=120, env=ENV, cwd=tmp_path)
+    assert r.returncode == 2 and words in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def resumed_equals_whole(base, tmp_path, check_part=None):
     """Run the command `base` (mpiexec ... -m pydtnn and its flags, checkpointing each epoch) for 2 epochs into
     tmp_path/full and for 1 into tmp_path/part, check_part(part's optimizer state) if given, resume part for the

@@ -2,7 +2,6 @@
 equal to one process, fewer bytes at a low rank, a resumed run equal to an uninterrupted one, its messages as the
 performance model prices them, and what it refuses."""
 
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ from test_distributed import (  # noqa: F401 (single: a fixture)
     assert_same_parameters,
     launch,
     read,
+    refused_in_one_line,
     resumed_equals_whole,
     single,
 )
@@ -138,11 +138,7 @@ def test_powersgd_messages_follow_the_matrices_it_compresses():
     pytest.param(["--reduction", "powersgd", "--rank", "0"], "--rank: expected", marks=pytest.mark.slow),
 ])
 def test_powersgd_refuses_what_it_cannot_take_in_one_line(tmp_path, flags, words):
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", "--model", "simplecnn", "--num_epochs",
-                        "1", "--steps_per_epoch", "1", "--progress", "false", *flags], capture_output=True, text=True,
-                       timeout=120, env=ENV, cwd=tmp_path)
-    assert r.returncode == 2 and words in r.stderr, r.stderr[-2000:]
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    refused_in_one_line(tmp_path, flags, words)
 
 
 @pytest.mark.slow

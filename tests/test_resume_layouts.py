@@ -62,8 +62,8 @@ def test_a_run_without_a_reducer_says_it_drops_the_saved_residuals():
     run.restore_reducer(trainer, {"@reducer.residual": np.zeros((2, 5))})
     assert said == []  # nothing unsent: nothing to say
     run.restore_reducer(trainer, {"@reducer.residual": np.ones((2, 5))})
-    assert said == ["pydtnn: note: the checkpoint's reducer state (residual: gradients its 2 processes had not sent "
-                    "yet) is dropped: this run has no reducer to hold it"]
+    assert said == ["pydtnn: note: the checkpoint's reducer state (residual of its 2 processes: what they had not "
+                    "sent yet) is dropped: this run has no reducer to hold it"]
 
 
 def _train(n, *args, cwd):

@@ -34,6 +34,7 @@ CHANGES = {
     "bucket_size_mb": (RESNET, ["--bucket_size_mb", "0.01"]),
     "density": (["--reduction", "topk"], ["--density", "0.5"]),
     "rank": (["--reduction", "powersgd"], ["--rank", "1"]),
+    "local_sgd": (["--local_sgd", "1"], ["--local_sgd", "8"]),
     "threads_per_process": ([], ["--threads_per_process", "2"]),
     "machine": ([], ["--machine", "MACHINE"]),
     "np": ([], ["--np", "8"]),

@@ -235,6 +235,9 @@ class Recorder:
     def step(self):
         self.calls.append("optimizer step")
 
+    def after_update(self, optimizer):
+        self.calls.append("after update")
+
     def settle(self):
         self.calls.append("settle")
 
@@ -246,7 +249,8 @@ def test_reduce_and_update_waits_for_the_reduction_then_updates_and_distributed_
     step.reduce_and_update(r, r)
     step.reduce_and_update(r, r, replay=True)
     step.reduce_and_update(r)
-    assert r.calls == ["finish", "optimizer step", "replay", "finish", "optimizer step", "optimizer step"]
+    assert r.calls == ["finish", "optimizer step", "after update", "replay", "finish", "optimizer step", "after update",
+                       "optimizer step"]
     assert distributed_optimizer.reduce_and_update is step.reduce_and_update
 
 

@@ -40,7 +40,7 @@ def message_seconds(nbytes, machine, level):
 def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, schedule="1f1b", stage_starts=None,
                      reduction="bucketed", threads=1, algorithm="ring", progress="test", optimizer="sgd_momentum",
                      bucket_mb=None, first_bucket_mb=None, name=None, model_parallel_size=None, density=None,
-                     compression="none", update_passes=None, recompute="none", zero=0, rank=None):
+                     compression="none", update_passes=None, recompute="none", zero=0, rank=None, every=None):
     """The Prediction of a pipeline's step: np / (stages x M) pipelines of `stages` stages, each stage's layers
     split over M = model_parallel_size consecutive processes (default 1), the model cut as pydtnn-train cuts it
     (pipeline.Cut.of: balanced unit_seconds, or at stage_starts), batch_size samples per pipeline in
@@ -74,7 +74,8 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     outputs = batch_size * int(math_prod(model.output_shape)) * itemsize
     bcast = sum(collectives.seconds("broadcast", "binomial_tree", n, stages, machine) for n in (outputs, 8))
     passes = update_passes or UPDATE_PASSES[optimizer]
-    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank}
+    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank,
+               "every": every}
     after = [_stage_after(stage, replicas, len(sizes), machine, threads, crowding, passes, reduction, algorithm,
                           compression, collectives.default_level(np, machine), shaping, zero) for stage, _ in held]
     tail = max(red + upd + fix for red, _, upd, fix in after)

@@ -113,22 +113,22 @@ def _check_arguments(parallel, reduction, progress, optimizer, algorithm, recomp
 def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, algorithm="ring", progress="test",
             optimizer="sgd_momentum", bucket_mb=None, first_bucket_mb=None, parallel="data", name=None,
             model_parallel_size=None, density=None, compression="none", update_passes=None, micro_batches=1,
-            recompute="none", pipeline_stages=None, schedule="1f1b", stage_starts=None, zero=0, rank=None):
-    """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per
-    model replica (per process with data parallelism) over np processes, each with `threads` threads, on
-    `machine`. parallel "model" splits every layer over the np processes, "hybrid" over groups of
-    model_parallel_size (perfmodel/split.py). compression: the gradients' wire format ("none", "fp16":
-    half the bytes, and a small allreduce of scales before each message; reducers.messages).
-    update_passes: the update's passes over the parameters' bytes (update_passes()), else UPDATE_PASSES's
-    of `optimizer`. bucket_mb, first_bucket_mb, density, rank: the reducer's options where it takes them; None (not
-    given) is the reducer's own default (reducers.defaults). micro_batches: the batch cut into that many, their
-    gradients summed, reduced once (--micro_batches); recompute: "none", "segments" or "all" (the layers whose
-    forward runs again in backward are costed twice). parallel "pipeline" (pipeline_stages = np), or "hybrid"
-    with pipeline_stages S (np / S pipelines): see predict_pipeline. zero: ZeRO's stage over the replicas
-    (step_parts.zero_costs): the update of the largest shard, the allgather of the updated shards after it,
-    and at stage 2 a reduce-scatter per bucket in place of the reducer's messages (step_parts.zero_messages);
-    stage 3 reduce-scatters per layer and gathers each layer's parameters before it runs (layer_gathers),
-    exposed as the bucketed reducer's are."""
+            recompute="none", pipeline_stages=None, schedule="1f1b", stage_starts=None, zero=0, rank=None,
+            every=None):
+    """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per model
+    replica (per process with data parallelism) over np processes, each with `threads` threads, on `machine`.
+    parallel "model" splits every layer over the np processes, "hybrid" over groups of model_parallel_size
+    (perfmodel/split.py). compression: the gradients' wire format ("none", "fp16": half the bytes, and a small
+    allreduce of scales before each message; reducers.messages). update_passes: the update's passes over the
+    parameters' bytes (update_passes()), else UPDATE_PASSES's of `optimizer`. bucket_mb, first_bucket_mb, density,
+    rank, every: the reducer's options where it takes them; None (not given) is the reducer's own default
+    (reducers.defaults). micro_batches: the batch cut into that many, their gradients summed, reduced once
+    (--micro_batches); recompute: "none", "segments" or "all" (the layers whose forward runs again in backward are
+    costed twice). parallel "pipeline" (pipeline_stages = np), or "hybrid" with pipeline_stages S (np / S pipelines):
+    see predict_pipeline. zero: ZeRO's stage over the replicas (step_parts.zero_costs): the update of the largest
+    shard, the allgather of the updated shards after it, and at stage 2 a reduce-scatter per bucket in place of the
+    reducer's messages (step_parts.zero_messages); stage 3 reduce-scatters per layer and gathers each layer's
+    parameters before it runs (layer_gathers), exposed as the bucketed reducer's are."""
     _check_arguments(parallel, reduction, progress, optimizer, algorithm, recompute, zero, compression,
                      batch_size=batch_size, np=np, threads=threads, micro_batches=micro_batches)
     if parallel == "pipeline" or (pipeline_stages or 1) > 1:
@@ -139,7 +139,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                                 progress=progress, optimizer=optimizer, bucket_mb=bucket_mb,
                                 first_bucket_mb=first_bucket_mb, name=name, model_parallel_size=model_parallel_size,
                                 density=density, compression=compression, update_passes=update_passes,
-                                recompute=recompute, zero=zero, rank=rank)
+                                recompute=recompute, zero=zero, rank=rank, every=every)
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
     replicas = np // m
     steps = plan(model, m) if m > 1 else []
@@ -169,7 +169,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
     shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank,
-               "shapes": shapes}
+               "every": every, "shapes": shapes}
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
     messages, durations = gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,
@@ -228,7 +228,8 @@ def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algo
     lay, red = plan.layout, plan.reduction
     if red.name is not None:  # a plan built in Python is checked as the flags' are: what the run would refuse
         reducers.validate(red.name, red.compression, red.progress)
-    shaping = {k: v for k, v in red.options.items() if k in ("bucket_mb", "first_bucket_mb", "density", "rank")}
+    shaping = {k: v for k, v in red.options.items()
+               if k in ("bucket_mb", "first_bucket_mb", "density", "rank", "every")}
     return predict(model, plan.batch_size or batch_size, lay.world_size, machine, reduction=red.name or "bucketed",
                    threads=plan.threads or 1, algorithm=algorithm, progress=red.progress, compression=red.compression,
                    update_passes=update_passes, parallel="data" if lay.parallel == "sequential" else lay.parallel,

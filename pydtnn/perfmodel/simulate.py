@@ -32,7 +32,7 @@ MODELLED = ("model", "model_file", "dataset", "batch_size", "global_batch_size",
             "nesterov", "decay", "parallel", "model_parallel_size", "non_blocking_mpi", "reduction",
             "gradient_compression", "reduction_progress", "bucket_size_mb", "density", "threads_per_process",
             "machine", "np", "accumulation_steps", "recompute", "pipeline_stages", "pipeline_schedule",
-            "stage_boundaries", "zero", "memory_per_process", "context_length", "rank")
+            "stage_boundaries", "zero", "memory_per_process", "context_length", "rank", "local_sgd")
 REFUSED = {
     "enable_gpu": "a GPU's step (the model predicts CPU processes)",
     "enable_nccl": "NCCL's reductions (the model predicts CPU processes)",
@@ -46,7 +46,9 @@ REFUSED = {
     "evaluate_only": "an evaluation (it predicts a training step)",
 }
 # Flags whose effect the model cannot know in advance: the prediction is made without it, and says so.
-NOTED = {"powersgd_start_step": "the steps before --powersgd_start_step send every gradient whole; the prediction is "
+NOTED = {"post_local_sgd": "the steps before --post_local_sgd are data parallel; the prediction is of the local steps "
+                           "after them",
+         "powersgd_start_step": "the steps before --powersgd_start_step send every gradient whole; the prediction is "
                                 "of the low-rank steps after it",
          "conv_autotune": "each convolution is costed with its threshold algorithm; the run measures the algorithms "
                           "(--conv_autotune, the default) and may take faster ones"}
@@ -61,7 +63,7 @@ OUTSIDE_A_STEP = (
     "early_stopping_patience", "stop_at_loss_metric", "stop_at_loss_threshold", "model_checkpoint_save_freq",
     "learning_rate_scaling", "drop_last", "stall_timeout", "tracing", "tracer_output", "profile", "seed",
     "metrics_file", "history_file", "checkpoint_dir", "resume", "overwrite", "config", "progress", "data_workers",
-    "tokenizer",
+    "tokenizer", "average",
 )
 
 
@@ -217,8 +219,9 @@ def simulate(args, defaults, say=print):
     say(memory_table(memory, name))
     if args.conv_autotune is not False:  # None: the run's default, env.conv_autotune(), measures
         print(f"pydtnn: --simulate: {NOTED['conv_autotune']}", file=sys.stderr, flush=True)
-    if args.powersgd_start_step:
-        print(f"pydtnn: --simulate: {NOTED['powersgd_start_step']}", file=sys.stderr, flush=True)
+    for flag in ("powersgd_start_step", "post_local_sgd"):
+        if getattr(args, flag):
+            print(f"pydtnn: --simulate: {NOTED[flag]}", file=sys.stderr, flush=True)
     say(f"pydtnn: simulated, nothing trained: {duration(p.step_s)} a step, {rate(p.samples_per_second)} samples/s "
         f"over {p.np} process(es)")
     return p

@@ -19,6 +19,7 @@ from pydtnn.distributed.reducers.base import PROGRESS, Reducer
 from pydtnn.distributed.reducers.blocking import BlockingReducer
 from pydtnn.distributed.reducers.bucketed import BucketedReducer
 from pydtnn.distributed.reducers.hierarchical import HierarchicalReducer
+from pydtnn.distributed.reducers.local_sgd import LocalSGDReducer
 from pydtnn.distributed.reducers.per_layer import PerLayerReducer
 from pydtnn.distributed.reducers.powersgd import PowerSGDReducer
 from pydtnn.distributed.reducers.topk import TopKReducer
@@ -59,6 +60,9 @@ STRATEGIES = {s.name: s for s in (
     Strategy("topk", TopKReducer, ("none",), ("test",), DEVICES, layout.topk_messages),
     # low-rank: each matrix's P and Q summed in two allreduces after backward, the small gradients whole
     Strategy("powersgd", PowerSGDReducer, ("none",), ("test",), DEVICES, layout.powersgd_messages),
+    # no reduction of the gradients (after its first post_local steps): the replicas' parameters and optimizer
+    # state averaged every so many steps (--local_sgd)
+    Strategy("local_sgd", LocalSGDReducer, ("none",), ("test",), DEVICES, layout.local_sgd_messages),
 )}
 NAMES = tuple(STRATEGIES)
 
@@ -102,8 +106,8 @@ def create(name, comm, **options):
     """Reducer `name` over Communicator `comm`; options: compression ("none", "fp16" or a compression object
     of pydtnn.distributed.compression), progress ("test" or "thread"), and the strategy's own (defaults(name):
     bucket_mb and first_bucket_mb for bucketed and hierarchical, ranks_per_node for hierarchical, density,
-    momentum, warmup_epochs and selection for topk, rank, start_step and min_compression_rate for powersgd:
-    defaults(name)). The combination is checked first
+    momentum, warmup_epochs and selection for topk, rank, start_step and min_compression_rate for powersgd,
+    every, average and post_local for local_sgd: defaults(name)). The combination is checked first
     (validate, with comm.device)."""
     compression = compression_of(options.get("compression", "none"))
     validate(name, compression.name, options.get("progress", "test"), comm.device)
@@ -152,6 +156,7 @@ __all__ = [
     "BlockingReducer",
     "BucketedReducer",
     "HierarchicalReducer",
+    "LocalSGDReducer",
     "PerLayerReducer",
     "PowerSGDReducer",
     "Reducer",

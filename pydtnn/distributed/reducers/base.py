@@ -115,6 +115,12 @@ class Reducer:
     def begin_epoch(self, epoch):
         """Called by the trainer before each epoch (0-based); topk's density warm-up follows it."""
 
+    def after_update(self, optimizer):
+        """Called after each optimizer step (reduce_and_update); local SGD averages the replicas here."""
+
+    def end_epoch(self, optimizer):
+        """Called by the trainer at the end of each epoch, before evaluation."""
+
     def resume_at(self, step):
         """Called on resume with the updates done so far (the optimizer's count); powersgd's start follows it."""
 

@@ -105,14 +105,14 @@ def topk_messages(counts, itemsize, piece_bytes, density, selection):
 def powersgd_matrices(shapes, rank, min_compression_rate):
     """[(n, m, r), or None] per gradient of these shapes: a gradient of two or more dimensions as the matrix of its
     first dimension by the rest (n x m; a convolution's Cout x Cin*kh*kw) at rank r = min(rank, n, m), where r
-    makes it at least min_compression_rate times smaller ((n + m) r x rate <= n m, PyTorch's rule); None for a
+    makes it more than min_compression_rate times smaller ((n + m) r x rate < n m, PyTorch's rule); None for a
     gradient sent as it is (biases, normalizations' vectors, matrices too small to gain)."""
     out = []
     for shape in shapes:
         n = shape[0] if len(shape) >= 2 else 0
         m = math.prod(shape[1:]) if n else 0
         r = min(rank, n, m)
-        out.append((n, m, r) if n and (n + m) * r * min_compression_rate <= n * m else None)
+        out.append((n, m, r) if n and (n + m) * r * min_compression_rate < n * m else None)
     return out
 
 
@@ -124,3 +124,10 @@ def powersgd_messages(counts, itemsize, piece_bytes, rank, min_compression_rate,
     second = sum(mat[1] * mat[2] for mat in mats if mat)
     out = _pieced(None, first, itemsize, piece_bytes)
     return out + (_pieced(None, second, itemsize, piece_bytes) if second else [])
+
+
+def local_sgd_messages(counts, itemsize, piece_bytes, every):
+    """Local SGD's average of the parameters every `every` steps, as the step it costs on average: one allreduce
+    of 1 / every of the parameters' bytes (the optimizer's state averaged with them, and the first post_local
+    steps of data parallelism, are left out)."""
+    return _pieced(None, math.ceil(sum(counts) / every), itemsize, piece_bytes)

@@ -3,14 +3,15 @@ PyTorch's DDP communication hook powerSGD_hook runs it.
 
 A gradient of two or more dimensions is the matrix M of its first dimension by the rest (n x m: a
 convolution's Cout x Cin*kh*kw, a Dense weight as it is stored) and is compressed at rank r = min(rank, n, m)
-where that makes it at least min_compression_rate times smaller (layout.powersgd_matrices); the others
+where that makes it more than min_compression_rate times smaller (layout.powersgd_matrices); the others
 (biases, normalizations' vectors, small matrices) are sent as they are. Each step, on every rank, M is its
 weighted gradient (its share of the global batch) plus its residual, and
 
     P = M Q                      Q: the previous step's (warm start); at first one standard normal draw,
                                  the same on every rank
     allreduce [every P | the gradients sent as they are]         one message
-    P = the orthonormal columns of P (reduced QR: a zero P gives no NaN)
+    P = the orthonormal columns of P (reduced QR: a zero P gives no NaN; every rank factors the same summed P
+                                 with the same LAPACK, so the replicas stay equal, as they do on one machine)
     Q = M^T P;  allreduce [every Q]                              the second message
     gradient = P Q^T;  residual = M - w P Q^T                    w: this rank's share of the batch
 
