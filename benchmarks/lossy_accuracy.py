@@ -1,4 +1,5 @@
-"""Accuracy of the lossy gradient reductions on real data: fp16 compression, topk and powersgd against dense.
+"""Accuracy of the lossy gradient reductions on real data: fp16 compression, topk, powersgd and local SGD against
+dense.
 
     python benchmarks/lossy_accuracy.py [--data /usr/share/datasets/fashion-mnist] [--np 2] [--epochs 5]
                                         [--models simplecnn,resnet20_cifar10]
@@ -22,7 +23,8 @@ its D share of largest-magnitude entries and keeps the rest as a residual for th
 the optimizer without it); `topk:D:W` and `topkmc:D:W` add --density_warmup_epochs W (the density falls
 from 0.25 to D over the first W epochs), and a last field `:layer` adds --topk_selection per_layer (each
 layer's own largest entries), e.g. `topkmc:0.01:1:layer`; `powersgd:R` is --reduction powersgd --rank R (each
-gradient matrix sent as a rank-R product, with error feedback), `powersgd:R:K` with --powersgd_start_step K.
+gradient matrix sent as a rank-R product, with error feedback), `powersgd:R:K` with --powersgd_start_step K;
+`local_sgd:H` is --local_sgd H (the replicas averaged every H steps), `local_sgd:H:K` with --post_local_sgd K.
 
 Reported: the final test accuracy over the 10,000 test images (the metrics file's `final` line), per
 seed and its mean over the seeds, the difference of the means from the same model's dense mean in
@@ -50,6 +52,9 @@ def reduction_flags(name):
         for field in more:
             flags += ["--topk_selection", "per_layer"] if field == "layer" else ["--density_warmup_epochs", field]
         return flags + (["--momentum_correction", "true"] if kind == "topkmc" else [])
+    if name.startswith("local_sgd:"):
+        _, every, *post = name.split(":")
+        return ["--local_sgd", every] + (["--post_local_sgd", post[0]] if post else [])
     if name.startswith("powersgd:"):
         _, rank, *start = name.split(":")
         return ["--reduction", "powersgd", "--rank", rank] + (["--powersgd_start_step", start[0]] if start else [])
@@ -130,9 +135,10 @@ def main(argv=None):
     reductions = args.reductions.split(",")
     for r in reductions:
         if r not in ("blocking", "per_layer", "bucketed", "hierarchical", "fp16") and not r.startswith(
-                ("topk:", "topkmc:", "powersgd:")):
+                ("topk:", "topkmc:", "powersgd:", "local_sgd:")):
             p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16, topk:DENSITY "
-                    "or topkmc:DENSITY (either with :WARMUP_EPOCHS and/or :layer), powersgd:RANK[:START_STEP]")
+                    "or topkmc:DENSITY (either with :WARMUP_EPOCHS and/or :layer), powersgd:RANK[:START_STEP], "
+                    "local_sgd:H[:POST_LOCAL_STEPS]")
     if "bucketed" in reductions:
         reductions = ["bucketed"] + [r for r in reductions if r != "bucketed"]
     if args.quick:
