@@ -233,8 +233,8 @@ def _lossy_reduction_flags(f, g):
            "processes average their parameters and optimizer state; replaces --reduction (default 0: off); "
            "docs/distributed.md")
     f(g, "average", choices=("plain", "weighted"), default="plain",
-      help="--local_sgd: each process's copy weighted 1/P (plain, the default) or by its share of the samples "
-           "since the last average (weighted)")
+      help="--local_sgd: each process's copy weighted 1/P (plain, the default) or by the mean of its shares of the "
+           "global batches since the last average (weighted)")
     f(g, "post_local_sgd", type=non_negative_int, default=0,
       help="--local_sgd: the first K steps are data parallel (gradients summed every step), the local steps "
            "after them (post-local SGD; default 0)")

@@ -252,9 +252,9 @@ def check_reducer_flags(args, strategy):
                                 ("--post_local_sgd", "post_local_sgd" in args.explicit, "local_sgd")):
         if given and strategy != wanted:
             add = "--local_sgd H" if wanted == "local_sgd" else f"--reduction {wanted}"
-            raise ConfigError(f"{flag} applies to the {wanted} reducer over several processes; this run reduces with "
-                              f"{strategy or 'nothing (one process)'}: add {add} and launch 2 or more processes, or "
-                              f"leave {flag} out")
+            raise ConfigError(f"{flag} applies to the {wanted} reducer over several processes; this run reduces "
+                              f"with {strategy or 'nothing (one model replica)'}: add {add} and launch 2 or more "
+                              f"replicas, or leave {flag} out")
     if strategy == "topk" and args.density_warmup_epochs > args.num_epochs:
         raise ConfigError(f"--density_warmup_epochs {args.density_warmup_epochs} is more than --num_epochs "
                           f"{args.num_epochs}: the density would never reach --density {args.density:g}; give at "

@@ -51,6 +51,27 @@ def test_local_sgd_replicas_end_each_epoch_equal_and_its_first_steps_are_data_pa
     assert blocking["sha"] == post["sha"]  # the same allreduce of the same weighted gradients, every step
 
 
+def test_a_local_step_keeps_the_own_gradients_but_an_empty_share_moves_nothing():
+    """After post_local steps the gradients stay the process's own (no reduction, not weighted); a step whose share
+    of the global batch is empty (weight 0: its stand-in sample's gradient) leaves them zero."""
+    from pydtnn import models
+    from pydtnn.backends import CPUBackend
+    from pydtnn.distributed import reducers
+    from pydtnn.distributed.comm import SingleProcess
+
+    model = models.create("simplecnn", backend=CPUBackend("float64"))
+    red = reducers.create("local_sgd", SingleProcess(), every=2, post_local=1).attach(model)
+    grads = [g for _, g in model.gradients()]
+    for step, weight in enumerate((0.5, 0.5, 0.0)):
+        for g in grads:
+            g[...] = 1.0
+        red.begin_step(weight)
+        red.finish()
+        want = 0.5 if step == 0 else 1.0 if weight else 0.0  # the first step data parallel: weighted and summed
+        assert all(np.all(g == want) for g in grads), step
+        red.step += 1
+
+
 def test_local_sgd_prices_one_average_every_h_steps():
     sent = layout.local_sgd_messages([1000, 24], 4, 1 << 20, 4)
     assert [(m.collective, m.params, m.nbytes) for m in sent] == [("allreduce", None, 256 * 4)]
@@ -63,6 +84,8 @@ def test_local_sgd_prices_one_average_every_h_steps():
     pytest.param(["--local_sgd", "2", "--zero", "1"], "local_sgd leaves each replica its own residual",
                  marks=pytest.mark.slow),
     pytest.param(["--reduction", "local_sgd"], "--reduction local_sgd needs --local_sgd H", marks=pytest.mark.slow),
+    pytest.param(["--parallel", "auto", "--local_sgd", "2"], "--parallel auto chooses --local_sgd itself",
+                 marks=pytest.mark.slow),
 ])
 def test_local_sgd_refuses_what_it_cannot_take_in_one_line(tmp_path, flags, words):
     refused_in_one_line(tmp_path, flags, words)

@@ -45,6 +45,8 @@ class DistributedOptimizer:
     def step(self):
         """Wait for the reduction (unless synchronize() did), then the wrapped optimizer's step."""
         reduce_and_update(self.optimizer, None if self._synchronized else self.reducer)
+        if self._synchronized and self.reducer is not None:
+            self.reducer.after_update(self.optimizer)  # local SGD counts its steps (and averages) here too
         self._synchronized = False
         self.set_weight(1 / self.comm.size)
 

@@ -8,7 +8,8 @@ PostLocalSGDOptimizer runs it; PyDTNN's --model-sync-freq).
     after_update(optimizer)  after step post_local + k every (and at the end of every epoch, so that evaluation
                              and checkpoints see one model): one allreduce of [the parameters | every array of
                              the optimizer's state (momentum, Adam's moments)], each process's copy weighted by
-                             1 / P ("plain") or by its share of the samples since the last average ("weighted")
+                             1 / P ("plain") or by the mean of its shares of the global batches since the last
+                             average ("weighted")
 
 With every = 1 and weighted averages this is data parallelism for SGD, with or without momentum: the average of
 the processes' updates from one point is the update by the average gradient, and the momentum buffers are linear
@@ -50,6 +51,9 @@ class LocalSGDReducer(BlockingReducer):
     def finish(self):
         if self.step < self.post_local:
             super().finish()
+        elif self.weight == 0:  # an empty share (a last batch smaller than the processes) computed a stand-in
+            for _, g in self.gradients:  # sample, which data parallelism weights by 0: here it moves nothing
+                g[...] = 0
         self.order_done = True
 
     def after_update(self, optimizer):
