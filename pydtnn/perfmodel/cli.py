@@ -173,6 +173,8 @@ def add_step_flags(p):
                    help="--reduction topk: the share of gradient entries sent, in (0, 1] (default 0.01)")
     p.add_argument("--rank", type=positive_int, default=4,
                    help="--reduction powersgd: the rank of each gradient matrix's approximation (default 4)")
+    p.add_argument("--local_sgd", type=positive_int, default=4,
+                   help="--reduction local_sgd: the steps between the replicas' averages (default 4)")
     p.add_argument("--reduction", choices=REDUCTIONS, default="bucketed", help="gradient reduction (default bucketed)")
     p.add_argument("--algorithm", default="ring", choices=("best",) + algorithms("allreduce"),
                    help="allreduce algorithm (default ring; best: the cheapest)")
@@ -221,7 +223,8 @@ def _step_plan(args):
     stages = args.np if args.parallel == "pipeline" and args.pipeline_stages is None else args.pipeline_stages
     lay = layout(args.parallel, args.np, args.model_parallel_size, pipeline_stages=stages)
     plan = RunPlan(lay, args.batch_size, None,
-                   Reduction(args.reduction, "none", args.progress, {"density": args.density, "rank": args.rank}),
+                   Reduction(args.reduction, "none", args.progress,
+                             {"density": args.density, "rank": args.rank, "every": args.local_sgd}),
                    accumulation_steps=args.micro_batches, threads=args.threads, dtype=args.dtype, zero=args.zero)
     name, model = build_model(args.model, data_from(args, args.model), args.num_classes, args.dtype, say)
     return machine, plan, name, model
