@@ -116,12 +116,17 @@ def powersgd_matrices(shapes, rank, min_compression_rate):
     return out
 
 
-def powersgd_messages(counts, itemsize, piece_bytes, rank, min_compression_rate, shapes):
-    """Two allreduces after backward: every compressed gradient's P (n x r, powersgd_matrices) and the entries of
-    the gradients sent as they are, then every Q (m x r); the second only where some gradient is compressed."""
-    mats = powersgd_matrices(shapes, rank, min_compression_rate)
+def powersgd_counts(counts, mats):
+    """(entries of the first message, of the second) for gradients of `counts` entries and their powersgd_matrices:
+    every compressed gradient's P (n x r) and the entries of those sent as they are; every Q (m x r)."""
     first = sum(mat[0] * mat[2] if mat else count for count, mat in zip(counts, mats))
-    second = sum(mat[1] * mat[2] for mat in mats if mat)
+    return first, sum(mat[1] * mat[2] for mat in mats if mat)
+
+
+def powersgd_messages(counts, itemsize, piece_bytes, rank, min_compression_rate, shapes):
+    """Two allreduces after backward (powersgd_counts): every compressed gradient's P and the gradients sent as
+    they are, then every Q; the second only where some gradient is compressed."""
+    first, second = powersgd_counts(counts, powersgd_matrices(shapes, rank, min_compression_rate))
     out = _pieced(None, first, itemsize, piece_bytes)
     return out + (_pieced(None, second, itemsize, piece_bytes) if second else [])
 

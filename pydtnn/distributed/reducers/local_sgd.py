@@ -40,6 +40,7 @@ class LocalSGDReducer(BlockingReducer):
         super().__init__(comm, compression, progress)
         self.every, self.average, self.post_local = int(every), average, int(post_local)
         self.step, self.since, self.share = 0, 0, 0.0  # steps done; local steps since the last average; their weights
+        self.messages = None  # the average's buffers, made at the first (the optimizer's state exists by then)
 
     def attach(self, model):
         self.model = model
@@ -70,12 +71,13 @@ class LocalSGDReducer(BlockingReducer):
 
     def synchronize(self, optimizer):
         """Average the parameters and the optimizer's state arrays over the processes (see the module's docstring)."""
-        arrays = [p for _, p, _ in self.model.parameters()]
-        arrays += [a for a in optimizer.state_dict()["arrays"].values() if a.dtype.kind == "f"]
+        if self.messages is None:  # [(the arrays of one dtype, their buffer, its views)]: one message each
+            arrays = [p for _, p, _ in self.model.parameters()]
+            arrays += [a for a in optimizer.state_dict()["arrays"].values() if a.dtype.kind == "f"]
+            self.messages = [(same, *flat_buffer(same)) for same in
+                             ([a for a in arrays if a.dtype.str == d] for d in sorted({a.dtype.str for a in arrays}))]
         factor = 1.0 / self.comm.size if self.average == "plain" else self.share / self.since
-        for dtype in sorted({a.dtype.str for a in arrays}):  # one message per dtype (float32 parameters, ...)
-            same = [a for a in arrays if a.dtype.str == dtype]
-            buf, views = flat_buffer(same)
+        for same, buf, views in self.messages:
             for v, a in zip(views, same):
                 array_module(buf).multiply(a, a.dtype.type(factor), out=v)
             self._reduce(buf, "local SGD average")

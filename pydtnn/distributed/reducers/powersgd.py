@@ -33,7 +33,7 @@ import numpy as np
 
 from pydtnn.backends import array_module
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
-from pydtnn.distributed.reducers.layout import powersgd_matrices
+from pydtnn.distributed.reducers.layout import powersgd_counts, powersgd_matrices
 from pydtnn.errors import ConfigError
 
 SEED = 20190529  # the first Q's draw: fixed, so every rank and every run starts alike
@@ -65,9 +65,9 @@ class PowerSGDReducer(Reducer):
         rng = np.random.default_rng(SEED)
         self.qs = [None if mat is None else xp.asarray(rng.standard_normal((mat[1], mat[2])).astype(self.buf.dtype))
                    for mat in self.matrices]
-        first = sum(mat[0] * mat[2] if mat else b - a for (a, b), mat in zip(self.spans, self.matrices))
+        first, second = powersgd_counts([b - a for a, b in self.spans], self.matrices)  # the messages' layout
         self.first = xp.empty(first, self.buf.dtype)  # [every P | the gradients sent whole]
-        self.second = xp.empty(sum(mat[1] * mat[2] for mat in self.matrices if mat), self.buf.dtype)  # every Q
+        self.second = xp.empty(second, self.buf.dtype)  # every Q
         self.residual = xp.zeros_like(self.buf)
 
     def resume_at(self, step):
