@@ -1,5 +1,5 @@
-"""Accuracy of the lossy gradient reductions on real data: fp16 compression, topk, powersgd and local SGD against
-dense.
+"""Accuracy of the lossy gradient reductions on real data: fp16 compression, topk, oktopk, powersgd and local SGD
+against dense.
 
     python benchmarks/lossy_accuracy.py [--data /usr/share/datasets/fashion-mnist] [--np 2] [--epochs 5]
                                         [--models simplecnn,resnet20_cifar10]
@@ -24,7 +24,9 @@ the optimizer without it); `topk:D:W` and `topkmc:D:W` add --density_warmup_epoc
 from 0.25 to D over the first W epochs), and a last field `:layer` adds --topk_selection per_layer (each
 layer's own largest entries), e.g. `topkmc:0.01:1:layer`; `powersgd:R` is --reduction powersgd --rank R (each
 gradient matrix sent as a rank-R product, with error feedback), `powersgd:R:K` with --powersgd_start_step K;
-`local_sgd:H` is --local_sgd H (the replicas averaged every H steps), `local_sgd:H:K` with --post_local_sgd K.
+`oktopk:D` is --reduction oktopk --density D (the ranks' largest entries summed region by region, the largest
+sums kept, O(k) bytes per process), `oktopkmc:D` with --momentum_correction, `oktopk:D:W` with
+--density_warmup_epochs W; `local_sgd:H` is --local_sgd H (the replicas averaged every H steps), `local_sgd:H:K` with --post_local_sgd K.
 
 Reported: the final test accuracy over the 10,000 test images (the metrics file's `final` line), per
 seed and its mean over the seeds, the difference of the means from the same model's dense mean in
@@ -52,6 +54,10 @@ def reduction_flags(name):
         for field in more:
             flags += ["--topk_selection", "per_layer"] if field == "layer" else ["--density_warmup_epochs", field]
         return flags + (["--momentum_correction", "true"] if kind == "topkmc" else [])
+    if name.startswith(("oktopk:", "oktopkmc:")):
+        kind, density, *warm = name.split(":")
+        flags = ["--reduction", "oktopk", "--density", density] + (["--density_warmup_epochs", warm[0]] if warm else [])
+        return flags + (["--momentum_correction", "true"] if kind == "oktopkmc" else [])
     if name.startswith("local_sgd:"):
         _, every, *post = name.split(":")
         return ["--local_sgd", every] + (["--post_local_sgd", post[0]] if post else [])
@@ -135,9 +141,10 @@ def main(argv=None):
     reductions = args.reductions.split(",")
     for r in reductions:
         if r not in ("blocking", "per_layer", "bucketed", "hierarchical", "fp16") and not r.startswith(
-                ("topk:", "topkmc:", "powersgd:", "local_sgd:")):
+                ("topk:", "topkmc:", "oktopk:", "oktopkmc:", "powersgd:", "local_sgd:")):
             p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16, topk:DENSITY "
-                    "or topkmc:DENSITY (either with :WARMUP_EPOCHS and/or :layer), powersgd:RANK[:START_STEP], "
+                    "or topkmc:DENSITY (either with :WARMUP_EPOCHS and/or :layer), oktopk:DENSITY or "
+                    "oktopkmc:DENSITY (either with :WARMUP_EPOCHS), powersgd:RANK[:START_STEP], "
                     "local_sgd:H[:POST_LOCAL_STEPS]")
     if "bucketed" in reductions:
         reductions = ["bucketed"] + [r for r in reductions if r != "bucketed"]

@@ -196,8 +196,8 @@ def _parallel_flags(p):
       help="gradient reduction: one allreduce after backward, one per gradient as layers finish "
            "(= --non_blocking_mpi), buckets started as they fill (default), buckets reduced within each "
            "node then between nodes (hierarchical), or each rank's largest entries with error feedback "
-           "(topk, --density), or a low-rank approximation of each matrix with error feedback (powersgd, --rank); "
-           "docs/distributed.md")
+           "(topk, --density), the same summed region by region with O(k) bytes per process (oktopk, --density), "
+           "or a low-rank approximation of each matrix with error feedback (powersgd, --rank); docs/distributed.md")
     f(g, "gradient_compression", choices=reducers.COMPRESSIONS, default="none",
       help="wire format of gradient reductions: fp16 halves the bytes, rounds every gradient to fp16 "
            "(each scaled by a power of two into its range)")
@@ -239,17 +239,23 @@ def _lossy_reduction_flags(f, g):
       help="--local_sgd: the first K steps are data parallel (gradients summed every step), the local steps "
            "after them (post-local SGD; default 0)")
     f(g, "density", type=share, default=0.01,
-      help="topk: the share of gradient entries each process sends per step, in (0, 1] (default 0.01)")
+      help="topk, oktopk: the share of gradient entries each process selects per step, in (0, 1] (default 0.01)")
     f(g, "topk_selection", choices=("global", "per_layer"), default="global",
       help="topk: the largest entries of all gradients together (global, the default) or of each layer's gradient "
            "separately (per_layer, as Deep Gradient Compression selects)")
     f(g, "density_warmup_epochs", type=non_negative_int, default=0,
-      help="topk: epochs over which the density falls geometrically from 0.25 to --density (Deep Gradient "
+      help="topk, oktopk: epochs over which the density falls geometrically from 0.25 to --density (Deep Gradient "
            "Compression's warm-up; default 0: --density from the first step)")
     f(g, "momentum_correction", type=parse_bool, default=False,
-      help="topk with SGD: each process applies SGD's momentum to its own gradients before selecting, and clears "
+      help="topk, oktopk with SGD: each process applies SGD's momentum to its own gradients before selecting, and clears "
            "what it sends (Deep Gradient Compression's momentum correction and factor masking); the optimizer "
            "then runs without momentum (default false)")
+    f(g, "oktopk_threshold_every", type=positive_int, default=32,
+      help="oktopk: steps between exact estimates of the local and global thresholds, counted from each epoch's "
+           "first step (PyDTNN's and Ok-Topk's tau; default 32)")
+    f(g, "oktopk_repartition_every", type=positive_int, default=64,
+      help="oktopk: steps between new region boundaries of the split and reduce, counted from each epoch's first "
+           "step (Ok-Topk's tau'; default 64)")
     f(g, "rank", type=positive_int, default=4,
       help="powersgd: the rank of each gradient matrix's approximation (default 4)")
     f(g, "powersgd_start_step", type=non_negative_int, default=0,

@@ -25,7 +25,8 @@ PARALLEL = ("sequential", "data", "model", "hybrid", "pipeline")
 OPTION_FLAGS = {"bucket_mb": "bucket_size_mb", "ranks_per_node": "ranks_per_node", "density": "density",
                 "warmup_epochs": "density_warmup_epochs", "selection": "topk_selection", "rank": "rank",
                 "start_step": "powersgd_start_step", "every": "local_sgd", "average": "average",
-                "post_local": "post_local_sgd"}
+                "post_local": "post_local_sgd", "threshold_every": "oktopk_threshold_every",
+                "repartition_every": "oktopk_repartition_every"}
 
 
 def local_sgd_reduction(args):

@@ -70,11 +70,11 @@ def header(args, choice, model, datasets, eff, lr_note, data_shape):
               if k in ("momentum", "weight_decay", "beta1", "beta2") and isinstance(v, float)]
     if "topk_momentum" in eff:  # the optimizer's momentum is 0: the reducer applies it
         extras = [e for e in extras if not e.startswith("momentum ")] + [
-            f"momentum {eff['topk_momentum']:g} in the topk reducer (momentum correction)"]
+            f"momentum {eff['topk_momentum']:g} in the {eff.get('reduction')} reducer (momentum correction)"]
     if eff.get("reduction") == "topk" and args.topk_selection == "per_layer":
         extras.append("topk selection per layer")
-    if eff.get("reduction") == "topk" and args.density_warmup_epochs and args.density < 0.25:
-        extras.append(f"topk density from 0.25 to {args.density:g} over {_count(args.density_warmup_epochs, 'epoch')}")
+    if eff.get("reduction") in ("topk", "oktopk") and args.density_warmup_epochs and args.density < 0.25:
+        extras.append(f"{eff['reduction']} density from 0.25 to {args.density:g} over {_count(args.density_warmup_epochs, 'epoch')}")
     schedules = ",".join(chosen_schedulers(args)) or "none"
     if "warm_up" in eff:
         w = eff["warm_up"]

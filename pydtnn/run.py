@@ -244,18 +244,21 @@ def check_reducer_flags(args, strategy):
     """ConfigError where a topk, powersgd or local SGD flag is given to a run that reduces otherwise, or topk's
     warm-up outlasts the run."""
     for flag, given, wanted in (("--topk_selection", args.topk_selection != "global", "topk"),
-                                ("--density_warmup_epochs", bool(args.density_warmup_epochs), "topk"),
+                                ("--density_warmup_epochs", bool(args.density_warmup_epochs), ("topk", "oktopk")),
+                                ("--oktopk_threshold_every", "oktopk_threshold_every" in args.explicit, "oktopk"),
+                                ("--oktopk_repartition_every", "oktopk_repartition_every" in args.explicit, "oktopk"),
                                 ("--rank", "rank" in args.explicit, "powersgd"),
                                 ("--powersgd_start_step", "powersgd_start_step" in args.explicit, "powersgd"),
                                 ("--local_sgd", bool(args.local_sgd), "local_sgd"),
                                 ("--average", "average" in args.explicit, "local_sgd"),
                                 ("--post_local_sgd", "post_local_sgd" in args.explicit, "local_sgd")):
-        if given and strategy != wanted:
-            add = "--local_sgd H" if wanted == "local_sgd" else f"--reduction {wanted}"
-            raise ConfigError(f"{flag} applies to the {wanted} reducer over several processes; this run reduces "
-                              f"with {strategy or 'nothing (one model replica)'}: add {add} and launch 2 or more "
+        wanted = (wanted,) if isinstance(wanted, str) else wanted
+        if given and strategy not in wanted:
+            add = "--local_sgd H" if wanted == ("local_sgd",) else f"--reduction {' or '.join(wanted)}"
+            raise ConfigError(f"{flag} applies to the {' or '.join(wanted)} reducer over several processes; this "
+                              f"run reduces with {strategy or 'nothing (one model replica)'}: add {add} and launch 2 or more "
                               f"replicas, or leave {flag} out")
-    if strategy == "topk" and args.density_warmup_epochs > args.num_epochs:
+    if strategy in ("topk", "oktopk") and args.density_warmup_epochs > args.num_epochs:
         raise ConfigError(f"--density_warmup_epochs {args.density_warmup_epochs} is more than --num_epochs "
                           f"{args.num_epochs}: the density would never reach --density {args.density:g}; give at "
                           f"most {args.num_epochs}")
@@ -338,15 +341,15 @@ def fill_defaults(args, model_name):
 
 
 def momentum_correction(args, strategy, options):
-    """--momentum_correction: SGD's momentum, which the topk reducer then applies to each rank's gradients
+    """--momentum_correction: SGD's momentum, which the topk (or oktopk) reducer then applies to each rank's gradients
     before it selects (the optimizer's momentum is set to 0 in `options`); 0.0 without the flag. A
     ConfigError where it does not apply."""
     if not args.momentum_correction:
         return 0.0
-    if strategy != "topk":
-        raise ConfigError(f"--momentum_correction applies to the topk reducer over several processes; this run "
-                          f"reduces with {strategy or 'no reducer (one process)'}: add --reduction topk and launch 2 "
-                          "or more processes")
+    if strategy not in ("topk", "oktopk"):
+        raise ConfigError(f"--momentum_correction applies to the topk or oktopk reducer over several processes; this "
+                          f"run reduces with {strategy or 'no reducer (one process)'}: add --reduction topk (or "
+                          "oktopk) and launch 2 or more processes")
     if args.optimizer != "sgd" or options.get("nesterov"):
         raise ConfigError(f"--momentum_correction moves SGD's momentum into the topk reducer; got --optimizer "
                           f"{args.optimizer}{' with --nesterov' if options.get('nesterov') else ''}: expected "

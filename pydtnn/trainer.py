@@ -146,7 +146,8 @@ class Trainer:
         """Train for `epochs` epochs; evaluate on val after each and on test at the end.
 
         Returns the history: one dict per epoch with loss, metrics, val_* (None without val), lr,
-        time_s and samples_per_second (training samples over training time, validation excluded).
+        time_s and samples_per_second (training samples over training time, validation excluded), and with a
+        sparse reducer (topk, oktopk) sent_bytes_per_step, the bytes this process sent per step.
         The final record (test_*, wall time, params_sha256) is left in `self.final`.
         """
         if batch_size < 1:
@@ -167,6 +168,8 @@ class Trainer:
                 train_time, train_samples = train_time + t_train, train_samples + seen
                 if self.reducer is not None:  # local SGD averages what its replicas hold apart
                     self.reducer.end_epoch(self.optimizer)
+                    if self.reducer.epoch_sent() is not None:  # the sparse reducers count their bytes
+                        record["sent_bytes_per_step"] = self.reducer.epoch_sent()
                 self._average_buffers()  # before validation, so every rank evaluates the same model
                 record.update(self.evaluate_as("val", val, batch_size))
                 record["lr"] = getattr(self.optimizer, "lr", None)

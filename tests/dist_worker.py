@@ -64,7 +64,7 @@ def main():
     p.add_argument("--fp16", action="store_true", help="fp16 wire format for gradients")
     p.add_argument("--strategies", default="blocking,per_layer,bucketed")
     p.add_argument("--ranks_per_node", type=int, default=0, help="hierarchical: ranks per emulated node")
-    p.add_argument("--density", type=float, default=1.0, help="topk: the share of entries each rank sends")
+    p.add_argument("--density", type=float, default=1.0, help="topk, oktopk: the share of entries each rank selects")
     p.add_argument("--rank", type=int, default=4, help="powersgd: the rank of each matrix's approximation")
     p.add_argument("--min_compression_rate", type=float, default=2.0, help="powersgd: which matrices it compresses")
     p.add_argument("--every", type=int, default=4, help="local_sgd: steps between averages")
@@ -96,7 +96,7 @@ def main():
                 options.update(bucket_mb=0.05, first_bucket_mb=0.01)
             if strategy == "hierarchical" and args.ranks_per_node:
                 options["ranks_per_node"] = args.ranks_per_node
-            if strategy == "topk":
+            if strategy in ("topk", "oktopk"):
                 options["density"] = args.density
             if strategy == "powersgd":
                 options.update(rank=args.rank, min_compression_rate=args.min_compression_rate)

@@ -80,6 +80,7 @@ def test_the_base_refuses_what_a_subclass_leaves_out_naming_both():
              "allgatherv": (np.zeros(1), np.zeros(2), [1, 1]), "iallgatherv": (np.zeros(1), np.zeros(2), [1, 1]),
              "reduce_scatterv": (np.zeros(2), np.zeros(1), [1, 1]),
              "ireduce_scatterv": (np.zeros(2), np.zeros(1), [1, 1]),
+             "alltoallv": (np.zeros(2), [1, 1], np.zeros(2), [1, 1]),
              "ireduce": (np.zeros(2),), "ibcast": (np.zeros(2),), "bcast_obj": ({},), "allgather_obj": ({},),
              "split": (0, 0), "split_shared": (), "progress_thread": (), "barrier": (), "abort": ()}
     assert set(calls) == set(COLLECTIVES)

@@ -254,7 +254,7 @@ def test_topk_momentum_correction_at_density_one_equals_one_process_without_mome
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-14, err_msg=k)
-    for extra, words in ((["--momentum_correction", "true"], "applies to the topk reducer over several processes"),
+    for extra, words in ((["--momentum_correction", "true"], "applies to the topk or oktopk reducer over several processes"),
                          (["--momentum_correction", "true", "--optimizer", "adam"], None)):
         r = subprocess.run([sys.executable, *common, *extra], capture_output=True, text=True, timeout=120, env=ENV,
                            cwd=tmp_path)
@@ -335,8 +335,9 @@ def test_the_command_line_warms_topk_up_selects_per_layer_and_refuses_both_witho
     for flags, name in ((warm, "--density_warmup_epochs"), (layer, "--topk_selection")):
         bad = subprocess.run([MPIEXEC, "-n", "2", *cmd, *flags, "--reduction", "bucketed"], capture_output=True,
                              text=True, timeout=120, env=ENV, cwd=tmp_path)
-        assert bad.returncode == 2 and f"{name} applies to the topk reducer over several processes; this run " \
-            "reduces with bucketed: add --reduction topk" in bad.stderr, bad.stderr[-2000:]
+        wanted = "topk or oktopk" if name == "--density_warmup_epochs" else "topk"
+        assert bad.returncode == 2 and f"{name} applies to the {wanted} reducer over several processes; this run " \
+            f"reduces with bucketed: add --reduction {wanted}" in bad.stderr, bad.stderr[-2000:]
     long = subprocess.run([MPIEXEC, "-n", "2", *cmd, "--density_warmup_epochs", "3", "--reduction", "topk"],
                           capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
     assert long.returncode == 2 and "--density_warmup_epochs 3 is more than --num_epochs 2" in long.stderr, \

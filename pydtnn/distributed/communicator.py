@@ -22,6 +22,7 @@ from pydtnn.errors import ConfigError
 
 # methods every concrete communicator defines itself (implemented, delegated, or refused)
 COLLECTIVES = ("allreduce", "iallreduce", "allgatherv", "iallgatherv", "reduce_scatterv", "ireduce_scatterv", "ireduce",
+               "alltoallv",
                "ibcast", "bcast", "bcast_obj", "allgather_obj", "split", "split_shared", "progress_thread", "barrier", "abort")
 # methods with a generic body here, which a subclass may keep
 GENERIC = ("allreduce_sum", "settle", "check_errors", "refuse")
@@ -100,6 +101,12 @@ class Communicator:
         recv None: in place, this rank's block written at the start of `send`. Neither buffer may be touched
         until it completes."""
         raise self._missing("ireduce_scatterv")
+
+    def alltoallv(self, send, send_counts, recv, recv_counts, label=""):
+        """Personalised exchange: this rank's `send` (flat) holds, in rank order, send_counts[r] elements for rank r;
+        `recv` (flat, sum(recv_counts) elements) gets, in rank order, recv_counts[r] elements from rank r (what rank
+        r's send_counts gave this rank). Counts may be 0. Returns recv."""
+        raise self._missing("alltoallv")
 
     def ireduce(self, buf, root=0, label=""):
         """Start a sum of `buf` over the ranks into root's `buf` (in place there; unchanged elsewhere);

@@ -192,6 +192,9 @@ class DeviceComm(Communicator):
     def ireduce(self, buf, root=0, label=""):
         raise self.refuse("ireduce", HOST_ONLY)
 
+    def alltoallv(self, send, send_counts, recv, recv_counts, label=""):
+        raise self.refuse("alltoallv", "mpi or single (the oktopk reducer's exchange runs on host arrays)")
+
     def ibcast(self, buf, root=0, label=""):
         raise self.refuse("ibcast", HOST_ONLY)
 
@@ -348,6 +351,9 @@ class NcclComm(Communicator):
 
     def ireduce(self, buf, root=0, label=""):
         raise self.refuse("ireduce", HOST_ONLY)
+
+    def alltoallv(self, send, send_counts, recv, recv_counts, label=""):
+        raise self.refuse("alltoallv", "mpi or single (the oktopk reducer's exchange runs on host arrays)")
 
     def ibcast(self, buf, root=0, label=""):
         raise self.refuse("ibcast", HOST_ONLY)

@@ -106,12 +106,12 @@ def shard_map(offsets, size, spans=None):
 
 
 def check_stage(stage, reduction=None, compression="none", progress="test", nccl=False):
-    """ConfigError where --zero is not 0, 1, 2 or 3, or its stage cannot take the run's reduction: topk, powersgd or local SGD at any
+    """ConfigError where --zero is not 0, 1, 2 or 3, or its stage cannot take the run's reduction: topk, oktopk, powersgd or local SGD at any
     stage (powersgd too); at stages 2 and 3, which reduce-scatter through MPI themselves, during backward, another --reduction
     than bucketed or blocking, a compressed wire format, a progress thread or NCCL."""
     if stage not in STAGES:
         raise ConfigError(f"--zero {stage!r}: expected one of {', '.join(map(str, STAGES))}")
-    if stage and reduction in ("topk", "powersgd", "local_sgd"):
+    if stage and reduction in ("topk", "oktopk", "powersgd", "local_sgd"):
         raise ConfigError(f"--zero {stage} with --reduction {reduction}: {reduction} leaves each replica its own "
                           f"residual, not an average to shard; expected a dense --reduction (bucketed, blocking, "
                           f"per_layer, hierarchical) or --zero 0")

@@ -170,7 +170,7 @@ def add_step_flags(p):
     p.add_argument("--recompute", choices=MODES, default="none",
                    help="activation recomputation: none (default), segments or all")
     p.add_argument("--density", type=share, default=0.01,
-                   help="--reduction topk: the share of gradient entries sent, in (0, 1] (default 0.01)")
+                   help="--reduction topk, oktopk: the share of gradient entries selected, in (0, 1] (default 0.01)")
     p.add_argument("--rank", type=positive_int, default=4,
                    help="--reduction powersgd: the rank of each gradient matrix's approximation (default 4)")
     p.add_argument("--local_sgd", type=positive_int, default=4,
@@ -344,7 +344,7 @@ def add_sweep(subparsers):
                    help="when a started collective progresses: test (the default: only inside MPI calls) or thread "
                         "(all the time: the reducers' progress thread, or a library that progresses on its own)")
     p.add_argument("--density", type=share, default=0.01,
-                   help="--reduction topk: the share of gradient entries sent, in (0, 1] (default 0.01)")
+                   help="--reduction topk, oktopk: the share of gradient entries selected, in (0, 1] (default 0.01)")
     p.add_argument("--micro_batches", type=positive_int, default=1,
                    help="micro-batches per step of the data, model and hybrid schemes (default 1)")
     p.add_argument("--pipeline_micro_batches", type=positive_int, default=8,

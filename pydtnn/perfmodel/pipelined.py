@@ -239,7 +239,7 @@ def _stage_after(stage, replicas, micro_batches, machine, threads, crowding, pas
     own = [(n, g.nbytes) for n, _, g in stage.parameters()]
     shapes = [g.shape for _, _, g in stage.parameters()]
     sent, durations = ([], []) if not own or replicas <= 1 else gradient_messages(
-        own, [], 0.0, reduction, itemsize, compression, {**shaping, "shapes": shapes}, True, zero, replicas, machine,
+        own, [], 0.0, reduction, itemsize, compression, {**shaping, "shapes": shapes, "replicas": replicas}, True, zero, replicas, machine,
         algorithm, level)
     red = sum(durations)
     nbytes = sum(nb for _, nb in own)

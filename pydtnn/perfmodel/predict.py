@@ -169,7 +169,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
     shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank,
-               "every": every, "shapes": shapes}
+               "every": every, "shapes": shapes, "replicas": replicas}
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
     messages, durations = gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,

@@ -40,7 +40,7 @@ REFUSED = {
     "sync_batchnorm": "the two allreduces per BatchNorm layer and step",
     "topk_selection": "a per-layer top-k selection (it models the global one)",
     "density_warmup_epochs": "a density that changes over the epochs (it models --density)",
-    "momentum_correction": "the topk reducer's momentum pass",
+    "momentum_correction": "the topk or oktopk reducer's momentum pass",
     "ranks_per_node": "a node size other than the machine's (set processes_per_node in --machine)",
     "debug_collectives": "the signature check before every collective",
     "evaluate_only": "an evaluation (it predicts a training step)",
@@ -50,6 +50,10 @@ NOTED = {"post_local_sgd": "the steps before --post_local_sgd are data parallel;
                            "after them",
          "powersgd_start_step": "the steps before --powersgd_start_step send every gradient whole; the prediction is "
                                 "of the low-rank steps after it",
+         "oktopk_threshold_every": "oktopk's re-estimations are priced as their share of a step at the default "
+                                   "periods (thresholds every 32 steps, boundaries every 64)",
+         "oktopk_repartition_every": "oktopk's re-estimations are priced as their share of a step at the default "
+                                     "periods (thresholds every 32 steps, boundaries every 64)",
          "conv_autotune": "each convolution is costed with its threshold algorithm; the run measures the algorithms "
                           "(--conv_autotune, the default) and may take faster ones"}
 OUTSIDE_A_STEP = (
@@ -222,6 +226,8 @@ def simulate(args, defaults, say=print):
     for flag in ("powersgd_start_step", "post_local_sgd"):
         if getattr(args, flag):
             print(f"pydtnn: --simulate: {NOTED[flag]}", file=sys.stderr, flush=True)
+    if {"oktopk_threshold_every", "oktopk_repartition_every"} & set(getattr(args, "explicit", ())):
+        print(f"pydtnn: --simulate: {NOTED['oktopk_threshold_every']}", file=sys.stderr, flush=True)
     say(f"pydtnn: simulated, nothing trained: {duration(p.step_s)} a step, {rate(p.samples_per_second)} samples/s "
         f"over {p.np} process(es)")
     return p

@@ -222,12 +222,14 @@ def topk_selection_s(reduction, param_bytes, itemsize, density, replicas, machin
     (2 + replicas) scattered cache lines per sent entry (its value read, its residual cleared, and the replicas'
     sums added), all at the memory bandwidth. That is the reducer over the model's own gradient buffer, as the
     trainer runs it; over packed copies (a Python API without the buffer) it also copies them in and out.
-    density: the reducer's (None: its default); the selection "global"."""
-    if reduction != "topk" or replicas <= 1:
+    density: the reducer's (None: its default); the selection "global". The oktopk reducer is priced alike, its
+    threshold's pass over the magnitudes standing for topk's, with 5 scattered lines per entry whatever replicas."""
+    if reduction not in ("topk", "oktopk") or replicas <= 1:
         return 0.0
     n = param_bytes // itemsize
-    k = topk_counts([n], reducers.defaults("topk")["density"] if density is None else density, "global")[0]
-    moved = TOPK_PASSES * param_bytes + (2 + replicas) * k * LINE_BYTES
+    k = topk_counts([n], reducers.defaults(reduction)["density"] if density is None else density, "global")[0]
+    sums = replicas if reduction == "topk" else 3  # oktopk: its region's sum added, the sum read, the result written
+    moved = TOPK_PASSES * param_bytes + (2 + sums) * k * LINE_BYTES
     return moved / (machine.memory_bandwidth * thread_speedup(machine, threads) / crowding)
 
 
@@ -261,12 +263,15 @@ def reducer_work_s(reduction, shapes, itemsize, density, rank, replicas, machine
 
 
 def reduction_seconds(collective, nbytes, p, machine, algorithm, level):
-    """Seconds of one reducer message of nbytes per replica over p replicas: an allreduce, or an allgather (topk)
-    of every replica's nbytes."""
+    """Seconds of one reducer message of nbytes per replica over p replicas: an allreduce, an allgather (topk) of
+    every replica's nbytes, or an alltoall (oktopk) of nbytes each replica scatters over all, priced as the
+    allgather of nbytes / p from each (a pairwise exchange sends what a ring allgather does)."""
     if collective == "allreduce":
         return allreduce_seconds(nbytes, p, machine, algorithm, level)
     if p <= 1:
         return 0.0
+    if collective == "alltoall":
+        nbytes = nbytes / p
     if algorithm in ("best", collectives.HIERARCHICAL):
         return collectives.best("allgather", p * nbytes, p, machine, level=level)[1]
     return collectives.seconds("allgather", algorithm if algorithm in collectives.algorithms("allgather") else "ring",
@@ -278,11 +283,13 @@ def reducer_messages(params, times, forward_s, reduction, itemsize, compression=
     reducer starts them (reducers.messages); params: [(parameter name, gradient bytes)] in state-dict order;
     options: the reducer's own that shape its messages (those it does not take are left out). after: every
     gradient is reported at the end of backward (micro-batches: the reducer replays them after the last); options
-    "shapes": the gradients' shapes, where the reducer's messages follow them (powersgd)."""
+    "shapes": the gradients' shapes, where the reducer's messages follow them (powersgd); "replicas": the ranks
+    they are exchanged over, where they follow it (oktopk)."""
     when = ready_times(params, times, forward_s, after)
     own = reducers.defaults(reduction)
     sent = reducers.messages(reduction, [n // itemsize for _, n in params], itemsize, compression,
-                             shapes=options.get("shapes"), **{k: v for k, v in options.items() if k in own})
+                             shapes=options.get("shapes"), replicas=options.get("replicas"),
+                             **{k: v for k, v in options.items() if k in own})
     end = forward_s + sum(lt.backward_data_s + lt.backward_weights_s for lt in times)  # of backward
     starts = [end if m.params is None else max(when[i] for i in m.params) for m in sent]
     return sorted(((s, m.collective, m.nbytes) for s, m in zip(starts, sent)), key=lambda x: x[0])

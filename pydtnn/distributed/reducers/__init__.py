@@ -20,6 +20,7 @@ from pydtnn.distributed.reducers.blocking import BlockingReducer
 from pydtnn.distributed.reducers.bucketed import BucketedReducer
 from pydtnn.distributed.reducers.hierarchical import HierarchicalReducer
 from pydtnn.distributed.reducers.local_sgd import LocalSGDReducer
+from pydtnn.distributed.reducers.oktopk import OkTopkReducer
 from pydtnn.distributed.reducers.per_layer import PerLayerReducer
 from pydtnn.distributed.reducers.powersgd import PowerSGDReducer
 from pydtnn.distributed.reducers.topk import TopKReducer
@@ -58,6 +59,9 @@ STRATEGIES = {s.name: s for s in (
     Strategy("hierarchical", HierarchicalReducer, COMPRESSIONS, ("test",), ("cpu",), layout.bucketed_messages),
     # each rank's largest entries travel as they are (indices and values), summed on arrival
     Strategy("topk", TopKReducer, ("none",), ("test",), DEVICES, layout.topk_messages),
+    # each rank's largest entries summed region by region on the rank that owns the region (an alltoallv), the
+    # largest sums gathered: O(k) bytes per rank whatever the process count; host arrays
+    Strategy("oktopk", OkTopkReducer, ("none",), ("test",), ("cpu",), layout.oktopk_messages),
     # low-rank: each matrix's P and Q summed in two allreduces after backward, the small gradients whole
     Strategy("powersgd", PowerSGDReducer, ("none",), ("test",), DEVICES, layout.powersgd_messages),
     # no reduction of the gradients (after its first post_local steps): the replicas' parameters and optimizer
@@ -106,7 +110,8 @@ def create(name, comm, **options):
     """Reducer `name` over Communicator `comm`; options: compression ("none", "fp16" or a compression object
     of pydtnn.distributed.compression), progress ("test" or "thread"), and the strategy's own (defaults(name):
     bucket_mb and first_bucket_mb for bucketed and hierarchical, ranks_per_node for hierarchical, density,
-    momentum, warmup_epochs and selection for topk, rank, start_step and min_compression_rate for powersgd,
+    momentum, warmup_epochs and selection for topk, density, momentum, warmup_epochs, threshold_every and
+    repartition_every for oktopk, rank, start_step and min_compression_rate for powersgd,
     every, average and post_local for local_sgd: defaults(name)). The combination is checked first
     (validate, with comm.device)."""
     compression = compression_of(options.get("compression", "none"))
@@ -119,10 +124,11 @@ def create(name, comm, **options):
     return STRATEGIES[name].cls(comm, **{**options, "compression": compression})
 
 
-def messages(name, counts, itemsize, compression="none", shapes=None, **options):
+def messages(name, counts, itemsize, compression="none", shapes=None, replicas=None, **options):
     """[layout.Message] that strategy `name` sends per step, in the order it lays them out (before any
     reordering by readiness), for gradients of `counts` entries each (parameter order) of `itemsize` bytes,
-    and of `shapes` (parameter order; powersgd's messages need them, the others' do not),
+    and of `shapes` (parameter order; powersgd's messages need them, the others' do not), over `replicas` ranks
+    (oktopk's messages need it, the others' do not),
     with `compression` on the wire ("none", "fp16": layout.compressed), cut at base.PIECE_BYTES as the
     reducer cuts them; options: any of the strategy's own (defaults(name)), of which those that shape its
     messages are used (bucket_mb, density, ...); an option not given (or None) takes the reducer's default."""
@@ -139,6 +145,11 @@ def messages(name, counts, itemsize, compression="none", shapes=None, **options)
             raise ConfigError(f"{name} reducer: its messages follow the gradients' shapes; expected one shape per "
                               f"gradient, got {'none' if shapes is None else len(shapes)} for {len(counts)}")
         given["shapes"] = [tuple(s) for s in shapes]
+    if "replicas" in shaping:
+        if not replicas or replicas < 1:
+            raise ConfigError(f"{name} reducer: its messages follow the number of ranks; expected replicas >= 1, "
+                              f"got {replicas!r}")
+        given["replicas"] = int(replicas)
     sent = fn(counts, itemsize, base.PIECE_BYTES,
               **{k: v for k, v in {**own, **given}.items() if k in shaping})
     wire = compression_of(compression).wire_dtype
@@ -157,6 +168,7 @@ __all__ = [
     "BucketedReducer",
     "HierarchicalReducer",
     "LocalSGDReducer",
+    "OkTopkReducer",
     "PerLayerReducer",
     "PowerSGDReducer",
     "Reducer",

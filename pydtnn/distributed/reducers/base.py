@@ -118,6 +118,11 @@ class Reducer:
     def after_update(self, optimizer):
         """Called after each optimizer step (reduce_and_update); local SGD averages the replicas here."""
 
+    def epoch_sent(self):
+        """Bytes this process sent per step since the epoch began, as its collectives send them; None for a reducer
+        that does not count them (the sparse ones, topk and oktopk, do)."""
+        return None
+
     def end_epoch(self, optimizer):
         """Called by the trainer at the end of each epoch, before evaluation."""
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Message:
-    """One collective a reducer issues each step: `collective` ("allreduce", or "allgather" for topk), the
-    gradients it carries (`params`: indices into the model's parameter list, or None for a message sent once
-    the whole backward pass has ended), and `nbytes`, what each rank contributes."""
+    """One collective a reducer issues each step: `collective` ("allreduce"; "allgather" for topk and oktopk;
+    "alltoall" for oktopk), the gradients it carries (`params`: indices into the model's parameter list, or None for
+    a message sent once the whole backward pass has ended), and `nbytes`, what each rank contributes (an alltoall's:
+    what each rank scatters over all of them, about nbytes / P to each)."""
 
     collective: str
     params: tuple | None
@@ -100,6 +101,22 @@ def topk_messages(counts, itemsize, piece_bytes, density, selection):
     """Two allgathers after backward: each rank's k int64 indices and k values (k from topk_counts)."""
     k = sum(topk_counts(counts, density, selection))
     return [Message("allgather", None, k * 8), Message("allgather", None, k * itemsize)]
+
+
+def oktopk_messages(counts, itemsize, piece_bytes, density, threshold_every, repartition_every, replicas):
+    """Ok-Topk's collectives after backward (OkTopkReducer.finish) over `replicas` ranks, k from topk_counts: the
+    boundaries' allreduce (P - 1 float64) and the gathered magnitudes (every P-th of k from each, with their count) as
+    their share of a step (once every repartition_every and threshold_every steps); the split's counts (P int64 each)
+    and its two alltoalls (k int64 indices, k values); the kept counts (one int64) and the balanced gather of
+    about k / P indices and values from each rank."""
+    k = sum(topk_counts(counts, density, "global"))
+    share = math.ceil(k / replicas)
+    return [Message("allreduce", None, math.ceil(8 * (replicas - 1) / repartition_every)),
+            Message("allgather", None, math.ceil((8 + share * itemsize) / threshold_every)),
+            Message("allgather", None, 8 * replicas),
+            Message("alltoall", None, k * 8), Message("alltoall", None, k * itemsize),
+            Message("allgather", None, 8),
+            Message("allgather", None, share * 8), Message("allgather", None, share * itemsize)]
 
 
 def powersgd_matrices(shapes, rank, min_compression_rate):

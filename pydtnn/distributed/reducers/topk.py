@@ -78,6 +78,8 @@ class TopKReducer(Reducer):
         self.selection = selection
         self.epoch_density = self.density
         self.buf = None  # the gradients' buffer, once attached
+        self.sent_bytes = 0  # bytes this process has put on the wire, as a ring allgather sends them
+        self.steps, self.epoch_start = 0, (0, 0)  # reductions so far; (sent_bytes, steps) when the epoch began
 
     def setup(self):
         self.names = [n for n, _ in self.gradients]
@@ -120,14 +122,19 @@ class TopKReducer(Reducer):
             return self.density
         return self.WARMUP_START * (self.density / self.WARMUP_START) ** (epoch / self.warmup_epochs)
 
+    def epoch_sent(self):
+        steps = self.steps - self.epoch_start[1]
+        return (self.sent_bytes - self.epoch_start[0]) / steps if steps else None
+
     def begin_epoch(self, epoch):
+        self.epoch_start = (self.sent_bytes, self.steps)
         self.epoch_density = self.density_at(epoch)
         if self.buf is not None:
             self.k = self._k(self.epoch_density)
 
-    def finish(self):
-        self.order_done = True
-        xp = array_module(self.buf)
+    def _accumulate(self):
+        """The accumulated gradient (the residual, in place): this step's weighted share plus what was not sent
+        before; with momentum correction the velocity of this rank's gradients is accumulated instead."""
         if self.views is not None:
             self._pack(self.views, self.names)  # weighted copies
         else:
@@ -138,7 +145,20 @@ class TopKReducer(Reducer):
             self.velocity += self.buf
             acc += self.velocity
         else:
-            acc += self.buf  # the accumulated gradient: this step's weighted share plus what was not sent before
+            acc += self.buf
+        return acc
+
+    def _clear_sent(self, acc, idx):
+        """Entries idx were sent: out of the residual, and out of the velocity (momentum factor masking)."""
+        acc[idx] = 0
+        if self.velocity is not None:
+            self.velocity[idx] = 0
+
+    def finish(self):
+        self.order_done = True
+        self.steps += 1
+        xp = array_module(self.buf)
+        acc = self._accumulate()
         if self.k == acc.size:
             idx = xp.arange(acc.size, dtype=np.int64)
         elif self.selection == "per_layer":  # each gradient's own largest: no layer starves
@@ -150,15 +170,14 @@ class TopKReducer(Reducer):
             idx = largest(xp.abs(acc), self.k, self.sample).astype(np.int64)
             idx.sort()
         vals = acc[idx]
-        acc[idx] = 0  # the residual: everything not sent
-        if self.velocity is not None:
-            self.velocity[idx] = 0  # momentum factor masking
+        self._clear_sent(acc, idx)  # the residual: everything not sent
         p = self.comm.size
         every_idx = xp.empty(p * self.k, np.int64)
         every_val = xp.empty(p * self.k, acc.dtype)
         self.comm.allgatherv(idx, every_idx, [self.k] * p, "topk indices")
         self.comm.allgatherv(vals, every_val, [self.k] * p, "topk values")
         self.bytes_reduced += int(idx.nbytes + vals.nbytes)
+        self.sent_bytes += (p - 1) * int(idx.nbytes + vals.nbytes)  # a ring passes on every other rank's part
         self.buf[...] = 0
         for r in range(p):  # rank order: the same sum on every rank
             part = slice(r * self.k, (r + 1) * self.k)
