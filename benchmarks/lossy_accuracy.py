@@ -1,5 +1,5 @@
-"""Accuracy of the lossy gradient reductions on real data: fp16 compression, topk, oktopk, powersgd and local SGD
-against dense.
+"""Accuracy of the lossy gradient reductions on real data: fp16 compression, topk, oktopk, powersgd, local SGD and
+the one-step-stale reduction against dense.
 
     python benchmarks/lossy_accuracy.py [--data /usr/share/datasets/fashion-mnist] [--np 2] [--epochs 5]
                                         [--models simplecnn,resnet20_cifar10]
@@ -26,7 +26,8 @@ layer's own largest entries), e.g. `topkmc:0.01:1:layer`; `powersgd:R` is --redu
 gradient matrix sent as a rank-R product, with error feedback), `powersgd:R:K` with --powersgd_start_step K;
 `oktopk:D` is --reduction oktopk --density D (the ranks' largest entries summed region by region, the largest
 sums kept, O(k) bytes per process), `oktopkmc:D` with --momentum_correction, `oktopk:D:W` with
---density_warmup_epochs W; `local_sgd:H` is --local_sgd H (the replicas averaged every H steps), `local_sgd:H:K` with --post_local_sgd K.
+--density_warmup_epochs W; `stale` is --reduction_staleness 1 (each update applies the previous step's gradients);
+`local_sgd:H` is --local_sgd H (the replicas averaged every H steps), `local_sgd:H:K` with --post_local_sgd K.
 
 Reported: the final test accuracy over the 10,000 test images (the metrics file's `final` line), per
 seed and its mean over the seeds, the difference of the means from the same model's dense mean in
@@ -46,6 +47,8 @@ DATA = "/usr/share/datasets/fashion-mnist"
 
 
 def reduction_flags(name):
+    if name == "stale":
+        return ["--reduction_staleness", "1"]
     if name == "fp16":
         return ["--reduction", "bucketed", "--gradient_compression", "fp16"]
     if name.startswith(("topk:", "topkmc:")):
@@ -140,9 +143,9 @@ def main(argv=None):
                 "(apt-get install dataset-fashion-mnist)")
     reductions = args.reductions.split(",")
     for r in reductions:
-        if r not in ("blocking", "per_layer", "bucketed", "hierarchical", "fp16") and not r.startswith(
+        if r not in ("blocking", "per_layer", "bucketed", "hierarchical", "fp16", "stale") and not r.startswith(
                 ("topk:", "topkmc:", "oktopk:", "oktopkmc:", "powersgd:", "local_sgd:")):
-            p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16, topk:DENSITY "
+            p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16, stale, topk:DENSITY "
                     "or topkmc:DENSITY (either with :WARMUP_EPOCHS and/or :layer), oktopk:DENSITY or "
                     "oktopkmc:DENSITY (either with :WARMUP_EPOCHS), powersgd:RANK[:START_STEP], "
                     "local_sgd:H[:POST_LOCAL_STEPS]")

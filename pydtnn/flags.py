@@ -198,6 +198,10 @@ def _parallel_flags(p):
            "node then between nodes (hierarchical), or each rank's largest entries with error feedback "
            "(topk, --density), the same summed region by region with O(k) bytes per process (oktopk, --density), "
            "or a low-rank approximation of each matrix with error feedback (powersgd, --rank); docs/distributed.md")
+    f(g, "reduction_staleness", type=int, choices=(0, 1), default=0,
+      help="1: each step's update applies the previous step's gradients, reduced in one allreduce during this "
+           "step's forward and backward (hidden; changes the algorithm: one step stale); replaces --reduction; "
+           "0: the default, no delay; docs/distributed.md")
     f(g, "gradient_compression", choices=reducers.COMPRESSIONS, default="none",
       help="wire format of gradient reductions: fp16 halves the bytes, rounds every gradient to fp16 "
            "(each scaled by a power of two into its range)")

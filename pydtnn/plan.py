@@ -26,7 +26,7 @@ OPTION_FLAGS = {"bucket_mb": "bucket_size_mb", "ranks_per_node": "ranks_per_node
                 "warmup_epochs": "density_warmup_epochs", "selection": "topk_selection", "rank": "rank",
                 "start_step": "powersgd_start_step", "every": "local_sgd", "average": "average",
                 "post_local": "post_local_sgd", "threshold_every": "oktopk_threshold_every",
-                "repartition_every": "oktopk_repartition_every"}
+                "repartition_every": "oktopk_repartition_every", "staleness": "reduction_staleness"}
 
 
 def local_sgd_reduction(args):
@@ -139,6 +139,20 @@ def _pipeline_layout(parallel, world_size, m, s, flags):
     return Layout(parallel, world_size, m, s)
 
 
+def stale_reduction(args):
+    """"stale" where --reduction_staleness 1 is given, None where it is 0; a ConfigError where --reduction names
+    another reducer beside it (or --local_sgd is given), or names stale without it."""
+    if args.reduction_staleness and (args.reduction not in (None, "stale") or args.local_sgd):
+        other = f"--reduction {args.reduction}" if args.reduction not in (None, "stale") else "--local_sgd"
+        raise ConfigError(f"--reduction_staleness 1 reduces every gradient in one allreduce applied a step late; it "
+                          f"replaces the gradient reduction, and {other} was given: leave {other} out, or give "
+                          f"--reduction_staleness 0")
+    if args.reduction == "stale" and not args.reduction_staleness:
+        raise ConfigError("--reduction stale needs --reduction_staleness 1 (the update of each step applies the "
+                          "gradients of the step before)")
+    return "stale" if args.reduction_staleness else None
+
+
 @dataclass(frozen=True)
 class Reduction:
     """The gradient reduction of a run: reducer `name` (None with one replica: nothing to reduce), its
@@ -156,7 +170,8 @@ class Reduction:
         else bucketed; None with one replica."""
         if replicas == 1:
             return cls(None, args.gradient_compression, args.reduction_progress)
-        name = local_sgd_reduction(args) or args.reduction or ("per_layer" if args.non_blocking_mpi else "bucketed")
+        name = (local_sgd_reduction(args) or stale_reduction(args) or args.reduction
+                or ("per_layer" if args.non_blocking_mpi else "bucketed"))
         device = "nccl" if args.enable_nccl else "gpu" if args.enable_gpu else "cpu"
         reducers.validate(name, args.gradient_compression, args.reduction_progress, device)
         options = {key: getattr(args, OPTION_FLAGS[key]) for key in reducers.defaults(name) if key in OPTION_FLAGS}

@@ -50,8 +50,9 @@ def reduce_and_update(optimizer, reducer=None, tracer=None, replay=False):
             if replay:
                 reducer.replay()
             reducer.finish()
-    with span(tracer, "optimizer"):
-        optimizer.step()
+    if reducer is None or reducer.has_update:  # the stale reducer's first step of an epoch has none yet
+        with span(tracer, "optimizer"):
+            optimizer.step()
     if reducer is not None:
         reducer.after_update(optimizer)  # local SGD's average of the replicas, every so many steps
 

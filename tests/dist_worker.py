@@ -70,7 +70,8 @@ def main():
     p.add_argument("--every", type=int, default=4, help="local_sgd: steps between averages")
     p.add_argument("--average", default="plain", help="local_sgd: plain or weighted")
     p.add_argument("--post_local", type=int, default=0, help="local_sgd: data-parallel steps first")
-    p.add_argument("--progress", default="test", help="per_layer, bucketed: test or thread")
+    p.add_argument("--progress", default="test", help="per_layer, bucketed, stale: test or thread")
+    p.add_argument("--alone", action="store_true", help="one process: run --strategies' reducers all the same")
     p.add_argument("--piece_kb", type=float, default=0, help="cut messages into pieces this small (0: default)")
     args = p.parse_args()
     if args.piece_kb:
@@ -79,7 +80,8 @@ def main():
     launch.install_abort_handler(comm)
     train, _ = data.load("mnist5k")
     train = train.subset(np.arange(SAMPLES) * 16)  # all ten digits
-    strategies = args.strategies.split(",") if comm.size > 1 else ["single"]
+    alone = args.alone and comm.size == 1  # one process through a reducer (its own algorithm, reduced over one)
+    strategies = args.strategies.split(",") if comm.size > 1 or alone else ["single"]
     for strategy in strategies:
         for dtype in ("float64", "float32"):
             seed = comm.rank * 1000 + 7  # different seeds: the broadcast must make ranks equal
@@ -104,7 +106,7 @@ def main():
                 options.update(every=args.every, average=args.average, post_local=args.post_local)
             if args.progress != "test":
                 options["progress"] = args.progress
-            reducer = reducers.create(strategy, comm, **options) if comm.size > 1 else None
+            reducer = reducers.create(strategy, comm, **options) if comm.size > 1 or alone else None
             callbacks = [Misbehave(step, args.raise_rank, how) for how, step in
                          (("raise", args.raise_at), ("stall", args.stall_at), ("mismatch", args.mismatch_at),
                           ("exit", args.exit_at)) if step]

@@ -35,6 +35,7 @@ CHANGES = {
     "density": (["--reduction", "topk"], ["--density", "0.5"]),
     "rank": (["--reduction", "powersgd"], ["--rank", "1"]),
     "local_sgd": (["--local_sgd", "1"], ["--local_sgd", "8"]),
+    "reduction_staleness": (RESNET, ["--reduction_staleness", "1"]),
     "threads_per_process": ([], ["--threads_per_process", "2"]),
     "machine": ([], ["--machine", "MACHINE"]),
     "np": ([], ["--np", "8"]),

@@ -111,10 +111,11 @@ def check_stage(stage, reduction=None, compression="none", progress="test", nccl
     than bucketed or blocking, a compressed wire format, a progress thread or NCCL."""
     if stage not in STAGES:
         raise ConfigError(f"--zero {stage!r}: expected one of {', '.join(map(str, STAGES))}")
-    if stage and reduction in ("topk", "oktopk", "powersgd", "local_sgd"):
-        raise ConfigError(f"--zero {stage} with --reduction {reduction}: {reduction} leaves each replica its own "
-                          f"residual, not an average to shard; expected a dense --reduction (bucketed, blocking, "
-                          f"per_layer, hierarchical) or --zero 0")
+    if stage and reduction in ("topk", "oktopk", "powersgd", "local_sgd", "stale"):
+        why = ("holds each step's average a step late, outside the sharded update" if reduction == "stale" else
+               "leaves each replica its own residual, not an average to shard")
+        raise ConfigError(f"--zero {stage} with --reduction {reduction}: {reduction} {why}; expected a dense "
+                          f"--reduction (bucketed, blocking, per_layer, hierarchical) or --zero 0")
     if stage < 2:
         return
     for given, what, want in ((reduction not in (None, "bucketed", "blocking"), f"--reduction {reduction}",

@@ -31,7 +31,7 @@ def check_flags(args):
     """ConfigError where a flag that --parallel auto decides was given."""
     from pydtnn.perfmodel.planner import LAYOUT_FLAGS
 
-    for flag in (*LAYOUT_FLAGS[1:], "local_sgd"):  # local SGD replaces the reduction auto chooses
+    for flag in (*LAYOUT_FLAGS[1:], "local_sgd", "reduction_staleness"):  # they replace the reduction auto chooses
         if flag in args.explicit:
             raise ConfigError(f"--parallel auto chooses --{flag} itself, but --{flag} {getattr(args, flag)} was "
                               f"given; leave --{flag} out, or name the layout (--parallel data, model, hybrid or "

@@ -37,6 +37,8 @@ cut into pieces of at most reducers/base.py's PIECE_BYTES as the reducer cuts it
   started when its last gradient is ready; hierarchical: the same buckets, each reduced in two levels;
 - topk: after backward, two allgathers of each replica's k indices (int64) and k values, after the
   selection's own passes over the gradients (step_parts.topk_selection_s).
+- stale (--reduction_staleness 1): one allreduce of every gradient after backward, hidden behind the next step's
+  forward and backward (all of it exposed where it would not progress during them: _unprogressed).
 - powersgd: after backward, two allreduces, of every compressed matrix's P with the gradients sent whole and
   of every Q, after the products and passes of step_parts.powersgd_s.
 An MPI library progresses a non-blocking collective only inside MPI calls, and the reducers call
@@ -141,7 +143,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                                 density=density, compression=compression, update_passes=update_passes,
                                 recompute=recompute, zero=zero, rank=rank, every=every)
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
-    replicas = np // m
+    replicas, fixed = np // m, machine.overheads
     steps = plan(model, m) if m > 1 else []
     held = split.split_model(model, m) if m > 1 else model  # what one process holds and computes
     grads = parameter_bytes(held)
@@ -164,7 +166,6 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     update_s, memory_s = update_s * share, memory_s + zero_passes_s
     group = [g for b in sizes for g in split.group_messages(steps, b, itemsize, m, machine, algorithm)]
     group_s = sum(seconds for *_, seconds in group)  # blocking, on the critical path
-    fixed = machine.overheads
     overhead_s = calls_s + (len(model.parameters()) * fixed.parameter_s + fixed.step_s) * crowding
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
@@ -179,7 +180,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     sync_s = collectives_per_step * oversubscribed_wait(machine, crowding)
     end_of_backward = forward_s + backward_s + sum(seconds for phase, *_, seconds in group if phase == "backward")
     exposed = _exposed(messages, durations, end_of_backward,
-                       _unprogressed(machine, np, reduction, progress, messages if m == 1 and zero < 2 else None))
+                       _unprogressed(machine, np, reduction, progress, messages if m == 1 and zero < 2 else None),
+                       reduction == "stale")
     comm_s, exposed = comm_s + flight_s, exposed + gather_s  # ZeRO's allgathers: of the shards, or stage 3's
     return Prediction(
         model=name or model.name, batch_size=batch_size, np=np, threads=threads, parallel=parallel,
@@ -206,11 +208,14 @@ def _unprogressed(machine, np, reduction, progress, messages=None):
     return reduction == "blocking" or (progress == "test" and not background)
 
 
-def _exposed(messages, durations, end_of_backward, blocking):
+def _exposed(messages, durations, end_of_backward, blocking, stale=False):
     """Seconds of the reduction's messages after backward ends: all of them where they do not progress during
-    backward (blocking), else what is left of them run one after another from when each is ready."""
+    backward (blocking), else what is left of them run one after another from when each is ready; stale (the
+    stale reducer): what is left of them after the next step's forward and backward, which they travel during."""
     if blocking:
         return sum(durations)
+    if stale:
+        return max(0.0, sum(durations) - end_of_backward)
     done = 0.0
     for (ready, _, _), d in zip(messages, durations):
         done = max(done, ready) + d

@@ -32,7 +32,8 @@ MODELLED = ("model", "model_file", "dataset", "batch_size", "global_batch_size",
             "nesterov", "decay", "parallel", "model_parallel_size", "non_blocking_mpi", "reduction",
             "gradient_compression", "reduction_progress", "bucket_size_mb", "density", "threads_per_process",
             "machine", "np", "accumulation_steps", "recompute", "pipeline_stages", "pipeline_schedule",
-            "stage_boundaries", "zero", "memory_per_process", "context_length", "rank", "local_sgd")
+            "stage_boundaries", "zero", "memory_per_process", "context_length", "rank", "local_sgd",
+            "reduction_staleness")
 REFUSED = {
     "enable_gpu": "a GPU's step (the model predicts CPU processes)",
     "enable_nccl": "NCCL's reductions (the model predicts CPU processes)",

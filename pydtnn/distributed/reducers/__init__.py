@@ -23,6 +23,7 @@ from pydtnn.distributed.reducers.local_sgd import LocalSGDReducer
 from pydtnn.distributed.reducers.oktopk import OkTopkReducer
 from pydtnn.distributed.reducers.per_layer import PerLayerReducer
 from pydtnn.distributed.reducers.powersgd import PowerSGDReducer
+from pydtnn.distributed.reducers.stale import StaleReducer
 from pydtnn.distributed.reducers.topk import TopKReducer
 from pydtnn.errors import ConfigError
 
@@ -67,6 +68,9 @@ STRATEGIES = {s.name: s for s in (
     # no reduction of the gradients (after its first post_local steps): the replicas' parameters and optimizer
     # state averaged every so many steps (--local_sgd)
     Strategy("local_sgd", LocalSGDReducer, ("none",), ("test",), DEVICES, layout.local_sgd_messages),
+    # one allreduce of every gradient started after backward and waited for after the next step's: the update of
+    # step t applies g(t - 1) (--reduction_staleness 1)
+    Strategy("stale", StaleReducer, ("none",), PROGRESS, ("cpu",), layout.stale_messages),
 )}
 NAMES = tuple(STRATEGIES)
 
@@ -112,7 +116,7 @@ def create(name, comm, **options):
     bucket_mb and first_bucket_mb for bucketed and hierarchical, ranks_per_node for hierarchical, density,
     momentum, warmup_epochs and selection for topk, density, momentum, warmup_epochs, threshold_every and
     repartition_every for oktopk, rank, start_step and min_compression_rate for powersgd,
-    every, average and post_local for local_sgd: defaults(name)). The combination is checked first
+    every, average and post_local for local_sgd, staleness for stale: defaults(name)). The combination is checked first
     (validate, with comm.device)."""
     compression = compression_of(options.get("compression", "none"))
     validate(name, compression.name, options.get("progress", "test"), comm.device)
@@ -171,6 +175,7 @@ __all__ = [
     "OkTopkReducer",
     "PerLayerReducer",
     "PowerSGDReducer",
+    "StaleReducer",
     "Reducer",
     "TopKReducer",
     "create",

@@ -55,6 +55,8 @@ class Reducer:
     """
 
     name = None
+    has_update = True  # after finish(): whether the gradients hold an update to apply (the stale reducer's first
+    # reduction of an epoch leaves none: the optimizer's step is skipped)
     shared_state = ()  # names in state_dict() that every rank holds alike (restored from any rank's row)
 
     def __init__(self, comm, compression="none", progress="test"):

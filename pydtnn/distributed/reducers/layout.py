@@ -97,6 +97,12 @@ def bucketed_messages(counts, itemsize, piece_bytes, bucket_mb, first_bucket_mb)
     return out
 
 
+def stale_messages(counts, itemsize, piece_bytes):
+    """Every gradient in one buffer after backward, in pieces, as blocking_messages; it has the next step's forward
+    and backward to travel (the performance model: perfmodel/predict.py)."""
+    return _pieced(None, sum(counts), itemsize, piece_bytes)
+
+
 def topk_messages(counts, itemsize, piece_bytes, density, selection):
     """Two allgathers after backward: each rank's k int64 indices and k values (k from topk_counts)."""
     k = sum(topk_counts(counts, density, selection))
