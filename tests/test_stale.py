@@ -83,8 +83,8 @@ def test_the_model_hides_the_stale_reduction_behind_the_next_steps_compute(gbit)
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--reduction_staleness", "1", "--reduction", "topk"], "--reduction_staleness 1 reduces every gradient in one "
-     "allreduce applied a step late; it replaces the gradient reduction, and --reduction topk was given"),
+    (["--reduction_staleness", "1", "--reduction", "topk"], ("--reduction_staleness 1 reduces every gradient in one "
+     "allreduce applied a step late; it replaces the gradient reduction, and --reduction topk was given")),
     pytest.param(["--reduction_staleness", "1", "--zero", "1"], "stale holds each step's average a step late",
                  marks=pytest.mark.slow),
     pytest.param(["--reduction_staleness", "1", "--gradient_compression", "fp16"], "stale reducer: compression 'fp16'",
