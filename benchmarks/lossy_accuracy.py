@@ -26,7 +26,7 @@ layer's own largest entries), e.g. `topkmc:0.01:1:layer`; `powersgd:R` is --redu
 gradient matrix sent as a rank-R product, with error feedback), `powersgd:R:K` with --powersgd_start_step K;
 `oktopk:D` is --reduction oktopk --density D (the ranks' largest entries summed region by region, the largest
 sums kept, O(k) bytes per process), `oktopkmc:D` with --momentum_correction, `oktopk:D:W` with
---density_warmup_epochs W; `stale` is --reduction_staleness 1 (each update applies the previous step's gradients);
+--density_warmup_epochs W; `stale` is --reduction_staleness 1 (each update applies the previous step's gradients), `stale:M` with --momentum M;
 `local_sgd:H` is --local_sgd H (the replicas averaged every H steps), `local_sgd:H:K` with --post_local_sgd K.
 
 Reported: the final test accuracy over the 10,000 test images (the metrics file's `final` line), per
@@ -47,8 +47,9 @@ DATA = "/usr/share/datasets/fashion-mnist"
 
 
 def reduction_flags(name):
-    if name == "stale":
-        return ["--reduction_staleness", "1"]
+    if name == "stale" or name.startswith("stale:"):
+        _, *momentum = name.split(":")
+        return ["--reduction_staleness", "1"] + (["--momentum", momentum[0]] if momentum else [])
     if name == "fp16":
         return ["--reduction", "bucketed", "--gradient_compression", "fp16"]
     if name.startswith(("topk:", "topkmc:")):
@@ -144,8 +145,8 @@ def main(argv=None):
     reductions = args.reductions.split(",")
     for r in reductions:
         if r not in ("blocking", "per_layer", "bucketed", "hierarchical", "fp16", "stale") and not r.startswith(
-                ("topk:", "topkmc:", "oktopk:", "oktopkmc:", "powersgd:", "local_sgd:")):
-            p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16, stale, topk:DENSITY "
+                ("topk:", "topkmc:", "oktopk:", "oktopkmc:", "powersgd:", "local_sgd:", "stale:")):
+            p.error(f"--reductions: {r!r}; expected blocking, per_layer, bucketed, hierarchical, fp16, stale[:MOMENTUM], topk:DENSITY "
                     "or topkmc:DENSITY (either with :WARMUP_EPOCHS and/or :layer), oktopk:DENSITY or "
                     "oktopkmc:DENSITY (either with :WARMUP_EPOCHS), powersgd:RANK[:START_STEP], "
                     "local_sgd:H[:POST_LOCAL_STEPS]")

@@ -208,7 +208,8 @@ def _parallel_flags(p):
     f(g, "bucket_size_mb", type=positive_float, default=25.0,
       help="bucketed, hierarchical: bucket size in MB (default 25)")
     f(g, "ranks_per_node", type=positive_int, default=None,
-      help="hierarchical: processes per node, consecutive ranks (default: those sharing memory)")
+      help="hierarchical, powersgd with --powersgd_hierarchical: processes per node, consecutive ranks (default: "
+           "those sharing memory)")
     _lossy_reduction_flags(f, g)
     f(g, "reduction_progress", choices=reducers.PROGRESS, default="test",
       help="per_layer, bucketed: how outstanding gradient allreduces advance during backward: test (MPI entered "
@@ -262,6 +263,10 @@ def _lossy_reduction_flags(f, g):
            "step (Ok-Topk's tau'; default 64)")
     f(g, "rank", type=positive_int, default=4,
       help="powersgd: the rank of each gradient matrix's approximation (default 4)")
+    f(g, "powersgd_hierarchical", type=parse_bool, default=False,
+      help="powersgd: its two allreduces in two levels, as the hierarchical reducer's: summed into each node's "
+           "leader, allreduced among the leaders, broadcast back (nodes: --ranks_per_node, else the ranks sharing "
+           "memory; default false)")
     f(g, "powersgd_start_step", type=non_negative_int, default=0,
       help="powersgd: steps that send every gradient whole before the low-rank ones start (default 0)")
 

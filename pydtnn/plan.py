@@ -26,7 +26,8 @@ OPTION_FLAGS = {"bucket_mb": "bucket_size_mb", "ranks_per_node": "ranks_per_node
                 "warmup_epochs": "density_warmup_epochs", "selection": "topk_selection", "rank": "rank",
                 "start_step": "powersgd_start_step", "every": "local_sgd", "average": "average",
                 "post_local": "post_local_sgd", "threshold_every": "oktopk_threshold_every",
-                "repartition_every": "oktopk_repartition_every", "staleness": "reduction_staleness"}
+                "repartition_every": "oktopk_repartition_every", "staleness": "reduction_staleness",
+                "hierarchical": "powersgd_hierarchical"}
 
 
 def local_sgd_reduction(args):

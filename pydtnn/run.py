@@ -249,6 +249,7 @@ def check_reducer_flags(args, strategy):
                                 ("--oktopk_repartition_every", "oktopk_repartition_every" in args.explicit, "oktopk"),
                                 ("--rank", "rank" in args.explicit, "powersgd"),
                                 ("--powersgd_start_step", "powersgd_start_step" in args.explicit, "powersgd"),
+                                ("--powersgd_hierarchical", args.powersgd_hierarchical, "powersgd"),
                                 ("--local_sgd", bool(args.local_sgd), "local_sgd"),
                                 ("--average", "average" in args.explicit, "local_sgd"),
                                 ("--post_local_sgd", "post_local_sgd" in args.explicit, "local_sgd")):

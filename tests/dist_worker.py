@@ -63,7 +63,7 @@ def main():
     p.add_argument("--sync_bn", action="store_true", help="a model with BatchNorm, statistics synchronized")
     p.add_argument("--fp16", action="store_true", help="fp16 wire format for gradients")
     p.add_argument("--strategies", default="blocking,per_layer,bucketed")
-    p.add_argument("--ranks_per_node", type=int, default=0, help="hierarchical: ranks per emulated node")
+    p.add_argument("--ranks_per_node", type=int, default=0, help="hierarchical, powersgd: ranks per emulated node")
     p.add_argument("--density", type=float, default=1.0, help="topk, oktopk: the share of entries each rank selects")
     p.add_argument("--rank", type=int, default=4, help="powersgd: the rank of each matrix's approximation")
     p.add_argument("--min_compression_rate", type=float, default=2.0, help="powersgd: which matrices it compresses")
@@ -102,6 +102,8 @@ def main():
                 options["density"] = args.density
             if strategy == "powersgd":
                 options.update(rank=args.rank, min_compression_rate=args.min_compression_rate)
+                if args.ranks_per_node:  # two levels over emulated nodes
+                    options.update(hierarchical=True, ranks_per_node=args.ranks_per_node)
             if strategy == "local_sgd":
                 options.update(every=args.every, average=args.average, post_local=args.post_local)
             if args.progress != "test":

@@ -107,6 +107,50 @@ def test_powersgd_at_full_rank_equals_one_process(single, tmp_path, n):  # noqa:
 
 
 @pytest.mark.slow
+def test_powersgd_in_two_levels_over_two_emulated_nodes_equals_one_process(single, tmp_path):  # noqa: F811
+    """np 4 as 2 nodes of 2 (--powersgd_hierarchical, --ranks_per_node 2): each P and Q summed into the node's
+    leader, allreduced between the leaders, broadcast back; at full rank the dense result."""
+    r = launch(4, tmp_path, "--strategies", "powersgd", "--rank", "1000", "--min_compression_rate", "0",
+               "--ranks_per_node", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_parameters(single, tmp_path, ("powersgd",), rtols=(("float64", 1e-12), ("float32", 2e-4)),
+                           what="np=4 as 2 nodes")
+
+
+def test_powersgd_in_two_levels_reduces_through_the_node_and_its_leaders():
+    """The two levels' calls, on fake node and leader communicators: every piece summed into the node's rank 0,
+    allreduced among the leaders, broadcast back, in that order."""
+    calls = []
+
+    class Level(SingleProcess):
+        def __init__(self, name):
+            self.label = name
+
+        def ireduce(self, buf, root=0, label=""):
+            calls.append((self.label, "reduce", buf.size))
+            return super().ireduce(buf, root, label)
+
+        def ibcast(self, buf, root=0, label=""):
+            calls.append((self.label, "bcast", buf.size))
+            return super().ibcast(buf, root, label)
+
+        def allreduce(self, buf, label=""):
+            calls.append((self.label, "allreduce", buf.size))
+            buf *= 2  # two nodes of equal sums
+            return buf
+
+    red = reducers.create("powersgd", Ranks(2), rank=1).attach(_model())
+    red.node, red.leaders = Level("node"), Level("leaders")
+    for _, g in red.gradients:
+        g[...] = 1.0
+    red.begin_step(0.5)
+    red.finish()
+    sizes = [red.first.size, red.second.size]
+    assert calls == [c for n in sizes for c in (("node", "reduce", n), ("leaders", "allreduce", n),
+                                                 ("node", "bcast", n))]
+
+
+@pytest.mark.slow
 def test_powersgd_at_rank_one_sends_a_fraction_of_the_bytes_and_still_learns(tmp_path):
     r = launch(2, tmp_path, "--strategies", "bucketed,powersgd", "--rank", "1")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -136,6 +180,8 @@ def test_powersgd_messages_follow_the_matrices_it_compresses():
     pytest.param(["--reduction", "powersgd", "--gradient_compression", "fp16"], "powersgd reducer: compression 'fp16'",
                  marks=pytest.mark.slow),
     pytest.param(["--reduction", "powersgd", "--rank", "0"], "--rank: expected", marks=pytest.mark.slow),
+    pytest.param(["--powersgd_hierarchical", "true"], "--powersgd_hierarchical applies to the powersgd reducer",
+                 marks=pytest.mark.slow),
 ])
 def test_powersgd_refuses_what_it_cannot_take_in_one_line(tmp_path, flags, words):
     refused_in_one_line(tmp_path, flags, words)

@@ -49,6 +49,7 @@ REFUSED = {
 # Flags whose effect the model cannot know in advance: the prediction is made without it, and says so.
 NOTED = {"post_local_sgd": "the steps before --post_local_sgd are data parallel; the prediction is of the local steps "
                            "after them",
+         "powersgd_hierarchical": "powersgd's allreduces are priced flat, not in two levels",
          "powersgd_start_step": "the steps before --powersgd_start_step send every gradient whole; the prediction is "
                                 "of the low-rank steps after it",
          "oktopk_threshold_every": "oktopk's re-estimations are priced as their share of a step at the default "
@@ -224,7 +225,7 @@ def simulate(args, defaults, say=print):
     say(memory_table(memory, name))
     if args.conv_autotune is not False:  # None: the run's default, env.conv_autotune(), measures
         print(f"pydtnn: --simulate: {NOTED['conv_autotune']}", file=sys.stderr, flush=True)
-    for flag in ("powersgd_start_step", "post_local_sgd"):
+    for flag in ("powersgd_start_step", "post_local_sgd", "powersgd_hierarchical"):
         if getattr(args, flag):
             print(f"pydtnn: --simulate: {NOTED[flag]}", file=sys.stderr, flush=True)
     if {"oktopk_threshold_every", "oktopk_repartition_every"} & set(getattr(args, "explicit", ())):

@@ -25,6 +25,11 @@ residuals staying zero. A compressed gradient sends r (n + m) entries instead of
 State: each rank's residual, and every Q (the same on every rank), which state_dict() lays out like the
 gradients: each compressed gradient's Q (m x r, at most its n m entries) at the start of its span, zeros
 after. The step count, which decides the start, is the optimizer's (resume_at).
+
+hierarchical=True runs each of those allreduces in two levels, as the hierarchical reducer runs its buckets: summed
+into each node's leader, allreduced among the leaders, broadcast back in the node (nodes: the ranks that share
+memory, or blocks of ranks_per_node consecutive ranks), so only one rank per node sends the small P and Q over the
+network.
 """
 
 import itertools
@@ -33,6 +38,7 @@ import numpy as np
 
 from pydtnn.backends import array_module
 from pydtnn.distributed.reducers.base import Reducer, flat_buffer
+from pydtnn.distributed.reducers.hierarchical import node_comms
 from pydtnn.distributed.reducers.layout import powersgd_counts, powersgd_matrices
 from pydtnn.errors import ConfigError
 
@@ -43,7 +49,8 @@ class PowerSGDReducer(Reducer):
     name = "powersgd"
     shared_state = ("q",)  # identical on every rank: a resume at another process count gives every rank row 0
 
-    def __init__(self, comm, rank=4, start_step=0, min_compression_rate=2.0, compression="none", progress="test"):
+    def __init__(self, comm, rank=4, start_step=0, min_compression_rate=2.0, hierarchical=False, ranks_per_node=None,
+                 compression="none", progress="test"):
         if int(rank) != rank or rank < 1:
             raise ConfigError(f"powersgd rank must be a whole number >= 1, got {rank!r}")
         if int(start_step) != start_step or start_step < 0:
@@ -54,6 +61,8 @@ class PowerSGDReducer(Reducer):
         self.rank, self.start_step = int(rank), int(start_step)
         self.min_compression_rate = float(min_compression_rate)
         self.step = 0
+        self.hierarchical = bool(hierarchical)
+        self.node, self.leaders = node_comms(comm, ranks_per_node) if hierarchical else (None, None)
 
     def setup(self):
         self.names = [n for n, _ in self.gradients]
@@ -69,6 +78,18 @@ class PowerSGDReducer(Reducer):
         self.first = xp.empty(first, self.buf.dtype)  # [every P | the gradients sent whole]
         self.second = xp.empty(second, self.buf.dtype)  # every Q
         self.residual = xp.zeros_like(self.buf)
+
+    def _reduce(self, buf, label):
+        """The allreduce of buf: flat, or with hierarchical in two levels (node, leaders, node), piece by piece."""
+        if self.node is None:
+            return super()._reduce(buf, label)
+        self.bytes_reduced += buf.nbytes
+        for piece in self._pieces(buf):
+            self.node.ireduce(piece, 0, label).wait()
+            if self.leaders is not None:
+                self.leaders.allreduce(piece, label)
+            self.node.ibcast(piece, 0, label).wait()
+        return buf
 
     def resume_at(self, step):
         """The run resumes after `step` updates (the optimizer's count): the start is counted from there."""
