@@ -117,6 +117,7 @@ def test_oktopk_at_density_one_equals_one_process(single, tmp_path, n):  # noqa:
     assert_same_parameters(single, tmp_path, ("oktopk",), what=f"np={n}")
 
 
+@pytest.mark.slow
 def test_oktopk_bytes_per_process_stay_flat_where_topks_grow(tmp_path):
     """At density 0.01 of 60,007 entries (k = 601), over 5 steps of independent draws (the thresholds estimated at
     the first, then again only where they drift): each process sends between 2k (P - 1) / P entries of 16 bytes and

@@ -31,7 +31,8 @@ def _relative(a, b):
     return max(np.abs(a[k].astype(np.float64) - b[k]).max() / np.abs(b[k]).max() for k in b)
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3])
 def test_stale_reduction_at_n_processes_equals_one_process_and_differs_from_no_delay(alone, tmp_path, n):
     r = launch(n, tmp_path, "--strategies", "stale")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -43,6 +44,7 @@ def test_stale_reduction_at_n_processes_equals_one_process_and_differs_from_no_d
         assert _relative(want, undelayed) > 1e-3  # one step stale is another algorithm
 
 
+@pytest.mark.slow
 def test_staleness_zero_is_the_default_bit_for_bit(tmp_path):
     from safetensors.numpy import load_file
 
