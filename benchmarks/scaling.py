@@ -19,7 +19,9 @@ P * batch / the median step time after `--warmup` steps. Scaling efficiency = th
 Strategies: pydtnn `blocking`, `per_layer`, `bucketed` (pydtnn.distributed.reducers, default options)
 and `none` (no gradient reduction at all: every rank trains alone; the compute-only ceiling of data
 parallelism on this machine); with --strategies also `hierarchical` (--ranks_per_node), `topk:D` (density
-D), `fp16` (bucketed, fp16 on the wire), and any of them with `+thread` (outstanding allreduces progressed
+D), `oktopk:D` (Ok-Topk, density D), `powersgd:R` (rank R), `local_sgd:H` (the replicas averaged every H steps:
+its step time is the mean over the timed steps, not the median, so give --steps a multiple of H), `stale` (--reduction_staleness 1),
+`fp16` (bucketed, fp16 on the wire), and any of them with `+thread` (outstanding allreduces progressed
 by a helper thread, progress="thread") or `+mpich` (the same reducer in a separate job whose environment
 has MPIR_CVAR_ASYNC_PROGRESS=1: MPICH's own progress thread).
 
@@ -75,8 +77,12 @@ def parse_strategy(spec, ranks_per_node=0):
     options = {}
     if name == "fp16":
         name, options["compression"] = "bucketed", "fp16"
-    if name == "topk":
+    if name in ("topk", "oktopk"):
         options["density"] = float(arg or 0.01)
+    if name == "powersgd":
+        options["rank"] = int(arg or 4)
+    if name == "local_sgd":
+        options["every"] = int(arg or 4)
     if name == "hierarchical" and ranks_per_node:
         options["ranks_per_node"] = ranks_per_node
     if progress == "thread":
@@ -143,10 +149,11 @@ def pydtnn_worker(args):
             else:
                 every = local[None]
             if rank == 0:
-                step = median_of_slowest(every[:, 0])
+                mean = float(np.mean(np.max(every[:, 0], axis=0)))  # local SGD: its averages every H steps counted
+                step = mean if kind == "local_sgd" else median_of_slowest(every[:, 0])
                 rec = {"lib": "pydtnn", "model": name, "strategy": strategy, "np": size, "batch": args.batch,
                        "params": model.count_params(), "step_s": step, "samples_per_s": size * args.batch / step,
-                       "steps": args.steps}
+                       "steps": args.steps, "step_mean_s": mean}
                 for j, c in enumerate(cats, 1):
                     rec[f"{c}_s"] = median_of_slowest(every[:, j])
                 # exposed communication: per step, the time the last rank to arrive spends in reducer.finish()
@@ -713,9 +720,10 @@ def main():
         p.error(f"--nodes 2 --nps {args.nps}: every process count above 1 must be even (half on each node)")
     for spec in args.strategies.split(","):
         kind = parse_strategy(spec)[0]
-        if kind != "none" and kind not in ("blocking", "per_layer", "bucketed", "hierarchical", "topk"):
-            p.error(f"--strategies: {spec!r}; expected none, blocking, per_layer, bucketed, hierarchical, topk:D or "
-                    "fp16, optionally +thread or +mpich")
+        if kind != "none" and kind not in ("blocking", "per_layer", "bucketed", "hierarchical", "topk", "oktopk",
+                                           "powersgd", "local_sgd", "stale"):
+            p.error(f"--strategies: {spec!r}; expected none, blocking, per_layer, bucketed, hierarchical, topk:D, "
+                    "oktopk:D, powersgd:R, local_sgd:H, stale or fp16, optionally +thread or +mpich")
     if args.from_json:
         saved = merged(args.from_json)
         run = argparse.Namespace(**saved["args"])

@@ -217,3 +217,15 @@ def test_zero_sweeps_every_scheme_with_the_stage_and_its_refusal_comes_first(tmp
             "--zero 1 with --reduction topk")
     refused(capsys, ["--zero", "2", "--progress", "thread", "--out_dir", str(tmp_path / "none")],
             "--zero 2 reduce-scatters the gradients itself", "--reduction_progress thread")
+
+
+@pytest.mark.parametrize("reduction, option, values", [("powersgd", "rank", (1, 16)), ("local_sgd", "every", (1, 8))])
+def test_the_lossy_reducers_options_reach_every_point(reduction, option, values):
+    """--rank and --local_sgd move the data scheme's communication as the reducers' own option does in predict."""
+    from pydtnn.perfmodel.sweep import scheme_step
+
+    _, model = build_model("vgg11bn_cifar10")
+    low, high = (scheme_step(model, "vgg11bn_cifar10", "data", 8, 8, machines.DEFAULT, reduction=reduction,
+                             **{option: v}) for v in values)
+    assert low.comm_s != high.comm_s
+    assert (low.comm_s < high.comm_s) == (reduction == "powersgd")  # a lower rank, or averages less often

@@ -345,6 +345,10 @@ def add_sweep(subparsers):
                         "(all the time: the reducers' progress thread, or a library that progresses on its own)")
     p.add_argument("--density", type=share, default=0.01,
                    help="--reduction topk, oktopk: the share of gradient entries selected, in (0, 1] (default 0.01)")
+    p.add_argument("--rank", type=positive_int, default=4,
+                   help="--reduction powersgd: the rank of each gradient matrix's approximation (default 4)")
+    p.add_argument("--local_sgd", type=positive_int, default=4,
+                   help="--reduction local_sgd: the steps between the replicas' averages (default 4)")
     p.add_argument("--micro_batches", type=positive_int, default=1,
                    help="micro-batches per step of the data, model and hybrid schemes (default 1)")
     p.add_argument("--pipeline_micro_batches", type=positive_int, default=8,
@@ -411,7 +415,8 @@ def run_sweep(args):
             name, model = build_model(given, data_from(args, given), args.num_classes,
                                       say=lambda line: bar.write(f"{PROG}: {line}", file=sys.stderr))
             mine = sweep.sweep(model, name, machine, baseline, axes, points=args.points, on_point=bar.update,
-                               density=args.density, micro_batches=args.micro_batches, recompute=args.recompute,
+                               density=args.density, rank=args.rank, every=args.local_sgd,
+                               micro_batches=args.micro_batches, recompute=args.recompute,
                                pipeline_micro_batches=args.pipeline_micro_batches, zero=args.zero, **options)
             del model
             bar.write(f"wrote {sweep.plot(mine, figure, machine, baseline, **options)}", file=sys.stdout)

@@ -168,9 +168,10 @@ def setting(axis, value, machine, baseline):
 
 def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algorithm="ring", progress="test",
           points=None, on_point=None, density=None, micro_batches=1, recompute="none", pipeline_micro_batches=8,
-          zero=0):
+          zero=0, rank=None, every=None):
     """[Point] of `model` (built once, on a CPU backend) for every scheme and every value of every axis.
-    reduction, algorithm, progress, density, micro_batches, recompute, zero (ZeRO's stage over the replicas):
+    reduction, algorithm, progress, density (topk, oktopk), rank (powersgd), every (local_sgd), micro_batches, recompute,
+    zero (ZeRO's stage over the replicas):
     each point's plan's (predict.predict_plan; pipeline_micro_batches: the pipeline scheme's); on_point: called
     once per point computed. A machine's layer profile is set aside (the roofline throughout), since measured
     layers would not follow the rate and bandwidth axes."""
@@ -182,7 +183,8 @@ def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algor
                 m, nodes, batch = setting(axis, value, machine, baseline)
                 np_ = nodes * m.processes_per_node
                 p = scheme_step(model, name, scheme, batch, np_, m, reduction=reduction, algorithm=algorithm,
-                                progress=progress, density=density, recompute=recompute, zero=zero,
+                                progress=progress, density=density, recompute=recompute, zero=zero, rank=rank,
+                                every=every,
                                 micro_batches=pipeline_micro_batches if scheme == "pipeline" else micro_batches)
                 if on_point is not None:
                     on_point()
@@ -198,7 +200,7 @@ def sweep(model, name, machine, baseline, axes=AXES, reduction="bucketed", algor
 
 
 def scheme_step(model, name, scheme, batch, np_, machine, reduction="bucketed", algorithm="ring", progress="test",
-                density=None, micro_batches=1, recompute="none", zero=0):
+                density=None, micro_batches=1, recompute="none", zero=0, rank=None, every=None):
     """The prediction of one scheme's run plan at `batch` samples per process over np_ processes (the same global
     batch for every scheme; predict.predict_plan); None where the scheme cannot run (a layer with fewer
     channels than its group, a pipeline of fewer than 2 stages or more stages than layers, fewer samples than
@@ -210,7 +212,8 @@ def scheme_step(model, name, scheme, batch, np_, machine, reduction="bucketed", 
         lay = layout("hybrid" if np_ > group else "pipeline", np_, pipeline_stages=group)
     else:
         lay = layout("data" if group == 1 else "hybrid", np_, group if group > 1 else None)
-    plan = RunPlan(lay, batch * group, None, Reduction(reduction, "none", progress, {"density": density}),
+    own = {"density": density, "rank": rank, "every": every}
+    plan = RunPlan(lay, batch * group, None, Reduction(reduction, "none", progress, own),
                    accumulation_steps=min(micro_batches, batch * group), zero=zero)
     try:
         return predict_plan(model, plan, machine, algorithm=algorithm, name=name, recompute=recompute)
