@@ -59,9 +59,10 @@ def _sampled(sums, arrived, bounds, k):
 def reference(given, k, threshold_every, repartition_every):
     """Ok-Topk over every rank's gradients `given` [(steps, n) per rank], each weighted 1/P, as the algorithm reads:
     per rank the accumulation (residual + weighted gradient) and its entries at or above the local threshold (the
-    k-th largest magnitude, estimated every threshold_every steps or when the old one selects fewer than k / 2 or more
-    than 2k); their sum over the ranks in rank order; the sums at or above the global threshold (sampled from each
-    region, estimated every threshold_every steps or after a step that kept fewer than k / 2 or more than 2k) kept;
+    k-th largest magnitude, estimated every threshold_every steps or when the old one selects fewer than 0.8k or
+    more than 1.25k); their sum over the ranks in rank order; the sums at or above the global threshold (sampled
+    from each region, estimated every threshold_every steps or after a step that kept fewer than 0.8k or more than
+    1.25k) kept;
     and each rank's residual cleared where it sent a kept entry. Returns ([result per step], [residual per rank])."""
     p, n = len(given), given[0].shape[1]
     residual = [np.zeros(n) for _ in range(p)]
@@ -72,7 +73,7 @@ def reference(given, k, threshold_every, repartition_every):
         sums, arrived, chosen = np.zeros(n), np.zeros(n, bool), []
         for r in range(p):
             idx = None if due else np.flatnonzero(np.abs(acc[r]) >= local[r])
-            if idx is None or not k // 2 <= idx.size <= 2 * k:
+            if idx is None or not 0.8 * k <= idx.size <= 1.25 * k:
                 local[r] = _kth(np.abs(acc[r]), k)
                 idx = np.flatnonzero(np.abs(acc[r]) >= local[r])
             sums[idx] += acc[r][idx]
@@ -83,7 +84,7 @@ def reference(given, k, threshold_every, repartition_every):
         if due or drift:
             global_th = _sampled(sums, arrived, bounds, k)
         kept = arrived & (np.abs(sums) >= global_th)
-        drift = not k // 2 <= kept.sum() <= 2 * k
+        drift = not 0.8 * k <= kept.sum() <= 1.25 * k
         results.append(np.where(kept, sums, 0.0))
         for r in range(p):
             acc[r][chosen[r][kept[chosen[r]]]] = 0

@@ -6,7 +6,7 @@ not sent yet; with momentum correction the velocity), k = ceil(density x size), 
 
 1. Local selection: the entries whose magnitude reaches the rank's local threshold, about k of them. The threshold
    is the k-th largest magnitude, found exactly when due and kept in between, unless it then selects fewer than
-   k / 2 or more than 2k entries (a rank's own decision: no message).
+   0.8k or more than 1.25k entries (DRIFT; a rank's own decision: no message).
 2. Split and reduce: the index range is cut into P regions that each hold about k / P of the selected entries (the
    boundaries: every rank's quantiles of its selected indices, averaged in one small allreduce when due). Each
    rank sends the selected entries of region j to rank j in one alltoallv (MPICH posts them to rotating
@@ -14,8 +14,8 @@ not sent yet; with momentum correction the velocity), k = ceil(density x size), 
 3. Global selection: of its region's sums, rank j keeps those whose magnitude reaches the global threshold, an
    estimate of the k-th largest of all regions' sums: every rank sends every P-th of its region's k largest
    magnitudes (about k values in all, whatever P), and the sample at which the values they stand for (P each)
-   reach k is the threshold. It is estimated when due, and after a step that kept fewer than k / 2 or more than 2k
-   entries in all (every rank knows the total from the gather's counts).
+   reach k is the threshold. It is estimated when due, and after a step that kept fewer than 0.8k or more than
+   1.25k entries in all (every rank knows the total from the gather's counts).
 4. Balanced gather: one allgatherv of every region's kept entries (about k / P each), so every rank holds the same
    sparse sum, which becomes the gradients.
 
@@ -24,8 +24,9 @@ what it did not select, and what it selected that the global selection dropped, 
 
 Bytes a process sends per step (sent_bytes, counted as the collectives send them: a ring allgather passes on every
 block but its successor's): about k (P - 1) / P entries in the split and as many in the gather, each an int64 index
-and a value, so at most 2k entries whatever P, where topk's allgather sends k (P - 1). The local threshold's drift
-lets a rank select up to 2k, so up to 4k (P - 1) / P in all, under the paper's bound of 6k (P - 1) / P.
+and a value, so about 2k entries whatever P, where topk's allgather sends k (P - 1). The thresholds' drift lets
+a rank select up to 1.25k and the regions keep up to 1.25k, so up to 2.5k (P - 1) / P plus the regions' imbalance,
+under the paper's bound of 6k (P - 1) / P.
 
 When due: the thresholds at the first step of each epoch and every threshold_every steps after it; the region
 boundaries at the first step of each epoch and every repartition_every steps after it. A checkpoint is written at
@@ -40,6 +41,8 @@ import numpy as np
 
 from pydtnn.distributed.reducers.topk import TopKReducer, largest
 from pydtnn.errors import ConfigError
+
+DRIFT = (0.8, 1.25)  # a threshold that selects (or keeps) outside these multiples of k is estimated again
 
 
 def kth_largest(mag, k, sample=None):
@@ -79,7 +82,7 @@ class OkTopkReducer(TopKReducer):
         self.threshold_every, self.repartition_every = int(threshold_every), int(repartition_every)
         self.epoch_step = 0  # steps since the epoch began: the re-estimations follow it
         self.local_threshold = self.global_threshold = self.bounds = None
-        self.global_drift = False  # the last step kept fewer than k / 2 or more than 2k: estimate again
+        self.global_drift = False  # the last step kept outside DRIFT's multiples of k: estimate again
 
     def begin_epoch(self, epoch):
         super().begin_epoch(epoch)
@@ -89,6 +92,10 @@ class OkTopkReducer(TopKReducer):
         """Bytes this rank sends in an allgatherv of blocks of `counts` elements, as a ring sends them."""
         p, me = self.comm.size, self.comm.rank
         return (int(np.sum(counts)) - int(counts[(me + 1) % p])) * itemsize
+
+    def _within(self, count):
+        """Whether `count` entries are within DRIFT's multiples of k."""
+        return DRIFT[0] * self.k <= count <= DRIFT[1] * self.k
 
     def _counts(self, size, label):
         """Every rank's `size`, in rank order (an allgatherv of one int64 each)."""
@@ -159,7 +166,7 @@ class OkTopkReducer(TopKReducer):
         n, due = acc.size, self.epoch_step % self.threshold_every == 0
         mag = np.abs(acc)
         idx = None if self.local_threshold is None or due else np.flatnonzero(mag >= self.local_threshold)
-        if idx is None or not self.k // 2 <= idx.size <= 2 * self.k:  # due, or drifted: this rank's alone
+        if idx is None or not self._within(idx.size):  # due, or drifted: this rank's decision alone
             self.local_threshold = kth_largest(mag, self.k, self.sample)
             idx = np.flatnonzero(mag >= self.local_threshold)
         if self.bounds is None or self.epoch_step % self.repartition_every == 0:
@@ -172,7 +179,7 @@ class OkTopkReducer(TopKReducer):
             self.global_threshold = self._global_threshold(smag)
         kept = smag >= self.global_threshold
         counts = self._counts(int(kept.sum()), "oktopk kept counts")
-        self.global_drift = not self.k // 2 <= int(counts.sum()) <= 2 * self.k  # every rank knows: the next estimates
+        self.global_drift = not self._within(int(counts.sum()))  # every rank knows the total: all estimate next
         all_idx = self._gather(arrived[kept], counts, np.int64, "oktopk kept indices")
         all_val = self._gather(sums[kept], counts, acc.dtype, "oktopk kept values")
         self.bytes_reduced += int(idx.nbytes + vals.nbytes)
