@@ -142,6 +142,8 @@ def pydtnn_worker(args):
                     totals = tracer.totals()
                     for c in cats:
                         phase[c].append(totals.get(c, 0.0))
+            if reducer is not None:  # the stale reducer's last allreduce, local SGD's average: outside the timing
+                reducer.end_epoch(opt)
             local = np.array([steps] + [phase[c] for c in cats], np.float64)
             if size > 1:
                 every = np.empty((size,) + local.shape)

@@ -148,6 +148,9 @@ def stale_reduction(args):
         raise ConfigError(f"--reduction_staleness 1 reduces every gradient in one allreduce applied a step late; it "
                           f"replaces the gradient reduction, and {other} was given: leave {other} out, or give "
                           f"--reduction_staleness 0")
+    if args.reduction_staleness and args.parallel not in (None, "data", "sequential"):
+        raise ConfigError(f"--reduction_staleness 1 runs with data parallelism alone; got --parallel {args.parallel}: "
+                          f"give --parallel data, or --reduction_staleness 0")
     if args.reduction == "stale" and not args.reduction_staleness:
         raise ConfigError("--reduction stale needs --reduction_staleness 1 (the update of each step applies the "
                           "gradients of the step before)")

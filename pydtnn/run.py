@@ -241,8 +241,8 @@ def scaled_optimizer_options(args, family, world, mp_size):
 
 
 def check_reducer_flags(args, strategy):
-    """ConfigError where a topk, powersgd or local SGD flag is given to a run that reduces otherwise, or topk's
-    warm-up outlasts the run."""
+    """ConfigError where a topk, oktopk, powersgd, local SGD or staleness flag is given to a run that reduces
+    otherwise (one model replica included), or topk's warm-up outlasts the run."""
     for flag, given, wanted in (("--topk_selection", args.topk_selection != "global", "topk"),
                                 ("--density_warmup_epochs", bool(args.density_warmup_epochs), ("topk", "oktopk")),
                                 ("--oktopk_threshold_every", "oktopk_threshold_every" in args.explicit, "oktopk"),
@@ -252,12 +252,14 @@ def check_reducer_flags(args, strategy):
                                 ("--powersgd_hierarchical", args.powersgd_hierarchical, "powersgd"),
                                 ("--local_sgd", bool(args.local_sgd), "local_sgd"),
                                 ("--average", "average" in args.explicit, "local_sgd"),
-                                ("--post_local_sgd", "post_local_sgd" in args.explicit, "local_sgd")):
+                                ("--post_local_sgd", "post_local_sgd" in args.explicit, "local_sgd"),
+                                ("--reduction_staleness", bool(args.reduction_staleness), "stale")):
         wanted = (wanted,) if isinstance(wanted, str) else wanted
         if given and strategy not in wanted:
-            add = "--local_sgd H" if wanted == ("local_sgd",) else f"--reduction {' or '.join(wanted)}"
+            add = {"local_sgd": "add --local_sgd H and ", "stale": ""}.get(wanted[0],
+                                                                        f"add --reduction {' or '.join(wanted)} and ")
             raise ConfigError(f"{flag} applies to the {' or '.join(wanted)} reducer over several processes; this "
-                              f"run reduces with {strategy or 'nothing (one model replica)'}: add {add} and launch 2 or more "
+                              f"run reduces with {strategy or 'nothing (one model replica)'}: {add}launch 2 or more "
                               f"replicas, or leave {flag} out")
     if strategy in ("topk", "oktopk") and args.density_warmup_epochs > args.num_epochs:
         raise ConfigError(f"--density_warmup_epochs {args.density_warmup_epochs} is more than --num_epochs "
@@ -352,12 +354,12 @@ def momentum_correction(args, strategy, options):
                           f"run reduces with {strategy or 'no reducer (one process)'}: add --reduction topk (or "
                           "oktopk) and launch 2 or more processes")
     if args.optimizer != "sgd" or options.get("nesterov"):
-        raise ConfigError(f"--momentum_correction moves SGD's momentum into the topk reducer; got --optimizer "
+        raise ConfigError(f"--momentum_correction moves SGD's momentum into the {strategy} reducer; got --optimizer "
                           f"{args.optimizer}{' with --nesterov' if options.get('nesterov') else ''}: expected "
                           "--optimizer sgd without Nesterov")
     if not options.get("momentum"):
-        raise ConfigError("--momentum_correction moves SGD's momentum into the topk reducer, but --momentum is 0; "
-                          "expected a momentum in (0, 1)")
+        raise ConfigError(f"--momentum_correction moves SGD's momentum into the {strategy} reducer, but --momentum "
+                          "is 0; expected a momentum in (0, 1)")
     if options.get("weight_decay"):
         raise ConfigError(f"--momentum_correction with --decay {options['weight_decay']:g}: the decay would skip the "
                           "reducer's momentum; expected --decay 0")

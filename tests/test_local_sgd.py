@@ -84,7 +84,7 @@ def test_local_sgd_prices_one_average_every_h_steps():
     pytest.param(["--local_sgd", "2", "--zero", "1"], "local_sgd leaves each replica its own residual",
                  marks=pytest.mark.slow),
     pytest.param(["--reduction", "local_sgd"], "--reduction local_sgd needs --local_sgd H", marks=pytest.mark.slow),
-    pytest.param(["--parallel", "auto", "--local_sgd", "2"], "--parallel auto chooses --local_sgd itself",
+    pytest.param(["--parallel", "auto", "--local_sgd", "2"], "--parallel auto chooses the layout and its reduction; --local_sgd 2 replaces",
                  marks=pytest.mark.slow),
 ])
 def test_local_sgd_refuses_what_it_cannot_take_in_one_line(tmp_path, flags, words):

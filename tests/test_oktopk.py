@@ -37,6 +37,11 @@ def _kth(values, k):
     return -np.inf if k >= values.size else np.sort(values)[::-1][k - 1]
 
 
+def _passing(mag, threshold):
+    """The entries at or above threshold; above it where it is 0 (zeros are not sent)."""
+    return np.flatnonzero(mag > 0 if threshold == 0 else mag >= threshold)
+
+
 def _bounds(chosen, n):
     """The regions' boundaries: the average over the ranks of each rank's P-quantiles of its chosen indices."""
     p = len(chosen)
@@ -46,14 +51,16 @@ def _bounds(chosen, n):
 
 def _sampled(sums, arrived, bounds, k):
     """The global threshold: the sample, of every P-th of each region's k largest magnitudes (sorted), at which
-    the values they stand for (P each) reach k; -inf when no more than k sums arrived."""
+    the values they stand for (P each, and (P - 1) / 2 a region beyond) reach k; -inf when no more than k sums
+    arrived."""
     p, samples = len(bounds) - 1, []
     for j in range(p):
         mags = np.sort(np.abs(sums[bounds[j]:bounds[j + 1]][arrived[bounds[j]:bounds[j + 1]]]))[::-1][:k]
         samples += mags[p - 1::p].tolist()
     if arrived.sum() <= k:
         return -np.inf
-    return sorted(samples, reverse=True)[min(len(samples), -(-k // p)) - 1]
+    m = max(1, round((k - p * (p - 1) / 2) / p))  # m samples and (P - 1) / 2 a region beyond them: about k
+    return sorted(samples, reverse=True)[min(len(samples), m) - 1]
 
 
 def reference(given, k, threshold_every, repartition_every):
@@ -72,10 +79,10 @@ def reference(given, k, threshold_every, repartition_every):
         acc = [residual[r] + given[r][step] / p for r in range(p)]
         sums, arrived, chosen = np.zeros(n), np.zeros(n, bool), []
         for r in range(p):
-            idx = None if due else np.flatnonzero(np.abs(acc[r]) >= local[r])
+            idx = None if due else _passing(np.abs(acc[r]), local[r])
             if idx is None or not 0.8 * k <= idx.size <= 1.25 * k:
                 local[r] = _kth(np.abs(acc[r]), k)
-                idx = np.flatnonzero(np.abs(acc[r]) >= local[r])
+                idx = _passing(np.abs(acc[r]), local[r])
             sums[idx] += acc[r][idx]
             arrived[idx] = True
             chosen.append(idx)
@@ -83,7 +90,8 @@ def reference(given, k, threshold_every, repartition_every):
             bounds = _bounds(chosen, n)
         if due or drift:
             global_th = _sampled(sums, arrived, bounds, k)
-        kept = arrived & (np.abs(sums) >= global_th)
+        kept = np.zeros(n, bool)
+        kept[_passing(np.where(arrived, np.abs(sums), -1.0), global_th)] = True
         drift = not 0.8 * k <= kept.sum() <= 1.25 * k
         results.append(np.where(kept, sums, 0.0))
         for r in range(p):
@@ -143,7 +151,7 @@ def test_oktopk_messages_are_those_the_model_prices():
     counts = [40000, 100]
     sent = oktopk_messages(counts, 4, 1 << 24, 0.01, 32, 64, 4)  # k = 401
     assert [(m.collective, m.nbytes) for m in sent] == [
-        ("allreduce", 1), ("allgather", 13), ("allgather", 32), ("alltoall", 401 * 8), ("alltoall", 401 * 4),
+        ("allreduce", 1), ("allgather", 13), ("alltoall", 32), ("alltoall", 401 * 8), ("alltoall", 401 * 4),
         ("allgather", 8), ("allgather", 101 * 8), ("allgather", 101 * 4)]
     priced = reducers.messages("oktopk", counts, 4, replicas=4, density=0.01)
     assert [m.nbytes for m in priced] == [m.nbytes for m in sent]

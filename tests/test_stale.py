@@ -92,6 +92,9 @@ def test_the_model_hides_the_stale_reduction_behind_the_next_steps_compute(gbit)
     pytest.param(["--reduction_staleness", "1", "--gradient_compression", "fp16"], "stale reducer: compression 'fp16'",
                  marks=pytest.mark.slow),
     pytest.param(["--reduction", "stale"], "--reduction stale needs --reduction_staleness 1", marks=pytest.mark.slow),
+    pytest.param(["--reduction_staleness", "1", "--parallel", "model"], "--reduction_staleness applies to the stale "
+                 "reducer over several processes; this run reduces with nothing (one model replica)",
+                 marks=pytest.mark.slow),
 ])
 def test_staleness_refuses_what_it_cannot_take_in_one_line(tmp_path, flags, words):
     refused_in_one_line(tmp_path, flags, words)

@@ -6,6 +6,7 @@
         loss.forward(model.forward(x), y)
         model.backward(loss.backward())       # reductions start as layers finish
         opt.step()                            # waits, averages, updates
+    opt.end_epoch()                           # the stale reducer's last gradients, local SGD's average
 """
 
 from pydtnn.distributed import reducers
@@ -43,12 +44,23 @@ class DistributedOptimizer:
             self.reducer.begin_step(weight)
 
     def step(self):
-        """Wait for the reduction (unless synchronize() did), then the wrapped optimizer's step."""
-        reduce_and_update(self.optimizer, None if self._synchronized else self.reducer)
-        if self._synchronized and self.reducer is not None:
-            self.reducer.after_update(self.optimizer)  # local SGD counts its steps (and averages) here too
+        """Wait for the reduction (unless synchronize() did), then the wrapped optimizer's step (none where the
+        reducer has no update yet: the stale reducer's first step)."""
+        if not self._synchronized:
+            reduce_and_update(self.optimizer, self.reducer)
+        else:
+            if self.reducer is None or self.reducer.has_update:
+                self.optimizer.step()
+            if self.reducer is not None:
+                self.reducer.after_update(self.optimizer)  # local SGD counts its steps (and averages) here too
         self._synchronized = False
         self.set_weight(1 / self.comm.size)
+
+    def end_epoch(self):
+        """Call at the end of each epoch (and of training), on every rank: the stale reducer applies its last
+        step's gradients, local SGD averages the replicas; nothing for the other reducers."""
+        if self.reducer is not None:
+            self.reducer.end_epoch(self.optimizer)
 
     @property
     def lr(self):

@@ -31,7 +31,11 @@ def check_flags(args):
     """ConfigError where a flag that --parallel auto decides was given."""
     from pydtnn.perfmodel.planner import LAYOUT_FLAGS
 
-    for flag in (*LAYOUT_FLAGS[1:], "local_sgd", "reduction_staleness"):  # they replace the reduction auto chooses
+    for flag in ("local_sgd", "reduction_staleness"):  # they replace the reduction that auto chooses
+        if getattr(args, flag):
+            raise ConfigError(f"--parallel auto chooses the layout and its reduction; --{flag} {getattr(args, flag)} "
+                              f"replaces the reduction: leave --{flag} out, or name the layout (--parallel data)")
+    for flag in LAYOUT_FLAGS[1:]:
         if flag in args.explicit:
             raise ConfigError(f"--parallel auto chooses --{flag} itself, but --{flag} {getattr(args, flag)} was "
                               f"given; leave --{flag} out, or name the layout (--parallel data, model, hybrid or "

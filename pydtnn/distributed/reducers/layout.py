@@ -112,14 +112,14 @@ def topk_messages(counts, itemsize, piece_bytes, density, selection):
 def oktopk_messages(counts, itemsize, piece_bytes, density, threshold_every, repartition_every, replicas):
     """Ok-Topk's collectives after backward (OkTopkReducer.finish) over `replicas` ranks, k from topk_counts: the
     boundaries' allreduce (P - 1 float64) and the gathered magnitudes (every P-th of k from each, with their count) as
-    their share of a step (once every repartition_every and threshold_every steps); the split's counts (P int64 each)
-    and its two alltoalls (k int64 indices, k values); the kept counts (one int64) and the balanced gather of
+    their share of a step (once every repartition_every and threshold_every steps); the split's counts (an alltoall of
+    one int64 to each rank) and its two alltoalls (k int64 indices, k values); the kept counts (one int64) and the balanced gather of
     about k / P indices and values from each rank."""
     k = sum(topk_counts(counts, density, "global"))
     share = math.ceil(k / replicas)
     return [Message("allreduce", None, math.ceil(8 * (replicas - 1) / repartition_every)),
             Message("allgather", None, math.ceil((8 + share * itemsize) / threshold_every)),
-            Message("allgather", None, 8 * replicas),
+            Message("alltoall", None, 8 * replicas),
             Message("alltoall", None, k * 8), Message("alltoall", None, k * itemsize),
             Message("allgather", None, 8),
             Message("allgather", None, share * 8), Message("allgather", None, share * itemsize)]

@@ -13,8 +13,8 @@ not sent yet; with momentum correction the velocity), k = ceil(density x size), 
    destinations: rank r to r + 1, r + 2, ...), and rank j sums what arrives, in rank order.
 3. Global selection: of its region's sums, rank j keeps those whose magnitude reaches the global threshold, an
    estimate of the k-th largest of all regions' sums: every rank sends every P-th of its region's k largest
-   magnitudes (about k values in all, whatever P), and the sample at which the values they stand for (P each)
-   reach k is the threshold. It is estimated when due, and after a step that kept fewer than 0.8k or more than
+   magnitudes (about k values in all, whatever P), and the sample at which the values they stand for (P each, and
+   about (P - 1) / 2 a region beyond its last sample) reach k is the threshold. It is estimated when due, and after a step that kept fewer than 0.8k or more than
    1.25k entries in all (every rank knows the total from the gather's counts).
 4. Balanced gather: one allgatherv of every region's kept entries (about k / P each), so every rank holds the same
    sparse sum, which becomes the gradients.
@@ -24,9 +24,11 @@ what it did not select, and what it selected that the global selection dropped, 
 
 Bytes a process sends per step (sent_bytes, counted as the collectives send them: a ring allgather passes on every
 block but its successor's): about k (P - 1) / P entries in the split and as many in the gather, each an int64 index
-and a value, so about 2k entries whatever P, where topk's allgather sends k (P - 1). The thresholds' drift lets
-a rank select up to 1.25k and the regions keep up to 1.25k, so up to 2.5k (P - 1) / P plus the regions' imbalance,
-under the paper's bound of 6k (P - 1) / P.
+and a value, so about 2k entries whatever P, where topk's allgather sends k (P - 1). Typically no more than
+2.5k (P - 1) / P: the thresholds' drift lets a rank select up to 1.25k and the regions keep up to 1.25k before
+they are estimated again (a step whose global threshold drifted keeps what it keeps: the next step corrects it),
+plus the regions' imbalance, the counts (one int64 to each rank) and, when due, the boundaries (P - 1 float64 in an
+allreduce) and the magnitudes (about k / P from each rank). The paper bounds its version at 6k (P - 1) / P.
 
 When due: the thresholds at the first step of each epoch and every threshold_every steps after it; the region
 boundaries at the first step of each epoch and every repartition_every steps after it. A checkpoint is written at
@@ -52,14 +54,22 @@ def kth_largest(mag, k, sample=None):
     return mag[largest(mag, k, sample)].min()
 
 
+def passing(mag, threshold):
+    """Indices (ascending) of the magnitudes at or above threshold; above it where it is 0 (fewer than k nonzero
+    entries: the zeros are not sent)."""
+    return np.flatnonzero(mag > 0 if threshold == 0 else mag >= threshold)
+
+
 def sampled_threshold(samples, stride, total, k):
-    """The k-th largest of `total` values estimated from `samples`, every stride-th of each rank's largest in
-    descending order (each stands for `stride` values at or above it): the sample at which the count they stand for
-    reaches k; -inf when total <= k (everything passes)."""
+    """The k-th largest of `total` values estimated from `samples`, every stride-th of each of `stride` ranks' largest
+    in descending order (each stands for `stride` values at or above it): the m-th largest sample, where the m
+    samples stand for m x stride values and the values between a rank's last sample above the threshold and the
+    threshold, (stride - 1) / 2 a rank on average, make up the rest of k; -inf when total <= k (everything passes)."""
     if total <= k:
         return -np.inf
     ordered = np.sort(samples)[::-1]
-    return ordered[min(ordered.size, -(-k // stride)) - 1] if ordered.size else -np.inf
+    m = max(1, round((k - stride * (stride - 1) / 2) / stride))
+    return ordered[min(ordered.size, m) - 1] if ordered.size else -np.inf
 
 
 def region_bounds(quantiles, n):
@@ -127,17 +137,15 @@ class OkTopkReducer(TopKReducer):
         """Send the selected entries (idx sorted, vals) of region j to rank j; sum what arrives into this rank's
         region of self.buf, in rank order. Returns the indices that arrived (sorted, unique)."""
         p, me = self.comm.size, self.comm.rank
-        cut = np.searchsorted(idx, self.bounds)
-        send_counts = np.diff(cut)
-        every = np.empty(p * p, np.int64)
-        self.comm.allgatherv(send_counts, every, [p] * p, "oktopk counts")
-        recv_counts = every.reshape(p, p)[:, me]
+        send_counts = np.diff(np.searchsorted(idx, self.bounds))
+        recv_counts = np.empty(p, np.int64)
+        self.comm.alltoallv(send_counts, [1] * p, recv_counts, [1] * p, "oktopk counts")
         got_idx = np.empty(int(recv_counts.sum()), np.int64)
         got_val = np.empty(got_idx.size, vals.dtype)
         self.comm.alltoallv(idx, send_counts, got_idx, recv_counts, "oktopk indices")
         self.comm.alltoallv(vals, send_counts, got_val, recv_counts, "oktopk values")
         away = int(send_counts.sum() - send_counts[me])
-        self.sent_bytes += self._sent_gather(np.full(p, p), 8) + away * (8 + vals.itemsize)
+        self.sent_bytes += (p - 1) * 8 + away * (8 + vals.itemsize)
         lo, hi = int(self.bounds[me]), int(self.bounds[me + 1])
         region = self.buf[lo:hi]
         region[...] = 0
@@ -165,10 +173,10 @@ class OkTopkReducer(TopKReducer):
         acc = self._accumulate()
         n, due = acc.size, self.epoch_step % self.threshold_every == 0
         mag = np.abs(acc)
-        idx = None if self.local_threshold is None or due else np.flatnonzero(mag >= self.local_threshold)
+        idx = None if self.local_threshold is None or due else passing(mag, self.local_threshold)
         if idx is None or not self._within(idx.size):  # due, or drifted: this rank's decision alone
             self.local_threshold = kth_largest(mag, self.k, self.sample)
-            idx = np.flatnonzero(mag >= self.local_threshold)
+            idx = passing(mag, self.local_threshold)
         if self.bounds is None or self.epoch_step % self.repartition_every == 0:
             self.bounds = self._repartition(idx, n)
         vals = acc[idx]
@@ -177,7 +185,7 @@ class OkTopkReducer(TopKReducer):
         smag = np.abs(sums)
         if due or self.global_drift:
             self.global_threshold = self._global_threshold(smag)
-        kept = smag >= self.global_threshold
+        kept = (smag > 0) if self.global_threshold == 0 else (smag >= self.global_threshold)
         counts = self._counts(int(kept.sum()), "oktopk kept counts")
         self.global_drift = not self._within(int(counts.sum()))  # every rank knows the total: all estimate next
         all_idx = self._gather(arrived[kept], counts, np.int64, "oktopk kept indices")

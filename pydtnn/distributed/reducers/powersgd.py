@@ -33,6 +33,7 @@ network.
 """
 
 import itertools
+import time
 
 import numpy as np
 
@@ -61,6 +62,12 @@ class PowerSGDReducer(Reducer):
         self.rank, self.start_step = int(rank), int(start_step)
         self.min_compression_rate = float(min_compression_rate)
         self.step = 0
+        if ranks_per_node and not hierarchical:
+            raise ConfigError("powersgd: ranks_per_node applies to its reduction in two levels; give "
+                              "--powersgd_hierarchical true, or leave --ranks_per_node out")
+        if hierarchical and comm.device != "cpu":
+            raise ConfigError(f"powersgd in two levels (--powersgd_hierarchical) reduces host arrays over MPI; this "
+                              f"run's communicator is {comm.name}: leave --powersgd_hierarchical out on a GPU")
         self.hierarchical = bool(hierarchical)
         self.node, self.leaders = node_comms(comm, ranks_per_node) if hierarchical else (None, None)
 
@@ -84,11 +91,16 @@ class PowerSGDReducer(Reducer):
         if self.node is None:
             return super()._reduce(buf, label)
         self.bytes_reduced += buf.nbytes
+        start = time.perf_counter_ns()
         for piece in self._pieces(buf):
             self.node.ireduce(piece, 0, label).wait()
             if self.leaders is not None:
                 self.leaders.allreduce(piece, label)
             self.node.ibcast(piece, 0, label).wait()
+        if self.tracer is not None:
+            end = time.perf_counter_ns()
+            self.tracer.add(label, "allreduce", start, end, tid=2, bytes=int(buf.nbytes))
+            self.tracer.add(label, "blocking", start, end, tid=1)
         return buf
 
     def resume_at(self, step):
