@@ -37,6 +37,9 @@ cut into pieces of at most reducers/base.py's PIECE_BYTES as the reducer cuts it
   started when its last gradient is ready; hierarchical: the same buckets, each reduced in two levels;
 - topk: after backward, two allgathers of each replica's k indices (int64) and k values, after the
   selection's own passes over the gradients (step_parts.topk_selection_s).
+- oktopk: after backward, the split's counts and its two alltoalls of each replica's k indices and values
+  (priced as allgathers of k / P from each), the balanced gather of about k / P from each, and the estimates'
+  small messages at their share of a step (layout.oktopk_messages); its selection priced as topk's.
 - stale (--reduction_staleness 1): one allreduce of every gradient after backward, hidden behind the next step's
   forward and backward (all of it exposed where it would not progress during them: _unprogressed).
 - powersgd: after backward, two allreduces, of every compressed matrix's P with the gradients sent whole and
