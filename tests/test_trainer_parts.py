@@ -223,6 +223,8 @@ def test_a_non_finite_loss_stops_the_step_before_the_update():
 class Recorder:
     """A reducer, its communicator and an optimizer that record what is asked of them, in order."""
 
+    has_update = True
+
     def __init__(self):
         self.calls, self.comm = [], self
 
@@ -252,6 +254,9 @@ def test_reduce_and_update_waits_for_the_reduction_then_updates_and_distributed_
     assert r.calls == ["finish", "optimizer step", "after update", "replay", "finish", "optimizer step", "after update",
                        "optimizer step"]
     assert distributed_optimizer.reduce_and_update is step.reduce_and_update
+    r.calls, r.has_update = [], False  # the stale reducer's first step: reduced, nothing to apply yet
+    step.reduce_and_update(r, r)
+    assert r.calls == ["finish", "after update"]
 
 
 def test_sync_batchnorm_asks_every_layer_to_synchronize():
