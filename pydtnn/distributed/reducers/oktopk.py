@@ -77,7 +77,7 @@ def region_bounds(quantiles, n):
     values each, float64), averaged, kept in [0, n] and non-decreasing."""
     p = quantiles.size + 1
     cuts = np.maximum.accumulate(np.clip(np.floor(quantiles / p), 0, n).astype(np.int64))
-    return np.concatenate([[0], cuts, [n]]).astype(np.int64)
+    return np.concatenate([[0], cuts, [n]])
 
 
 class OkTopkReducer(TopKReducer):
@@ -185,8 +185,8 @@ class OkTopkReducer(TopKReducer):
         smag = np.abs(sums)
         if due or self.global_drift:
             self.global_threshold = self._global_threshold(smag)
-        kept = (smag > 0) if self.global_threshold == 0 else (smag >= self.global_threshold)
-        counts = self._counts(int(kept.sum()), "oktopk kept counts")
+        kept = passing(smag, self.global_threshold)
+        counts = self._counts(kept.size, "oktopk kept counts")
         self.global_drift = not self._within(int(counts.sum()))  # every rank knows the total: all estimate next
         all_idx = self._gather(arrived[kept], counts, np.int64, "oktopk kept indices")
         all_val = self._gather(sums[kept], counts, acc.dtype, "oktopk kept values")
