@@ -72,15 +72,28 @@ def zero_configs(quick=False):
             ("vgg11bn_cifar10", 32, "adam", 1, 3, 4), ("mobilenetv1_cifar10", 32, "sgd_momentum", 2, 3, 4)]
 
 
-def measure_parallel(model, batch, optimizer, micro_batches, m, stages, schedule, env, zero=0, replicas=1):
+def reducer_configs(quick=False):
+    """(model, batch per replica, optimizer, reducer SPEC (memory_worker.reduction_of), replicas): the reducers
+    that keep state across steps, and the bucketed one beside them: 9 (2 with --quick)."""
+    if quick:
+        return [("simplecnn", 8, "sgd_momentum", "topk:density=0.01", 2), ("simplecnn", 8, "sgd_momentum", "stale", 2)]
+    return [("simplecnn", 8, "sgd_momentum", spec, 2) for spec in
+            ("bucketed", "bucketed:compression=fp16", "topk:density=0.01", "topk:density=0.01,momentum=0.9",
+             "oktopk:density=0.01", "powersgd:rank=4", "stale", "local_sgd:every=2")] + [
+            ("vgg11bn_cifar10", 8, "sgd_momentum", "powersgd:rank=4", 2)]
+
+
+def measure_parallel(model, batch, optimizer, micro_batches, m, stages, schedule, env, zero=0, replicas=1,
+                     reduction="bucketed"):
     """[each process's measured peak bytes] of a layout of m x stages processes, or of `replicas` data-parallel
-    ones (sharded by ZeRO stage `zero`, where given) (benchmarks/memory_worker.py)."""
+    ones (sharded by ZeRO stage `zero`, where given; else reduced by the reducer SPEC `reduction`)
+    (benchmarks/memory_worker.py)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     n = replicas if zero or replicas > 1 else m * stages
     r = subprocess.run([mpiexec, "-n", str(n), sys.executable, os.path.join(HERE, "memory_worker.py"),
                         model, str(batch), "--optimizer", optimizer, "--micro_batches", str(micro_batches),
                         "--model_parallel_size", str(m), "--stages", str(stages), "--schedule", schedule,
-                        "--zero", str(zero), "--replicas", str(replicas)],
+                        "--zero", str(zero), "--replicas", str(replicas), "--reduction", reduction],
                        capture_output=True, text=True, env=env, timeout=900, check=True)
     peaks = {}
     for line in r.stdout.split("peak ")[1:]:  # ranks' lines may interleave
@@ -124,17 +137,23 @@ def measure(model_name, batch, optimizer, micro_batches, recompute):
 
 
 def predicted(model_name, batch, optimizer, micro_batches, recompute, m=1, stages=1, schedule="1f1b", zero=0,
-              replicas=1):
+              replicas=1, reduction=None):
+    """predict_memory's Memory of a configuration; reduction: a reducer SPEC over the replicas (None: none)."""
     import numpy as np
 
+    from memory_worker import reduction_of
     from pydtnn import models
     from pydtnn.backends import CPUBackend
     from pydtnn.perfmodel.memory import predict_memory
+    from pydtnn.plan import Reduction
 
     shape, classes = models.defaults(model_name)
     model = models.create(model_name, input_shape=shape, num_classes=classes, backend=CPUBackend(np.float32, seed=0))
+    if reduction is not None:
+        name, options = reduction_of(reduction)
+        reduction = Reduction(name, options.pop("compression", "none"), "test", options)
     return predict_memory(model, batch, OPTIMIZERS[optimizer], micro_batches, recompute, pipeline_stages=stages,
-                          schedule=schedule, model_parallel_size=m, zero=zero, replicas=replicas)
+                          schedule=schedule, model_parallel_size=m, zero=zero, replicas=replicas, reduction=reduction)
 
 
 def plot(rows, path, host):
@@ -169,20 +188,23 @@ def key(r):
     return r["model"], r["batch"], r["optimizer"], r["micro_batches"], r["recompute"], r["layout"]
 
 
-def layout_name(m, stages, schedule, zero=0, replicas=1):
-    """'one process', 'model 2', 'pipeline 2 (1f1b)', 'pipeline 2 (gpipe) x model 2', 'data 4, ZeRO 2'."""
+def layout_name(m, stages, schedule, zero=0, replicas=1, reduction=None):
+    """'one process', 'model 2', 'pipeline 2 (1f1b)', 'pipeline 2 (gpipe) x model 2', 'data 4, ZeRO 2',
+    'data 2, topk:density=0.01'."""
     if zero:
         return f"data {replicas}, ZeRO {zero}"
+    if reduction is not None:
+        return f"data {replicas}, {reduction}"
     parts = ([f"pipeline {stages} ({schedule})"] if stages > 1 else []) + ([f"model {m}"] if m > 1 else [])
     return " x ".join(parts) or "one process"
 
 
-def row(model, batch, opt, k, rc, m, stages, schedule, peaks, pred, zero=0):
+def row(model, batch, opt, k, rc, m, stages, schedule, peaks, pred, zero=0, reduction=None):
     """One configuration's JSON row (peaks: each process's measured bytes), printed as it is made."""
     meas = max(peaks)
     out = {"model": model, "batch": batch, "optimizer": opt, "micro_batches": k, "recompute": rc,
            "np": len(peaks), "model_parallel_size": m, "pipeline_stages": stages, "schedule": schedule, "zero": zero,
-           "layout": layout_name(m, stages, schedule, zero, len(peaks)), "measured_mib": meas / 2**20,
+           "layout": layout_name(m, stages, schedule, zero, len(peaks), reduction), "measured_mib": meas / 2**20,
            "per_process_mib": [v / 2**20 for v in peaks], "predicted_mib": pred.total / 2**20,
            "error": pred.total / meas - 1, "parts_mib": {n: v / 2**20 for n, v in pred.parts.items()}}
     print(f"{model} b{batch} {opt} M{k} {rc} {out['layout']}: measured {meas / 2**20:.1f} MiB, predicted "
@@ -192,7 +214,10 @@ def row(model, batch, opt, k, rc, m, stages, schedule, peaks, pred, zero=0):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="6 configurations")
+    p.add_argument("--quick", action="store_true", help="8 configurations")
+    p.add_argument("--only", choices=("one", "split", "zero", "reducers"), action="append",
+                   help="measure only these sets (repeatable): one process, split layers and pipelines, ZeRO, the "
+                        "data-parallel reducers (default: all)")
     p.add_argument("--out", help="the markdown table")
     p.add_argument("--json", help="every configuration, as JSON")
     p.add_argument("--plot", help="predicted against measured, a PNG")
@@ -219,7 +244,8 @@ def main(argv=None):
         return False
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    for config in configs(args.quick):
+    sets = set(args.only or ("one", "split", "zero", "reducers"))
+    for config in configs(args.quick) if "one" in sets else ():
         if measured((*config, "one process")):
             continue
         pred = predicted(*config)
@@ -227,27 +253,34 @@ def main(argv=None):
                            env=env, timeout=600, check=True)
         model, batch, opt, k, rc = config
         rows.append(row(model, batch, opt, k, rc, 1, 1, None, [int(r.stdout.strip().splitlines()[-1])], pred))
-    for model, batch, opt, k, m, stages, schedule in parallel_configs(args.quick):
+    for model, batch, opt, k, m, stages, schedule in parallel_configs(args.quick) if "split" in sets else ():
         if measured((model, batch, opt, k, "none", layout_name(m, stages, schedule if stages > 1 else None))):
             continue
         pred = predicted(model, batch, opt, k, "none", m, stages, schedule)
         peaks = measure_parallel(model, batch, opt, k, m, stages, schedule, env)
         rows.append(row(model, batch, opt, k, "none", m, stages, schedule if stages > 1 else None, peaks, pred))
-    for model, batch, opt, k, z, replicas in zero_configs(args.quick):
+    for model, batch, opt, k, z, replicas in zero_configs(args.quick) if "zero" in sets else ():
         if measured((model, batch, opt, k, "none", layout_name(1, 1, None, z, replicas))):
             continue
         pred = predicted(model, batch, opt, k, "none", zero=z, replicas=replicas)
         peaks = measure_parallel(model, batch, opt, k, 1, 1, "1f1b", env, z, replicas)
         rows.append(row(model, batch, opt, k, "none", 1, 1, None, peaks, pred, z))
+    for model, batch, opt, spec, replicas in reducer_configs(args.quick) if "reducers" in sets else ():
+        if measured((model, batch, opt, 1, "none", layout_name(1, 1, None, 0, replicas, spec))):
+            continue
+        pred = predicted(model, batch, opt, 1, "none", replicas=replicas, reduction=spec)
+        peaks = measure_parallel(model, batch, opt, 1, 1, 1, "1f1b", env, replicas=replicas, reduction=spec)
+        rows.append(row(model, batch, opt, 1, "none", 1, 1, None, peaks, pred, reduction=spec))
     errors = [abs(r["error"]) for r in rows]
     host = validation.host()
     header = ("| model | batch | optimizer | micro-batches | recompute | layout | measured MiB | predicted MiB | error | "
-              "activations MiB | workspace MiB |")
+              "activations MiB | workspace MiB | reducer MiB |")
     lines = [f"{host}; float32, one thread per process, {len(rows)} configurations (measured: the busiest process)",
-             "", header, "| --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "", header, "| --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['model']} | {r['batch']} | {r['optimizer']} | {r['micro_batches']} | {r['recompute']} | "
               f"{r['layout']} | {r['measured_mib']:.1f} | {r['predicted_mib']:.1f} | {100 * r['error']:+.1f}% | "
-              f"{r['parts_mib']['activations']:.1f} | {r['parts_mib']['workspace']:.1f} |" for r in rows]
+              f"{r['parts_mib']['activations']:.1f} | {r['parts_mib']['workspace']:.1f} | "
+              f"{r['parts_mib'].get('reducer', 0):.1f} |" for r in rows]  # rows before the reducer part: none
     several = [abs(r["error"]) for r in rows if r["np"] > 1]
     lines += ["", f"median |error| {100 * statistics.median(errors):.1f}%, worst {100 * max(errors):.1f}%"
               + (f"; {len(several)} layouts of several processes: median {100 * statistics.median(several):.1f}%, "

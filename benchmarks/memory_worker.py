@@ -5,11 +5,13 @@ so kernels are compiled; then, under tracemalloc, the model built, split and cut
 
     mpiexec -n P python benchmarks/memory_worker.py MODEL BATCH [--model_parallel_size M] [--stages S]
                                                [--micro_batches K] [--schedule 1f1b|gpipe] [--optimizer adam]
-                                               [--zero 1|2|3]
+                                               [--zero 1|2|3] [--replicas P [--reduction SPEC]]
 
 P = S x M (one pipeline; S = 1: model parallelism only), or with --zero or --replicas P, P data-parallel
-replicas of BATCH samples each (bucketed reduction; at stages 2 and 3 ZeRO's reduce-scatter; at stage 3 the
-parameters sharded, as pydtnn-train shards them before its first step). Each rank prints one line, "peak RANK BYTES".
+replicas of BATCH samples each (the bucketed reducer, or --reduction's; at stages 2 and 3 ZeRO's reduce-scatter;
+at stage 3 the parameters sharded, as pydtnn-train shards them before its first step). SPEC: a reducer and its
+options as reducers.create takes them, "topk:density=0.01", "bucketed:compression=fp16", "local_sgd:every=2",
+"stale" (reduction_of). Each rank prints one line, "peak RANK BYTES".
 """
 
 import argparse
@@ -29,6 +31,19 @@ from pydtnn.perfmodel import machine as machines
 from pydtnn.perfmodel.memory import OPTIMIZERS
 from pydtnn.perfmodel.pipelined import stage_cut
 from pydtnn.step import Step
+
+
+def reduction_of(spec):
+    """(reducer name, {option: value}) of a SPEC such as "topk:density=0.01,momentum=0.9" (numbers as numbers)."""
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            options[key] = int(value) if value.isdigit() else float(value)
+        except ValueError:
+            options[key] = value
+    return name, options
 
 
 def build(args, world, pipe, group):
@@ -54,7 +69,7 @@ def build(args, world, pipe, group):
 
 def build_sharded(args, world):
     """A data-parallel replica's Step with ZeRO's sharded optimizer and its reduction over `world` (--zero 0:
-    the plain optimizer and the bucketed reducer)."""
+    the plain optimizer and --reduction's reducer)."""
     from pydtnn.distributed import reducers, zero
 
     shape, classes = models.defaults(args.model)
@@ -64,7 +79,11 @@ def build_sharded(args, world):
         return optim.create(name, params, backend=model.backend, **hyper)
 
     opt = zero.ShardedOptimizer(make, model, world, args.zero) if args.zero else make(model.parameters())
-    reducer = zero.ShardedReducer(world, opt) if args.zero >= 2 else reducers.create("bucketed", world)
+    if args.zero >= 2:
+        reducer = zero.ShardedReducer(world, opt)
+    else:
+        name, options = reduction_of(args.reduction)
+        reducer = reducers.create(name, world, **options)
     reducer.attach(model)
     if args.zero == 3:  # as pydtnn-train does once the replicas agree: the whole parameters let go
         opt.shards.attach()
@@ -83,6 +102,7 @@ def main():
     p.add_argument("--optimizer", default="sgd_momentum", choices=tuple(OPTIMIZERS))
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (the world), with or without --zero")
+    p.add_argument("--reduction", default="bucketed", help="the reducer of --replicas without --zero, as SPEC")
     args = p.parse_args()
     world = launch.init()
     launch.install_abort_handler(world)

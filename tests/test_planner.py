@@ -150,10 +150,64 @@ def test_plan_prints_the_best_and_json_gives_them_all(capsys):
                         "common_flags", "layouts", "refused"}
     assert len(got["layouts"]) == len(planner.candidates(2)) and got["refused"] == []
     for row in got["layouts"]:
-        assert set(row) == {"flags", "command", "step_s", "samples_per_second", "memory_bytes", "memory",
+        assert set(row) == {"flags", "command", "lossy", "step_s", "samples_per_second", "memory_bytes", "memory",
                             "batch_per_replica", "fits"}
+        assert row["lossy"] is False
         assert row["command"].startswith("pydtnn-train --model simplecnn --optimizer sgd --global_batch_size")
         assert row["step_s"] > 0 and row["memory_bytes"] == sum(row["memory"].values())
+
+
+LOSSY_REDUCERS = {"bucketed", "topk", "oktopk", "powersgd", "local_sgd", "stale"}  # bucketed: with fp16 on the wire
+
+
+@pytest.fixture(scope="module")
+def lossy_plan():
+    return planner.plan(MODEL, 2, machine.DEFAULT, lossy=True)
+
+
+def test_the_lossy_reductions_are_weighed_only_when_asked(plans, lossy_plan):
+    """--lossy adds data parallelism under each reduction that changes the algorithm, each a layout the trainer runs
+    with that reducer, marked lossy, its reducer's state in its memory; without it none is weighed."""
+    assert not any(planner.is_lossy(f) for f in planner.candidates(4)) and not any(c.lossy for c in plans[2][0])
+    choices, refused, common = lossy_plan
+    lossy = [c for c in choices if c.lossy]
+    assert refused == [] and len(choices) == len(plans[2][0]) + len(planner.LOSSY)
+    parser, got = build_parser(), {}
+    for c in lossy:
+        plan = RunPlan.from_args(parser.parse_args([*common, *c.flags]), 2)
+        got[plan.reduction.name, plan.reduction.compression] = c
+    assert {name for name, _ in got} == LOSSY_REDUCERS and ("bucketed", "fp16") in got
+    params = plans[2][0][0].memory["parameters"]
+    assert got["topk", "none"].memory["reducer"] >= params and got["stale", "none"].memory["reducer"] >= 2 * params
+    assert max(c.memory["reducer"] for c in choices if not c.lossy) < 0.05 * params
+
+
+def test_a_lossy_layout_is_marked_and_sets_only_what_it_names(lossy_plan, capsys):
+    """The table marks each lossy row; applying a lossless layout leaves a run's own lossy flags (--parallel auto
+    keeps them), applying a lossy one sets its own."""
+    choices, _, common = lossy_plan
+    text = planner.table(choices, top=len(choices)).splitlines()
+    assert sum(line.endswith("(lossy)") for line in text) == len(planner.LOSSY)
+    parser = build_parser()
+    args = parser.parse_args([*common, "--gradient_compression", "fp16"])
+    planner.apply(args, planner.DEFAULT, common, parser)
+    assert args.gradient_compression == "fp16" and args.reduction == "bucketed"
+    planner.apply(args, ("--parallel", "data", "--reduction", "powersgd", "--rank", "4"), common, parser)
+    assert (args.reduction, args.rank, args.gradient_compression) == ("powersgd", 4, "fp16")
+    assert main(["plan", "--model", MODEL, "--np", "2", "--lossy", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert sum(r["lossy"] for r in rows) == len(planner.LOSSY)
+
+
+@pytest.mark.slow
+def test_every_lossy_layout_runs(lossy_plan, tmp_path):
+    """Two steps of each lossy layout the planner weighs, under mpiexec over 2 processes."""
+    choices, _, common = lossy_plan
+    for c in (c for c in choices if c.lossy):
+        r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "pydtnn", *common, *c.flags,
+                            "--num_epochs", "1", "--steps_per_epoch", "2", "--progress", "false"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=180, env=ENV, check=False)
+        assert r.returncode == 0, (c.flags, r.stderr[-2000:])
 
 
 @pytest.mark.parametrize("limit, says", [("0", "expected a number > 0"), ("-1", "expected a number > 0"),

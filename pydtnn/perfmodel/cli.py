@@ -455,6 +455,10 @@ def add_plan(subparsers):
     p.add_argument("--optimizer", choices=NAMES, default=None,
                    help="the optimizer (default: the model family's, as pydtnn-train: adamw for ViT, else sgd with "
                         "momentum)")
+    p.add_argument("--lossy", action="store_true",
+                   help="also weigh the data-parallel reductions that change the algorithm: fp16 on the wire, topk "
+                        "and oktopk at density 0.01, powersgd at rank 4, local SGD every 4 steps, one step stale "
+                        "(each marked lossy; docs/benchmarks.md has their accuracy)")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the table (default 10)")
     p.add_argument("--json", action="store_true", help="print every layout, and the refused ones, as one JSON object")
     p.set_defaults(run=run_plan)
@@ -469,11 +473,11 @@ def run_plan(args):
     machine = machine_from(args)
     optimizer = args.optimizer or default_optimizer(args.model)
     limit = None if args.memory_per_process is None else args.memory_per_process * 1e9
-    layouts = planner.candidates(args.np, args.ranks_per_node)  # a bad --ranks_per_node: one line, first
+    layouts = planner.candidates(args.np, args.ranks_per_node, args.lossy)  # a bad --ranks_per_node: one line, first
     with tqdm(total=len(layouts), unit="layout", file=sys.stderr, disable=not sys.stderr.isatty(),
               leave=False) as bar:
         choices, refused, common = planner.plan(args.model, args.np, machine, args.global_batch_size, limit, optimizer,
-                                        args.ranks_per_node, on_layout=bar.update)
+                                        args.ranks_per_node, on_layout=bar.update, lossy=args.lossy)
     planner.check_fits(choices, refused, limit, args.model, args.np)
     fitting = [c for c in choices if c.fits]
     if args.json:

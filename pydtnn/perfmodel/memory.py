@@ -1,7 +1,8 @@
 """Per-process memory of a training step, predicted from the real model: what one process holds at its peak.
 
     m = predict_memory(model, batch_size=64, optimizer=("sgd", {"momentum": 0.9}), micro_batches=4)
-    m.total, m.parts       # bytes: {"parameters", "gradients", "optimizer", "activations", "workspace", "buffers"}
+    m.total, m.parts       # bytes: {"parameters", "gradients", "optimizer", "activations", "workspace", "buffers",
+                           #         "reducer"}
 
 The parts, for the process that holds the most (in a pipeline, the stage with the largest total):
   parameters   the parameters this process holds (a pipeline stage: its own layers'; at ZeRO stage 3 its shard
@@ -17,6 +18,12 @@ The parts, for the process that holds the most (in a pipeline, the stage with th
   buffers      micro-batches' gradient sum (one more gradient per parameter; a pipeline's stage always keeps
                one) and, in a pipeline, the receive buffers of every micro-batch's activation and gradient,
                posted when the step starts
+  reducer      what the gradient reducer keeps across steps (data parallelism over replicas), measured on the
+               real reducer built over a copy's gradients, its collectives run locally: error-feedback residuals
+               (topk, oktopk, powersgd), powersgd's P, Q and warm-start Qs, the stale reducer's two wire buffers,
+               fp16's wire buffers, local SGD's average buffers (parameters and the optimizer's float state); the
+               lossless reducers' bookkeeping, about 1% of the parameters. With ZeRO: none (the sharded optimizer's
+               buffers are the optimizer part). Per-step scratch (a sparse reducer's selected entries) is not in it
 
 Activations and workspace are measured, not derived: a copy of the model (or of each stage) runs a training
 forward and backward under tracemalloc (NumPy reports its arrays to it) at two batch sizes, and both are
@@ -37,7 +44,7 @@ from pydtnn.backends import CPUBackend
 from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import split
 
-PARTS = ("parameters", "gradients", "optimizer", "activations", "workspace", "buffers")
+PARTS = ("parameters", "gradients", "optimizer", "activations", "workspace", "buffers", "reducer")
 # pydtnn-perfmodel's --optimizer choices (predict.UPDATE_PASSES) as optim.create takes them
 OPTIMIZERS = {"sgd": ("sgd", {}), "sgd_momentum": ("sgd", {"momentum": 0.9}), "adam": ("adam", {})}
 PROBES = (4, 8)  # batch sizes the activations and workspace are measured at
@@ -83,9 +90,7 @@ def probe(model, optimizer, recompute="none", sizes=PROBES, zero=0, replicas=1):
     name, hyper = optimizer
     state, kept, extra, more = 0, [], [], []
     for i, n in enumerate((sizes[0],) + tuple(sizes)):
-        fresh = CPUBackend(model.backend.dtype, seed=0)  # no buffer an earlier run made is reused
-        clone = copy.deepcopy(model, {id(model.backend): fresh})
-        clone.reindex()  # its index of layers by identity, made again for the copies
+        clone = _fresh_copy(model)
         run = passes(clone, recompute)
         rng = np.random.default_rng(0)
         x = clone.random_input(n, rng)
@@ -131,6 +136,44 @@ def probe(model, optimizer, recompute="none", sizes=PROBES, zero=0, replicas=1):
     return state, line(kept), line(extra), line(more)
 
 
+def _fresh_copy(model):
+    """A copy of `model` on a new backend, so no buffer an earlier run made is reused."""
+    fresh = CPUBackend(model.backend.dtype, seed=0)
+    clone = copy.deepcopy(model, {id(model.backend): fresh})
+    clone.reindex()  # its index of layers by identity, made again for the copies
+    return clone
+
+
+def reducer_state(model, reduction, replicas, optimizer=("sgd", {})):
+    """Bytes the gradient reducer of `reduction` (a plan.Reduction; None, or its name None: no reducer) over
+    `replicas` processes keeps across steps for `model`'s gradients: the real reducer built over a fresh copy
+    under tracemalloc, its collectives run locally (split.LocalRank0), with as many updates reported to it as
+    local SGD takes to make its first average's buffers (over an optimizer that has stepped, so its state
+    exists). A progress thread holds nothing worth counting: the reducer is built without one."""
+    if reduction is None or reduction.name is None or replicas < 2:
+        return 0
+    from pydtnn.distributed import reducers
+
+    clone = _fresh_copy(model)
+    name, hyper = optimizer
+    opt = optim.create(name, clone.parameters(), backend=clone.backend, **hyper)
+    opt.step()  # the state an optimizer makes at its first step (the copy's gradients are zeros)
+    own = reducers.defaults(reduction.name)  # a plan may carry options of other reducers, or None for defaults
+    options = {k: v for k, v in reduction.options.items() if k in own and v is not None}
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        reducer = reducers.create(reduction.name, split.LocalRank0(replicas), compression=reduction.compression,
+                                  **options).attach(clone)
+        taken = {**own, **options}
+        for _ in range(taken.get("post_local", 0) + taken.get("every", 1)):
+            reducer.after_update(opt)  # local SGD averages after `every` local steps; the others do nothing
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    return max(int(held), 0)
+
+
 def sharded_parameters(model, replicas):
     """Bytes of parameters a replica holds at ZeRO stage 3 (zero_params.ParamShards): the largest replica's shard
     of every layer's parameters, and the two layers' parameters gathered whole at a time, the one that runs and
@@ -159,35 +202,39 @@ def _optimizer(model, name, hyper, zero, replicas):
 
 def predict_memory(model, batch_size, optimizer=("sgd", {"momentum": 0.9}), micro_batches=1, recompute="none",
                    pipeline_stages=1, schedule="1f1b", stage_starts=None, machine=None, threads=1,
-                   model_parallel_size=1, zero=0, replicas=1):
+                   model_parallel_size=1, zero=0, replicas=1, reduction=None):
     """The Memory of one process training `model` (built on a CPU backend) on batch_size samples per replica
     (per process in data parallelism, per pipeline in a pipeline), in micro_batches micro-batches; with
     pipeline_stages > 1, each stage's, cut as pydtnn-train cuts it (on `machine`), the busiest reported;
     with model_parallel_size M > 1, the layers (of each stage) split over M processes as rank 0 of them holds
     them (perfmodel/split.py: the most loaded), its gathers' and sums' buffers measured with the rest; zero:
-    ZeRO's stage over `replicas` model replicas (the optimizer state of the first replica's shard)."""
+    ZeRO's stage over `replicas` model replicas (the optimizer state of the first replica's shard);
+    reduction: the plan.Reduction of the gradients over the `replicas` (None: no reducer), whose state is the
+    reducer part (reducer_state; none with ZeRO)."""
     if pipeline_stages > 1:
         return _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, pipeline_stages, schedule,
-                                stage_starts, machine, threads, model_parallel_size, zero, replicas)
+                                stage_starts, machine, threads, model_parallel_size, zero, replicas, reduction)
     micro = math.ceil(batch_size / micro_batches)
     held = split.split_model(model, model_parallel_size) if model_parallel_size > 1 else model
-    parts = _held(held, optimizer, micro_batches, recompute, micro, in_flight=1, zero=(zero, replicas))
+    parts = _held(held, optimizer, micro_batches, recompute, micro, in_flight=1, zero=(zero, replicas),
+                  reduction=reduction)
     return Memory(parts, batch_size, micro_batches, recompute, model_parallel_size=model_parallel_size, zero=zero)
 
 
-def _held(stage, optimizer, micro_batches, recompute, micro, in_flight, messages=0, zero=(0, 1)):
+def _held(stage, optimizer, micro_batches, recompute, micro, in_flight, messages=0, zero=(0, 1), reduction=None):
     """The PARTS of a process that holds `stage` (a Model) with `in_flight` micro-batches of `micro` samples;
-    zero: (ZeRO's stage, replicas)."""
+    zero: (ZeRO's stage, replicas); reduction: the plan.Reduction over the replicas."""
     nbytes = sum(int(p.nbytes) for _, p, _ in stage.parameters())
     state, activations, workspace, more = probe(stage, optimizer, recompute, zero=zero[0], replicas=zero[1])
     held = sharded_parameters(stage, zero[1]) if zero[0] == 3 else nbytes
     return {"parameters": held, "gradients": nbytes, "optimizer": state,
             "activations": int(activations(micro) + (in_flight - 1) * more(micro)), "workspace": int(workspace(micro)),
-            "buffers": (nbytes if micro_batches > 1 else 0) + int(messages)}
+            "buffers": (nbytes if micro_batches > 1 else 0) + int(messages),
+            "reducer": 0 if zero[0] else reducer_state(stage, reduction, zero[1], optimizer)}
 
 
 def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, stages, schedule, starts, machine,
-                     threads=1, m=1, zero=0, replicas=1):
+                     threads=1, m=1, zero=0, replicas=1, reduction=None):
     from pydtnn.distributed import pipeline
     from pydtnn.perfmodel import machine as machines
     from pydtnn.perfmodel.pipelined import stage_cut, stage_models
@@ -207,7 +254,7 @@ def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, sta
         if s < stages - 1:
             received += batch_size * math.prod(held.output_shape) * itemsize
         parts = _held(held, optimizer, max(micro_batches, 2), recompute, micro, in_flight, received,  # it sums always
-                      (zero, replicas))
+                      (zero, replicas), reduction)
         rows.append({"stage": s, "in_flight": in_flight, "total": sum(parts.values()), **parts})
     busiest = max(rows, key=lambda r: r["total"])
     return Memory({k: busiest[k] for k in PARTS}, batch_size, micro_batches, recompute, stages, schedule, rows, m,
@@ -220,7 +267,7 @@ def plan_memory(model, plan, optimizer, recompute="none", schedule="1f1b", stage
     lay = plan.layout
     return predict_memory(model, plan.batch_size, optimizer, plan.accumulation_steps, recompute, lay.pipeline_stages,
                           schedule, stage_starts, machine, plan.threads or 1, lay.model_parallel_size, plan.zero,
-                          lay.replicas)
+                          lay.replicas, plan.reduction)
 
 
 def mib(nbytes):

@@ -13,6 +13,9 @@ split over all processes (model) and over groups of each divisor (hybrid), with 
 are replicas; pipelines of
 every stage count that divides P, their stages split over groups or not, replicated (with each ZeRO stage) or
 not, at MICRO_PER_STAGE micro-batches per stage, under each schedule.
+With lossy=True (`pydtnn-perfmodel plan --lossy`) the reductions that change the algorithm are weighed too (LOSSY:
+fp16 on the wire, topk and oktopk at density 0.01, powersgd at rank 4, local SGD every 4 steps, one step stale
+with a progress thread), each marked lossy; `--parallel auto` never takes one.
 Each is parsed by pydtnn-train's own parser and checked by its RunPlan, so a layout the trainer refuses is not
 listed (`refused` says why). Recomputation only adds time, so a layout is tried with `--recompute segments`,
 then `all`, only where it does not fit without; with no memory limit it is never tried.
@@ -31,7 +34,13 @@ from pydtnn.errors import ConfigError, PydtnnError
 LOSSLESS = ("blocking", "per_layer", "bucketed")  # and hierarchical, given the processes per node
 BUCKET_MB = (1.0, 4.0, 25.0, 100.0)
 MICRO_PER_STAGE = (1, 2, 4)  # a pipeline's micro-batches per stage
-REDUCTION_FLAGS = ("--reduction", "--bucket_size_mb", "--ranks_per_node")  # no bearing on the memory model
+REDUCTION_FLAGS = ("--reduction", "--bucket_size_mb", "--ranks_per_node")  # a lossless reducer's: ~1% of the memory
+# the data-parallel reductions that change the algorithm (lossy=True), at the settings the benchmarks measure
+LOSSY = (("--reduction", "bucketed", "--bucket_size_mb", "25", "--gradient_compression", "fp16"),
+         ("--reduction", "topk", "--density", "0.01"), ("--reduction", "oktopk", "--density", "0.01"),
+         ("--reduction", "powersgd", "--rank", "4"), ("--local_sgd", "4"),
+         ("--reduction_staleness", "1", "--reduction_progress", "thread"))
+LOSSY_FLAGS = ("gradient_compression", "density", "rank", "local_sgd", "reduction_staleness", "reduction_progress")
 DEFAULT = ("--parallel", "data", "--reduction", "bucketed", "--bucket_size_mb", "25")  # what --parallel data runs
 MARGIN = 0.05  # a layout replaces the default only where predicted faster by more than this share
 
@@ -49,19 +58,30 @@ class Choice:
     batch_per_replica: int
     fits: bool = True
 
+    @property
+    def lossy(self):
+        """Whether its reduction changes the algorithm (a flag of LOSSY_FLAGS)."""
+        return is_lossy(self.flags)
+
     def to_dict(self, common=()):
         return {"flags": list(self.flags), "command": " ".join(("pydtnn-train", *common, *self.flags)),
-                "step_s": self.step_s,
+                "lossy": self.lossy, "step_s": self.step_s,
                 "samples_per_second": self.samples_per_second, "memory_bytes": self.memory_bytes,
                 "memory": self.memory, "batch_per_replica": self.batch_per_replica, "fits": self.fits}
+
+
+def is_lossy(flags):
+    """Whether pydtnn-train `flags` name a reduction that changes the algorithm (one of LOSSY_FLAGS)."""
+    return any(f"--{attr}" in flags for attr in LOSSY_FLAGS)
 
 
 def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(np_, ranks_per_node=None):
-    """[flags] of every layout of np_ processes the planner weighs (not yet checked against a model)."""
+def candidates(np_, ranks_per_node=None, lossy=False):
+    """[flags] of every layout of np_ processes the planner weighs (not yet checked against a model); lossy: with
+    data parallelism under each reduction of LOSSY."""
     from pydtnn.distributed.pipeline import SCHEDULES
     from pydtnn.distributed.zero import check_stage
 
@@ -85,6 +105,7 @@ def candidates(np_, ranks_per_node=None):
         if z != ("--zero", "2") or r[1] == "bucketed":  # stage 2 reduce-scatters by buckets whatever the reducer
             out.append(("--parallel", "data", *r, *z))
     out.append(("--parallel", "data", *zero[2]))  # stage 3 gathers and reduce-scatters layer by layer
+    out += [("--parallel", "data", *r) for r in LOSSY] if lossy else []
     out.append(("--parallel", "model"))
     for m in divisors(np_)[1:-1]:
         group = ("--parallel", "hybrid", "--model_parallel_size", str(m))
@@ -103,7 +124,11 @@ def candidates(np_, ranks_per_node=None):
 
 
 def _memory_key(flags):
-    """The flags that decide the memory model's answer (the reduction's do not)."""
+    """The flags that decide the memory model's answer: a lossless reduction's are left out (its reducer holds
+    bookkeeping, about 1% of the parameters: the first one predicted is kept), a lossy one's are not (error
+    feedback, wire buffers: reducer_state measures each)."""
+    if is_lossy(flags):
+        return tuple(flags)
     out, skip = [], False
     for f in flags:
         if skip:
@@ -121,7 +146,7 @@ LAYOUT_FLAGS = ("parallel", "model_parallel_size", "pipeline_stages", "stage_bou
 
 
 def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimizer="sgd", ranks_per_node=None,
-         on_layout=None, base=None, built=None, with_memory=True, margin=MARGIN):
+         on_layout=None, base=None, built=None, with_memory=True, margin=MARGIN, lossy=False):
     """([Choice] ranked by step time, fitting ones first, the default first where keep_default keeps it; [(flags,
     reason)] the trainer refuses; the flags every
     layout's run takes besides its own: model, optimizer, global batch) of `model` (a registered name) on np_
@@ -131,7 +156,7 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
     base: pydtnn-train's parsed flags of the run, whose others (threads, dtype, optimizer options, ...) each
     layout keeps (default: the defaults); built: (name, Model) where the run has built it already;
     with_memory=False (no memory_bytes only): the memory model is not run, each Choice's memory is 0 bytes;
-    margin: see keep_default."""
+    margin: see keep_default; lossy: the reductions that change the algorithm weighed too (candidates)."""
     import copy
 
     from pydtnn.flags import build_parser
@@ -161,7 +186,7 @@ def plan(model, np_, machine, global_batch_size=None, memory_bytes=None, optimiz
         return Choice(tuple(flags), p.step_s, p.samples_per_second, total, parts, p.batch_size,
                       memory_bytes is None or total <= memory_bytes)
 
-    for flags in candidates(np_, ranks_per_node):
+    for flags in candidates(np_, ranks_per_node, lossy):
         choice = predict(flags)
         if on_layout is not None:
             on_layout()
@@ -191,11 +216,11 @@ def keep_default(choices, margin=MARGIN):
 
 def apply(args, flags, common, parser=None):
     """Set run args' layout flags (LAYOUT_FLAGS) and global batch to those of a Choice's `flags` (parsed with
-    pydtnn-train's `parser`, built here where not given)."""
+    pydtnn-train's `parser`, built here where not given), and the LOSSY_FLAGS that `flags` names."""
     from pydtnn.flags import build_parser
 
     given = (parser or build_parser()).parse_args([*common, *flags])
-    for attr in (*LAYOUT_FLAGS, "global_batch_size"):
+    for attr in (*LAYOUT_FLAGS, "global_batch_size", *(a for a in LOSSY_FLAGS if f"--{a}" in flags)):
         setattr(args, attr, getattr(given, attr))
     return args
 
@@ -219,6 +244,7 @@ def table(choices, top=10):
     rows = [("#", "step ms", "samples/s", "memory GB", "fits", "pydtnn-train flags")]
     for i, c in enumerate(choices[:top], 1):
         rows.append((str(i), f"{1e3 * c.step_s:.1f}", f"{c.samples_per_second:.1f}", f"{c.memory_bytes / 1e9:.3f}",
-                     "yes" if c.fits else "no", " ".join(c.flags) or "(one process)"))
+                     "yes" if c.fits else "no",
+                     " ".join(c.flags) + ("  (lossy)" if c.lossy else "") or "(one process)"))
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
     return "\n".join("  ".join([*(v.rjust(w) for v, w in zip(r[:-1], widths)), r[-1]]) for r in rows)

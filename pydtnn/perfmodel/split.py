@@ -82,6 +82,8 @@ class LocalRank0:
     the real ones write into (the values aside: nothing is sent), so the split model (or ZeRO's sharded
     optimizer) runs a step as rank 0 would and the memory model can measure what it holds (perfmodel/memory.py)."""
 
+    device = "cpu"  # host arrays, as reducers.create checks
+
     def __init__(self, size):
         self.rank, self.size = 0, size
 
