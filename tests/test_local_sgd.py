@@ -73,8 +73,31 @@ def test_a_local_step_keeps_the_own_gradients_but_an_empty_share_moves_nothing()
 
 
 def test_local_sgd_prices_one_average_every_h_steps():
-    sent = layout.local_sgd_messages([1000, 24], 4, 1 << 20, 4)
-    assert [(m.collective, m.params, m.nbytes) for m in sent] == [("allreduce", None, 256 * 4)]
+    """1 / H of the parameters and of the optimizer's arrays per parameter (SGD's momentum by default)."""
+    from pydtnn.distributed import reducers
+
+    for state, entries in ((0, 256), (1, 512), (2, 768)):
+        sent = layout.local_sgd_messages([1000, 24], 4, 1 << 20, 4, state)
+        assert [(m.collective, m.params, m.nbytes) for m in sent] == [("allreduce", None, entries * 4)]
+    assert layout.local_sgd_messages([1000, 24], 4, 1 << 20, 4)[0].nbytes == 512 * 4
+    assert reducers.messages("local_sgd", [1000, 24], 4, state_arrays=2, every=4)[0].nbytes == 768 * 4
+
+
+@pytest.mark.parametrize("name, hyper", [("sgd", {"momentum": 0.0}), ("sgd", {"momentum": 0.9}), ("adam", {}),
+                                         ("adamw", {}), ("nadam", {}), ("rmsprop", {}), ("rmsprop", {"momentum": 0.9})])
+def test_the_priced_state_is_what_the_optimizer_keeps(name, hyper):
+    """predict's optimizer_state_arrays counts the float arrays per parameter that the real optimizer holds after a
+    step (what local SGD's average sends with the parameters)."""
+    from pydtnn import optim
+    from pydtnn.backends import CPUBackend
+    from pydtnn.perfmodel.predict import optimizer_state_arrays
+
+    backend = CPUBackend(np.float64, seed=0)
+    params = [("w", np.ones((3, 4)), np.full((3, 4), 0.5)), ("b", np.ones(4), np.full(4, 0.5))]
+    opt = optim.create(name, params, backend=backend, **hyper)
+    opt.step()
+    floats = sum(a.size for a in opt.state_dict()["arrays"].values() if a.dtype.kind == "f")
+    assert floats == 16 * optimizer_state_arrays(name, optim.hyperparameters(name, **hyper))
 
 
 @pytest.mark.parametrize("flags, words", [

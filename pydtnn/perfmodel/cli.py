@@ -191,12 +191,13 @@ def add_step_flags(p):
 
 
 def run_predict(args):
-    from pydtnn.perfmodel.predict import UPDATE_PASSES, predict_plan
+    from pydtnn.perfmodel.predict import STATE_ARRAYS, UPDATE_PASSES, predict_plan
     from pydtnn.perfmodel.table import table
 
     machine, plan, name, model = _step_plan(args)
     p = predict_plan(model, plan, machine, update_passes=UPDATE_PASSES[update_class(args)], algorithm=args.algorithm,
                      name=name, recompute=args.recompute, schedule=args.pipeline_schedule,
+                     state_arrays=STATE_ARRAYS[update_class(args)],
                      stage_starts=args.stage_boundaries.split(",") if args.stage_boundaries else None)
     if args.json:
         print(json.dumps({**p.to_dict(), "memory": _memory(args, plan, model, machine).to_dict()}))

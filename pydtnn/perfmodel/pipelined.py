@@ -15,6 +15,7 @@ from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 from pydtnn.perfmodel.schedule import timeline
 from pydtnn.perfmodel.step_parts import (
+    STATE_ARRAYS,
     UPDATE_PASSES,
     Prediction,
     accumulation_s,
@@ -40,7 +41,8 @@ def message_seconds(nbytes, machine, level):
 def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, schedule="1f1b", stage_starts=None,
                      reduction="bucketed", threads=1, algorithm="ring", progress="test", optimizer="sgd_momentum",
                      bucket_mb=None, first_bucket_mb=None, name=None, model_parallel_size=None, density=None,
-                     compression="none", update_passes=None, recompute="none", zero=0, rank=None, every=None):
+                     compression="none", update_passes=None, recompute="none", zero=0, rank=None, every=None,
+                     state_arrays=None):
     """The Prediction of a pipeline's step: np / (stages x M) pipelines of `stages` stages, each stage's layers
     split over M = model_parallel_size consecutive processes (default 1), the model cut as pydtnn-train cuts it
     (pipeline.Cut.of: balanced unit_seconds, or at stage_starts), batch_size samples per pipeline in
@@ -75,7 +77,7 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     bcast = sum(collectives.seconds("broadcast", "binomial_tree", n, stages, machine) for n in (outputs, 8))
     passes = update_passes or UPDATE_PASSES[optimizer]
     shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank,
-               "every": every}
+               "every": every, "state_arrays": STATE_ARRAYS[optimizer] if state_arrays is None else state_arrays}
     after = [_stage_after(stage, replicas, len(sizes), machine, threads, crowding, passes, reduction, algorithm,
                           compression, collectives.default_level(np, machine), shaping, zero) for stage, _ in held]
     tail = max(red + upd + fix for red, _, upd, fix in after)

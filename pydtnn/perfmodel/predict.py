@@ -64,6 +64,7 @@ from pydtnn.errors import ConfigError
 from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 from pydtnn.perfmodel.step_parts import (  # noqa: F401
+    STATE_ARRAYS,
     UPDATE_PASSES,
     LayerTime,
     Prediction,
@@ -119,7 +120,7 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
             optimizer="sgd_momentum", bucket_mb=None, first_bucket_mb=None, parallel="data", name=None,
             model_parallel_size=None, density=None, compression="none", update_passes=None, micro_batches=1,
             recompute="none", pipeline_stages=None, schedule="1f1b", stage_starts=None, zero=0, rank=None,
-            every=None):
+            every=None, state_arrays=None):
     """The Prediction of one training step of `model` (built on a CPU backend) at batch_size samples per model
     replica (per process with data parallelism) over np processes, each with `threads` threads, on `machine`.
     parallel "model" splits every layer over the np processes, "hybrid" over groups of model_parallel_size
@@ -127,7 +128,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     allreduce of scales before each message; reducers.messages). update_passes: the update's passes over the
     parameters' bytes (update_passes()), else UPDATE_PASSES's of `optimizer`. bucket_mb, first_bucket_mb, density,
     rank, every: the reducer's options where it takes them; None (not given) is the reducer's own default
-    (reducers.defaults). micro_batches: the batch cut into that many, their gradients summed, reduced once
+    (reducers.defaults); state_arrays: the optimizer's arrays per parameter that local SGD averages with them (None:
+    STATE_ARRAYS's of `optimizer`). micro_batches: the batch cut into that many, their gradients summed, reduced once
     (--micro_batches); recompute: "none", "segments" or "all" (the layers whose forward runs again in backward are
     costed twice). parallel "pipeline" (pipeline_stages = np), or "hybrid" with pipeline_stages S (np / S pipelines):
     see predict_pipeline. zero: ZeRO's stage over the replicas (step_parts.zero_costs): the update of the largest
@@ -144,18 +146,16 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
                                 progress=progress, optimizer=optimizer, bucket_mb=bucket_mb,
                                 first_bucket_mb=first_bucket_mb, name=name, model_parallel_size=model_parallel_size,
                                 density=density, compression=compression, update_passes=update_passes,
-                                recompute=recompute, zero=zero, rank=rank, every=every)
+                                recompute=recompute, zero=zero, rank=rank, every=every, state_arrays=state_arrays)
     m = 1 if parallel == "data" else split.group_size(parallel, np, model_parallel_size)
-    replicas, fixed = np // m, machine.overheads
-    steps = plan(model, m) if m > 1 else []
+    replicas, fixed, steps = np // m, machine.overheads, plan(model, m) if m > 1 else []
     held = split.split_model(model, m) if m > 1 else model  # what one process holds and computes
     grads = parameter_bytes(held)
     crowding = max(1.0, min(np, machine.processes_per_node) * threads / machine.cores)  # shared cores' slowdown
     sizes = micro_sizes(batch_size, micro_batches)
     again = recomputed(held, recompute)
     times, compute_s, memory_s, calls_s = step_layers(held, sizes, grads, machine, threads, crowding, again, model)
-    forward_s = sum(t.forward_s for t in times)
-    backward_s = sum(t.backward_data_s + t.backward_weights_s for t in times)
+    forward_s, backward_s = sum(t.forward_s for t in times), sum(t.backward_data_s + t.backward_weights_s for t in times)
     param_bytes, itemsize = sum(grads.values()), model.backend.dtype.itemsize
     update_s = (update_passes or UPDATE_PASSES[optimizer]) * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
                                                          / crowding)
@@ -173,7 +173,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
     shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank,
-               "every": every, "shapes": shapes, "replicas": replicas}
+               "every": every, "shapes": shapes, "replicas": replicas,
+               "state_arrays": STATE_ARRAYS[optimizer] if state_arrays is None else state_arrays}
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
     messages, durations = gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,
@@ -226,11 +227,12 @@ def _exposed(messages, durations, end_of_backward, blocking, stale=False):
 
 
 def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algorithm="ring", name=None,
-                 recompute="none", schedule="1f1b", stage_starts=None):
+                 recompute="none", schedule="1f1b", stage_starts=None, state_arrays=None):
     """The Prediction of run plan `plan` (pydtnn.plan.RunPlan) for `model`: its layout (pipelines included),
     batch per replica (`batch_size` where the plan leaves it to the model's recipe), micro-batches, reduction
     with its compression, progress and options, and threads per process. update_passes: the update's
-    (update_passes()), else SGD with momentum's. recompute, schedule, stage_starts: the run's --recompute,
+    (update_passes()), else SGD with momentum's; state_arrays: its state's arrays per parameter
+    (optimizer_state_arrays()), else SGD with momentum's. recompute, schedule, stage_starts: the run's --recompute,
     --pipeline_schedule and --stage_boundaries. pydtnn-train --simulate and pydtnn-perfmodel predict both
     predict through here."""
     lay, red = plan.layout, plan.reduction
@@ -243,7 +245,7 @@ def predict_plan(model, plan, machine, batch_size=None, update_passes=None, algo
                    update_passes=update_passes, parallel="data" if lay.parallel == "sequential" else lay.parallel,
                    model_parallel_size=lay.model_parallel_size if lay.parallel == "hybrid" else None, name=name,
                    micro_batches=plan.accumulation_steps, recompute=recompute, pipeline_stages=lay.pipeline_stages,
-                   schedule=schedule, stage_starts=stage_starts, zero=plan.zero, **shaping)
+                   schedule=schedule, stage_starts=stage_starts, zero=plan.zero, state_arrays=state_arrays, **shaping)
 
 
 def step_layers(held, sizes, grads, machine, threads, crowding, again=frozenset(), reference=None):
@@ -279,6 +281,14 @@ def update_passes(optimizer, hyper):
     if optimizer == "rmsprop":
         return 5 + 2 * bool(momentum) + 3 * bool(decay)
     return 7 + (2 if optimizer == "adamw" else 3) * bool(decay)
+
+
+def optimizer_state_arrays(optimizer, hyper):
+    """Arrays of state per parameter that `optimizer` (optim.NAMES) keeps with hyperparameters `hyper`, which local
+    SGD averages with the parameters: SGD's momentum buffer (1 with momentum), RMSProp's square average and its
+    momentum buffer, Adam's, AdamW's and Nadam's two moments."""
+    momentum = bool(hyper.get("momentum"))
+    return {"sgd": int(momentum), "rmsprop": 1 + int(momentum)}.get(optimizer, 2)
 
 
 def oversubscribed_wait(machine, crowding):

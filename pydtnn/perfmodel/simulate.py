@@ -192,14 +192,15 @@ def predict_run(args, world_size, machine, name, model, memory=None, with_memory
     is known already (the planner's, for layouts that differ only in their reduction); with_memory=False: None
     in its place, nothing measured. ConfigError where the trainer would refuse the flags."""
     from pydtnn.perfmodel.memory import plan_memory
-    from pydtnn.perfmodel.predict import predict_plan, update_passes
+    from pydtnn.perfmodel.predict import optimizer_state_arrays, predict_plan, update_passes
 
     plan = RunPlan.from_args(args, world_size)
     hyper = optim.hyperparameters(args.optimizer, **optimizer_options(args, name))
     stage_starts = args.stage_boundaries.split(",") if args.stage_boundaries else None
     p = predict_plan(model, plan, machine, batch_size(plan, name, args.optimizer),
                      update_passes=update_passes(args.optimizer, hyper), name=name, recompute=args.recompute,
-                     schedule=args.pipeline_schedule, stage_starts=stage_starts)
+                     schedule=args.pipeline_schedule, stage_starts=stage_starts,
+                     state_arrays=optimizer_state_arrays(args.optimizer, hyper))
     if memory is None and with_memory:
         memory = plan_memory(model, dataclasses.replace(plan, batch_size=p.batch_size),
                              (args.optimizer, optimizer_options(args, name)), args.recompute, args.pipeline_schedule,

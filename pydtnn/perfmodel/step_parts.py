@@ -13,6 +13,7 @@ from pydtnn.distributed.reducers.layout import powersgd_matrices, topk_counts
 from pydtnn.perfmodel import collectives
 
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
+STATE_ARRAYS = {"sgd": 0, "sgd_momentum": 1, "adam": 2}  # the optimizer's arrays per parameter (local SGD averages them)
 
 
 @dataclass(frozen=True)
@@ -284,11 +285,13 @@ def reducer_messages(params, times, forward_s, reduction, itemsize, compression=
     options: the reducer's own that shape its messages (those it does not take are left out). after: every
     gradient is reported at the end of backward (micro-batches: the reducer replays them after the last); options
     "shapes": the gradients' shapes, where the reducer's messages follow them (powersgd); "replicas": the ranks
-    they are exchanged over, where they follow it (oktopk)."""
+    they are exchanged over, where they follow it (oktopk); "state_arrays": the optimizer's arrays per parameter
+    (local SGD averages them with the parameters)."""
     when = ready_times(params, times, forward_s, after)
     own = reducers.defaults(reduction)
     sent = reducers.messages(reduction, [n // itemsize for _, n in params], itemsize, compression,
                              shapes=options.get("shapes"), replicas=options.get("replicas"),
+                             state_arrays=options.get("state_arrays"),
                              **{k: v for k, v in options.items() if k in own})
     end = forward_s + sum(lt.backward_data_s + lt.backward_weights_s for lt in times)  # of backward
     starts = [end if m.params is None else max(when[i] for i in m.params) for m in sent]

@@ -128,11 +128,12 @@ def create(name, comm, **options):
     return STRATEGIES[name].cls(comm, **{**options, "compression": compression})
 
 
-def messages(name, counts, itemsize, compression="none", shapes=None, replicas=None, **options):
+def messages(name, counts, itemsize, compression="none", shapes=None, replicas=None, state_arrays=None, **options):
     """[layout.Message] that strategy `name` sends per step, in the order it lays them out (before any
     reordering by readiness), for gradients of `counts` entries each (parameter order) of `itemsize` bytes,
     and of `shapes` (parameter order; powersgd's messages need them, the others' do not), over `replicas` ranks
-    (oktopk's messages need it, the others' do not),
+    (oktopk's messages need it, the others' do not), with the optimizer keeping `state_arrays` arrays per parameter
+    (local SGD averages them too; None: its layout's default),
     with `compression` on the wire ("none", "fp16": layout.compressed), cut at base.PIECE_BYTES as the
     reducer cuts them; options: any of the strategy's own (defaults(name)), of which those that shape its
     messages are used (bucket_mb, density, ...); an option not given (or None) takes the reducer's default."""
@@ -154,6 +155,8 @@ def messages(name, counts, itemsize, compression="none", shapes=None, replicas=N
             raise ConfigError(f"{name} reducer: its messages follow the number of ranks; expected replicas >= 1, "
                               f"got {replicas!r}")
         given["replicas"] = int(replicas)
+    if "state_arrays" in shaping and state_arrays is not None:
+        given["state_arrays"] = int(state_arrays)
     sent = fn(counts, itemsize, base.PIECE_BYTES,
               **{k: v for k, v in {**own, **given}.items() if k in shaping})
     wire = compression_of(compression).wire_dtype

@@ -154,8 +154,8 @@ def powersgd_messages(counts, itemsize, piece_bytes, rank, min_compression_rate,
     return out + (_pieced(None, second, itemsize, piece_bytes) if second else [])
 
 
-def local_sgd_messages(counts, itemsize, piece_bytes, every):
-    """Local SGD's average of the parameters every `every` steps, as the step it costs on average: one allreduce
-    of 1 / every of the parameters' bytes (the optimizer's state averaged with them, and the first post_local
-    steps of data parallelism, are left out)."""
-    return _pieced(None, math.ceil(sum(counts) / every), itemsize, piece_bytes)
+def local_sgd_messages(counts, itemsize, piece_bytes, every, state_arrays=1):
+    """Local SGD's average of the parameters and the optimizer's `state_arrays` arrays per parameter (1: SGD's
+    momentum) every `every` steps, as the step it costs on average: one allreduce of 1 / every of their bytes (the
+    first post_local steps of data parallelism are left out)."""
+    return _pieced(None, math.ceil(sum(counts) * (1 + state_arrays) / every), itemsize, piece_bytes)
