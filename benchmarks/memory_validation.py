@@ -84,16 +84,17 @@ def reducer_configs(quick=False):
 
 
 def measure_parallel(model, batch, optimizer, micro_batches, m, stages, schedule, env, zero=0, replicas=1,
-                     reduction="bucketed"):
+                     reduction="bucketed", steps=2):
     """[each process's measured peak bytes] of a layout of m x stages processes, or of `replicas` data-parallel
-    ones (sharded by ZeRO stage `zero`, where given; else reduced by the reducer SPEC `reduction`)
-    (benchmarks/memory_worker.py)."""
+    ones (sharded by ZeRO stage `zero`, where given; else reduced by the reducer SPEC `reduction`), over `steps`
+    traced steps (benchmarks/memory_worker.py)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     n = replicas if zero or replicas > 1 else m * stages
     r = subprocess.run([mpiexec, "-n", str(n), sys.executable, os.path.join(HERE, "memory_worker.py"),
                         model, str(batch), "--optimizer", optimizer, "--micro_batches", str(micro_batches),
                         "--model_parallel_size", str(m), "--stages", str(stages), "--schedule", schedule,
-                        "--zero", str(zero), "--replicas", str(replicas), "--reduction", reduction],
+                        "--zero", str(zero), "--replicas", str(replicas), "--reduction", reduction,
+                        "--steps", str(steps)],
                        capture_output=True, text=True, env=env, timeout=900, check=True)
     peaks = {}
     for line in r.stdout.split("peak ")[1:]:  # ranks' lines may interleave
@@ -269,7 +270,8 @@ def main(argv=None):
         if measured((model, batch, opt, 1, "none", layout_name(1, 1, None, 0, replicas, spec))):
             continue
         pred = predicted(model, batch, opt, 1, "none", replicas=replicas, reduction=spec)
-        peaks = measure_parallel(model, batch, opt, 1, 1, 1, "1f1b", env, replicas=replicas, reduction=spec)
+        peaks = measure_parallel(model, batch, opt, 1, 1, 1, "1f1b", env, replicas=replicas, reduction=spec,
+                                 steps=3)  # what a reducer makes in a step (local SGD's average) meets the next peak
         rows.append(row(model, batch, opt, 1, "none", 1, 1, None, peaks, pred, reduction=spec))
     errors = [abs(r["error"]) for r in rows]
     host = validation.host()

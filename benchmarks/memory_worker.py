@@ -5,7 +5,7 @@ so kernels are compiled; then, under tracemalloc, the model built, split and cut
 
     mpiexec -n P python benchmarks/memory_worker.py MODEL BATCH [--model_parallel_size M] [--stages S]
                                                [--micro_batches K] [--schedule 1f1b|gpipe] [--optimizer adam]
-                                               [--zero 1|2|3] [--replicas P [--reduction SPEC]]
+                                               [--zero 1|2|3] [--replicas P [--reduction SPEC]] [--steps 2]
 
 P = S x M (one pipeline; S = 1: model parallelism only), or with --zero or --replicas P, P data-parallel
 replicas of BATCH samples each (the bucketed reducer, or --reduction's; at stages 2 and 3 ZeRO's reduce-scatter;
@@ -103,6 +103,8 @@ def main():
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (the world), with or without --zero")
     p.add_argument("--reduction", default="bucketed", help="the reducer of --replicas without --zero, as SPEC")
+    p.add_argument("--steps", type=int, default=2, help="traced steps (local SGD every 2: 3, so a step's peak "
+                                                         "meets the buffers its first average makes)")
     args = p.parse_args()
     world = launch.init()
     launch.install_abort_handler(world)
@@ -118,7 +120,7 @@ def main():
     tracemalloc.start()
     step = build(args, world, pipe, group)
     tracemalloc.reset_peak()
-    for _ in range(2):
+    for _ in range(args.steps):
         step.run(x, y)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
