@@ -154,7 +154,8 @@ def test_a_sharded_replica_measures_what_the_model_predicts(stage):
 def test_the_reducer_part_is_what_each_reducer_keeps():
     """Measured on the real reducers: error feedback keeps one residual per gradient (topk's momentum correction a
     velocity too), the stale reducer two wire buffers, local SGD a buffer of the parameters and the momentum, fp16
-    a half-precision wire buffer, a lossless reducer bookkeeping only; nothing over one replica or under ZeRO."""
+    a half-precision wire buffer, a lossless reducer bookkeeping only; nothing over one replica or at ZeRO's stages
+    2 and 3, whose reduce-scatters replace the reducer."""
     model = build()
     nbytes = sum(p.nbytes for _, p, _ in model.parameters())
 
@@ -170,10 +171,16 @@ def test_the_reducer_part_is_what_each_reducer_keeps():
     assert part("stale") == pytest.approx(2 * nbytes, rel=0.05)
     assert part("local_sgd", every=4) == pytest.approx(2 * nbytes, rel=0.05)  # the parameters and the momentum
     assert part("topk", replicas=1, density=0.01) == 0 and reducer_state(model, None, 2) == 0
+    # the two-level reducers hold their one level's arrays (their node and leader groups hold none)
+    assert part("hierarchical", replicas=4, ranks_per_node=2) < 0.05 * nbytes  # bucketed's bookkeeping
+    assert part("powersgd", replicas=4, rank=4, hierarchical=True, ranks_per_node=2) == pytest.approx(
+        part("powersgd", rank=4), rel=0.01)
     stale = Reduction("stale", "none", "test", {})
     m = predict_memory(model, 8, SGD, replicas=2, reduction=stale)
     assert m.parts["reducer"] == pytest.approx(part("stale"), rel=0.01) and m.total == sum(m.parts.values())
-    assert predict_memory(model, 8, SGD, zero=1, replicas=2, reduction=stale).parts["reducer"] == 0
+    fp16 = Reduction("bucketed", "fp16", "test", {})  # ZeRO stage 1 reduces with the run's reducer; 2 and 3 their own
+    assert predict_memory(model, 8, SGD, zero=1, replicas=2, reduction=fp16).parts["reducer"] >= 0.45 * nbytes
+    assert predict_memory(model, 8, SGD, zero=2, replicas=2, reduction=fp16).parts["reducer"] == 0
 
 
 @pytest.mark.slow

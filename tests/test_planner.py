@@ -193,7 +193,8 @@ def test_a_lossy_layout_is_marked_and_sets_only_what_it_names(lossy_plan, capsys
     planner.apply(args, planner.DEFAULT, common, parser)
     assert args.gradient_compression == "fp16" and args.reduction == "bucketed"
     planner.apply(args, ("--parallel", "data", "--reduction", "powersgd", "--rank", "4"), common, parser)
-    assert (args.reduction, args.rank, args.gradient_compression) == ("powersgd", 4, "fp16")
+    assert (args.reduction, args.rank, args.gradient_compression) == ("powersgd", 4, "none")  # fp16: not powersgd's
+    assert planner.is_lossy(("--parallel", "data", "--reduction", "topk")) and not planner.is_lossy(planner.DEFAULT)
     assert main(["plan", "--model", MODEL, "--np", "2", "--lossy", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["layouts"]
     assert sum(r["lossy"] for r in rows) == len(planner.LOSSY)

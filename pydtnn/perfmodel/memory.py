@@ -22,8 +22,9 @@ The parts, for the process that holds the most (in a pipeline, the stage with th
                real reducer built over a copy's gradients, its collectives run locally: error-feedback residuals
                (topk, oktopk, powersgd), powersgd's P, Q and warm-start Qs, the stale reducer's two wire buffers,
                fp16's wire buffers, local SGD's average buffers (parameters and the optimizer's float state); the
-               lossless reducers' bookkeeping, about 1% of the parameters. With ZeRO: none (the sharded optimizer's
-               buffers are the optimizer part). Per-step scratch (a sparse reducer's selected entries) is not in it
+               lossless reducers' bookkeeping, about 1% of the parameters. At ZeRO's stages 2 and 3: none (their
+               reduce-scatters' buffers are the optimizer part). Per-step scratch (a sparse reducer's selected
+               entries, powersgd's temporaries) is not in it
 
 Activations and workspace are measured, not derived: a copy of the model (or of each stage) runs a training
 forward and backward under tracemalloc (NumPy reports its arrays to it) at two batch sizes, and both are
@@ -158,12 +159,16 @@ def reducer_state(model, reduction, replicas, optimizer=("sgd", {})):
     name, hyper = optimizer
     opt = optim.create(name, clone.parameters(), backend=clone.backend, **hyper)
     opt.step()  # the state an optimizer makes at its first step (the copy's gradients are zeros)
-    own = reducers.defaults(reduction.name)  # a plan may carry options of other reducers, or None for defaults
-    options = {k: v for k, v in reduction.options.items() if k in own and v is not None}
+    # the hierarchical reducer holds bucketed's buckets, powersgd in two levels its one level's arrays: their node and
+    # leader groups hold none (and need communicators to split)
+    name = "bucketed" if reduction.name == "hierarchical" else reduction.name
+    own = reducers.defaults(name)  # a plan may carry options of other reducers, or None for defaults
+    options = {k: v for k, v in reduction.options.items()
+               if k in own and v is not None and k not in ("hierarchical", "ranks_per_node")}
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        reducer = reducers.create(reduction.name, split.LocalRank0(replicas), compression=reduction.compression,
+        reducer = reducers.create(name, split.LocalRank0(replicas), compression=reduction.compression,
                                   **options).attach(clone)
         taken = {**own, **options}
         for _ in range(taken.get("post_local", 0) + taken.get("every", 1)):
@@ -210,7 +215,7 @@ def predict_memory(model, batch_size, optimizer=("sgd", {"momentum": 0.9}), micr
     them (perfmodel/split.py: the most loaded), its gathers' and sums' buffers measured with the rest; zero:
     ZeRO's stage over `replicas` model replicas (the optimizer state of the first replica's shard);
     reduction: the plan.Reduction of the gradients over the `replicas` (None: no reducer), whose state is the
-    reducer part (reducer_state; none with ZeRO)."""
+    reducer part (reducer_state; none at ZeRO's stages 2 and 3)."""
     if pipeline_stages > 1:
         return _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, pipeline_stages, schedule,
                                 stage_starts, machine, threads, model_parallel_size, zero, replicas, reduction)
@@ -230,7 +235,7 @@ def _held(stage, optimizer, micro_batches, recompute, micro, in_flight, messages
     return {"parameters": held, "gradients": nbytes, "optimizer": state,
             "activations": int(activations(micro) + (in_flight - 1) * more(micro)), "workspace": int(workspace(micro)),
             "buffers": (nbytes if micro_batches > 1 else 0) + int(messages),
-            "reducer": 0 if zero[0] else reducer_state(stage, reduction, zero[1], optimizer)}
+            "reducer": 0 if zero[0] >= 2 else reducer_state(stage, reduction, zero[1], optimizer)}
 
 
 def _pipeline_memory(model, batch_size, optimizer, micro_batches, recompute, stages, schedule, starts, machine,

@@ -15,7 +15,6 @@ from pydtnn.perfmodel import collectives, split
 from pydtnn.perfmodel.costs import layer_costs, parameter_bytes
 from pydtnn.perfmodel.schedule import timeline
 from pydtnn.perfmodel.step_parts import (
-    STATE_ARRAYS,
     UPDATE_PASSES,
     Prediction,
     accumulation_s,
@@ -27,6 +26,7 @@ from pydtnn.perfmodel.step_parts import (
     profile_scales,
     recomputed,
     reducer_work_s,
+    state_arrays_of,
     thread_speedup,
     zero_costs,
 )
@@ -77,7 +77,7 @@ def predict_pipeline(model, batch_size, np, machine, stages, micro_batches=1, sc
     bcast = sum(collectives.seconds("broadcast", "binomial_tree", n, stages, machine) for n in (outputs, 8))
     passes = update_passes or UPDATE_PASSES[optimizer]
     shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank,
-               "every": every, "state_arrays": STATE_ARRAYS[optimizer] if state_arrays is None else state_arrays}
+               "every": every, "state_arrays": state_arrays_of(optimizer, state_arrays)}
     after = [_stage_after(stage, replicas, len(sizes), machine, threads, crowding, passes, reduction, algorithm,
                           compression, collectives.default_level(np, machine), shaping, zero) for stage, _ in held]
     tail = max(red + upd + fix for red, _, upd, fix in after)

@@ -41,6 +41,7 @@ LOSSY = (("--reduction", "bucketed", "--bucket_size_mb", "25", "--gradient_compr
          ("--reduction", "powersgd", "--rank", "4"), ("--local_sgd", "4"),
          ("--reduction_staleness", "1", "--reduction_progress", "thread"))
 LOSSY_FLAGS = ("gradient_compression", "density", "rank", "local_sgd", "reduction_staleness", "reduction_progress")
+LOSSY_REDUCERS = ("topk", "oktopk", "powersgd", "local_sgd", "stale")
 DEFAULT = ("--parallel", "data", "--reduction", "bucketed", "--bucket_size_mb", "25")  # what --parallel data runs
 MARGIN = 0.05  # a layout replaces the default only where predicted faster by more than this share
 
@@ -71,8 +72,11 @@ class Choice:
 
 
 def is_lossy(flags):
-    """Whether pydtnn-train `flags` name a reduction that changes the algorithm (one of LOSSY_FLAGS)."""
-    return any(f"--{attr}" in flags for attr in LOSSY_FLAGS)
+    """Whether pydtnn-train `flags` name a reduction that changes the algorithm (a flag of LOSSY_FLAGS, or a
+    reducer of LOSSY_REDUCERS)."""
+    flags = tuple(flags)
+    named = flags[flags.index("--reduction") + 1] if "--reduction" in flags[:-1] else None
+    return named in LOSSY_REDUCERS or any(f"--{attr}" in flags for attr in LOSSY_FLAGS)
 
 
 def divisors(n):
@@ -216,11 +220,12 @@ def keep_default(choices, margin=MARGIN):
 
 def apply(args, flags, common, parser=None):
     """Set run args' layout flags (LAYOUT_FLAGS) and global batch to those of a Choice's `flags` (parsed with
-    pydtnn-train's `parser`, built here where not given), and the LOSSY_FLAGS that `flags` names."""
+    pydtnn-train's `parser`, built here where not given); a lossy layout's (is_lossy) LOSSY_FLAGS too, those it does
+    not name to their defaults (a lossless one leaves the run's own: --parallel auto keeps them)."""
     from pydtnn.flags import build_parser
 
     given = (parser or build_parser()).parse_args([*common, *flags])
-    for attr in (*LAYOUT_FLAGS, "global_batch_size", *(a for a in LOSSY_FLAGS if f"--{a}" in flags)):
+    for attr in (*LAYOUT_FLAGS, "global_batch_size", *(LOSSY_FLAGS if is_lossy(flags) else ())):
         setattr(args, attr, getattr(given, attr))
     return args
 

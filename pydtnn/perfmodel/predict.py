@@ -79,6 +79,7 @@ from pydtnn.perfmodel.step_parts import (  # noqa: F401
     reducer_messages,
     reducer_work_s,
     reduction_seconds,
+    state_arrays_of,
     thread_speedup,
     topk_selection_s,
     zero_costs,
@@ -155,7 +156,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     sizes = micro_sizes(batch_size, micro_batches)
     again = recomputed(held, recompute)
     times, compute_s, memory_s, calls_s = step_layers(held, sizes, grads, machine, threads, crowding, again, model)
-    forward_s, backward_s = sum(t.forward_s for t in times), sum(t.backward_data_s + t.backward_weights_s for t in times)
+    forward_s = sum(t.forward_s for t in times)
+    backward_s = sum(t.backward_data_s + t.backward_weights_s for t in times)
     param_bytes, itemsize = sum(grads.values()), model.backend.dtype.itemsize
     update_s = (update_passes or UPDATE_PASSES[optimizer]) * param_bytes / (machine.memory_bandwidth * thread_speedup(machine, threads)
                                                          / crowding)
@@ -172,9 +174,8 @@ def predict(model, batch_size, np, machine, reduction="bucketed", threads=1, alg
     overhead_s = calls_s + (len(model.parameters()) * fixed.parameter_s + fixed.step_s) * crowding
     forward_s += sum(seconds for phase, *_, seconds in group if phase == "forward")
     params = [(n, g.nbytes) for n, _, g in held.parameters()]
-    shaping = {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb, "density": density, "rank": rank,
-               "every": every, "shapes": shapes, "replicas": replicas,
-               "state_arrays": STATE_ARRAYS[optimizer] if state_arrays is None else state_arrays}
+    shaping = dict(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, density=density, rank=rank, every=every,
+                   shapes=shapes, replicas=replicas, state_arrays=state_arrays_of(optimizer, state_arrays))
     if reduction == "hierarchical":  # the bucketed layout, each bucket reduced in a node, across, and back
         algorithm, level = collectives.HIERARCHICAL, None
     messages, durations = gradient_messages(params, times, forward_s, reduction, itemsize, compression, shaping,

@@ -189,7 +189,7 @@ def batch_size(plan, name, optimizer):
 def predict_run(args, world_size, machine, name, model, memory=None, with_memory=True):
     """(Prediction, memory.Memory) of the run pydtnn-train's parsed flags `args` describe over world_size
     processes of `machine`, for `model` (named `name`, built by build()); `memory`: that run's Memory where it
-    is known already (the planner's, for layouts that differ only in their reduction); with_memory=False: None
+    is known already (the planner's, for layouts that differ only in their lossless reduction); with_memory=False: None
     in its place, nothing measured. ConfigError where the trainer would refuse the flags."""
     from pydtnn.perfmodel.memory import plan_memory
     from pydtnn.perfmodel.predict import optimizer_state_arrays, predict_plan, update_passes

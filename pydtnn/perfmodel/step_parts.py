@@ -13,7 +13,13 @@ from pydtnn.distributed.reducers.layout import powersgd_matrices, topk_counts
 from pydtnn.perfmodel import collectives
 
 UPDATE_PASSES = {"sgd": 3, "sgd_momentum": 5, "adam": 7}
-STATE_ARRAYS = {"sgd": 0, "sgd_momentum": 1, "adam": 2}  # the optimizer's arrays per parameter (local SGD averages them)
+STATE_ARRAYS = {"sgd": 0, "sgd_momentum": 1, "adam": 2}  # the optimizer's arrays per parameter (local SGD's average)
+
+
+def state_arrays_of(optimizer, given=None):
+    """`given` (the optimizer's state arrays per parameter), else STATE_ARRAYS's of `optimizer` (an UPDATE_PASSES
+    name)."""
+    return STATE_ARRAYS[optimizer] if given is None else given
 
 
 @dataclass(frozen=True)
