@@ -119,27 +119,12 @@ def report(rows, host):
 
 
 def plot(rows, path, host):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from parity import parity_plot
 
-    fig = Figure(figsize=(6.4, 5.2), constrained_layout=True)
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    kinds = sorted({r["strategy"] for r in rows})
-    for i, k in enumerate(kinds):
-        mine = [r for r in rows if r["strategy"] == k]
-        ax.scatter([r["measured_s"] for r in mine], [r["predicted_s"] for r in mine], label=k, s=30,
-                   color=f"C{i}", marker="os^vD<>p"[i % 8], edgecolor="black", linewidth=0.4)
-    lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) / 1.5
-    hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1.5
-    ax.plot([lo, hi], [lo, hi], color="black", lw=0.8)
-    ax.fill_between([lo, hi], [lo / 1.25, hi / 1.25], [lo * 1.25, hi * 1.25], color="gray", alpha=0.15,
-                    label="±25%")
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step (s)",
-           ylabel="predicted step (s)")
-    ax.set_title(f"Lossy reductions on emulated networks, np 2 and 4 ({host})", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    fig.savefig(path, dpi=100)
+    groups = {k: [(r["measured_s"], r["predicted_s"]) for r in rows if r["strategy"] == k]
+              for k in sorted({r["strategy"] for r in rows})}
+    parity_plot(path, groups, 1.25, "measured step (s)", "predicted step (s)",
+                f"Lossy reductions on emulated networks, np 2 and 4 ({host})")
 
 
 def main(argv=None):

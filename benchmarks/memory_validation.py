@@ -158,30 +158,12 @@ def predicted(model_name, batch, optimizer, micro_batches, recompute, m=1, stage
 
 
 def plot(rows, path, host):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from parity import parity_plot
 
-    fig = Figure(figsize=(6.2, 5.2), constrained_layout=True)
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    models = sorted({r["model"] for r in rows})
-    for i, m in enumerate(models):
-        mine = [r for r in rows if r["model"] == m]
-        ax.scatter([r["measured_mib"] for r in mine], [r["predicted_mib"] for r in mine], label=m, s=28,
-                   color=f"C{i}", edgecolor="black", linewidth=0.4)
-    lo = min(min(r["measured_mib"], r["predicted_mib"]) for r in rows) / 1.5
-    hi = max(max(r["measured_mib"], r["predicted_mib"]) for r in rows) * 1.5
-    ax.plot([lo, hi], [lo, hi], color="black", lw=0.8)
-    ax.fill_between([lo, hi], [lo / 1.1, hi / 1.1], [lo * 1.1, hi * 1.1], color="gray", alpha=0.15, label="±10%")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
-    ax.set_xlabel("measured peak of a training step (MiB, traced)")
-    ax.set_ylabel("predicted (MiB)")
-    ax.set_title(f"Memory model, the busiest process of each layout ({host})", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=100)
+    groups = {m: [(r["measured_mib"], r["predicted_mib"]) for r in rows if r["model"] == m]
+              for m in sorted({r["model"] for r in rows})}
+    parity_plot(path, groups, 1.1, "measured peak of a training step (MiB, traced)", "predicted (MiB)",
+                f"Memory model, the busiest process of each layout ({host})", size=(6.2, 5.2))
 
 
 def key(r):
