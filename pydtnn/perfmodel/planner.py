@@ -41,7 +41,6 @@ LOSSY = (("--reduction", "bucketed", "--bucket_size_mb", "25", "--gradient_compr
          ("--reduction", "powersgd", "--rank", "4"), ("--local_sgd", "4"),
          ("--reduction_staleness", "1", "--reduction_progress", "thread"))
 LOSSY_FLAGS = ("gradient_compression", "density", "rank", "local_sgd", "reduction_staleness", "reduction_progress")
-LOSSY_REDUCERS = ("topk", "oktopk", "powersgd", "local_sgd", "stale")
 DEFAULT = ("--parallel", "data", "--reduction", "bucketed", "--bucket_size_mb", "25")  # what --parallel data runs
 MARGIN = 0.05  # a layout replaces the default only where predicted faster by more than this share
 
@@ -61,7 +60,7 @@ class Choice:
 
     @property
     def lossy(self):
-        """Whether its reduction changes the algorithm (a flag of LOSSY_FLAGS)."""
+        """Whether its reduction changes the algorithm (is_lossy)."""
         return is_lossy(self.flags)
 
     def to_dict(self, common=()):
@@ -72,11 +71,14 @@ class Choice:
 
 
 def is_lossy(flags):
-    """Whether pydtnn-train `flags` name a reduction that changes the algorithm (a flag of LOSSY_FLAGS, or a
-    reducer of LOSSY_REDUCERS)."""
+    """Whether pydtnn-train `flags` name a reduction that changes the algorithm: a flag of LOSSY_FLAGS, or a
+    registered reducer other than the lossless ones (LOSSLESS and hierarchical)."""
+    from pydtnn.distributed import reducers
+
     flags = tuple(flags)
     named = flags[flags.index("--reduction") + 1] if "--reduction" in flags[:-1] else None
-    return named in LOSSY_REDUCERS or any(f"--{attr}" in flags for attr in LOSSY_FLAGS)
+    lossless = (*LOSSLESS, "hierarchical")
+    return (named in reducers.NAMES and named not in lossless) or any(f"--{attr}" in flags for attr in LOSSY_FLAGS)
 
 
 def divisors(n):
